@@ -1,0 +1,37 @@
+# Two entry points for users: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test protos check-protos lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# The CPU build of torch, pinned, before anything can pull a CUDA one.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[worker,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvstash demo
+
+test: $(STAMP) check-protos
+	$(BIN)/python -m pytest -q
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+# Fails when the committed generated code differs from what the protos produce.
+check-protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy kvstash scheduler_svc cache_svc gpu_worker
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,39 @@
+"""Domain errors shared by every service's core.
+
+Core code raises these (it never imports grpc); each service's gRPC edge maps
+them to status codes with `kvstash.rpc.status_for`. Messages name the
+quantities involved, e.g. "prompt has 900 tokens, max_model_len is 512".
+"""
+
+from __future__ import annotations
+
+
+class KvstashError(Exception):
+    """Base class; never raised directly."""
+
+
+class InvalidArgument(KvstashError, ValueError):
+    """The caller sent something that can never be accepted."""
+
+
+class NotFound(KvstashError, KeyError):
+    """The named request or snapshot does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(KvstashError):
+    """The id is taken."""
+
+
+class ResourceExhausted(KvstashError):
+    """Not enough capacity now; the caller may retry later or elsewhere."""
+
+
+class FailedPrecondition(KvstashError):
+    """The target is not in a state that allows the operation."""
+
+
+class Unavailable(KvstashError):
+    """A dependency could not be reached."""
