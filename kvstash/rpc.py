@@ -149,3 +149,13 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+READY_MARKER = "KVSTASH_READY"
+
+
+def announce_ready(service: str, host: str, port: int) -> None:
+    """Prints the one line launchers wait for: `KVSTASH_READY <service> <host>:<port>`.
+
+    Services started with port 0 are found this way (by `kvstash up` and tests)."""
+    print(f"{READY_MARKER} {service} {host}:{port}", flush=True)
