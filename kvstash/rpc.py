@@ -43,6 +43,18 @@ _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
 }
 
 
+def error_from_rpc(exc: grpc.aio.AioRpcError, what: str = "") -> errors.KvstashError:
+    """The domain error for a failed call, keeping the server's message."""
+    prefix = f"{what}: " if what else ""
+    code = exc.code()
+    for cls, mapped in _STATUS_FOR.items():
+        if mapped == code:
+            return cls(f"{prefix}{exc.details()}")
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return errors.Unavailable(f"{prefix}{code.name}: {exc.details()}")
+    return errors.KvstashError(f"{prefix}{code.name}: {exc.details()}")
+
+
 def status_for(exc: errors.KvstashError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _STATUS_FOR:
@@ -122,9 +134,9 @@ async def run_until_signalled(
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down")
+    await server.stop(grace_s)  # refuse new calls, let running ones finish
     if on_stop is not None:
         await on_stop()
-    await server.stop(grace_s)
     for task in (waiter, stopper):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

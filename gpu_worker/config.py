@@ -1,0 +1,120 @@
+"""Worker settings and model shapes: validated once, at start-up, then frozen.
+
+Nothing here imports torch, so the CLI can parse and reject flags before the
+(slow) torch import happens.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+TINY_MODEL = "tiny"
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str = TINY_MODEL  # "tiny" (random weights, byte tokenizer) or a checkpoint directory
+    dtype: str = "float32"  # weights, activations and KV cache; float64 for exact oracles
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 512  # blocks in the KV-cache tensor
+    max_model_len: int | None = None  # cap below the model's own limit; None = the model's
+    cache_address: str = ""  # KV cache service "host:port"; "" = offload unavailable
+    cache_timeout_s: float = 60.0  # bound on one offload or restore transfer
+    seed: int = 0  # tiny-model weights and unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.model != TINY_MODEL and not os.path.isdir(self.model):
+            raise ValueError(f"model must be {TINY_MODEL!r} or a directory; {self.model!r} is not")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cache_address and ":" not in self.cache_address:
+            raise ValueError(f"cache_address must be host:port, got {self.cache_address!r}")
+        if self.cache_timeout_s <= 0:
+            raise ValueError(f"cache_timeout_s must be > 0, got {self.cache_timeout_s}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1+ stretches low rotary frequencies for long context."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shapes of a Llama-family decoder (Llama, Qwen2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads = grouped-query attention
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_model_len: int
+    tie_word_embeddings: bool  # lm_head shares the embedding matrix
+    attention_bias: bool  # q/k/v projections have biases (Qwen2)
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: Llama3RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_model_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError(
+                f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) "
+                "must be > 0"
+            )
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids {bad_eos} outside vocab of {self.vocab_size}")
+
+
+def tiny_model_config() -> ModelConfig:
+    """The built-in model: byte vocabulary (kvstash.tokenizer.ByteTokenizer), a
+    few layers, GQA with two query heads per KV head. Runs anywhere in milliseconds."""
+    return ModelConfig(
+        vocab_size=258,
+        hidden_size=128,
+        intermediate_size=352,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_model_len=1024,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        eos_token_ids=(257,),
+    )

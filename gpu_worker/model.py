@@ -1,0 +1,270 @@
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a
+paged KV cache.
+
+Parameter names match Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`,
+...), so `state_dict()` keys are the checkpoint keys.
+
+The KV cache is one tensor `[num_layers, 2 (k, v), num_blocks, block_size,
+num_kv_heads, head_dim]`. A sequence's block table maps positions to slots:
+
+    position p -> block_table[p // block_size], offset p % block_size
+
+    positions  0 ............ start_pos ............ start_pos+n-1
+               [ already in the cache ][ written by this call  ]
+               [ read by attention (causal: query i sees keys <= its position) ]
+
+Every call computes one sequence. Batching several sequences into one matmul
+would change the reduction order per row (kernels pick blocking by shape), so
+a request's logits would depend on its neighbours; one sequence per call keeps
+them bitwise identical whatever else runs in the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.config import ModelConfig
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms, softmax and rotary angles run at least in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class Linear(nn.Module):
+    """`nn.Linear` without its random init: weights are always loaded or filled."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                               device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Per-channel-pair rotation speeds, float64, with Llama 3 scaling if configured."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation convention (Llama/Qwen2): channel i pairs with i + head_dim/2.
+    x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class PagedKv:
+    """One layer's view of the paged cache for one sequence."""
+
+    cache: torch.Tensor  # [2, num_blocks * block_size, num_kv_heads, head_dim]
+    write_slots: torch.Tensor  # slot of each new token, [n]
+    read_slots: torch.Tensor  # slot of every position 0..last, [start_pos + n]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, q_size, bias, dtype, device)
+        self.k_proj = Linear(cfg.hidden_size, kv_size, bias, dtype, device)
+        self.v_proj = Linear(cfg.hidden_size, kv_size, bias, dtype, device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, paged: PagedKv | None) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if paged is None:
+            out = self._full_causal(q, k, v)
+        else:
+            paged.cache[0].index_copy_(0, paged.write_slots, k)
+            paged.cache[1].index_copy_(0, paged.write_slots, v)
+            keys = paged.cache[0].index_select(0, paged.read_slots)
+            values = paged.cache[1].index_select(0, paged.read_slots)
+            out = self._masked(q, keys, values, positions)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def _masked(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """q: [n, heads, d]; keys/values: [T, kv_heads, d] for positions 0..T-1."""
+        n, group = q.shape[0], self.num_heads // self.num_kv_heads
+        acc = compute_dtype(q.dtype)
+        qg = q.view(n, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).to(acc)
+        kt = keys.permute(1, 2, 0).unsqueeze(1).to(acc)  # [kv_heads, 1, d, T]
+        scores = (qg @ kt) * (1.0 / math.sqrt(self.head_dim))  # [kv_heads, group, n, T]
+        key_pos = torch.arange(keys.shape[0], device=q.device)
+        scores = scores.masked_fill(key_pos[None, :] > positions[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = probs @ values.permute(1, 0, 2).unsqueeze(1).to(acc)  # [kv_heads, group, n, d]
+        return out.permute(2, 0, 1, 3).to(q.dtype)
+
+    def _full_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Reference path: ordinary causal attention over this call's tokens only,
+        through torch's own kernel so that it checks the paged path independently."""
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        return out.transpose(0, 1)
+
+
+class Mlp(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, device)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = Mlp(cfg, dtype, device)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                         device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its output head. `forward_paged` is what the runner uses;
+    `reference_forward` is plain full causal attention, for tests."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = cfg
+        self.dtype = dtype
+        self.device = device
+        # Registered before lm_head so that, when tied, named_parameters() keeps
+        # the embedding name (the one tied checkpoints store).
+        self.model = Decoder(cfg, dtype, device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._inv_freq = rotary_inv_freq(cfg).to(device)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [n, 1, head_dim]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def _run(self, token_ids: torch.Tensor, positions: torch.Tensor,
+             paged_for_layer: list[PagedKv] | None, all_logits: bool) -> torch.Tensor:
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = self._rotary(positions)
+        for i, layer in enumerate(self.model.layers):
+            paged = None if paged_for_layer is None else paged_for_layer[i]
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, cos, sin, paged)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x if all_logits else x[-1:]
+        logits = self.lm_head(self.model.norm(x))
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def forward_paged(self, token_ids: torch.Tensor, start_pos: int, kv_cache: torch.Tensor,
+                      block_table: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Computes tokens at positions start_pos..start_pos+n-1, writes their K/V
+        into the blocks of `block_table` and attends over every cached position.
+
+        Returns the last token's logits [vocab], or [n, vocab] with all_logits.
+        Inputs are trusted: the runner validates them."""
+        num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        n = token_ids.shape[0]
+        end = start_pos + n
+        all_pos = torch.arange(end, device=self.device)
+        slots = block_table[all_pos // block_size] * block_size + all_pos % block_size
+        flat = kv_cache.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        paged = [PagedKv(flat[i], slots[start_pos:], slots) for i in range(num_layers)]
+        return self._run(token_ids, all_pos[start_pos:], paged, all_logits)
+
+    @torch.inference_mode()
+    def reference_forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] for a whole sequence from position 0, no cache."""
+        positions = torch.arange(token_ids.shape[0], device=self.device)
+        return self._run(token_ids, positions, None, all_logits=True)
+
+
+@torch.no_grad()
+def fill_random(model: CausalLM, seed: int, std: float = 0.05) -> None:
+    """Fixed-seed weights: identical on every device and dtype (drawn in float32
+    on the CPU, then cast), varied enough that greedy text is not one token."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            values = torch.randn(param.shape, generator=gen)
+        else:
+            values = std * torch.randn(param.shape, generator=gen)
+        param.copy_(values.to(param.dtype))
+
+
+def build_tiny_model(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+                     device: torch.device | str) -> CausalLM:
+    model = CausalLM(cfg, dtype, device)
+    fill_random(model, seed)
+    return model.eval()

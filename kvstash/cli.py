@@ -1,0 +1,120 @@
+"""The `kvstash` command: up, generate, stats, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from kvstash import errors
+from kvstash.client import Client
+from kvstash.stack import StackConfig, running_stack, wait_for_exit
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
+    p.add_argument("--model", default=defaults.model, help="'tiny' or a checkpoint directory")
+    p.add_argument("--dtype", default=defaults.dtype)
+    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
+                   help="KV-cache blocks on the worker")
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--preemption-mode", default=defaults.preemption_mode,
+                   choices=["auto", "offload", "recompute"])
+    p.add_argument("--cache-memory-budget", default=defaults.cache_memory_budget)
+    p.add_argument("--cache-disk-budget", default=defaults.cache_disk_budget)
+    p.add_argument("--cache-disk-dir", default=None, help="default: a temporary directory")
+
+
+def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
+    return StackConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks,
+        block_size=args.block_size, preemption_mode=args.preemption_mode,
+        cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
+        cache_disk_dir=args.cache_disk_dir, **extra,  # type: ignore[arg-type]
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    port = int(args.listen.rsplit(":", 1)[1])
+    host = args.listen.rsplit(":", 1)[0]
+    config = _stack_config(args, host=host, scheduler_port=port)
+    with running_stack(config) as stack:
+        for service in stack.services:
+            print(f"{service.name:<10} {service.address:<22} pid {service.process.pid}")
+        print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+        try:
+            wait_for_exit([s.process for s in stack.services])
+            print("a service exited; stopping the others", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nstopping", file=sys.stderr)
+            return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    async with Client(args.address) as client:
+        async for delta in client.generate(
+            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        ):
+            print(delta.text, end="", flush=True)
+            if delta.usage is not None:
+                u = delta.usage
+                print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
+                      f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
+                      f"{u.num_preemptions} preemptions", file=sys.stderr)
+    return 0
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    async with Client(args.address) as client:
+        print(await client.stats(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    defaults = StackConfig()
+
+    up = sub.add_parser("up", help="start cache, worker and scheduler on this machine")
+    up.add_argument("--listen", default=DEFAULT_ADDRESS, help="the scheduler's address")
+    _add_stack_flags(up, defaults)
+
+    gen = sub.add_parser("generate", help="stream a completion")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=DEFAULT_ADDRESS)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    stats = sub.add_parser("stats", help="print the scheduler's stats")
+    stats.add_argument("--address", default=DEFAULT_ADDRESS)
+
+    demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize")
+    demo.add_argument("--requests", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=96)
+    _add_stack_flags(demo, StackConfig(num_blocks=96))
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            return cmd_up(args)
+        if args.command == "generate":
+            return asyncio.run(_generate(args))
+        if args.command == "stats":
+            return asyncio.run(_stats(args))
+        from kvstash.demo import run_demo
+
+        return run_demo(_stack_config(args), args.requests, args.max_tokens)
+    except (errors.KvstashError, ValueError) as exc:
+        print(f"kvstash {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

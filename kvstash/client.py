@@ -1,0 +1,142 @@
+"""The Python client: `async with Client(address) as c: async for d in c.generate(...)`.
+
+Failures raise kvstash.errors (InvalidArgument, NotFound, Unavailable, ...)
+carrying the server's message, never raw grpc exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import grpc
+
+from kvstash import rpc
+from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_FINISH_REASON = {
+    scheduler_pb2.FINISH_REASON_STOP: "stop",
+    scheduler_pb2.FINISH_REASON_LENGTH: "length",
+    scheduler_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    bytes_offloaded: int
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """One streamed message: new tokens and their text. The last one also
+    carries finish_reason ("stop", "length", "abort") and usage."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        self._channel = rpc.insecure_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Streams a completion. `prompt` is text or token ids."""
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+        )
+        if seed is not None:
+            sampling.seed = seed
+        request = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        call = self._stub.Generate(request, timeout=timeout_s)
+        try:
+            async for response in call:
+                usage = None
+                if response.HasField("usage"):
+                    u = response.usage
+                    usage = Usage(u.prompt_tokens, u.completion_tokens, u.num_preemptions,
+                                  u.num_recomputed_tokens, u.bytes_offloaded, u.ttft_s)
+                yield TokenDelta(
+                    request_id=response.request_id,
+                    token_ids=list(response.token_ids),
+                    text=response.text,
+                    finish_reason=_FINISH_REASON.get(response.finish_reason),
+                    usage=usage,
+                )
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "generate") from None
+        finally:
+            call.cancel()  # a caller that stops iterating early aborts the request
+
+    async def complete(self, prompt: str | Sequence[int], **kwargs: object) -> GenerateResult:
+        """Runs `generate` to the end and returns the whole result."""
+        result = GenerateResult(request_id="")
+        async for delta in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
+            result.request_id = delta.request_id
+            result.token_ids.extend(delta.token_ids)
+            result.text += delta.text
+            if delta.finish_reason is not None:
+                result.finish_reason, result.usage = delta.finish_reason, delta.usage
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "abort") from None
+
+    async def stats(self) -> scheduler_pb2.SchedulerStats:
+        try:
+            return await self._stub.GetStats(common_pb2.GetStatsRequest())
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "stats") from None

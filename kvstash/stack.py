@@ -1,0 +1,205 @@
+"""Starts the three services as separate local processes and stops them cleanly.
+
+Used by `kvstash up`, `kvstash demo` and the integration tests. Each service
+binds port 0 and announces its address on stdout (`kvstash.rpc.announce_ready`);
+the launcher waits for that line, so no port is ever guessed.
+
+    cache  <-- worker <-- scheduler <-- clients
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kvstash.rpc import READY_MARKER
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    """What `kvstash up` starts. The defaults run anywhere on a CPU."""
+
+    model: str = "tiny"
+    # The tiny model runs in float64 so greedy outputs are bit-stable however
+    # requests are batched, chunked, preempted or restored (see README).
+    dtype: str = "float64"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int = 512  # KV blocks on the worker = the scheduler's pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    preemption_mode: str = "auto"
+    cache_memory_budget: str = "1GiB"
+    cache_disk_budget: str = "4GiB"
+    cache_disk_dir: str | None = None  # None: a temporary directory, removed on stop
+    host: str = "127.0.0.1"
+    scheduler_port: int = 0
+    scheduler_args: tuple[str, ...] = ()  # extra flags, for tests and experiments
+    worker_args: tuple[str, ...] = ()
+    cache_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    process: subprocess.Popen[str]
+    address: str
+    log_path: Path
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for fault tests."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass(slots=True)
+class Stack:
+    cache: Service
+    worker: Service
+    scheduler: Service
+    log_dir: Path
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.scheduler, self.worker, self.cache]
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def stop(self) -> None:
+        # Front to back, so nobody sees its dependency vanish mid-request.
+        for service in self.services:
+            service.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def start_service(
+    name: str, module: str, args: Sequence[str], log_dir: Path, timeout_s: float = 120.0
+) -> Service:
+    """Runs `python -m module args`, waits for its ready line, returns it running."""
+    log_path = log_dir / f"{name}.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log_file.close()
+    assert process.stdout is not None
+    address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
+    # Keep draining stdout so a chatty child never blocks on a full pipe.
+    threading.Thread(target=_drain, args=(process.stdout,), daemon=True).start()
+    return Service(name, process, address, log_path)
+
+
+def _wait_ready(
+    name: str, process: subprocess.Popen[str], stdout: IO[str], log_path: Path, timeout_s: float
+) -> str:
+    found: list[str] = []
+
+    def read() -> None:
+        for line in stdout:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == READY_MARKER and parts[1] == name:
+                found.append(parts[2])
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if found:
+        return found[0]
+    process.kill()
+    process.wait()
+    tail = log_path.read_text()[-3000:]
+    raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s; its log:\n{tail}")
+
+
+def _drain(stdout: IO[str]) -> None:
+    with contextlib.suppress(ValueError, OSError):
+        for _ in stdout:
+            pass
+
+
+def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
+    """Starts cache, worker and scheduler; on any failure stops what started."""
+    tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
+    logs = log_dir or Path(tmp.name)
+    disk_dir = config.cache_disk_dir or str(Path(tmp.name) / "cache")
+    listen = f"{config.host}:0"
+    started: list[Service] = []
+    try:
+        cache = start_service("cache", "cache_svc", [
+            "--listen", listen, "--memory-budget", config.cache_memory_budget,
+            "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
+            *config.cache_args,
+        ], logs)
+        started.append(cache)
+        worker = start_service("worker", "gpu_worker", [
+            "--listen", listen, "--model", config.model, "--dtype", config.dtype,
+            "--device", config.device, "--block-size", str(config.block_size),
+            "--num-blocks", str(config.num_blocks), "--cache-address", cache.address,
+            *config.worker_args,
+        ], logs)
+        started.append(worker)
+        scheduler = start_service("scheduler", "scheduler_svc", [
+            "--listen", f"{config.host}:{config.scheduler_port}",
+            "--worker-address", worker.address, "--cache-address", cache.address,
+            "--max-num-seqs", str(config.max_num_seqs),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+            "--preemption-mode", config.preemption_mode,
+            *config.scheduler_args,
+        ], logs)
+    except BaseException:
+        for service in reversed(started):
+            service.stop()
+        tmp.cleanup()
+        raise
+    return Stack(cache, worker, scheduler, logs, tmp)
+
+
+@contextlib.contextmanager
+def running_stack(config: StackConfig, log_dir: Path | None = None) -> Iterator[Stack]:
+    stack = start_stack(config, log_dir)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def wait_for_exit(processes: Sequence[subprocess.Popen[str]], poll_s: float = 0.5) -> None:
+    """Blocks until any process exits (or KeyboardInterrupt)."""
+    while all(p.poll() is None for p in processes):
+        time.sleep(poll_s)

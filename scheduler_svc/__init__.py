@@ -1,0 +1,1 @@
+"""Scheduler service: admission, batching, KV-block accounting, preemption."""

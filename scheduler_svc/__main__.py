@@ -1,0 +1,112 @@
+"""`python -m scheduler_svc`: the scheduler as its own process.
+
+It asks the worker for its model and KV layout (GetInfo), sizes the block pool
+from the answer, and serves the public Scheduler API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from kvstash import rpc
+from kvstash.cache_client import CacheClient
+from kvstash.tokenizer import load_tokenizer
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.server import create_scheduler_server
+
+log = logging.getLogger("scheduler_svc")
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    p.add_argument("--listen", default="127.0.0.1:50051", help="host:port; port 0 = any free")
+    p.add_argument("--worker-address", default="127.0.0.1:50061")
+    p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="use at most this many of the worker's KV blocks (0 = all)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--preemption-mode", choices=[m.name.lower() for m in PreemptionMode],
+                   default="auto")
+    p.add_argument("--reservation", choices=[r.name.lower() for r in ReservationPolicy],
+                   default="new_token_ratio")
+    p.add_argument("--fixed-blocks-per-decode", type=int, default=1)
+    p.add_argument("--init-new-token-ratio", type=float, default=0.7)
+    p.add_argument("--new-token-ratio-decay-steps", type=int, default=600)
+    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds per transfer")
+    p.add_argument("--worker-wait", type=float, default=120.0,
+                   help="seconds to wait for the worker at start")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_pb2.WorkerInfo:
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=wait_s, wait_for_ready=True)
+
+
+def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
+    layout = info.kv_layout
+    bytes_per_block = (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads
+                       * layout.head_dim * _DTYPE_BYTES[layout.dtype])
+    if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
+        raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
+                         f"got {args.num_blocks}")
+    return SchedulerConfig(
+        num_blocks=args.num_blocks or info.num_blocks,
+        block_size=layout.block_size,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=PreemptionMode[args.preemption_mode.upper()],
+        reservation_policy=ReservationPolicy[args.reservation.upper()],
+        fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+        init_new_token_ratio=args.init_new_token_ratio,
+        new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
+        bytes_per_block=bytes_per_block,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    worker_channel = rpc.insecure_channel(args.worker_address)
+    info = await fetch_worker_info(worker_channel, args.worker_wait)
+    config = build_config(args, info)
+    tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size, tuple(info.eos_token_ids))
+    cache = CacheClient(args.cache_address) if args.cache_address else None
+    engine = Engine(Scheduler(config), worker_channel,
+                    cache, EngineConfig(transfer_timeout_s=args.transfer_timeout))
+    await engine.start()
+    server, port = await create_scheduler_server(engine, tokenizer, args.listen)
+    log.info("serving %s (%d KV blocks of %d tokens) on port %d",
+             info.model_name, config.num_blocks, config.block_size, port)
+    rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
+
+    async def on_stop() -> None:
+        await engine.close()
+
+    try:
+        await rpc.run_until_signalled(server, on_stop)
+    finally:
+        if cache is not None:
+            await cache.close()
+        await worker_channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rpc.setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The step loop: drives the scheduler core against one worker over gRPC.
+
+One asyncio task owns the core. Every core call is synchronous and short; all
+I/O (the worker's Execute stream, offloads, restores, cache look-ups) is
+awaited outside the core, so nothing is ever held across I/O and a slow
+offload never stalls the steps of other requests.
+
+    schedule() --StepPlan--> worker --StepResult--> update() --> request streams
+        |
+        +-- offloads / restores: their own tasks; completions go back into the
+            core (finish_offload / finish_restore) and wake the loop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvstash import errors
+from kvstash.cache_client import CacheClient
+from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_svc.request import Request, RequestStatus, SamplingParams
+from scheduler_svc.scheduler import OffloadCommand, RestoreCommand, Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What a request's stream receives after a step."""
+
+    new_token_ids: list[int]  # tokens produced since the previous event
+    finish_status: RequestStatus | None  # FINISHED_* on the last event, else None
+
+
+@dataclass(slots=True)
+class RequestStream:
+    request: Request  # owned by the core; read-only here (usage counters)
+    events: asyncio.Queue[RequestEvent | errors.KvstashError] = field(
+        default_factory=asyncio.Queue
+    )
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    transfer_timeout_s: float = 60.0  # one offload or restore, end to end
+    cache_poll_s: float = 0.5  # how often the cache's free capacity is refreshed
+    worker_retry_s: float = 1.0  # pause before reopening a broken Execute stream
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    proto = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        proto.seed = params.seed
+    return proto
+
+
+def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(step_id=output.step_id, seqs=[
+        worker_pb2.SeqWork(
+            request_id=seq.request_id, token_ids=seq.token_ids, start_pos=seq.start_pos,
+            block_ids=seq.block_ids, sample=seq.sample, sampling=sampling_to_proto(seq.sampling),
+        )
+        for seq in output.seqs
+    ])
+
+
+class Engine:
+    def __init__(
+        self,
+        core: Scheduler,
+        worker_channel: grpc.aio.Channel,
+        cache: CacheClient | None,
+        config: EngineConfig = EngineConfig(),
+    ) -> None:
+        self._core = core
+        self._worker = worker_pb2_grpc.WorkerStub(worker_channel)
+        self._cache = cache
+        self._config = config
+        self._req_to_stream: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def core(self) -> Scheduler:
+        return self._core
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="step-loop")
+        if self._cache is not None:
+            self._spawn(self._poll_cache())
+        else:
+            self._core.set_offload_capacity(None)
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def submit(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> RequestStream:
+        """Admits a request (raises InvalidArgument / AlreadyExists) and returns
+        the stream its tokens arrive on."""
+        request = self._core.add_request(request_id, prompt_token_ids, sampling)
+        stream = RequestStream(request)
+        self._req_to_stream[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a live request (NotFound otherwise); its stream gets a final
+        ABORTED event. Blocks and snapshot are released by the core."""
+        self._core.abort(request_id)
+        self._finish_stream(request_id, RequestEvent([], RequestStatus.FINISHED_ABORTED))
+        self._wake.set()
+
+    # -- the step loop ------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            call = self._worker.Execute()
+            try:
+                await self._steps(call)
+            except (grpc.aio.AioRpcError, errors.Unavailable) as exc:
+                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.error("worker stream broke (%s); failing in-flight requests", reason)
+                self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
+                await asyncio.sleep(self._config.worker_retry_s)
+            finally:
+                call.cancel()
+
+    async def _steps(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            output = self._core.schedule()
+            for offload in output.offloads:
+                self._spawn(self._offload(offload))
+            for restore in output.restores:
+                self._spawn(self._restore(restore))
+            self._delete_snapshots(self._core.take_snapshots_to_delete())
+            if not output.seqs:
+                # Nothing to compute until a request arrives or a transfer
+                # completes. No await since schedule(), so no wake-up was missed.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await call.write(plan_to_proto(output))
+            result = await call.read()
+            if result is grpc.aio.EOF:
+                raise errors.Unavailable("worker closed the Execute stream")
+            sampled = {t.request_id: t.token_id for t in result.sampled}
+            for update in self._core.update(output, sampled):
+                event = RequestEvent(update.new_token_ids, update.finish_status)
+                if update.finish_status is not None:
+                    self._finish_stream(update.request_id, event)
+                elif (stream := self._req_to_stream.get(update.request_id)) is not None:
+                    stream.events.put_nowait(event)
+            # Let request streams, transfers and new arrivals run between steps.
+            await asyncio.sleep(0)
+
+    def _finish_stream(self, request_id: str, event: RequestEvent) -> None:
+        stream = self._req_to_stream.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+            stream.events.put_nowait(event)
+
+    def _fail_all(self, error: errors.KvstashError) -> None:
+        for request_id in list(self._req_to_stream):
+            with contextlib.suppress(errors.NotFound):
+                self._core.abort(request_id)
+            stream = self._req_to_stream.pop(request_id)
+            stream.finished = True
+            stream.events.put_nowait(error)
+
+    # -- transfers ----------------------------------------------------------
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _offload(self, cmd: OffloadCommand) -> None:
+        num_bytes: int | None = None
+        try:
+            response = await self._worker.Offload(
+                worker_pb2.OffloadRequest(
+                    request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
+                    block_ids=cmd.block_ids, num_tokens=cmd.num_tokens, pinned=True,
+                ),
+                timeout=self._config.transfer_timeout_s,
+            )
+            num_bytes = response.num_bytes
+        except grpc.aio.AioRpcError as exc:
+            log.warning("offload of %s failed (%s: %s); recomputing instead",
+                        cmd.request_id, exc.code().name, exc.details())
+            # The put may have landed after our deadline: never leave it behind.
+            self._delete_snapshots([cmd.snapshot_id])
+        self._core.finish_offload(cmd.request_id, num_bytes)
+        self._wake.set()
+
+    async def _restore(self, cmd: RestoreCommand) -> None:
+        ok = False
+        try:
+            await self._worker.Restore(
+                worker_pb2.RestoreRequest(
+                    request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
+                    block_ids=cmd.block_ids,
+                ),
+                timeout=self._config.transfer_timeout_s,
+            )
+            ok = True
+        except grpc.aio.AioRpcError as exc:
+            log.warning("restore of %s failed (%s: %s); recomputing instead",
+                        cmd.request_id, exc.code().name, exc.details())
+        self._core.finish_restore(cmd.request_id, ok)
+        # Restored or not, the snapshot has served its purpose.
+        self._delete_snapshots([cmd.snapshot_id])
+        self._wake.set()
+
+    def _delete_snapshots(self, snapshot_ids: list[str]) -> None:
+        if self._cache is None or not snapshot_ids:
+            return
+        cache = self._cache
+
+        async def delete() -> None:
+            for snapshot_id in snapshot_ids:
+                # Gone already is fine; unreachable is fine too: the cache's TTL
+                # removes orphans.
+                with contextlib.suppress(errors.KvstashError):
+                    await cache.delete(snapshot_id)
+
+        self._spawn(delete())
+
+    async def _poll_cache(self) -> None:
+        assert self._cache is not None
+        while True:
+            try:
+                stats = await self._cache.stats()
+                self._core.set_offload_capacity(stats.free_bytes)
+            except errors.KvstashError as exc:
+                log.debug("cache unreachable (%s); preemptions will recompute", exc)
+                self._core.set_offload_capacity(None)
+            await asyncio.sleep(self._config.cache_poll_s)

@@ -1,0 +1,163 @@
+"""gRPC edge of the scheduler: validates requests, converts protos to domain
+values and back, and streams tokens from the engine to clients."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvstash import errors, rpc
+from kvstash.tokenizer import Tokenizer
+from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.engine import Engine, RequestStream
+from scheduler_svc.request import RequestStatus, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: scheduler_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: scheduler_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
+    """Validates what a client sent; InvalidArgument names the bad field."""
+    if proto.max_tokens <= 0:
+        raise errors.InvalidArgument(f"max_tokens must be > 0, got {proto.max_tokens}")
+    if not math.isfinite(proto.temperature) or proto.temperature < 0:
+        raise errors.InvalidArgument(f"temperature must be >= 0, got {proto.temperature}")
+    top_p = proto.top_p or 1.0
+    if not 0 < top_p <= 1:
+        raise errors.InvalidArgument(f"top_p must be in (0, 1], got {proto.top_p}")
+    return SamplingParams(
+        max_tokens=proto.max_tokens,
+        temperature=proto.temperature,
+        top_p=top_p,
+        top_k=proto.top_k,
+        seed=proto.seed if proto.HasField("seed") else None,
+        stop_token_ids=tuple(proto.stop_token_ids),
+        ignore_eos=proto.ignore_eos,
+    )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+
+    def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self._tokenizer.encode(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        raise errors.InvalidArgument("prompt is missing: set text or token_ids")
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        arrival = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if not _REQUEST_ID.fullmatch(request_id):
+                raise errors.InvalidArgument(
+                    f"request_id must be 1-128 chars of [A-Za-z0-9._:-], got {request_id!r}")
+            prompt_ids = self._prompt_ids(request)
+            if not prompt_ids:
+                raise errors.InvalidArgument("prompt is empty")
+            stream = self._engine.submit(
+                request_id, prompt_ids, sampling_from_proto(request.sampling))
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        try:
+            async for response in self._responses(request_id, stream, arrival):
+                yield response
+        finally:
+            if not stream.finished:  # the client went away: free everything now
+                with contextlib.suppress(errors.NotFound):
+                    self._engine.abort(request_id)
+
+    async def _responses(
+        self, request_id: str, stream: RequestStream, arrival: float
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        text = self._tokenizer.stream()
+        ttft_s = 0.0
+        num_tokens = 0
+        while True:
+            event = await stream.events.get()
+            if isinstance(event, errors.KvstashError):
+                raise event
+            if event.new_token_ids and not ttft_s:
+                ttft_s = time.monotonic() - arrival
+            num_tokens += len(event.new_token_ids)
+            response = scheduler_pb2.GenerateResponse(
+                request_id=request_id,
+                token_ids=event.new_token_ids,
+                text="".join(text.push(t) for t in event.new_token_ids),
+            )
+            if event.finish_status is not None:
+                req = stream.request
+                response.finish_reason = _FINISH_REASON[event.finish_status]
+                response.usage.CopyFrom(scheduler_pb2.Usage(
+                    prompt_tokens=len(req.prompt_token_ids),
+                    completion_tokens=len(req.output_token_ids),
+                    num_preemptions=req.num_preemptions,
+                    num_recomputed_tokens=req.num_recomputed_tokens,
+                    bytes_offloaded=req.bytes_offloaded,
+                    ttft_s=ttft_s,
+                ))
+                yield response
+                return
+            if response.token_ids:
+                yield response
+
+    @rpc.maps_errors
+    async def Abort(  # noqa: N802
+        self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.AbortResponse:
+        self._engine.abort(request.request_id)
+        return scheduler_pb2.AbortResponse()
+
+    async def GetStats(  # noqa: N802
+        self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStats:
+        stats = self._engine.core.stats()
+        return scheduler_pb2.SchedulerStats(
+            num_total_blocks=stats.num_total_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_evictable_blocks=stats.num_evictable_blocks,
+            num_running_prefill=stats.num_running_prefill,
+            num_running_decode=stats.num_running_decode,
+            num_waiting=stats.num_waiting,
+            num_offloaded=stats.num_offloaded,
+            new_token_ratio=stats.new_token_ratio,
+            num_preemptions_offload=stats.num_preemptions_offload,
+            num_preemptions_recompute=stats.num_preemptions_recompute,
+            num_recomputed_tokens=stats.num_recomputed_tokens,
+            num_finished=stats.num_finished,
+            bytes_offloaded=stats.bytes_offloaded,
+            bytes_restored=stats.bytes_restored,
+            num_steps=stats.num_steps,
+            block_size=self._engine.core.config.block_size,
+        )
+
+
+async def create_scheduler_server(
+    engine: Engine, tokenizer: Tokenizer, address: str
+) -> tuple[grpc.aio.Server, int]:
+    servicer = SchedulerServicer(engine, tokenizer)
+    server, port, _ = await rpc.create_server(
+        address,
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+    )
+    return server, port
