@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = Mlp(cfg, dtype, device)
 
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, paged: PagedKv | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, paged)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -204,7 +210,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, dtype, device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
         self._inv_freq = rotary_inv_freq(cfg).to(device)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +224,7 @@ class CausalLM(nn.Module):
         cos, sin = self._rotary(positions)
         for i, layer in enumerate(self.model.layers):
             paged = None if paged_for_layer is None else paged_for_layer[i]
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, cos, sin, paged)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, positions, cos, sin, paged)
         x = x if all_logits else x[-1:]
         logits = self.lm_head(self.model.norm(x))
         return logits if all_logits else logits[0]

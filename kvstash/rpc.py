@@ -92,12 +92,15 @@ async def create_server(
     registrars: Iterable[Registrar],
     service_names: Iterable[str],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    options: Iterable[tuple[str, Any]] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
     Returns the server, the bound port and its health servicer (all services
     report SERVING once started; flip them with `health.set`)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(
+        options=[*CHANNEL_OPTIONS, *options], interceptors=list(interceptors)
+    )
     for register in registrars:
         register(server)
     health_servicer = health.aio.HealthServicer()

@@ -25,7 +25,8 @@ from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
-from scheduler_svc.scheduler import OffloadCommand, RestoreCommand, Scheduler, SchedulerOutput
+from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -147,7 +147,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             bytes_offloaded=stats.bytes_offloaded,
             bytes_restored=stats.bytes_restored,
             num_steps=stats.num_steps,
-            block_size=self._engine.core.config.block_size,
+            block_size=stats.block_size,
         )
 
 

@@ -1,0 +1,175 @@
+"""Disk tier files: atomic writes, chunk reads, and the rescan after a restart.
+
+Every function here blocks; the store calls them in a thread executor.
+
+One snapshot is one file `<id>~<token>.kvsnap` (the token makes names unique
+even when an id is deleted and reused while a late write is still running):
+
+    0        8          12               DATA_OFFSET           DATA_OFFSET+total
+    | magic  | json len | json metadata  ... zero pad |  payload (row-major)  |
+
+A file is written under `.tmp~<id>~<token>`, fsynced, renamed into place and
+the directory fsynced, so after a crash a name ending in `.kvsnap` always holds
+a complete snapshot. Leftover temporaries are removed by `scan`. Ids are
+validated before they get here and may not contain '~' or start with '.', so
+neither kind of name can be produced by a client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cache_svc.snapshot import Layout, SnapshotMeta, validate_snapshot_id
+from kvstash.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVSNAP01"
+DATA_OFFSET = 4096  # page-aligned payload; the metadata is far smaller
+SUFFIX = ".kvsnap"
+TMP_PREFIX = ".tmp~"
+_WRITE_SLICE = 8 << 20  # bytes per write call: bounds throttle granularity
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSnapshot:
+    """A complete snapshot file found by `scan`."""
+
+    meta: SnapshotMeta
+    path: Path
+
+
+class DiskFiles:
+    """Owns one directory; never follows a name it did not produce."""
+
+    def __init__(self, directory: Path, write_bytes_per_s: float = 0.0) -> None:
+        self.directory = directory
+        # Test hook: a slow disk, so tests can watch writers wait on spills.
+        self._write_bytes_per_s = write_bytes_per_s
+
+    def path_for(self, snapshot_id: str, token: str) -> Path:
+        validate_snapshot_id(snapshot_id)
+        return self.directory / f"{snapshot_id}~{token}{SUFFIX}"
+
+    def write(self, meta: SnapshotMeta, payload: memoryview) -> Path:
+        """Writes the snapshot atomically; returns its final path."""
+        token = secrets.token_hex(8)
+        final = self.path_for(meta.snapshot_id, token)
+        tmp = self.directory / f"{TMP_PREFIX}{meta.snapshot_id}~{token}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, _encode_head(meta))
+            for start in range(0, len(payload), _WRITE_SLICE):
+                piece = payload[start : start + _WRITE_SLICE]
+                _write_all(fd, piece)
+                if self._write_bytes_per_s:
+                    time.sleep(len(piece) / self._write_bytes_per_s)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, final)
+        self._fsync_dir()
+        return final
+
+    def open(self, path: Path) -> int:
+        return os.open(path, os.O_RDONLY)
+
+    def read(self, fd: int, start: int, end: int) -> bytes:
+        """Payload bytes [start, end) of an open snapshot file."""
+        data = os.pread(fd, end - start, DATA_OFFSET + start)
+        if len(data) != end - start:
+            raise OSError(f"snapshot file short: wanted {end - start} bytes at {start}, "
+                          f"got {len(data)}")
+        return data
+
+    def remove(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def scan(self) -> list[DiskSnapshot]:
+        """Creates the directory if needed, removes temporaries and unreadable
+        files, and returns the complete snapshots, oldest first (newest file wins
+        per id)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found: dict[str, tuple[float, DiskSnapshot]] = {}
+        for path in self.directory.iterdir():
+            if path.name.startswith(TMP_PREFIX):
+                log.info("removing leftover temporary %s", path.name)
+                self.remove(path)
+                continue
+            if not path.name.endswith(SUFFIX) or not path.is_file():
+                continue
+            snap = self._load(path)
+            if snap is None:
+                self.remove(path)
+                continue
+            mtime = path.stat().st_mtime
+            previous = found.get(snap.meta.snapshot_id)
+            if previous is None or previous[0] < mtime:
+                if previous is not None:
+                    self.remove(previous[1].path)
+                found[snap.meta.snapshot_id] = (mtime, snap)
+            else:
+                self.remove(path)
+        return [snap for _, snap in sorted(found.values(), key=lambda pair: pair[0])]
+
+    def _load(self, path: Path) -> DiskSnapshot | None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(DATA_OFFSET)
+                size = os.fstat(f.fileno()).st_size
+            meta = _decode_head(head)
+        except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
+            log.warning("removing unreadable snapshot file %s: %s", path.name, exc)
+            return None
+        if not path.name.startswith(meta.snapshot_id + "~"):
+            log.warning("removing %s: it holds snapshot %r", path.name, meta.snapshot_id)
+            return None
+        if size != DATA_OFFSET + meta.total_bytes:
+            log.warning("removing %s: %d bytes, expected %d", path.name, size,
+                        DATA_OFFSET + meta.total_bytes)
+            return None
+        return DiskSnapshot(meta, path)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _encode_head(meta: SnapshotMeta) -> bytes:
+    body = json.dumps(asdict(meta), sort_keys=True).encode()
+    head = MAGIC + struct.pack("<I", len(body)) + body
+    if len(head) > DATA_OFFSET:
+        raise ValueError(f"snapshot metadata is {len(head)} bytes, at most {DATA_OFFSET}")
+    return head.ljust(DATA_OFFSET, b"\0")
+
+
+def _decode_head(head: bytes) -> SnapshotMeta:
+    if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+        raise ValueError("bad magic")
+    (length,) = struct.unpack_from("<I", head, len(MAGIC))
+    fields = json.loads(head[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
+    fields["layout"] = Layout(**fields["layout"])
+    return SnapshotMeta(**fields)

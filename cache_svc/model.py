@@ -1,0 +1,86 @@
+"""Store-side records: where a snapshot's bytes live, and the results the
+store hands to its callers."""
+
+from __future__ import annotations
+
+import enum
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+from cache_svc.snapshot import SnapshotMeta
+
+
+class Residence(enum.Enum):
+    MEMORY = "memory"  # only in memory
+    SPILLING = "spilling"  # in memory, being copied to disk; still served from memory
+    DISK = "disk"  # on disk (a memory copy may linger while a reader holds it)
+
+
+class TierName(enum.Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One committed snapshot. Invariant kept by the store: memory is charged
+    for the entry while `buffer` is set, disk while it is listed with `path` set."""
+
+    meta: SnapshotMeta
+    residence: Residence
+    last_access: float  # monotonic seconds; TTL counts from here
+    buffer: mmap.mmap | None = None  # the bytes, while in memory
+    path: Path | None = None  # the file, once on disk
+    num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
+
+    @property
+    def size(self) -> int:
+        return self.meta.total_bytes
+
+    @property
+    def tier(self) -> TierName:
+        return TierName.DISK if self.residence is Residence.DISK else TierName.MEMORY
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    meta: SnapshotMeta
+    tier: TierName
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Mirrors kvstash.v1.CacheStats; see cache.proto for each field."""
+
+    memory_bytes: int
+    memory_budget_bytes: int
+    memory_snapshots: int
+    disk_bytes: int
+    disk_budget_bytes: int
+    disk_snapshots: int
+    pinned_bytes: int
+    reserved_bytes: int
+    num_puts: int
+    num_gets: int
+    num_refused: int
+    num_failed_puts: int
+    num_evictions: int
+    num_spills: int
+    num_expired: int
+    bytes_in: int
+    bytes_out: int
+    free_bytes: int
+
+
+@dataclass(slots=True)
+class Counters:
+    num_puts: int = 0
+    num_gets: int = 0
+    num_refused: int = 0
+    num_failed_puts: int = 0
+    num_evictions: int = 0
+    num_spills: int = 0
+    num_expired: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0

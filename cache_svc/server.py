@@ -1,0 +1,263 @@
+"""gRPC edge of the cache: converts protos to domain types and back, paces
+streams, and maps domain errors to status codes. No cache logic lives here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from cache_svc.config import CacheConfig
+from cache_svc.limiter import ByteLimiter
+from cache_svc.metrics import Metrics
+from cache_svc.model import SnapshotInfo, TierName
+from cache_svc.snapshot import (
+    CHECKSUM_XXH3_64,
+    MAX_CHUNK_BYTES,
+    ChecksumMismatch,
+    Layout,
+    SnapshotMeta,
+    checksum,
+)
+from cache_svc.store import SnapshotStore
+from kvstash import errors, rpc
+from kvstash.cache_client import ADMITTED_KEY
+from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
+_ALGORITHM_NAMES = {cache_pb2.CHECKSUM_ALGORITHM_XXH3_64: CHECKSUM_XXH3_64}
+_ALGORITHM_CODES = {name: code for code, name in _ALGORITHM_NAMES.items()}
+DRAIN_LIMIT_S = 5.0  # how long a failed put reads out a client still sending
+_TIER_CODES = {TierName.MEMORY: cache_pb2.TIER_MEMORY, TierName.DISK: cache_pb2.TIER_DISK}
+
+
+def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> SnapshotMeta:
+    if header.checksum_algorithm not in _ALGORITHM_NAMES:
+        raise errors.InvalidArgument(
+            f"checksum algorithm {header.checksum_algorithm} unsupported; "
+            f"use CHECKSUM_ALGORITHM_XXH3_64 ({cache_pb2.CHECKSUM_ALGORITHM_XXH3_64})"
+        )
+    lay = header.layout
+    return SnapshotMeta(
+        snapshot_id=header.snapshot_id,
+        layout=Layout(lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype),
+        num_blocks=header.num_blocks,
+        num_tokens=header.num_tokens,
+        total_bytes=header.total_bytes,
+        chunk_bytes=header.chunk_bytes,
+        pinned=header.pinned,
+        ttl_s=header.ttl_s or default_ttl_s,
+        checksum_algorithm=_ALGORITHM_NAMES[header.checksum_algorithm],
+    )
+
+
+def meta_to_proto(meta: SnapshotMeta) -> cache_pb2.SnapshotHeader:
+    lay = meta.layout
+    return cache_pb2.SnapshotHeader(
+        snapshot_id=meta.snapshot_id,
+        layout=common_pb2.KvLayout(
+            num_layers=lay.num_layers, block_size=lay.block_size,
+            num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+        ),
+        num_blocks=meta.num_blocks,
+        num_tokens=meta.num_tokens,
+        total_bytes=meta.total_bytes,
+        chunk_bytes=meta.chunk_bytes,
+        checksum_algorithm=_ALGORITHM_CODES[meta.checksum_algorithm],
+        pinned=meta.pinned,
+        ttl_s=meta.ttl_s,
+    )
+
+
+def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
+    return cache_pb2.SnapshotInfo(
+        header=meta_to_proto(info.meta), tier=_TIER_CODES[info.tier],
+        num_chunks=info.meta.num_chunks,
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
+    code = grpc.StatusCode.DATA_LOSS if isinstance(exc, ChecksumMismatch) else rpc.status_for(exc)
+    await context.abort(code, str(exc))
+
+
+class CacheServicer(cache_pb2_grpc.KVCacheServicer):
+    def __init__(self, store: SnapshotStore, limiter: ByteLimiter) -> None:
+        self._store = store
+        self._limiter = limiter
+
+    async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        stream = _PutStream(aiter(request_iterator), context)
+        try:
+            info = await self._put(stream)
+        except errors.KvstashError as exc:
+            # The reservation is already released. Closing the call while the
+            # client is still sending makes grpc report a bare INTERNAL on its
+            # side, so read out (and drop) what it sends, briefly, first.
+            await self._drain(stream)
+            await _abort(context, exc)
+        return cache_pb2.PutSnapshotResponse(info=info_to_proto(info))
+
+    async def _put(self, stream: _PutStream) -> SnapshotInfo:
+        first = await stream.next()
+        if first is None:
+            raise errors.InvalidArgument("put stream is empty; the first message must be a header")
+        if not first.HasField("header"):
+            raise errors.InvalidArgument(
+                f"first message is chunk {first.chunk.index}; a put must start with a header"
+            )
+        meta = meta_from_proto(first.header, self._store.config.default_ttl_s)
+        session = await self._store.begin_put(meta)
+        committed = False
+        try:
+            # Tells the client its room is reserved: CacheClient sends no
+            # payload before this, so puts waiting for room hold no bytes in
+            # gRPC's receive windows.
+            await stream.send_metadata(admitted=True)
+            while True:
+                # Pull the next chunk out of gRPC only when the in-flight budget
+                # allows; until then HTTP/2 flow control holds the sender back.
+                async with self._limiter.hold(meta.chunk_bytes):
+                    request = await stream.next()
+                    if request is None:
+                        break
+                    if request.HasField("header"):
+                        raise errors.InvalidArgument(
+                            f"second header after {session.num_received} chunks; "
+                            "a put has exactly one header"
+                        )
+                    chunk = request.chunk
+                    data = chunk.data  # each attribute read of a bytes field copies it
+                    self._store.count_bytes_in(len(data))
+                    session.accept(chunk.index, data, chunk.checksum)
+                    del request, chunk, data
+            info = self._store.commit_put(session)
+            committed = True
+            return info
+        finally:
+            if not committed:
+                self._store.abort_put(session)
+
+    async def _drain(self, stream: _PutStream) -> None:
+        # Unadmitted CacheClients half-close on seeing metadata without the
+        # admission key, so a refusal costs them no payload and no wait.
+        await stream.send_metadata(admitted=False)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_LIMIT_S):
+                while not stream.ended:
+                    async with self._limiter.hold(MAX_CHUNK_BYTES):
+                        await stream.next()
+
+    # Writes with context.write (not yield) so each send waits for gRPC.
+    async def GetSnapshot(  # type: ignore[override]
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        store = self._store
+        try:
+            reader = await store.open_reader(request.snapshot_id, request.start_chunk)
+        except errors.KvstashError as exc:
+            await _abort(context, exc)
+        try:
+            meta = reader.meta
+            await context.write(cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta)))
+            for index in range(request.start_chunk, meta.num_chunks):
+                # One chunk at a time, and write() returns only once gRPC took it,
+                # so a slow reader slows this loop instead of growing a buffer.
+                async with self._limiter.hold(meta.chunk_bytes):
+                    data = await store.read_chunk(reader, index)
+                    message = cache_pb2.GetSnapshotResponse(
+                        chunk=cache_pb2.Chunk(index=index, data=data, checksum=checksum(data))
+                    )
+                    del data
+                    await context.write(message)
+                    del message
+        finally:
+            store.close_reader(reader)
+
+    async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._store.delete(request.snapshot_id)
+        except errors.KvstashError as exc:
+            await _abort(context, exc)
+        return cache_pb2.DeleteSnapshotResponse()
+
+    async def StatSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return info_to_proto(self._store.stat(request.snapshot_id))
+        except errors.KvstashError as exc:
+            await _abort(context, exc)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return cache_pb2.CacheStats(**_fields(self._store.stats()))
+
+
+class _PutStream:
+    """The request side of one put, remembering what was already done."""
+
+    def __init__(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        self._requests = requests
+        self._context = context
+        self._metadata_sent = False
+        self.ended = False  # the client half-closed
+
+    async def next(self) -> Any:
+        request = await anext(self._requests, None)
+        self.ended = request is None
+        return request
+
+    async def send_metadata(self, admitted: bool) -> None:
+        if not self._metadata_sent:
+            self._metadata_sent = True
+            await self._context.send_initial_metadata(((ADMITTED_KEY, "1"),) if admitted else ())
+
+
+def _fields(stats: Any) -> dict[str, int]:
+    return {name: getattr(stats, name) for name in stats.__slots__}
+
+
+@dataclass(slots=True)
+class CacheServer:
+    """A running cache: the gRPC server plus what must be stopped with it."""
+
+    server: grpc.aio.Server
+    port: int
+    store: SnapshotStore
+    metrics: Metrics | None
+    sweeper: asyncio.Task[None]
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Stops accepting calls; in-flight puts get `grace_s` to finish, after
+        which they are cancelled and leave nothing behind."""
+        await self.server.stop(grace_s)
+        await self.close_store()
+
+    async def close_store(self) -> None:
+        self.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.sweeper
+        await self.store.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
+async def create_cache_server(
+    config: CacheConfig, address: str
+) -> tuple[grpc.aio.Server, int, CacheServer]:
+    """Recovers the disk tier, then binds `address` (port 0 = any) and serves."""
+    store = SnapshotStore(config)
+    await store.start()
+    servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes))
+    server, port, _health = await rpc.create_server(
+        address,
+        [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+    )
+    metrics = Metrics.serve(store, config.metrics_port) if config.metrics_port else None
+    sweeper = asyncio.ensure_future(store.run_sweeper())
+    return server, port, CacheServer(server, port, store, metrics, sweeper)

@@ -1,0 +1,134 @@
+"""Domain types for one snapshot: its layout, its metadata, and the chunking.
+
+A snapshot of n blocks is the worker's cache tensor
+[num_layers, 2, n, block_size, num_kv_heads, head_dim] in row-major order,
+sent as chunks of `chunk_bytes` (only the last may be shorter):
+
+    0            chunk_bytes     2*chunk_bytes          total_bytes
+    |-- chunk 0 --|-- chunk 1 ----|-- ... --|- last -|
+
+Everything a client sends is validated here, before it reaches a tier; ids in
+particular are checked against a strict alphabet because the disk tier names
+files after them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstash.errors import InvalidArgument, KvstashError
+
+MIB = 1 << 20
+MIN_CHUNK_BYTES = 1 * MIB
+MAX_CHUNK_BYTES = 4 * MIB
+MAX_ID_CHARS = 128
+CHECKSUM_XXH3_64 = "xxh3_64"
+
+ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class ChecksumMismatch(KvstashError):
+    """A chunk's bytes do not match the checksum sent with them (DATA_LOSS)."""
+
+
+def validate_snapshot_id(snapshot_id: str) -> str:
+    """Returns the id unchanged or raises InvalidArgument saying what is wrong."""
+    if not snapshot_id:
+        raise InvalidArgument("snapshot id is empty; need 1-128 chars of [A-Za-z0-9._-]")
+    if len(snapshot_id) > MAX_ID_CHARS:
+        raise InvalidArgument(
+            f"snapshot id has {len(snapshot_id)} chars, at most {MAX_ID_CHARS} allowed"
+        )
+    if _ID_PATTERN.fullmatch(snapshot_id) is None:
+        raise InvalidArgument(
+            f"snapshot id {snapshot_id[:40]!r} has characters outside [A-Za-z0-9._-]"
+        )
+    if snapshot_id.startswith("."):
+        raise InvalidArgument(f"snapshot id {snapshot_id[:40]!r} must not start with '.'")
+    return snapshot_id
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Shape of one KV block (see common.proto KvLayout)."""
+
+    num_layers: int
+    block_size: int  # tokens per block
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # one of ITEMSIZE_FOR_DTYPE
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"layout {name} is {getattr(self, name)}, must be > 0")
+        if self.dtype not in ITEMSIZE_FOR_DTYPE:
+            raise InvalidArgument(
+                f"layout dtype {self.dtype!r} unknown; expected one of "
+                f"{sorted(ITEMSIZE_FOR_DTYPE)}"
+            )
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = ITEMSIZE_FOR_DTYPE[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMeta:
+    """What the put header declares; immutable once accepted."""
+
+    snapshot_id: str
+    layout: Layout
+    num_blocks: int
+    num_tokens: int  # tokens whose KV the blocks hold
+    total_bytes: int  # == num_blocks * layout.bytes_per_block
+    chunk_bytes: int  # size of every chunk but the last
+    pinned: bool  # spilled under pressure, never evicted
+    ttl_s: int  # seconds after the last access until expiry; already defaulted
+    checksum_algorithm: str = CHECKSUM_XXH3_64
+
+    def __post_init__(self) -> None:
+        validate_snapshot_id(self.snapshot_id)
+        if self.num_blocks <= 0:
+            raise InvalidArgument(f"num_blocks is {self.num_blocks}, must be > 0")
+        if self.num_tokens < 0 or self.num_tokens > self.num_blocks * self.layout.block_size:
+            raise InvalidArgument(
+                f"num_tokens {self.num_tokens} does not fit {self.num_blocks} blocks of "
+                f"{self.layout.block_size} tokens"
+            )
+        expected = self.num_blocks * self.layout.bytes_per_block
+        if self.total_bytes != expected:
+            raise InvalidArgument(
+                f"total_bytes is {self.total_bytes}, but {self.num_blocks} blocks of "
+                f"{self.layout.bytes_per_block} bytes make {expected}"
+            )
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk_bytes is {self.chunk_bytes}, must be in "
+                f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] (1-4 MiB)"
+            )
+        if self.checksum_algorithm != CHECKSUM_XXH3_64:
+            raise InvalidArgument(
+                f"checksum algorithm {self.checksum_algorithm!r} unsupported; "
+                f"use {CHECKSUM_XXH3_64}"
+            )
+        if self.ttl_s <= 0:
+            raise InvalidArgument(f"ttl_s is {self.ttl_s}, must be > 0 once defaulted")
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_bytes // self.chunk_bytes)
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """Byte offsets [start, end) of chunk `index`."""
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.total_bytes)

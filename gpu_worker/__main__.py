@@ -1,0 +1,79 @@
+"""`python -m gpu_worker`: load the model, serve the Worker service until a signal.
+
+Prints `KVSTASH_READY worker host:port` once it accepts calls (with --listen
+host:0 the port is the one actually bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
+from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
+
+log = logging.getLogger("gpu_worker")
+_DEFAULTS = WorkerConfig()
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, WorkerConfig]:
+    p = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on; port 0 = any")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--model", default=_DEFAULTS.model,
+                   help=f"{TINY_MODEL!r} or a local directory with config.json, "
+                        "*.safetensors and tokenizer.json")
+    p.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPES)
+    p.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size,
+                   help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=_DEFAULTS.num_blocks,
+                   help="blocks in the KV-cache tensor")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
+                   help="cap on prompt + output tokens; unset = the model's own")
+    p.add_argument("--cache-address", default=_DEFAULTS.cache_address,
+                   help="KV cache service host:port; empty = offload unavailable")
+    p.add_argument("--cache-timeout-s", type=float, default=_DEFAULTS.cache_timeout_s,
+                   help="deadline for one offload or restore transfer")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
+                   help="tiny-model weights and unseeded sampling")
+    args = p.parse_args(argv)
+    try:
+        config = WorkerConfig(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+            cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    return args, config
+
+
+async def serve(listen: str, config: WorkerConfig) -> None:
+    # Deferred: torch is slow to import, and --help should not pay for it.
+    from gpu_worker.server import create_worker_server
+
+    worker = await create_worker_server(config, listen)
+    host = listen.rsplit(":", 1)[0]
+    log.info("worker serving %s on %s:%d", config.model, host, worker.port)
+    announce_ready("worker", host, worker.port)
+    await run_until_signalled(worker.server, on_stop=worker.servicer.close)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args.listen, config))
+    except ValueError as exc:  # a checkpoint that does not match its config, ...
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Async client of the KVCache service, used by the worker and the scheduler.
+
+Callers only ever see kvstash.errors (plus `DataLoss` for checksum failures),
+never grpc exceptions:
+
+    async with CacheClient("127.0.0.1:50071") as cache:
+        await cache.put("req-7", layout, num_blocks=4, num_tokens=60, data=host_buf)
+        header = await cache.get_into("req-7", memoryview(host_buf))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Self, TypeVar
+
+import grpc
+import xxhash
+
+from kvstash import errors
+from kvstash.rpc import MIB, insecure_channel
+from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+T = TypeVar("T")
+MIN_CHUNK_BYTES = 1 * MIB
+MAX_CHUNK_BYTES = 4 * MIB
+# Initial-metadata key the server sends once a put's room is reserved.
+ADMITTED_KEY = "kvstash-put-admitted"
+
+
+class DataLoss(errors.KvstashError):
+    """A chunk's bytes did not match its checksum (or size), either side."""
+
+
+_ERROR_FOR: dict[grpc.StatusCode, type[errors.KvstashError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.CANCELLED: errors.Unavailable,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+}
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.KvstashError:
+    cls = _ERROR_FOR.get(exc.code(), errors.Unavailable)
+    return cls(f"cache {exc.code().name}: {exc.details()}")
+
+
+def _checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class CacheClient:
+    def __init__(
+        self, address: str, chunk_bytes: int = 4 * MIB, timeout_s: float | None = 60.0
+    ) -> None:
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes is {chunk_bytes}, must be in 1-4 MiB")
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channel = insecure_channel(address)
+        self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def put(
+        self,
+        snapshot_id: str,
+        layout: common_pb2.KvLayout,
+        num_blocks: int,
+        num_tokens: int,
+        data: object,
+        pinned: bool = True,
+        ttl_s: int = 0,
+    ) -> int:
+        """Streams the snapshot; returns the bytes stored. `data` is any
+        C-contiguous buffer (bytes, bytearray, memoryview, numpy array...)."""
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        header = cache_pb2.SnapshotHeader(
+            snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
+            num_tokens=num_tokens, total_bytes=view.nbytes, chunk_bytes=self.chunk_bytes,
+            checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
+        )
+        call = self._stub.PutSnapshot(timeout=self.timeout_s)
+        try:
+            await call.write(cache_pb2.PutSnapshotRequest(header=header))
+            # The server answers with initial metadata once it has reserved
+            # room (or ends the call refusing). Sending payload only after that
+            # keeps puts that wait for room from filling the server's buffers.
+            metadata = await call.initial_metadata()
+            if metadata is None or metadata.get(ADMITTED_KEY) is None:
+                await call.done_writing()
+                response = await call  # raises the refusal
+            else:
+                for index, start in enumerate(range(0, view.nbytes, self.chunk_bytes)):
+                    piece = view[start : start + self.chunk_bytes]
+                    # One copy into the message (protobuf bytes fields need
+                    # bytes); write() waits for HTTP/2 flow control.
+                    await call.write(cache_pb2.PutSnapshotRequest(chunk=cache_pb2.Chunk(
+                        index=index, data=piece.tobytes(), checksum=_checksum(piece),
+                    )))
+                await call.done_writing()
+                response = await call
+        except asyncio.InvalidStateError:  # the server ended the call mid-stream
+            try:
+                await call
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from None
+            raise errors.Unavailable(f"cache ended put {snapshot_id} early") from None
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return int(response.info.header.total_bytes)
+
+    async def get_into(
+        self, snapshot_id: str, out: memoryview, start_chunk: int = 0
+    ) -> cache_pb2.SnapshotHeader:
+        """Reads the snapshot (from `start_chunk` on) into `out`, which must be
+        writable and exactly total_bytes long; bytes before the start chunk
+        are left as they are. Raises DataLoss on a bad chunk."""
+        target = memoryview(out).cast("B")
+        if target.readonly:
+            raise errors.InvalidArgument("get_into needs a writable buffer")
+
+        def check_size(header: cache_pb2.SnapshotHeader) -> memoryview:
+            if target.nbytes != header.total_bytes:
+                raise errors.InvalidArgument(
+                    f"buffer has {target.nbytes} bytes, snapshot {snapshot_id} has "
+                    f"{header.total_bytes}"
+                )
+            return target
+
+        return await self._read(snapshot_id, start_chunk, check_size)
+
+    async def get(self, snapshot_id: str) -> tuple[cache_pb2.SnapshotHeader, bytes]:
+        buffers: list[bytearray] = []
+
+        def allocate(header: cache_pb2.SnapshotHeader) -> memoryview:
+            buffers.append(bytearray(header.total_bytes))
+            return memoryview(buffers[0])
+
+        header = await self._read(snapshot_id, 0, allocate)
+        return header, bytes(buffers[0])
+
+    async def delete(self, snapshot_id: str) -> None:
+        request = cache_pb2.DeleteSnapshotRequest(snapshot_id=snapshot_id)
+        await self._call(lambda: self._stub.DeleteSnapshot(request, timeout=self.timeout_s))
+
+    async def stat(self, snapshot_id: str) -> cache_pb2.SnapshotInfo:
+        request = cache_pb2.StatSnapshotRequest(snapshot_id=snapshot_id)
+        return await self._call(lambda: self._stub.StatSnapshot(request, timeout=self.timeout_s))
+
+    async def stats(self) -> cache_pb2.CacheStats:
+        request = common_pb2.GetStatsRequest()
+        return await self._call(lambda: self._stub.GetStats(request, timeout=self.timeout_s))
+
+    async def _read(
+        self, snapshot_id: str, start_chunk: int,
+        target_for: Callable[[cache_pb2.SnapshotHeader], memoryview],
+    ) -> cache_pb2.SnapshotHeader:
+        request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, start_chunk=start_chunk)
+        call = self._stub.GetSnapshot(request, timeout=self.timeout_s)
+        header: cache_pb2.SnapshotHeader | None = None
+        target = memoryview(b"")
+        expected = start_chunk
+        try:
+            async for response in call:
+                if response.HasField("header"):
+                    header = response.header
+                    target = target_for(header)
+                    continue
+                if header is None:
+                    raise DataLoss(f"snapshot {snapshot_id}: chunk before the header")
+                expected = _place_chunk(header, response.chunk, expected, target)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; stops the server when we raise
+        if header is None:
+            raise DataLoss(f"snapshot {snapshot_id}: stream ended without a header")
+        num_chunks = -(-header.total_bytes // header.chunk_bytes)
+        if expected != num_chunks:
+            raise DataLoss(
+                f"snapshot {snapshot_id}: stream ended after chunk {expected - 1} "
+                f"of {num_chunks}"
+            )
+        return header
+
+    async def _call(self, make_call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await make_call()
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+
+def _place_chunk(
+    header: cache_pb2.SnapshotHeader, chunk: cache_pb2.Chunk, expected: int, target: memoryview
+) -> int:
+    """Checks one received chunk and copies it into place; returns the next index."""
+    sid = header.snapshot_id
+    if chunk.index != expected:
+        raise DataLoss(f"snapshot {sid}: got chunk {chunk.index}, expected {expected}")
+    data = chunk.data  # each attribute read of a bytes field copies it
+    start = chunk.index * header.chunk_bytes
+    end = min(start + header.chunk_bytes, header.total_bytes)
+    if len(data) != end - start:
+        raise DataLoss(
+            f"snapshot {sid}: chunk {chunk.index} has {len(data)} bytes, "
+            f"expected {end - start}"
+        )
+    actual = _checksum(data)
+    if actual != chunk.checksum:
+        raise DataLoss(
+            f"snapshot {sid}: chunk {chunk.index} checksum {actual:#018x}, "
+            f"server sent {chunk.checksum:#018x}"
+        )
+    target[start:end] = data
+    return expected + 1

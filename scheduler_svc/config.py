@@ -1,0 +1,127 @@
+"""Scheduler configuration: one frozen dataclass, validated once at start-up.
+
+Nothing here reads the environment; the service's entry point builds a
+`SchedulerConfig` from its flags/`KVSTASH_*` variables and hands it over.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TypeVar
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class ReservationPolicy(enum.Enum):
+    """How many blocks admission keeps back for each running decode request."""
+
+    NEW_TOKEN_RATIO = "new_token_ratio"  # min(remaining, clip) * new_token_ratio tokens
+    FIXED_BLOCKS = "fixed_blocks"  # fixed_blocks_per_decode blocks
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a preempted decode request's KV blocks."""
+
+    AUTO = "auto"  # offload when the snapshot fits the cache's reported capacity
+    OFFLOAD = "offload"  # always try to offload; failures fall back to recompute
+    RECOMPUTE = "recompute"  # drop the blocks; prefill prompt + output again later
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    # Blocks in the worker's paged KV cache (the whole pool).
+    num_blocks: int
+    # Tokens per KV block.
+    block_size: int
+    # Longest sequence (prompt + max_tokens) the model accepts.
+    max_model_len: int
+    # Token ids must lie in [0, vocab_size).
+    vocab_size: int
+    # Tokens that finish a request unless its sampling says ignore_eos.
+    eos_token_ids: tuple[int, ...] = ()
+    # Most requests running (prefill, decode or resuming) at once.
+    max_num_seqs: int = 64
+    # Per-step token budget shared by decodes (1 each) and prefill chunks;
+    # a long prompt is split into chunks by this budget.
+    max_num_batched_tokens: int = 512
+    # Which formula admission uses to hold blocks back for running decodes.
+    reservation_policy: ReservationPolicy = ReservationPolicy.NEW_TOKEN_RATIO
+    # Blocks held back per running decode under FIXED_BLOCKS.
+    fixed_blocks_per_decode: int = 1
+    # new_token_ratio at start and whenever the scheduler goes idle.
+    init_new_token_ratio: float = 0.7
+    # The ratio decays down to init * this factor.
+    min_new_token_ratio_factor: float = 0.14
+    # Steps the linear decay takes from init to min.
+    new_token_ratio_decay_steps: int = 600
+    # Remaining output tokens counted per request are clipped to this.
+    clip_max_new_tokens: int = 4096
+    # Steps of progress credited per decode request when the ratio is
+    # recomputed after a preemption.
+    retract_steps: int = 20
+    # What preemption does with a victim's KV.
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    # Bytes of one KV block across all layers, for sizing snapshots; 0 = unknown.
+    bytes_per_block: int = 0
+    # Blocks per running decode request kept free, on top of its reservation,
+    # before an offloaded request resumes (one step of growth each).
+    resume_headroom: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
+        _check_int("new_token_ratio_decay_steps", self.new_token_ratio_decay_steps, 1)
+        _check_int("clip_max_new_tokens", self.clip_max_new_tokens, 1)
+        for name in ("fixed_blocks_per_decode", "retract_steps", "bytes_per_block",
+                     "resume_headroom"):
+            _check_int(name, getattr(self, name), 0)
+        _check_float("init_new_token_ratio", self.init_new_token_ratio, 1e-9, 1.0)
+        _check_float("min_new_token_ratio_factor", self.min_new_token_ratio_factor, 0.0, 1.0)
+        eos = tuple(self.eos_token_ids)
+        for token_id in eos:
+            _check_int("eos_token_ids entry", token_id, 0)
+            if token_id >= self.vocab_size:
+                raise ValueError(f"eos token id {token_id} is outside vocab_size {self.vocab_size}")
+        object.__setattr__(self, "eos_token_ids", eos)
+        object.__setattr__(self, "reservation_policy",
+                           _coerce(ReservationPolicy, "reservation_policy", self.reservation_policy))
+        object.__setattr__(self, "preemption_mode",
+                           _coerce(PreemptionMode, "preemption_mode", self.preemption_mode))
+
+    @property
+    def min_new_token_ratio(self) -> float:
+        return self.init_new_token_ratio * self.min_new_token_ratio_factor
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        """How much the ratio drops per step."""
+        return (self.init_new_token_ratio - self.min_new_token_ratio) / (
+            self.new_token_ratio_decay_steps
+        )
+
+
+def _coerce(enum_type: type[E], name: str, value: object) -> E:
+    """Accept the enum member or its string value ("auto", "fixed_blocks")."""
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(str(m.value) for m in enum_type)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None

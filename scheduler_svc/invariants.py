@@ -1,0 +1,106 @@
+"""What must hold between the scheduler's queues and its requests.
+
+Every held request sits in exactly one queue, whose name fixes its status and
+what it may hold:
+
+    queue       status                       blocks                   snapshot
+    waiting     WAITING                      none                     none
+    prefilling  RUNNING_PREFILL              all of prompt + output   none
+    decoding    RUNNING_DECODE               covers num_computed(+1)  none
+    offloading  OFFLOADING / aborted         held until copy lands    yes
+    offloaded   OFFLOADED                    none                     yes
+    resuming    RESUMING / aborted           snapshot's block count   yes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from scheduler_svc.block_pool import IntegrityError
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.request import Request, RequestStatus
+
+_ALLOWED = {
+    "waiting": {RequestStatus.WAITING},
+    "prefilling": {RequestStatus.RUNNING_PREFILL},
+    "decoding": {RequestStatus.RUNNING_DECODE},
+    "offloading": {RequestStatus.OFFLOADING, RequestStatus.FINISHED_ABORTED},
+    "offloaded": {RequestStatus.OFFLOADED},
+    "resuming": {RequestStatus.RESUMING, RequestStatus.FINISHED_ABORTED},
+}
+
+
+def check_requests(
+    config: SchedulerConfig,
+    queues: Mapping[str, Sequence[Request]],
+    requests: Mapping[str, Request],
+) -> None:
+    seen: dict[str, str] = {}
+    for name, reqs in queues.items():
+        for req in reqs:
+            rid = req.request_id
+            if rid in seen:
+                raise IntegrityError(f"request {rid} is in both {seen[rid]} and {name}")
+            seen[rid] = name
+            if requests.get(rid) is not req:
+                raise IntegrityError(f"request {rid} in {name} is not the registered request")
+            if req.status not in _ALLOWED[name]:
+                raise IntegrityError(f"request {rid} in {name} has status {req.status.value}")
+            _check_request(config, name, req)
+    lost = set(requests) - set(seen)
+    if lost:
+        raise IntegrityError(f"requests {sorted(lost)} are in no queue")
+
+
+def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
+    rid = req.request_id
+    block_size = config.block_size
+    num_blocks = len(req.block_ids)
+    num_computed = req.num_computed_tokens
+
+    def blocks_for(num_tokens: int) -> int:
+        return -(-num_tokens // block_size)
+
+    if not isinstance(req.prompt_token_ids, tuple):
+        raise IntegrityError(f"request {rid}'s prompt is a {type(req.prompt_token_ids).__name__}")
+    if req.num_cached_blocks > min(num_blocks, num_computed // block_size):
+        raise IntegrityError(
+            f"request {rid} caches {req.num_cached_blocks} blocks with {num_blocks} blocks "
+            f"and {num_computed} computed tokens"
+        )
+    has_snapshot = req.snapshot is not None
+    if has_snapshot != (queue in ("offloading", "offloaded", "resuming")):
+        raise IntegrityError(f"request {rid} in {queue} has snapshot {req.snapshot_id}")
+    if queue in ("waiting", "offloaded") and num_blocks:
+        raise IntegrityError(f"request {rid} in {queue} holds {num_blocks} blocks")
+    if queue == "waiting" and num_computed:
+        raise IntegrityError(f"waiting request {rid} has {num_computed} computed tokens")
+    if queue == "prefilling":
+        if not num_computed < req.num_tokens or num_blocks != blocks_for(req.num_tokens):
+            raise IntegrityError(
+                f"prefilling request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
+                f"{num_blocks} blocks"
+            )
+    if queue in ("decoding", "offloading", "offloaded", "resuming"):
+        if num_computed != req.num_tokens - 1:
+            raise IntegrityError(
+                f"request {rid} in {queue}: {num_computed} computed tokens, "
+                f"{req.num_tokens} tokens"
+            )
+    if queue == "decoding" and not blocks_for(num_computed) <= num_blocks <= blocks_for(
+        num_computed + 1
+    ):
+        raise IntegrityError(
+            f"decoding request {rid}: {num_blocks} blocks for {num_computed} computed tokens"
+        )
+    if req.snapshot is not None:
+        snapshot = req.snapshot
+        if snapshot.num_tokens != num_computed or snapshot.num_blocks != blocks_for(num_computed):
+            raise IntegrityError(
+                f"request {rid}: snapshot of {snapshot.num_tokens} tokens / "
+                f"{snapshot.num_blocks} blocks, {num_computed} tokens computed"
+            )
+        if queue == "offloading" and num_blocks < snapshot.num_blocks:
+            raise IntegrityError(f"offloading request {rid} holds {num_blocks} blocks")
+        if queue == "resuming" and num_blocks != snapshot.num_blocks:
+            raise IntegrityError(f"resuming request {rid} holds {num_blocks} blocks")

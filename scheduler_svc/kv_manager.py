@@ -1,0 +1,132 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool.
+
+Check-then-act, as in nano-vllm: `allocate_slots` returns None (and changes
+nothing) when the pool cannot cover the request plus what the caller asks to
+keep back. Prefix caching: a block is registered under its prefix hash only
+once its KV has been computed (`cache_full_blocks`, called after a step), so
+a prefix hit always finds valid KV.
+
+    prompt + output  |aaaa|bbbb|cccc|dd    block_size 4
+    block_hashes      h0   h1   h2         h_i = H(h_{i-1}, tokens of block i)
+    prefix hit        stops before the block holding the last token, which
+                      must be computed to sample the next one
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.request import Request
+
+_ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """128-bit prefix hash: collisions would silently serve another prompt's KV."""
+    return xxhash.xxh3_128_intdigest(
+        parent_hash.to_bytes(16, "little") + array("I", token_ids).tobytes()
+    )
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _ensure_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        hashes = req.block_hashes
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, req.token_ids(i * size, (i + 1) * size)))
+        return hashes
+
+    def find_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding the longest computed prefix of req's tokens."""
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit_ids: list[int] = []
+        if max_blocks == 0:
+            return hit_ids
+        pool = self.pool
+        for block_hash in self._ensure_block_hashes(req, max_blocks)[:max_blocks]:
+            block_id = pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        prefix_block_ids: Sequence[int] = (),
+        num_reserved_blocks: int = 0,
+    ) -> list[int] | None:
+        """Grows req's block table to cover num_computed + prefix + num_new_tokens.
+
+        `prefix_block_ids` (from `find_prefix`, only for a request holding no
+        blocks) are taken as computed. Returns the newly allocated block ids,
+        or None if fewer than `num_reserved_blocks` allocatable blocks would
+        be left afterwards.
+        """
+        pool = self.pool
+        num_prefix_tokens = len(prefix_block_ids) * self.block_size
+        num_needed = self.num_blocks_for(
+            req.num_computed_tokens + num_prefix_tokens + num_new_tokens
+        ) - len(req.block_ids) - len(prefix_block_ids)
+        # Evictable prefix blocks stop being allocatable once taken.
+        num_evictable_hits = sum(1 for b in prefix_block_ids if pool.ref_cnt(b) == 0)
+        if num_needed + num_evictable_hits + num_reserved_blocks > pool.num_allocatable_blocks:
+            return None
+        if prefix_block_ids:
+            if req.block_ids:
+                raise ValueError(f"request {req.request_id} already holds blocks")
+            pool.touch(prefix_block_ids)
+            req.block_ids.extend(prefix_block_ids)
+            req.num_computed_tokens = num_prefix_tokens
+            req.num_cached_blocks = len(prefix_block_ids)
+        new_ids = pool.allocate(num_needed) if num_needed > 0 else []
+        req.block_ids.extend(new_ids)
+        return new_ids
+
+    def allocate_fresh(self, req: Request, num_blocks: int) -> list[int] | None:
+        """A new block table of `num_blocks` uncached blocks (restore target)."""
+        if req.block_ids:
+            raise ValueError(f"request {req.request_id} already holds blocks")
+        if not self.pool.can_allocate(num_blocks):
+            return None
+        req.block_ids = self.pool.allocate(num_blocks)
+        req.num_cached_blocks = 0
+        return req.block_ids
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Registers req's blocks whose every position now has computed KV."""
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        start = req.num_cached_blocks
+        if num_full <= start:
+            return
+        hashes = self._ensure_block_hashes(req, num_full)
+        pool = self.pool
+        block_ids = req.block_ids
+        for i in range(start, num_full):
+            # Duplicate prefix (computed twice concurrently): the block stays uncached.
+            pool.cache_block(block_ids[i], hashes[i])
+        req.num_cached_blocks = num_full
+
+    def num_exclusive_blocks(self, req: Request) -> int:
+        """Blocks freeing req would release (not shared with another request)."""
+        return self.pool.count_exclusive(req.block_ids)
+
+    def free(self, req: Request) -> None:
+        """Releases req's blocks; its cached full blocks stay reusable (evictable)."""
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0

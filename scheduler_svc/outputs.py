@@ -1,0 +1,137 @@
+"""Contracts between the scheduler core and the engine that drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import RequestStatus, SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's work in a step.
+
+    Prefill chunk of prompt (+ output, after a recompute):
+        token_ids = tokens[start_pos : start_pos + n], sample on the last chunk only
+    Decode:
+        token_ids = [output[-1]], start_pos = len(prompt) + len(output) - 1, sample
+    """
+
+    # The request this work belongs to.
+    request_id: str
+    # Tokens whose KV this step computes, at positions start_pos, start_pos + 1, ...
+    token_ids: list[int]
+    # Position of token_ids[0].
+    start_pos: int
+    # The request's whole block table; the scheduler's own list, read-only for
+    # the engine and valid until the next schedule().
+    block_ids: list[int]
+    # Whether this step samples a token for the request (decode, or the chunk
+    # that completes the prefill).
+    sample: bool
+    # How to sample it.
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class OffloadCommand:
+    """Copy a preempted request's blocks into a cache-service snapshot.
+
+    The blocks stay allocated (nobody else may write them) until the engine
+    reports back with `Scheduler.finish_offload`.
+    """
+
+    # The preempted request.
+    request_id: str
+    # Key to store the snapshot under.
+    snapshot_id: str
+    # Blocks to copy, in order; they hold positions [0, num_tokens).
+    block_ids: list[int]
+    # Positions of KV to keep.
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class RestoreCommand:
+    """Copy a snapshot back into freshly allocated blocks.
+
+    Answered with `Scheduler.finish_restore`; the request is not scheduled
+    until then.
+    """
+
+    # The request being resumed.
+    request_id: str
+    # Snapshot to read.
+    snapshot_id: str
+    # Target blocks, in order (as many as the snapshot holds).
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything one `schedule()` call decided."""
+
+    # Increases by one per schedule() call; update() must get the latest one.
+    step_id: int
+    # Work for the model this step: decodes first, then prefill chunks.
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Snapshots to take (preempted decode requests).
+    offloads: list[OffloadCommand] = field(default_factory=list)
+    # Snapshots to bring back (resuming requests).
+    restores: list[RestoreCommand] = field(default_factory=list)
+    # Sum of len(seq.token_ids): never above max_num_batched_tokens.
+    num_scheduled_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What a step produced for one request, for streaming to its client."""
+
+    # The request.
+    request_id: str
+    # Tokens appended to its output this step (the stop token included).
+    new_token_ids: list[int]
+    # FINISHED_STOPPED / FINISHED_LENGTH when it finished now, else None.
+    finish_status: RequestStatus | None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Point-in-time counters; the service exports them as metrics."""
+
+    # Blocks in the pool.
+    num_total_blocks: int
+    # Tokens per block.
+    block_size: int
+    # Blocks never used or fully released (no cached prefix).
+    num_free_blocks: int
+    # Cached prefix blocks nobody holds; reclaimed LRU.
+    num_evictable_blocks: int
+    # Requests computing their prompt.
+    num_running_prefill: int
+    # Requests generating.
+    num_running_decode: int
+    # Requests queued for (re)prefill.
+    num_waiting: int
+    # OFFLOADING + OFFLOADED + RESUMING.
+    num_offloaded: int
+    # Current decode-growth estimate used by admission.
+    new_token_ratio: float
+    # Preemptions that stashed KV in the cache.
+    num_preemptions_offload: int
+    # Preemptions that dropped KV at once.
+    num_preemptions_recompute: int
+    # Offloads that failed and fell back to recompute.
+    num_offload_failures: int
+    # Restores that failed and fell back to recompute.
+    num_restore_failures: int
+    # Tokens prefilled again because of recompute preemptions.
+    num_recomputed_tokens: int
+    # Requests finished in any way, aborted included.
+    num_finished: int
+    # Snapshot bytes committed by the cache service.
+    bytes_offloaded: int
+    # Snapshot bytes restored into blocks.
+    bytes_restored: int
+    # schedule() calls.
+    num_steps: int

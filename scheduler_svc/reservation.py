@@ -1,0 +1,64 @@
+"""Admission control: blocks kept back for the growth of running decodes.
+
+    reserved_tokens(req) = min(max_tokens - len(output), clip_max_new_tokens) * new_token_ratio
+    reserved_blocks(req) = ceil(reserved_tokens(req) / block_size)
+
+new_token_ratio starts at init, drops by (init - min) / decay_steps every step
+(min = init * min_new_token_ratio_factor), goes back to init when the
+scheduler is idle, and after a preemption is re-estimated from real progress:
+
+    ratio = (sum(len(output)) + retract_steps * num_decode) / (sum(max_tokens) + 1)
+
+capped at init, over the decode requests still running. Under the
+FIXED_BLOCKS policy every decode request reserves fixed_blocks_per_decode
+blocks instead; the ratio is still tracked (and reported) either way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from scheduler_svc.config import ReservationPolicy, SchedulerConfig
+from scheduler_svc.request import Request
+
+
+class Reservation:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.init_ratio = config.init_new_token_ratio
+        self.min_ratio = config.min_new_token_ratio
+        self.decay = config.new_token_ratio_decay
+        self.new_token_ratio = self.init_ratio
+
+    def on_step(self, idle: bool) -> None:
+        """Called once per scheduling step, before any preemption."""
+        if idle:
+            self.new_token_ratio = self.init_ratio
+        else:
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.decay)
+
+    def on_preemption(self, decoding: Iterable[Request]) -> None:
+        """Re-estimates the ratio from the decode requests that keep running."""
+        num_decoded = 0
+        num_max_tokens = 0
+        num_decode = 0
+        for req in decoding:
+            num_decoded += len(req.output_token_ids)
+            num_max_tokens += req.sampling.max_tokens
+            num_decode += 1
+        ratio = (num_decoded + self.config.retract_steps * num_decode) / (num_max_tokens + 1)
+        self.new_token_ratio = min(ratio, self.init_ratio)
+
+    def reserved_tokens(self, req: Request) -> float:
+        remaining = min(req.num_remaining_tokens, self.config.clip_max_new_tokens)
+        return max(remaining, 0) * self.new_token_ratio
+
+    def reserved_blocks(self, req: Request) -> int:
+        config = self.config
+        if config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
+            return config.fixed_blocks_per_decode
+        return math.ceil(self.reserved_tokens(req) / config.block_size)
+
+    def total_reserved_blocks(self, reqs: Iterable[Request]) -> int:
+        return sum(self.reserved_blocks(req) for req in reqs)

@@ -1,0 +1,123 @@
+"""Shared helpers for the cache tests: layouts, payloads, raw put streams, and
+real server processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvstash.v1 import cache_pb2, common_pb2
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def make_layout(
+    dtype: str = "float16", num_layers: int = 2, block_size: int = 16,
+    num_kv_heads: int = 4, head_dim: int = 64,
+) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(
+        num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype,
+    )
+
+
+def bytes_per_block(layout: common_pb2.KvLayout) -> int:
+    return (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
+            * ITEMSIZE[layout.dtype])
+
+
+def make_payload(layout: common_pb2.KvLayout, num_blocks: int, seed: int = 0) -> np.ndarray:
+    """A KV tensor of the layout's dtype, as raw bytes. bfloat16 (which numpy
+    lacks) is built as the top halves of float32 values, as torch stores it."""
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)
+    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    if layout.dtype == "bfloat16":
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        raw = values.astype(layout.dtype)
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+
+
+def make_header(
+    snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, chunk_bytes: int = MIB,
+    pinned: bool = True, ttl_s: int = 0, total_bytes: int | None = None,
+) -> cache_pb2.SnapshotHeader:
+    return cache_pb2.SnapshotHeader(
+        snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
+        num_tokens=num_blocks * layout.block_size,
+        total_bytes=num_blocks * bytes_per_block(layout) if total_bytes is None else total_bytes,
+        chunk_bytes=chunk_bytes, checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64,
+        pinned=pinned, ttl_s=ttl_s,
+    )
+
+
+def chunk_msg(index: int, data: bytes, checksum: int | None = None) -> cache_pb2.PutSnapshotRequest:
+    return cache_pb2.PutSnapshotRequest(chunk=cache_pb2.Chunk(
+        index=index, data=data,
+        checksum=xxhash.xxh3_64_intdigest(data) if checksum is None else checksum,
+    ))
+
+
+def split(data: bytes, chunk_bytes: int) -> list[bytes]:
+    return [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)]
+
+
+@dataclass
+class CacheProcess:
+    proc: subprocess.Popen[str]
+    address: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"{field} not in /proc/{self.pid}/status")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout_s: float = 15) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+
+def start_cache_process(*args: str, timeout_s: float = 30) -> CacheProcess:
+    """Runs `python -m cache_svc --listen 127.0.0.1:0 ARGS` and waits for its
+    readiness line."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0", "--log-level", "warning",
+         *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    for line in _lines(proc):
+        if line.startswith("KVSTASH_READY cache "):
+            return CacheProcess(proc, line.split()[2])
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"cache process exited with {proc.wait()} before it was ready")
+
+
+def _lines(proc: subprocess.Popen[str]) -> Iterator[str]:
+    assert proc.stdout is not None
+    yield from proc.stdout

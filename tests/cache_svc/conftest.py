@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_svc.config import CacheConfig
+from cache_svc.server import CacheServer, create_cache_server
+from kvstash.cache_client import CacheClient
+from kvstash.rpc import insecure_channel
+from kvstash.v1 import cache_pb2_grpc
+
+# The test modules import `cache_helpers` from this folder; tests/ is not a
+# package (a tests/cache_svc package would shadow the real cache_svc).
+sys.path.insert(0, str(Path(__file__).parent))
+
+MIB = 1 << 20
+
+
+@dataclass
+class Running:
+    cache: CacheServer
+    client: CacheClient
+    stub: cache_pb2_grpc.KVCacheStub  # for hand-made (malformed) streams
+    disk_dir: Path
+
+    def disk_files(self) -> list[str]:
+        return sorted(p.name for p in self.disk_dir.iterdir()) if self.disk_dir.exists() else []
+
+    async def assert_nothing_left(self) -> None:
+        stats = await self.client.stats()
+        assert stats.reserved_bytes == 0
+        assert stats.memory_snapshots == stats.disk_snapshots == 0
+        assert stats.memory_bytes == stats.disk_bytes == 0
+        assert self.disk_files() == []
+        self.cache.store.check_integrity()
+
+
+StartCache = Callable[..., Awaitable[Running]]
+
+
+@pytest.fixture
+async def start_cache(tmp_path: Path) -> AsyncIterator[StartCache]:
+    """Starts in-process cache servers on port 0; `start_cache(memory_budget_bytes=...)`
+    overrides config fields (the disk tier defaults to tmp_path/disk, 64 MiB)."""
+    started: list[tuple[Running, Any]] = []
+
+    async def start(**overrides: Any) -> Running:
+        fields: dict[str, Any] = {
+            "memory_budget_bytes": 32 * MIB,
+            "disk_dir": tmp_path / "disk",
+            "disk_budget_bytes": 64 * MIB,
+            "reserve_wait_s": 1.0,
+        }
+        fields.update(overrides)
+        config = CacheConfig(**fields)
+        _server, port, cache = await create_cache_server(config, "127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        channel = insecure_channel(address)
+        running = Running(cache, CacheClient(address, chunk_bytes=MIB),
+                          cache_pb2_grpc.KVCacheStub(channel), tmp_path / "disk")
+        started.append((running, channel))
+        return running
+
+    yield start
+    for running, channel in started:
+        await running.client.close()
+        await channel.close()
+        await running.cache.stop(0)

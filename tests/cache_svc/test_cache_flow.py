@@ -1,0 +1,83 @@
+"""Backpressure: a slow reader paces the server, a slow disk paces writers,
+and many concurrent streams stay within the accounting budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from cache_helpers import MIB, make_layout, make_payload
+
+from kvstash.cache_client import CacheClient
+from kvstash.v1 import cache_pb2
+
+LAYOUT = make_layout()  # 32 KiB blocks
+
+
+async def test_slow_reader_paces_the_server(start_cache) -> None:
+    running = await start_cache(memory_budget_bytes=64 * MIB)
+    data = make_payload(LAYOUT, 1536)  # 48 MiB, 48 chunks of 1 MiB
+    await running.client.put("big", LAYOUT, 1536, 0, data)
+    call = running.stub.GetSnapshot(cache_pb2.GetSnapshotRequest(snapshot_id="big"))
+    received = bytearray()
+    async for response in call:
+        if response.HasField("chunk"):
+            received += response.chunk.data
+            if len(received) == 2 * MIB:
+                break
+    await asyncio.sleep(1.0)  # the reader stalls; the server must not run ahead
+    sent = (await running.client.stats()).bytes_out
+    assert sent < 16 * MIB, f"server produced {sent / MIB:.0f} MiB for a stalled reader"
+    async for response in call:
+        received += response.chunk.data
+    assert bytes(received) == data.tobytes()
+
+
+async def test_slow_disk_makes_writers_wait(start_cache) -> None:
+    # 8 MiB of memory and a 20 MiB/s disk: every put beyond the second waits
+    # for a 4 MiB spill (~0.2 s); memory accounting never exceeds the budget.
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=64 * MIB,
+                                disk_write_bytes_per_s=20 * MIB, reserve_wait_s=10)
+    store = running.cache.store
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            stats = store.stats()
+            peak = max(peak, stats.memory_bytes + stats.reserved_bytes)
+            store.check_integrity()
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.ensure_future(watch())
+    payloads = [make_payload(LAYOUT, 128, seed=i) for i in range(6)]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.gather(*(running.client.put(f"s{i}", LAYOUT, 128, 0, p)
+                           for i, p in enumerate(payloads)))
+    elapsed = loop.time() - started
+    watcher.cancel()
+    assert elapsed > 0.6, f"6 puts took {elapsed:.2f} s; spills of 16 MiB at 20 MiB/s did not pace them"
+    assert peak <= 8 * MIB
+    for i, p in enumerate(payloads):
+        assert (await running.client.get(f"s{i}"))[1] == p.tobytes()
+    assert (await running.client.stats()).num_spills >= 4
+
+
+async def test_concurrent_puts_and_gets_in_process(start_cache) -> None:
+    running = await start_cache(memory_budget_bytes=24 * MIB, disk_budget_bytes=128 * MIB,
+                                max_inflight_bytes=8 * MIB, reserve_wait_s=20)
+    address = running.client.address
+    payloads = [make_payload(LAYOUT, 64 + i, seed=i) for i in range(16)]
+    async with CacheClient(address, chunk_bytes=MIB) as a, CacheClient(address) as b:
+        clients = [a, b]
+        await asyncio.gather(*(clients[i % 2].put(f"c{i}", LAYOUT, 64 + i, 0, p)
+                               for i, p in enumerate(payloads)))
+        outs = [np.zeros_like(p) for p in payloads]
+        await asyncio.gather(*(clients[i % 2].get_into(f"c{i}", memoryview(o))
+                               for i, o in enumerate(outs)))
+    for p, o in zip(payloads, outs, strict=True):
+        assert o.tobytes() == p.tobytes()
+    stats = await running.client.stats()
+    assert stats.memory_bytes <= 24 * MIB and stats.reserved_bytes == 0
+    running.cache.store.check_integrity()

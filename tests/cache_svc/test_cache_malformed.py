@@ -1,0 +1,163 @@
+"""Every malformed put is refused with its status code and leaves nothing
+behind: no snapshot, no reservation, no file."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from cache_helpers import MIB, chunk_msg, make_header, make_layout, make_payload, split
+
+from kvstash.v1 import cache_pb2
+
+LAYOUT = make_layout()  # 32 KiB blocks
+NUM_BLOCKS = 100  # 3.125 MiB: chunks of 1, 1, 1 and 0.125 MiB
+DATA = make_payload(LAYOUT, NUM_BLOCKS).tobytes()
+PIECES = split(DATA, MIB)
+HEADER = cache_pb2.PutSnapshotRequest(header=make_header("snap", LAYOUT, NUM_BLOCKS))
+
+
+def good(indices: list[int]) -> list[cache_pb2.PutSnapshotRequest]:
+    return [chunk_msg(i, PIECES[i]) for i in indices]
+
+
+def with_header(**fields) -> list[cache_pb2.PutSnapshotRequest]:
+    header = make_header(fields.pop("snapshot_id", "snap"), LAYOUT, NUM_BLOCKS, **fields)
+    return [cache_pb2.PutSnapshotRequest(header=header), *good([0, 1, 2, 3])]
+
+
+OK = grpc.StatusCode.OK
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+CASES = {
+    # name: (messages sent, expected status, words the message must contain)
+    "missing_middle_chunk": ([HEADER, *good([0, 1, 3])], BAD, "chunk 3 is out of order"),
+    "missing_last_chunk": ([HEADER, *good([0, 1, 2])], BAD, "chunk 3 is missing"),
+    "no_chunks": ([HEADER], BAD, "after 0 of 4 chunks"),
+    "extra_chunk": ([HEADER, *good([0, 1, 2, 3]), chunk_msg(4, b"x" * 10)], BAD,
+                    "chunk 4 is extra"),
+    "duplicated_chunk": ([HEADER, *good([0, 1, 1, 2, 3])], BAD, "chunk 1 is a duplicate"),
+    "out_of_order": ([HEADER, *good([0, 2, 1, 3])], BAD, "chunk 2 is out of order"),
+    "short_chunk": ([HEADER, *good([0]), chunk_msg(1, PIECES[1][:-1]), *good([2, 3])], BAD,
+                    "chunk 1 has 1048575 bytes, expected 1048576"),
+    "long_last_chunk": ([HEADER, *good([0, 1, 2]), chunk_msg(3, PIECES[3] + b"\0")], BAD,
+                        "chunk 3 has 131073 bytes, expected 131072"),
+    "checksum_mismatch": ([HEADER, *good([0, 1]), chunk_msg(2, PIECES[2], checksum=12345),
+                           *good([3])], grpc.StatusCode.DATA_LOSS, "chunk 2 checksum mismatch"),
+    "payload_before_header": ([*good([0]), HEADER, *good([1, 2, 3])], BAD,
+                              "first message is chunk 0"),
+    "second_header": ([HEADER, *good([0, 1]), HEADER, *good([2, 3])], BAD,
+                      "second header after 2 chunks"),
+    "empty_stream": ([], BAD, "stream is empty"),
+    "id_path_traversal": (with_header(snapshot_id="../x"), BAD, "outside [A-Za-z0-9._-]"),
+    "id_slash": (with_header(snapshot_id="a/b"), BAD, "outside [A-Za-z0-9._-]"),
+    "id_empty": (with_header(snapshot_id=""), BAD, "snapshot id is empty"),
+    "id_200_chars": (with_header(snapshot_id="a" * 200), BAD, "has 200 chars, at most 128"),
+    "id_leading_dot": (with_header(snapshot_id=".hidden"), BAD, "must not start with '.'"),
+    "total_bytes_inconsistent": (with_header(total_bytes=len(DATA) + 1), BAD,
+                                 "100 blocks of 32768 bytes make 3276800"),
+    "chunk_bytes_too_small": (with_header(chunk_bytes=MIB - 1), BAD, "chunk_bytes is 1048575"),
+    "chunk_bytes_too_large": (with_header(chunk_bytes=4 * MIB + 1), BAD,
+                              "chunk_bytes is 4194305"),
+}
+
+
+def unknown_checksum() -> list[cache_pb2.PutSnapshotRequest]:
+    messages = with_header()
+    messages[0].header.checksum_algorithm = cache_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED
+    return messages
+
+
+def unknown_dtype() -> list[cache_pb2.PutSnapshotRequest]:
+    messages = with_header()
+    messages[0].header.layout.dtype = "int8"
+    return messages
+
+
+CASES["unknown_checksum_algorithm"] = (unknown_checksum(), BAD, "checksum algorithm 0")
+CASES["unknown_dtype"] = (unknown_dtype(), BAD, "dtype 'int8' unknown")
+
+
+async def send(stub, messages) -> grpc.aio.AioRpcError | None:
+    async def requests():
+        for message in messages:
+            yield message
+
+    try:
+        await stub.PutSnapshot(requests(), timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_malformed_put_is_rejected_and_leaves_nothing(start_cache, case) -> None:
+    messages, code, words = CASES[case]
+    running = await start_cache()
+    error = await send(running.stub, messages)
+    assert error is not None, "the put was accepted"
+    assert error.code() == code, error.details()
+    assert words in error.details()
+    await running.assert_nothing_left()
+    # The same id still works afterwards: nothing half-made blocks it.
+    assert await send(running.stub, [HEADER, *good([0, 1, 2, 3])]) is None
+
+
+async def test_well_formed_control_case_is_accepted(start_cache) -> None:
+    running = await start_cache()
+    assert await send(running.stub, [HEADER, *good([0, 1, 2, 3])]) is None
+    _, data = await running.client.get("snap")
+    assert data == DATA
+
+
+async def test_duplicate_id_is_already_exists(start_cache) -> None:
+    running = await start_cache()
+    assert await send(running.stub, [HEADER, *good([0, 1, 2, 3])]) is None
+    error = await send(running.stub, [HEADER, *good([0, 1, 2, 3])])
+    assert error is not None and error.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def stalled_put(running):
+    """Starts a put that sends the header and one chunk, then stalls; returns
+    the call once the server has reserved room for it."""
+    stall = asyncio.Event()
+
+    async def requests():
+        yield HEADER
+        yield chunk_msg(0, PIECES[0])
+        await stall.wait()
+
+    call = running.stub.PutSnapshot(requests(), timeout=20)
+    for _ in range(200):
+        stats = await running.client.stats()
+        if stats.reserved_bytes and stats.bytes_in:
+            return call
+        await asyncio.sleep(0.01)
+    raise AssertionError("the put never got going")
+
+
+async def test_client_cancellation_mid_stream_leaves_nothing(start_cache) -> None:
+    running = await start_cache()
+    call = await stalled_put(running)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    for _ in range(200):
+        stats = await running.client.stats()
+        if stats.num_failed_puts:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.num_failed_puts == 1
+    await running.assert_nothing_left()
+
+
+async def test_server_shutdown_mid_stream_aborts_put(start_cache) -> None:
+    running = await start_cache()
+    call = await stalled_put(running)
+    await running.cache.stop(grace_s=0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    stats = running.cache.store.stats()
+    assert stats.reserved_bytes == 0 and stats.num_failed_puts == 1
+    assert stats.memory_snapshots == 0 and running.disk_files() == []

@@ -1,0 +1,114 @@
+"""Real `python -m cache_svc` processes: restart recovery, resident memory
+under many concurrent streams, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import numpy as np
+import pytest
+from cache_helpers import MIB, make_layout, make_payload, start_cache_process
+
+from kvstash import errors
+from kvstash.cache_client import CacheClient
+from kvstash.v1 import cache_pb2
+
+LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
+NUM_BLOCKS = 128  # 4 MiB
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
+        return response.read().decode()
+
+
+@pytest.fixture
+def processes():
+    started = []
+    yield started
+    for process in started:
+        if process.proc.poll() is None:
+            process.kill()
+
+
+async def test_disk_tier_survives_sigkill(tmp_path, processes) -> None:
+    disk = tmp_path / "disk"
+    args = ("--memory-budget", "8MiB", "--disk-dir", str(disk), "--disk-budget", "64MiB")
+    first = start_cache_process(*args)
+    processes.append(first)
+    payloads = {name: make_payload(LAYOUT, NUM_BLOCKS, seed=i) for i, name in enumerate("abc")}
+    async with CacheClient(first.address) as client:
+        for name, data in payloads.items():
+            await client.put(name, LAYOUT, NUM_BLOCKS, 100, data, ttl_s=3600)
+        assert (await client.stat("a")).tier == cache_pb2.TIER_DISK
+    first.kill()
+    (disk / ".tmp~a~0123456789abcdef").write_bytes(b"half a snapshot")  # a crash mid-spill
+
+    second = start_cache_process(*args)
+    processes.append(second)
+    async with CacheClient(second.address) as client:
+        out = np.zeros_like(payloads["a"])
+        header = await client.get_into("a", memoryview(out))
+        assert out.tobytes() == payloads["a"].tobytes()
+        assert (header.num_tokens, header.ttl_s, header.pinned) == (100, 3600, True)
+        for lost in "bc":  # memory-tier snapshots die with the process
+            with pytest.raises(errors.NotFound):
+                await client.stat(lost)
+        stats = await client.stats()
+        assert (stats.disk_snapshots, stats.disk_bytes) == (1, 4 * MIB)
+    assert [p.name for p in disk.iterdir() if p.name.startswith(".tmp")] == []
+
+
+async def test_resident_memory_bounded_under_32_streams(tmp_path, processes) -> None:
+    budget, inflight = 48 * MIB, 16 * MIB
+    process = start_cache_process(
+        "--memory-budget", "48MiB", "--disk-dir", str(tmp_path / "disk"),
+        "--disk-budget", "512MiB", "--max-inflight", "16MiB", "--reserve-wait", "60",
+    )
+    processes.append(process)
+    baseline = process.rss_bytes()
+    payloads = [make_payload(LAYOUT, NUM_BLOCKS, seed=i) for i in range(32)]  # 128 MiB
+    clients = [CacheClient(process.address, chunk_bytes=(1 + i % 4) * MIB) for i in range(4)]
+    try:
+        await asyncio.gather(*(clients[i % 4].put(f"s{i}", LAYOUT, NUM_BLOCKS, 0, p)
+                               for i, p in enumerate(payloads)))
+        outs = [np.zeros_like(p) for p in payloads]
+        await asyncio.gather(*(clients[i % 4].get_into(f"s{i}", memoryview(o))
+                               for i, o in enumerate(outs)))
+        stats = await clients[0].stats()
+    finally:
+        for client in clients:
+            await client.close()
+    for p, o in zip(payloads, outs, strict=True):
+        assert o.tobytes() == p.tobytes()
+    peak = process.rss_bytes("VmHWM")
+    # Documented overhead: 4 copies of the in-flight budget plus the HTTP/2
+    # windows of 4 connections (~16 MiB), over the idle baseline.
+    limit = baseline + budget + 4 * inflight + 32 * MIB
+    print(f"baseline {baseline / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB, "
+          f"limit {limit / MIB:.0f} MiB, spills {stats.num_spills}")
+    assert stats.num_spills >= 20 and stats.memory_bytes <= budget
+    assert peak <= limit, f"peak RSS {peak / MIB:.0f} MiB > {limit / MIB:.0f} MiB"
+
+
+async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    process = start_cache_process("--memory-budget", "64MiB", "--metrics-port",
+                                  str(metrics_port), "--grace", "10")
+    processes.append(process)
+    data = make_payload(LAYOUT, 4 * NUM_BLOCKS)  # 16 MiB
+    async with CacheClient(process.address) as client:
+        await client.put("before", LAYOUT, NUM_BLOCKS, 0, data[: 4 * MIB])
+        text = await asyncio.to_thread(scrape, metrics_port)
+        assert "kvstash_cache_puts_total 1.0" in text
+        assert "kvstash_cache_memory_bytes 4.194304e+06" in text
+        put = asyncio.ensure_future(client.put("during", LAYOUT, 4 * NUM_BLOCKS, 0, data))
+        await asyncio.sleep(0.05)
+        process.proc.send_signal(15)
+        assert await put == 16 * MIB  # in flight when SIGTERM came: finished
+    assert await asyncio.to_thread(process.proc.wait, 15) == 0

@@ -1,0 +1,75 @@
+"""Offload and restore through a real KV cache service, both over real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
+from gpu_worker.config import WorkerConfig
+from gpu_worker.runner import SeqWork
+from gpu_worker.server import create_worker_server
+from kvstash.rpc import MIB, insecure_channel
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from tests.gpu_worker.test_worker_server import run_steps
+from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_runner, prompt
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
+    _, cache_port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0")
+    config = WorkerConfig(block_size=4, num_blocks=64, cache_address=f"127.0.0.1:{cache_port}",
+                          cache_timeout_s=10.0)
+    worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
+    channel = insecure_channel(f"127.0.0.1:{worker.port}")
+    yield worker_pb2_grpc.WorkerStub(channel)
+    await channel.close()
+    await worker.server.stop(None)
+    await worker.servicer.close()
+    await cache.stop(None)
+
+
+async def test_offloaded_request_resumes_with_identical_tokens(
+        stub: worker_pb2_grpc.WorkerStub) -> None:
+    ids = prompt("Preempt me after a few tokens, please.")
+    expected = greedy_generate(make_runner(), ids, 16, blocks_for(len(ids) + 16))
+    old, new = blocks_for(len(ids) + 16, 0), blocks_for(len(ids) + 16, 20)[::-1]
+    steps = [[SeqWork("a", ids, 0, old, True)]]
+    out = [(await run_steps(stub, steps))[0][0][1]]
+    for _ in range(5):
+        pos = len(ids) + len(out) - 1
+        out.append((await run_steps(stub, [[SeqWork("a", [out[-1]], pos, old, True)]]))[0][0][1])
+    num_tokens = len(ids) + len(out) - 1  # the last sampled token has no KV yet
+    used = old[: -(-num_tokens // 4)]
+    off = await stub.Offload(worker_pb2.OffloadRequest(
+        request_id="a", snapshot_id="req-a", block_ids=used, num_tokens=num_tokens,
+        pinned=True))
+    assert off.num_bytes == len(used) * 8192
+    # Someone else's step overwrites the old blocks before the request resumes.
+    await run_steps(stub, [[SeqWork("intruder", [7] * len(used) * 4, 0, used)]])
+    restored = await stub.Restore(worker_pb2.RestoreRequest(
+        request_id="a", snapshot_id="req-a", block_ids=new[: len(used)]))
+    assert restored.num_bytes == off.num_bytes
+    while len(out) < 16:
+        pos = len(ids) + len(out) - 1
+        out.append((await run_steps(stub, [[SeqWork("a", [out[-1]], pos, new, True)]]))[0][0][1])
+    assert out == expected
+
+
+async def test_cache_side_errors_keep_their_codes(stub: worker_pb2_grpc.WorkerStub) -> None:
+    request = worker_pb2.OffloadRequest(snapshot_id="dup", block_ids=[0, 1], num_tokens=8)
+    await stub.Offload(request)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Offload(request)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Restore(worker_pb2.RestoreRequest(snapshot_id="missing", block_ids=[3]))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Offload(worker_pb2.OffloadRequest(snapshot_id="../etc", block_ids=[0],
+                                                     num_tokens=1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,135 @@
+"""Loading a local Llama / Qwen2 checkpoint directory written by the test itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from gpu_worker.checkpoint import load_checkpoint, parse_model_config
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model import CausalLM, fill_random
+from gpu_worker.runner import SeqWork, build_runner
+from kvstash.tokenizer import load_tokenizer
+
+WORDS = ["[UNK]", "<eos>", "hello", "world", "the", "cache", "stash", "kv", "blocks"]
+
+QWEN2 = {
+    "model_type": "qwen2", "vocab_size": 40, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": True, "eos_token_id": [1, 2], "torch_dtype": "bfloat16",
+}
+LLAMA = {
+    "model_type": "llama", "vocab_size": 40, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 512,
+    "tie_word_embeddings": False, "attention_bias": False, "eos_token_id": 1,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+def _tokenizer_json() -> str:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+def write_checkpoint(directory: Path, raw: dict[str, Any], shards: int = 2,
+                     edit: dict[str, torch.Tensor | None] | None = None) -> CausalLM:
+    """Writes config.json, model-*.safetensors and tokenizer.json; returns the
+    model whose tensors were written (`edit` replaces or, with None, drops some)."""
+    source = CausalLM(parse_model_config(raw), torch.float32)
+    fill_random(source, seed=5)
+    tensors = {n: p.detach().clone() for n, p in source.named_parameters()}
+    for name, value in (edit or {}).items():
+        if value is None:
+            tensors.pop(name)
+        else:
+            tensors[name] = value
+    names = sorted(tensors)
+    for i in range(shards):
+        save_file({n: tensors[n] for n in names[i::shards]},
+                  str(directory / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    (directory / "config.json").write_text(json.dumps(raw))
+    (directory / "tokenizer.json").write_text(_tokenizer_json())
+    return source
+
+
+@pytest.mark.parametrize("raw", [QWEN2, LLAMA], ids=["qwen2", "llama"])
+def test_loaded_checkpoint_matches_model_built_from_same_tensors(
+        tmp_path: Path, raw: dict[str, Any]) -> None:
+    source = write_checkpoint(tmp_path, raw)
+    loaded = load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    cfg = loaded.model.config
+    assert cfg.attention_bias == (raw["model_type"] == "qwen2")
+    assert cfg.head_dim == raw.get("head_dim", 16)
+    assert loaded.model.model.layers[0].self_attn.k_proj.weight.shape[0] == (
+        raw["num_key_value_heads"] * cfg.head_dim)
+    tokens = torch.tensor([2, 3, 4, 5, 6, 7, 8, 3, 2, 30, 31])
+    assert torch.equal(loaded.model.reference_forward(tokens), source.reference_forward(tokens))
+
+
+def test_worker_config_directory_gives_runner_and_tokenizer(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    runner = build_runner(WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8))
+    assert runner.name == tmp_path.name
+    assert runner.model_config.eos_token_ids == (1, 2)
+    assert runner.max_model_len == 256
+    tok = load_tokenizer(runner.tokenizer_json, runner.model_config.vocab_size,
+                         runner.model_config.eos_token_ids)
+    ids = tok.encode("hello the kv cache")
+    assert ids == [2, 4, 7, 5]
+    assert tok.decode(ids) == "hello the kv cache"
+    [token] = runner.execute([SeqWork("r", ids, 0, [0], sample=True)])
+    assert token is not None and 0 <= token < 40
+
+
+def test_bfloat16_load_casts(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA)
+    loaded = load_checkpoint(tmp_path, torch.bfloat16, torch.device("cpu"))
+    assert loaded.model.lm_head.weight.dtype == torch.bfloat16
+    logits = loaded.model.reference_forward(torch.tensor([2, 3, 4]))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"model.norm.weight": None}, r"missing tensor model.norm.weight \(want shape \[64\]\)"),
+        ({"model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)},
+         r"tensor model.layers.1.self_attn.k_proj.weight has shape \[64, 64\], want \[24, 64\]"),
+        ({"model.layers.0.mlp.extra.weight": torch.zeros(3)},
+         r"unexpected tensor model.layers.0.mlp.extra.weight \(shape \[3\]\)"),
+    ],
+)
+def test_mismatched_tensors_are_named(tmp_path: Path, edit: dict[str, torch.Tensor | None],
+                                      message: str) -> None:
+    write_checkpoint(tmp_path, LLAMA, edit=edit)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA,
+                     edit={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(12)})
+    load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_directory_problems_are_explained(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not one of"):
+        parse_model_config({**LLAMA, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="config.json lacks 'hidden_size'"):
+        parse_model_config({k: v for k, v in LLAMA.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        parse_model_config({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})

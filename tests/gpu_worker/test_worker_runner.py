@@ -1,0 +1,58 @@
+"""ModelRunner input validation: every bad step is refused before any KV is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.runner import ModelRunner, SeqWork
+from kvstash.errors import InvalidArgument
+from tests.gpu_worker.worker_factories import make_runner, tiny_model
+
+GOOD = SeqWork("good", [1, 2, 3], 0, [0], sample=True)
+
+
+@pytest.mark.parametrize(
+    ("seq", "message"),
+    [
+        (SeqWork("r", [], 0, [1]), "no token_ids"),
+        (SeqWork("r", [5, 258, 300], 0, [1]), r"token ids \[258, 300\] outside vocab of 258"),
+        (SeqWork("r", [5], 1024, [1] * 300), r"positions 1024..1024 exceed max_model_len 1024"),
+        (SeqWork("r", [5, 6], 7, [1, 2]), r"9 positions need 3 blocks of 4, block table has 2"),
+        (SeqWork("r", [5], 0, [64]), r"block ids \[64\] outside \[0, 64\)"),
+    ],
+)
+def test_bad_sequence_is_refused_and_cache_untouched(seq: SeqWork, message: str) -> None:
+    runner = make_runner()
+    before = runner.kv_cache.clone()
+    with pytest.raises(InvalidArgument, match=message):
+        runner.execute([GOOD, seq])  # the good one comes first and still must not run
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_two_requests_writing_one_slot_are_refused() -> None:
+    runner = make_runner()
+    with pytest.raises(InvalidArgument, match="'a' and 'b' both write block 3 offset 1"):
+        runner.execute([SeqWork("a", [1, 2], 0, [3]), SeqWork("b", [4], 1, [3])])
+    with pytest.raises(InvalidArgument, match="'a' appears twice"):
+        runner.execute([SeqWork("a", [1], 0, [3]), SeqWork("a", [4], 0, [5])])
+
+
+def test_shared_read_only_prefix_blocks_are_allowed() -> None:
+    runner = make_runner()
+    runner.execute([SeqWork("prefix", [10, 11, 12, 13], 0, [0])])
+    out = runner.execute([SeqWork("a", [20], 4, [0, 1], True), SeqWork("b", [21], 4, [0, 2], True)])
+    assert all(isinstance(t, int) for t in out)
+
+
+def test_execute_returns_none_for_non_sampling_seqs() -> None:
+    runner = make_runner()
+    out = runner.execute([SeqWork("a", [1, 2], 0, [0]), SeqWork("b", [3], 0, [1], True)])
+    assert out[0] is None and isinstance(out[1], int)
+
+
+def test_max_model_len_cap() -> None:
+    runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, max_model_len=10)
+    assert runner.max_model_len == 10
+    with pytest.raises(InvalidArgument, match="positions 8..10 exceed max_model_len 10"):
+        runner.execute([SeqWork("r", [1, 2, 3], 8, [0, 1, 2])])
