@@ -1,11 +1,18 @@
 """Cache throughput over loopback against a raw TCP socket moving the same bytes.
 
-    python -m bench.cache_bench [--size 256MiB]
+    python -m bench.cache_bench [--size 256MiB] [--rounds 5]
 
-Starts `python -m cache_svc` as a separate process, puts and gets one
-snapshot per chunk size (1, 2, 4 MiB) through CacheClient, and compares with
-a plain socket server process that receives and sends the same number of
-bytes. Prints a table, the ratios, and the server's peak resident memory.
+Starts `python -m cache_svc` and a plain socket server as separate processes.
+For each chunk size (1, 2, 4 MiB), each round puts and gets one snapshot
+through CacheClient and, right beside it, sends and receives the same bytes
+over a raw socket with the same chunking loop; ratios are taken per round (so
+machine noise hits both sides alike) and their median printed. Both gets land
+in the same preallocated buffer; the raw server receives into a reused 4 MiB
+buffer, the cache into a fresh snapshot buffer. Also prints peak resident
+memory of the cache server and of this (client) process.
+
+This process calls cache_svc.memory.tune_malloc() like the server: any process
+streaming snapshots should (see that module for why).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import multiprocessing
 import os
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -23,22 +31,24 @@ from pathlib import Path
 
 import numpy as np
 
+from cache_svc.memory import tune_malloc
 from kvstash.cache_client import CacheClient
 from kvstash.rpc import MIB, parse_bytes
 from kvstash.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 _IO_BYTES = 4 * MIB
+CHUNK_MIBS = (1, 2, 4)
 
 
 def _raw_server(listener: socket.socket) -> None:
-    """Per connection: 'P' + length -> receive and ack; 'G' + length -> send."""
+    """Per connection: 'P' + length -> receive and ack; 'G' + length + chunk -> send."""
     buffer = bytearray(_IO_BYTES)
     payload = bytes(_IO_BYTES)
     while True:
         conn, _ = listener.accept()
         with conn:
-            op, length = struct.unpack("<cQ", _recv_exact(conn, 9))
+            op, length, chunk = struct.unpack("<cQQ", _recv_exact(conn, 17))
             if op == b"P":
                 left = length
                 view = memoryview(buffer)
@@ -48,7 +58,7 @@ def _raw_server(listener: socket.socket) -> None:
             else:
                 left = length
                 while left:
-                    n = min(left, _IO_BYTES)
+                    n = min(left, chunk)
                     conn.sendall(payload[:n])
                     left -= n
 
@@ -60,23 +70,24 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def raw_socket_round(port: int, data: memoryview) -> tuple[float, float]:
-    """Seconds to send `data` to the raw server and to receive as many bytes."""
+def raw_socket_round(
+    port: int, data: memoryview, out: memoryview, chunk_bytes: int
+) -> tuple[float, float]:
+    """Seconds to send `data` to the raw server in `chunk_bytes` pieces, and to
+    receive as many bytes into `out`."""
     with socket.create_connection(("127.0.0.1", port)) as conn:
         started = time.perf_counter()
-        conn.sendall(struct.pack("<cQ", b"P", data.nbytes))
-        for start in range(0, data.nbytes, _IO_BYTES):
-            conn.sendall(data[start : start + _IO_BYTES])
+        conn.sendall(struct.pack("<cQQ", b"P", data.nbytes, chunk_bytes))
+        for start in range(0, data.nbytes, chunk_bytes):
+            conn.sendall(data[start : start + chunk_bytes])
         _recv_exact(conn, 1)
         put_s = time.perf_counter() - started
-    out = bytearray(data.nbytes)
-    view = memoryview(out)
     with socket.create_connection(("127.0.0.1", port)) as conn:
         started = time.perf_counter()
-        conn.sendall(struct.pack("<cQ", b"G", data.nbytes))
+        conn.sendall(struct.pack("<cQQ", b"G", data.nbytes, chunk_bytes))
         got = 0
         while got < data.nbytes:
-            got += conn.recv_into(view[got : got + _IO_BYTES])
+            got += conn.recv_into(out[got : got + chunk_bytes])
         get_s = time.perf_counter() - started
     return put_s, get_s
 
@@ -101,29 +112,50 @@ def vm_kib(pid: int, field: str) -> int:
     return 0
 
 
-async def cache_round(address: str, data: np.ndarray, chunk_bytes: int) -> tuple[float, float]:
+async def cache_round(
+    client: CacheClient, name: str, data: np.ndarray, out: np.ndarray
+) -> tuple[float, float]:
     layout = common_pb2.KvLayout(num_layers=1, block_size=1, num_kv_heads=1,
                                  head_dim=MIB // 4, dtype="float16")  # 1 MiB blocks
     num_blocks = data.nbytes // MIB
-    out = np.empty_like(data)
-    name = f"bench-{chunk_bytes}"
-    async with CacheClient(address, chunk_bytes=chunk_bytes, timeout_s=600) as client:
-        started = time.perf_counter()
-        await client.put(name, layout, num_blocks, num_blocks, data)
-        put_s = time.perf_counter() - started
-        started = time.perf_counter()
-        await client.get_into(name, out.data)
-        get_s = time.perf_counter() - started
-        await client.delete(name)
+    started = time.perf_counter()
+    await client.put(name, layout, num_blocks, num_blocks, data)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    await client.get_into(name, out.data)
+    get_s = time.perf_counter() - started
+    await client.delete(name)
     if not np.array_equal(out, data):
         raise AssertionError("snapshot came back different")
     return put_s, get_s
 
 
+async def run_rounds(
+    address: str, raw_port: int, data: np.ndarray, rounds: int
+) -> list[tuple[int, list[tuple[float, float, float, float]]]]:
+    """Per chunk size: (raw put, raw get, cache put, cache get) seconds per round."""
+    out = np.zeros_like(data)  # both paths' get destination, faulted in once
+    results = []
+    for chunk_mib in CHUNK_MIBS:
+        chunk_bytes = chunk_mib * MIB
+        times = []
+        async with CacheClient(address, chunk_bytes=chunk_bytes, timeout_s=600) as client:
+            for i in range(rounds):
+                raw_put, raw_get = raw_socket_round(raw_port, memoryview(data), out.data,
+                                                    chunk_bytes)
+                out[:] = 0
+                put_s, get_s = await cache_round(client, f"bench-{chunk_mib}-{i}", data, out)
+                times.append((raw_put, raw_get, put_s, get_s))
+        results.append((chunk_mib, times))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cache_bench")
     parser.add_argument("--size", type=parse_bytes, default=256 * MIB)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
+    tune_malloc()
     size = args.size // MIB * MIB
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
 
@@ -131,32 +163,31 @@ def main(argv: list[str] | None = None) -> int:
     raw = multiprocessing.get_context("fork").Process(target=_raw_server, args=(listener,),
                                                       daemon=True)
     raw.start()
-    raw_put, raw_get = raw_socket_round(listener.getsockname()[1], memoryview(data))
-    raw.kill()
-
-    proc, address = start_cache(memory_budget=size + 64 * MIB)
+    budget = size + 64 * MIB
+    proc, address = start_cache(memory_budget=budget)
     baseline_kib = vm_kib(proc.pid, "VmRSS")
-    rows = []
     try:
-        for chunk_mib in (1, 2, 4):
-            put_s, get_s = asyncio.run(cache_round(address, data, chunk_mib * MIB))
-            rows.append((chunk_mib, put_s, get_s))
+        results = asyncio.run(run_rounds(address, listener.getsockname()[1], data, args.rounds))
         peak_kib = vm_kib(proc.pid, "VmHWM")
     finally:
         proc.terminate()
         proc.wait(30)
+        raw.kill()
 
     mib = size / MIB
-    print(f"snapshot {mib:.0f} MiB over loopback, {os.cpu_count()} CPUs")
-    print(f"{'path':<22}{'put MiB/s':>11}{'get MiB/s':>11}{'put ratio':>11}{'get ratio':>11}")
-    print(f"{'raw TCP socket':<22}{mib / raw_put:>11.0f}{mib / raw_get:>11.0f}{1:>11.2f}{1:>11.2f}")
-    for chunk_mib, put_s, get_s in rows:
-        print(f"{f'cache, {chunk_mib} MiB chunks':<22}{mib / put_s:>11.0f}{mib / get_s:>11.0f}"
-              f"{raw_put / put_s:>11.2f}{raw_get / get_s:>11.2f}")
-    best = min(rows, key=lambda r: r[1] + r[2])
-    print(f"best chunk size: {best[0]} MiB (lowest put+get time)")
+    med = statistics.median
+    print(f"snapshot {mib:.0f} MiB over loopback, {os.cpu_count()} CPUs, "
+          f"median of {args.rounds} rounds (ratio = raw time / cache time, same round)")
+    print(f"{'chunk':<8}{'raw put':>9}{'raw get':>9}{'put MiB/s':>11}{'get MiB/s':>11}"
+          f"{'put ratio':>11}{'get ratio':>11}")
+    for chunk_mib, times in results:
+        print(f"{f'{chunk_mib} MiB':<8}"
+              f"{med(mib / t[0] for t in times):>9.0f}{med(mib / t[1] for t in times):>9.0f}"
+              f"{med(mib / t[2] for t in times):>11.0f}{med(mib / t[3] for t in times):>11.0f}"
+              f"{med(t[0] / t[2] for t in times):>11.2f}{med(t[1] / t[3] for t in times):>11.2f}")
     print(f"cache server RSS: idle {baseline_kib / 1024:.0f} MiB, peak {peak_kib / 1024:.0f} MiB "
-          f"(memory budget {(size + 64 * MIB) / MIB:.0f} MiB)")
+          f"(memory budget {budget / MIB:.0f} MiB); client peak "
+          f"{vm_kib(os.getpid(), 'VmHWM') / 1024:.0f} MiB")
     return 0
 
 

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-wait", type=parse_duration, default=10.0,
                    help="how long a put waits for room before RESOURCE_EXHAUSTED")
     p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--bandwidth-limit", type=parse_size, default=0, metavar="BYTES_PER_S",
+                   help="cap on put and get payload bytes per second, all streams "
+                        "together, e.g. 2MiB; 0 = unlimited")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
@@ -66,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         max_inflight_bytes=args.max_inflight,
         reserve_wait_s=args.reserve_wait,
         io_threads=args.io_threads,
+        bandwidth_limit_bytes_per_s=args.bandwidth_limit,
         disk_write_bytes_per_s=float(args.disk_throttle),
         metrics_port=args.metrics_port,
     )

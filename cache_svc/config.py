@@ -40,6 +40,9 @@ class CacheConfig:
     # before it is refused with RESOURCE_EXHAUSTED.
     reserve_wait_s: float = 10.0
     io_threads: int = 2  # disk reads, writes and scans run here, off the event loop
+    # Caps the chunk payload rate of all puts and gets together (bytes per
+    # second; 0 = unlimited), so KV traffic cannot starve other traffic.
+    bandwidth_limit_bytes_per_s: int = 0
     # Test hook simulating a slow disk: caps write speed (0 = unthrottled).
     disk_write_bytes_per_s: float = 0.0
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
@@ -69,6 +72,11 @@ class CacheConfig:
             raise ValueError(f"reserve_wait_s is {self.reserve_wait_s}, must be >= 0")
         if self.io_threads < 1:
             raise ValueError(f"io_threads is {self.io_threads}, must be >= 1")
+        if self.bandwidth_limit_bytes_per_s < 0:
+            raise ValueError(
+                f"bandwidth_limit_bytes_per_s is {self.bandwidth_limit_bytes_per_s}, "
+                "must be >= 0 (0 = unlimited)"
+            )
         if self.disk_write_bytes_per_s < 0:
             raise ValueError(
                 f"disk_write_bytes_per_s is {self.disk_write_bytes_per_s}, must be >= 0"

@@ -14,21 +14,37 @@ from kvstash.errors import InvalidArgument
 
 
 def allocate(total_bytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, total_bytes)
+    """Blocks (the kernel zeroes every page up front): call it off the event loop.
+
+    MAP_POPULATE faults the pages in with one call, about twice as fast as
+    taking 65536 page faults chunk by chunk for 256 MiB, which was most of a
+    put's time. The reservation already counts every byte, so resident memory
+    stays within the budget."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, total_bytes, flags=flags)
 
 
 class PutSession:
     """Accepts chunks 0..n-1 strictly in order; any deviation raises, naming
     the chunk and why. The store owns the reservation; this owns the bytes."""
 
-    __slots__ = ("buffer", "meta", "num_received")
+    __slots__ = ("buffer", "checksums", "meta", "num_received")
 
     def __init__(self, meta: SnapshotMeta, buffer: mmap.mmap) -> None:
         self.meta = meta
         self.buffer = buffer
         self.num_received = 0  # chunks accepted so far; also the next expected index
+        self.checksums: list[int] = []  # of the chunks accepted, verified; gets reuse them
 
-    def accept(self, index: int, data: bytes, sent_checksum: int) -> None:
+    @property
+    def next_chunk_bytes(self) -> int:
+        """Payload size of the chunk expected next; 0 once all arrived."""
+        if self.num_received >= self.meta.num_chunks:
+            return 0
+        start, end = self.meta.chunk_range(self.num_received)
+        return end - start
+
+    def accept(self, index: int, data: bytes | memoryview, sent_checksum: int) -> None:
         meta = self.meta
         expected = self.num_received
         if index >= meta.num_chunks:
@@ -44,9 +60,10 @@ class PutSession:
                 "(chunks must arrive in order 0..n-1)"
             )
         start, end = meta.chunk_range(index)
-        if len(data) != end - start:
+        size = memoryview(data).nbytes
+        if size != end - start:
             raise InvalidArgument(
-                f"chunk {index} has {len(data)} bytes, expected {end - start} "
+                f"chunk {index} has {size} bytes, expected {end - start} "
                 f"(chunk_bytes {meta.chunk_bytes}, total_bytes {meta.total_bytes})"
             )
         actual = checksum(data)
@@ -56,6 +73,7 @@ class PutSession:
                 f"data hashes to {actual:#018x}"
             )
         self.buffer[start:end] = data
+        self.checksums.append(actual)
         self.num_received += 1
 
     def check_complete(self) -> None:

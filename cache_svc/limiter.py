@@ -57,3 +57,44 @@ class ByteLimiter:
             yield
         finally:
             self.release(num_bytes)
+
+
+class BandwidthLimiter:
+    """Paces chunk payload to `bytes_per_s`, shared by every stream of the service.
+
+    A token bucket without burst, kept as a virtual clock: each `take(n)`
+    books the next n / rate seconds of the link after all earlier bookings and
+    returns when its booking ends. One stream sending chunks of n bytes is
+    released at n/rate, 2n/rate, ..., so N bytes take at least N / rate
+    seconds; concurrent streams share the rate first come, first served.
+
+        now      booked_until                       end = start + n / rate
+         |------------|===== earlier bookings =====|---- this take ----|
+                                                  start               returns
+
+    Callers take *before* pulling a chunk out of gRPC (put) or reading it
+    (get), so a paced stream waits with its bytes still in HTTP/2's
+    flow-controlled window: nothing is buffered beyond the in-flight bounds.
+    Waiting is `asyncio.sleep`; the event loop never blocks. A rate of 0 means
+    unlimited, and `take` returns at once.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s < 0:
+            raise ValueError(f"bytes_per_s is {bytes_per_s}, must be >= 0")
+        self.bytes_per_s = bytes_per_s
+        self._booked_until = 0.0  # event-loop time at which the last booking ends
+
+    async def take(self, num_bytes: int) -> None:
+        if not self.bytes_per_s:
+            return
+        now = asyncio.get_running_loop().time()
+        start = max(now, self._booked_until)
+        end = start + num_bytes / self.bytes_per_s
+        self._booked_until = end
+        try:
+            await asyncio.sleep(end - now)
+        except asyncio.CancelledError:
+            if self._booked_until == end:  # nobody booked after us: give the time back
+                self._booked_until = start
+            raise

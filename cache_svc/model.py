@@ -33,6 +33,9 @@ class Entry:
     buffer: mmap.mmap | None = None  # the bytes, while in memory
     path: Path | None = None  # the file, once on disk
     num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
+    # Per-chunk checksums verified at put time, so gets need not hash again;
+    # None for snapshots found on disk after a restart (hashed when read).
+    checksums: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:

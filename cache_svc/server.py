@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from cache_svc.config import CacheConfig
-from cache_svc.limiter import ByteLimiter
+from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import Metrics
 from cache_svc.model import SnapshotInfo, TierName
 from cache_svc.snapshot import (
@@ -21,11 +21,16 @@ from cache_svc.snapshot import (
     ChecksumMismatch,
     Layout,
     SnapshotMeta,
-    checksum,
 )
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
-from kvstash.cache_client import ADMITTED_KEY
+from kvstash.cache_client import (
+    ADMITTED_KEY,
+    RawChunk,
+    decode_put_request,
+    encode_chunk,
+    encode_message,
+)
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -88,9 +93,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: errors.KvstashError) ->
 
 
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
-    def __init__(self, store: SnapshotStore, limiter: ByteLimiter) -> None:
+    def __init__(
+        self, store: SnapshotStore, limiter: ByteLimiter, bandwidth: BandwidthLimiter
+    ) -> None:
         self._store = store
-        self._limiter = limiter
+        self._limiter = limiter  # bounds bytes in flight
+        self._bandwidth = bandwidth  # bounds bytes per second
 
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         stream = _PutStream(aiter(request_iterator), context)
@@ -108,11 +116,11 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         first = await stream.next()
         if first is None:
             raise errors.InvalidArgument("put stream is empty; the first message must be a header")
-        if not first.HasField("header"):
+        if isinstance(first, RawChunk):
             raise errors.InvalidArgument(
-                f"first message is chunk {first.chunk.index}; a put must start with a header"
+                f"first message is chunk {first.index}; a put must start with a header"
             )
-        meta = meta_from_proto(first.header, self._store.config.default_ttl_s)
+        meta = meta_from_proto(first, self._store.config.default_ttl_s)
         session = await self._store.begin_put(meta)
         committed = False
         try:
@@ -121,22 +129,24 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             # gRPC's receive windows.
             await stream.send_metadata(admitted=True)
             while True:
+                # Paced before the chunk leaves gRPC, so waiting buffers nothing.
+                await self._bandwidth.take(session.next_chunk_bytes)
                 # Pull the next chunk out of gRPC only when the in-flight budget
                 # allows; until then HTTP/2 flow control holds the sender back.
                 async with self._limiter.hold(meta.chunk_bytes):
                     request = await stream.next()
                     if request is None:
                         break
-                    if request.HasField("header"):
+                    if not isinstance(request, RawChunk):
                         raise errors.InvalidArgument(
                             f"second header after {session.num_received} chunks; "
                             "a put has exactly one header"
                         )
-                    chunk = request.chunk
-                    data = chunk.data  # each attribute read of a bytes field copies it
-                    self._store.count_bytes_in(len(data))
-                    session.accept(chunk.index, data, chunk.checksum)
-                    del request, chunk, data
+                    # request.data is a view into gRPC's message: one copy,
+                    # into the snapshot buffer, in accept().
+                    self._store.count_bytes_in(request.data.nbytes)
+                    session.accept(request.index, request.data, request.checksum)
+                    del request
             info = self._store.commit_put(session)
             committed = True
             return info
@@ -151,6 +161,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(DRAIN_LIMIT_S):
                 while not stream.ended:
+                    await self._bandwidth.take(MAX_CHUNK_BYTES)
                     async with self._limiter.hold(MAX_CHUNK_BYTES):
                         await stream.next()
 
@@ -167,13 +178,13 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             meta = reader.meta
             await context.write(cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta)))
             for index in range(request.start_chunk, meta.num_chunks):
+                start, end = meta.chunk_range(index)
+                await self._bandwidth.take(end - start)
                 # One chunk at a time, and write() returns only once gRPC took it,
                 # so a slow reader slows this loop instead of growing a buffer.
                 async with self._limiter.hold(meta.chunk_bytes):
-                    data = await store.read_chunk(reader, index)
-                    message = cache_pb2.GetSnapshotResponse(
-                        chunk=cache_pb2.Chunk(index=index, data=data, checksum=checksum(data))
-                    )
+                    data, digest = await store.read_chunk(reader, index)
+                    message = encode_chunk(index, data, digest)  # the one copy
                     del data
                     await context.write(message)
                     del message
@@ -217,6 +228,38 @@ class _PutStream:
             await self._context.send_initial_metadata(((ADMITTED_KEY, "1"),) if admitted else ())
 
 
+def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
+    """The generated add_KVCacheServicer_to_server, except that PutSnapshot and
+    GetSnapshot move chunks in CacheClient's raw wire format (same bytes on
+    the wire; one copy per chunk instead of protobuf's three)."""
+    handlers = {
+        "PutSnapshot": grpc.stream_unary_rpc_method_handler(
+            servicer.PutSnapshot, request_deserializer=decode_put_request,
+            response_serializer=cache_pb2.PutSnapshotResponse.SerializeToString,
+        ),
+        "GetSnapshot": grpc.unary_stream_rpc_method_handler(
+            servicer.GetSnapshot, request_deserializer=cache_pb2.GetSnapshotRequest.FromString,
+            response_serializer=encode_message,
+        ),
+        "DeleteSnapshot": grpc.unary_unary_rpc_method_handler(
+            servicer.DeleteSnapshot,
+            request_deserializer=cache_pb2.DeleteSnapshotRequest.FromString,
+            response_serializer=cache_pb2.DeleteSnapshotResponse.SerializeToString,
+        ),
+        "StatSnapshot": grpc.unary_unary_rpc_method_handler(
+            servicer.StatSnapshot,
+            request_deserializer=cache_pb2.StatSnapshotRequest.FromString,
+            response_serializer=cache_pb2.SnapshotInfo.SerializeToString,
+        ),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats, request_deserializer=common_pb2.GetStatsRequest.FromString,
+            response_serializer=cache_pb2.CacheStats.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _fields(stats: Any) -> dict[str, int]:
     return {name: getattr(stats, name) for name in stats.__slots__}
 
@@ -252,10 +295,11 @@ async def create_cache_server(
     """Recovers the disk tier, then binds `address` (port 0 = any) and serves."""
     store = SnapshotStore(config)
     await store.start()
-    servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes))
+    servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
+                             BandwidthLimiter(config.bandwidth_limit_bytes_per_s))
     server, port, _health = await rpc.create_server(
         address,
-        [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(servicer, s)],
+        [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
     )
     metrics = Metrics.serve(store, config.metrics_port) if config.metrics_port else None

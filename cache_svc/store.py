@@ -28,7 +28,7 @@ from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
 from cache_svc.ingest import PutSession, allocate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
-from cache_svc.snapshot import SnapshotMeta
+from cache_svc.snapshot import SnapshotMeta, checksum
 from kvstash.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,20 @@ class SnapshotStore:
         except BaseException:
             self._pending_ids.discard(snapshot_id)
             raise
-        return PutSession(meta, allocate(size))
+        try:
+            buffer = await self._run_io(allocate, size)
+        except BaseException:
+            self._reserved -= size
+            self._pending_ids.discard(snapshot_id)
+            self._notify()
+            raise
+        return PutSession(meta, buffer)
 
     def commit_put(self, session: PutSession) -> SnapshotInfo:
         session.check_complete()
         meta = session.meta
-        entry = Entry(meta, Residence.MEMORY, self._clock(), buffer=session.buffer)
+        entry = Entry(meta, Residence.MEMORY, self._clock(), buffer=session.buffer,
+                      checksums=tuple(session.checksums))
         self._reserved -= meta.total_bytes
         self._memory_used += meta.total_bytes
         self._pending_ids.discard(meta.snapshot_id)
@@ -242,16 +250,20 @@ class SnapshotStore:
                 raise
         return Reader(entry, fd)
 
-    async def read_chunk(self, reader: Reader, index: int) -> bytes:
+    async def read_chunk(self, reader: Reader, index: int) -> tuple[bytes | memoryview, int]:
+        """Chunk `index` and its checksum. From memory it is a view of the
+        snapshot buffer (valid while the reader is open), not a copy."""
         start, end = reader.meta.chunk_range(index)
         if reader.fd is None:
             assert reader.entry.buffer is not None
-            data = reader.entry.buffer[start:end]
+            data: bytes | memoryview = memoryview(reader.entry.buffer)[start:end]
         else:
             assert self._disk is not None
             data = await self._run_io(self._disk.read, reader.fd, start, end)
-        self._counters.bytes_out += len(data)
-        return data
+        checksums = reader.entry.checksums
+        digest = checksums[index] if checksums is not None else checksum(data)
+        self._counters.bytes_out += end - start
+        return data, digest
 
     def close_reader(self, reader: Reader) -> None:
         if reader.fd is not None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import grpc
 import xxhash
 
 from kvstash import errors
-from kvstash.rpc import MIB, insecure_channel
+from kvstash.rpc import CHANNEL_OPTIONS, MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 T = TypeVar("T")
@@ -27,6 +27,9 @@ MIN_CHUNK_BYTES = 1 * MIB
 MAX_CHUNK_BYTES = 4 * MIB
 # Initial-metadata key the server sends once a put's room is reserved.
 ADMITTED_KEY = "kvstash-put-admitted"
+_PUT_METHOD = "/kvstash.v1.KVCache/PutSnapshot"
+_GET_METHOD = "/kvstash.v1.KVCache/GetSnapshot"
+CLIENT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [*CHANNEL_OPTIONS]
 
 
 class DataLoss(errors.KvstashError):
@@ -56,6 +59,121 @@ def _checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+# -- chunk wire format --------------------------------------------------------
+#
+# PutSnapshotRequest and GetSnapshotResponse both carry `Chunk chunk = 2` in
+# their oneof. Going through protobuf costs three copies of every payload per
+# side (bytes() of the slice, into the message, out of it again), each a fresh
+# multi-MiB allocation. These functions produce and read the same wire bytes
+# directly:
+#
+#   0x12 len | 0x08 index | 0x12 len  data ...  | 0x18 checksum
+#   chunk=2  | index=1    | data=2              | checksum=3
+#
+# Encoding copies the payload once; decoding copies nothing (`data` is a view
+# into the received message). Anything else (a header, or a chunk encoded
+# differently by another client) goes through protobuf, so every valid
+# message is understood.
+
+
+class RawChunk(NamedTuple):
+    """A received Chunk; `data` is a view into the message bytes."""
+
+    index: int
+    data: memoryview
+    checksum: int
+
+
+def encode_chunk(index: int, data: bytes | memoryview, checksum: int) -> bytes:
+    """Wire bytes of a PutSnapshotRequest/GetSnapshotResponse holding one chunk."""
+    size = memoryview(data).nbytes
+    head = b"\x08" + _varint(index) + b"\x12" + _varint(size)
+    tail = b"\x18" + _varint(checksum)
+    return b"".join((b"\x12", _varint(len(head) + size + len(tail)), head, data, tail))
+
+
+def encode_message(message: bytes | Any) -> bytes:
+    """Serializer: bytes from `encode_chunk` pass through; messages are serialized."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def decode_chunk_or_header(message: bytes, message_type: Any) -> RawChunk | Any:
+    """Deserializer for PutSnapshotRequest/GetSnapshotResponse bytes: a RawChunk,
+    or the SnapshotHeader message. Raises protobuf's DecodeError on garbage."""
+    try:
+        chunk = _parse_chunk(message)
+    except IndexError:  # truncated: let protobuf say what is wrong
+        chunk = None
+    if chunk is not None:
+        return chunk
+    parsed = message_type.FromString(message)
+    if parsed.WhichOneof("kind") == "header":
+        return parsed.header
+    c = parsed.chunk  # also an empty message: chunk 0 without data, refused later
+    return RawChunk(c.index, memoryview(c.data), c.checksum)
+
+
+def _parse_chunk(message: bytes) -> RawChunk | None:
+    """The fast path: None unless `message` is exactly one chunk field whose
+    fields are all known (protobuf handles everything else)."""
+    if message[:1] != b"\x12":
+        return None
+    length, pos = _read_varint(message, 1)
+    if pos + length != len(message):
+        return None
+    index = checksum = 0
+    data = memoryview(b"")
+    while pos < len(message):
+        tag = message[pos]
+        if tag == 0x08:
+            index, pos = _read_varint(message, pos + 1)
+        elif tag == 0x12:
+            size, pos = _read_varint(message, pos + 1)
+            if pos + size > len(message):
+                return None
+            data = memoryview(message)[pos : pos + size]
+            pos += size
+        elif tag == 0x18:
+            checksum, pos = _read_varint(message, pos + 1)
+        else:
+            return None
+    if index >= 1 << 32 or checksum >= 1 << 64:
+        return None
+    return RawChunk(index, data, checksum)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint longer than 10 bytes")
+
+
+def decode_put_request(message: bytes) -> RawChunk | Any:
+    """The server's PutSnapshot request deserializer."""
+    return decode_chunk_or_header(message, cache_pb2.PutSnapshotRequest)
+
+
+def _decode_get_response(message: bytes) -> RawChunk | Any:
+    return decode_chunk_or_header(message, cache_pb2.GetSnapshotResponse)
+
+
+
 class CacheClient:
     def __init__(
         self, address: str, chunk_bytes: int = 4 * MIB, timeout_s: float | None = 60.0
@@ -65,8 +183,17 @@ class CacheClient:
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
+        # Puts and gets move chunks in the raw wire format above.
+        self._put_snapshot = self._channel.stream_unary(
+            _PUT_METHOD, request_serializer=encode_message,
+            response_deserializer=cache_pb2.PutSnapshotResponse.FromString,
+        )
+        self._get_snapshot = self._channel.unary_stream(
+            _GET_METHOD, request_serializer=encode_message,
+            response_deserializer=_decode_get_response,
+        )
 
     async def __aenter__(self) -> Self:
         return self
@@ -98,7 +225,7 @@ class CacheClient:
             num_tokens=num_tokens, total_bytes=view.nbytes, chunk_bytes=self.chunk_bytes,
             checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
         )
-        call = self._stub.PutSnapshot(timeout=self.timeout_s)
+        call = self._put_snapshot(timeout=self.timeout_s)
         try:
             await call.write(cache_pb2.PutSnapshotRequest(header=header))
             # The server answers with initial metadata once it has reserved
@@ -111,11 +238,9 @@ class CacheClient:
             else:
                 for index, start in enumerate(range(0, view.nbytes, self.chunk_bytes)):
                     piece = view[start : start + self.chunk_bytes]
-                    # One copy into the message (protobuf bytes fields need
-                    # bytes); write() waits for HTTP/2 flow control.
-                    await call.write(cache_pb2.PutSnapshotRequest(chunk=cache_pb2.Chunk(
-                        index=index, data=piece.tobytes(), checksum=_checksum(piece),
-                    )))
+                    # One copy, into the message; write() waits for HTTP/2
+                    # flow control.
+                    await call.write(encode_chunk(index, piece, _checksum(piece)))
                 await call.done_writing()
                 response = await call
         except asyncio.InvalidStateError:  # the server ended the call mid-stream
@@ -178,19 +303,19 @@ class CacheClient:
         target_for: Callable[[cache_pb2.SnapshotHeader], memoryview],
     ) -> cache_pb2.SnapshotHeader:
         request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, start_chunk=start_chunk)
-        call = self._stub.GetSnapshot(request, timeout=self.timeout_s)
+        call = self._get_snapshot(request, timeout=self.timeout_s)
         header: cache_pb2.SnapshotHeader | None = None
         target = memoryview(b"")
         expected = start_chunk
         try:
             async for response in call:
-                if response.HasField("header"):
-                    header = response.header
+                if not isinstance(response, RawChunk):
+                    header = response
                     target = target_for(header)
                     continue
                 if header is None:
                     raise DataLoss(f"snapshot {snapshot_id}: chunk before the header")
-                expected = _place_chunk(header, response.chunk, expected, target)
+                expected = _place_chunk(header, response, expected, target)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         finally:
@@ -213,13 +338,13 @@ class CacheClient:
 
 
 def _place_chunk(
-    header: cache_pb2.SnapshotHeader, chunk: cache_pb2.Chunk, expected: int, target: memoryview
+    header: cache_pb2.SnapshotHeader, chunk: RawChunk, expected: int, target: memoryview
 ) -> int:
     """Checks one received chunk and copies it into place; returns the next index."""
     sid = header.snapshot_id
     if chunk.index != expected:
         raise DataLoss(f"snapshot {sid}: got chunk {chunk.index}, expected {expected}")
-    data = chunk.data  # each attribute read of a bytes field copies it
+    data = chunk.data
     start = chunk.index * header.chunk_bytes
     end = min(start + header.chunk_bytes, header.total_bytes)
     if len(data) != end - start:

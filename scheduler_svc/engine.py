@@ -226,9 +226,7 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             log.warning("restore of %s failed (%s: %s); recomputing instead",
                         cmd.request_id, exc.code().name, exc.details())
-        self._core.finish_restore(cmd.request_id, ok)
-        # Restored or not, the snapshot has served its purpose.
-        self._delete_snapshots([cmd.snapshot_id])
+        self._core.finish_restore(cmd.request_id, ok)  # queues the snapshot's deletion
         self._wake.set()
 
     def _delete_snapshots(self, snapshot_ids: list[str]) -> None:

@@ -82,6 +82,8 @@ class Scheduler:
         self._num_snapshots = 0
         self._step_id = 0
         self._updated_step_id = 0
+        # The requests behind the latest output's seqs, in the same order.
+        self._scheduled: list[Request] = []
         self._num_preemptions_offload = 0
         self._num_preemptions_recompute = 0
         self._num_offload_failures = 0
@@ -156,6 +158,9 @@ class Scheduler:
         preempted = self._preempt_for_decodes(out)
 
         seqs = out.seqs
+        self._scheduled = scheduled = []
+        add_seq = seqs.append
+        add_scheduled = scheduled.append
         block_size = config.block_size
         kv = self.kv
         for req in self._decoding:
@@ -163,10 +168,11 @@ class Scheduler:
             block_ids = req.block_ids
             if num_computed >= len(block_ids) * block_size and kv.allocate_slots(req, 1) is None:
                 continue  # its block comes from a snapshot copy still in flight
-            seqs.append(ScheduledSeq(
+            add_seq(ScheduledSeq(
                 req.request_id, [req.output_token_ids[-1]], num_computed, block_ids, True,
                 req.sampling,
             ))
+            add_scheduled(req)
         budget = config.max_num_batched_tokens - len(seqs)
 
         if not preempted and self._offloaded:
@@ -284,6 +290,7 @@ class Scheduler:
             req.request_id, req.token_ids(start, end), start, req.block_ids,
             end == req.num_tokens, req.sampling,
         ))
+        self._scheduled.append(req)
         return end - start
 
     def _admit(self, budget: int, seqs: list[ScheduledSeq]) -> int:
@@ -327,25 +334,30 @@ class Scheduler:
                 f"output of step {output.step_id} is stale or already applied "
                 f"(latest step {self._step_id})"
             )
+        if len(output.seqs) != len(self._scheduled):
+            raise InvalidArgument(
+                f"output of step {output.step_id} has {len(output.seqs)} seqs, "
+                f"{len(self._scheduled)} were scheduled"
+            )
         self._updated_step_id = output.step_id
-        requests = self._requests
         kv = self.kv
         block_size = self.config.block_size
         clock = self._clock
         updates: list[RequestUpdate] = []
         num_prefill_done = 0
         num_finished = 0
-        for seq in output.seqs:
-            request_id = seq.request_id
-            req = requests.get(request_id)
-            if req is None or req.num_computed_tokens != seq.start_pos:
-                continue
+        for seq, req in zip(output.seqs, self._scheduled):
+            request_id = req.request_id
             status = req.status
             if status is RUNNING_DECODE:
-                req.num_computed_tokens += 1
-                if req.num_computed_tokens % block_size == 0:
+                num_computed = req.num_computed_tokens
+                if num_computed != seq.start_pos:
+                    continue  # restored meanwhile; it was not in this step
+                num_computed += 1
+                req.num_computed_tokens = num_computed
+                if not num_computed % block_size:
                     kv.cache_full_blocks(req)
-            elif status is RUNNING_PREFILL:
+            elif status is RUNNING_PREFILL and req.num_computed_tokens == seq.start_pos:
                 self._record_chunk(req, seq)
                 if not seq.sample:
                     continue
@@ -353,24 +365,25 @@ class Scheduler:
                 req.status = RUNNING_DECODE
                 self._decoding.append(req)
                 num_prefill_done += 1
+                if req.first_token_time is None:
+                    req.first_token_time = clock()
             else:
-                continue  # preempted or aborted meanwhile
-            token_id = sampled_token_ids.get(request_id)
-            if token_id is None:
-                raise InvalidArgument(f"no sampled token for request {request_id}")
+                continue  # aborted (and maybe re-added) or preempted meanwhile
+            try:
+                token_id = sampled_token_ids[request_id]
+            except KeyError:
+                raise InvalidArgument(f"no sampled token for request {request_id}") from None
             output_ids = req.output_token_ids
             output_ids.append(token_id)
-            if req.first_token_time is None:
-                req.first_token_time = clock()
             if token_id in req.stop_ids:
-                finish_status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+                finish_status = RequestStatus.FINISHED_STOPPED
             elif len(output_ids) >= req.sampling.max_tokens:
                 finish_status = RequestStatus.FINISHED_LENGTH
             else:
-                finish_status = None
-            if finish_status is not None:
-                self._finish(req, finish_status)
-                num_finished += 1
+                updates.append(RequestUpdate(request_id, [token_id], None))
+                continue
+            self._finish(req, finish_status)
+            num_finished += 1
             updates.append(RequestUpdate(request_id, [token_id], finish_status))
         if num_prefill_done:
             self._prefilling = [r for r in self._prefilling if r.status is RUNNING_PREFILL]

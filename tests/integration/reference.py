@@ -1,5 +1,5 @@
-"""The oracle's other side: the worker's model run directly, without paging,
-batching, chunking or any service in between."""
+"""The oracle's other side: the worker's model run directly on one sequence at
+a time — no scheduler, no batching, no chunking, no preemption, no services."""
 
 from __future__ import annotations
 
@@ -9,24 +9,34 @@ from functools import cache
 import torch
 
 from gpu_worker.config import tiny_model_config
-from gpu_worker.model import CausalLM, build_tiny_model
+from gpu_worker.model import build_tiny_model
+from gpu_worker.runner import ModelRunner, SeqWork
 from kvstash.stack import StackConfig
+
+_BLOCK_SIZE = 16
 
 
 @cache
-def _model() -> CausalLM:
-    defaults = StackConfig()
-    dtype = getattr(torch, defaults.dtype)
-    return build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cpu")
+def _runner() -> ModelRunner:
+    dtype = getattr(torch, StackConfig().dtype)
+    model = build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cpu")
+    return ModelRunner(model, block_size=_BLOCK_SIZE, num_blocks=model.config.max_model_len
+                       // _BLOCK_SIZE)
 
 
 @cache
 def _greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        logits = _model().reference_forward(torch.tensor(tokens))
-        tokens.append(int(logits[-1].argmax()))
-    return tuple(tokens[len(prompt):])
+    runner = _runner()
+    block_ids = list(range(-(-(len(prompt) + max_tokens) // _BLOCK_SIZE)))
+    [token] = runner.execute([SeqWork("ref", prompt, 0, block_ids, sample=True)])
+    assert token is not None
+    out = [token]
+    while len(out) < max_tokens:
+        position = len(prompt) + len(out) - 1
+        [token] = runner.execute([SeqWork("ref", [out[-1]], position, block_ids, sample=True)])
+        assert token is not None
+        out.append(token)
+    return tuple(out)
 
 
 def reference_greedy(prompt: Sequence[int], max_tokens: int) -> list[int]:

@@ -46,6 +46,8 @@ class Harness:
         fail_rate: float = 0.0,
         max_delay: int = 3,
         capacity_choices: tuple[int | None, ...] = (10**12,),
+        abort_statuses: frozenset[RequestStatus] = frozenset(),
+        abort_rate: float = 0.0,
     ) -> None:
         self.config = config
         self.scheduler = Scheduler(config)
@@ -55,6 +57,9 @@ class Harness:
             self.worker, self.rng, max(config.bytes_per_block, 1), fail_rate, max_delay
         )
         self.capacity_choices = capacity_choices
+        # Each step, each request in one of these states is aborted with this chance.
+        self.abort_statuses = abort_statuses
+        self.abort_rate = abort_rate
         self.truth: dict[str, list[int]] = {}
         self.outcome = Outcome()
         self.unfinished: set[str] = set()
@@ -66,8 +71,17 @@ class Harness:
         self.unfinished.discard(request_id)
         self.outcome.finish_statuses[request_id] = RequestStatus.FINISHED_ABORTED
 
+    def _random_aborts(self) -> None:
+        for rid in sorted(self.unfinished):
+            req = self.scheduler.get_request(rid)
+            assert req is not None
+            if req.status in self.abort_statuses and self.rng.random() < self.abort_rate:
+                self._abort(rid)
+
     def step(self, step: int, mid_step_aborts: list[str]) -> None:
         sched = self.scheduler
+        if self.abort_rate:
+            self._random_aborts()
         before = {rid: sched.get_request(rid) for rid in self.unfinished}
         statuses = {rid: r.status for rid, r in before.items() if r is not None}
         output = sched.schedule()

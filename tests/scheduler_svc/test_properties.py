@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
-from scheduler_svc.request import SamplingParams
+from scheduler_svc.request import RequestStatus, SamplingParams
 
 from tests.scheduler_svc.conftest import PROFILE
 from tests.scheduler_svc.harness import AbortPlan, Arrival, Harness
 
+LIVE_STATUSES = [s for s in RequestStatus if not s.is_finished]
 VOCAB_SIZE = 24
 EOS = 0
 BASE_PROMPTS = ((5, 6, 7, 8, 9, 10, 11, 12, 13), (5, 6, 7, 8, 20, 21), (14, 15, 16))
@@ -77,6 +78,8 @@ def scenarios(
         "fail_rate": draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])),
         "max_delay": draw(st.integers(0, 4)),
         "capacity_choices": draw(st.sampled_from([(10**12,), (None, 10**12), (0, 300, 10**12)])),
+        "abort_statuses": draw(st.frozensets(st.sampled_from(LIVE_STATUSES))),
+        "abort_rate": draw(st.sampled_from([0.0, 0.03, 0.2])),
     }
     return config, reqs, aborts, transport
 

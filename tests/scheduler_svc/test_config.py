@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from scheduler_svc.config import PreemptionMode, ReservationPolicy
+
+from tests.scheduler_svc.factories import make_config
+
+
+def test_defaults_and_derived_values() -> None:
+    config = make_config()
+    assert config.max_num_seqs == 8
+    assert config.reservation_policy is ReservationPolicy.NEW_TOKEN_RATIO
+    assert config.preemption_mode is PreemptionMode.AUTO
+    assert config.init_new_token_ratio == 0.7
+    assert config.min_new_token_ratio == pytest.approx(0.7 * 0.14)
+    assert config.new_token_ratio_decay == pytest.approx((0.7 - 0.098) / 600)
+    assert config.clip_max_new_tokens == 4096
+
+
+def test_enum_values_given_as_strings_are_coerced() -> None:
+    config = make_config(preemption_mode="offload", reservation_policy="fixed_blocks")
+    assert config.preemption_mode is PreemptionMode.OFFLOAD
+    assert config.reservation_policy is ReservationPolicy.FIXED_BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
+        ({"block_size": True}, "block_size must be an int, got True"),
+        ({"max_num_seqs": 16, "max_num_batched_tokens": 8}, "max_num_batched_tokens must be >= 16"),
+        ({"init_new_token_ratio": 1.5}, "init_new_token_ratio must be in [1e-09, 1.0], got 1.5"),
+        ({"min_new_token_ratio_factor": -0.1}, "got -0.1"),
+        ({"new_token_ratio_decay_steps": 0}, "new_token_ratio_decay_steps must be >= 1, got 0"),
+        ({"eos_token_ids": (100,)}, "eos token id 100 is outside vocab_size 100"),
+        ({"preemption_mode": "swap"}, "preemption_mode must be one of auto, offload, recompute"),
+        ({"bytes_per_block": -1}, "bytes_per_block must be >= 0, got -1"),
+    ],
+)
+def test_invalid_values_are_named(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        make_config(**overrides)
+    assert message in str(excinfo.value)
+
+
+def test_config_is_frozen() -> None:
+    config = make_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_blocks = 1  # type: ignore[misc]

@@ -1,0 +1,156 @@
+"""The engine against a real worker and a real, deliberately slow cache service.
+
+The scheduler core runs in the test's event loop, so the tests can watch each
+request's state while the transfers are in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvstash import rpc
+from kvstash.cache_client import CacheClient
+from kvstash.stack import Service, start_service
+from scheduler_svc.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.engine import Engine, RequestStream
+from scheduler_svc.request import RequestStatus, SamplingParams
+from scheduler_svc.scheduler import Scheduler
+from tests.integration.reference import reference_greedy
+
+NUM_BLOCKS = 16
+MAX_TOKENS = 96
+PROMPTS = {f"r{i}": [(i * 31 + j * 7 + 3) % 256 for j in range(10 + (i * 13) % 50)]
+           for i in range(12)}
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
+    logs = tmp_path_factory.mktemp("engine-logs")
+    # 1 MiB/s: a snapshot of a few 64 KiB blocks takes a good fraction of a second.
+    cache = start_service("cache", "cache_svc", [
+        "--listen", "127.0.0.1:0", "--memory-budget", "256MiB", "--bandwidth-limit", "1MiB",
+    ], logs)
+    try:
+        worker = start_service("worker", "gpu_worker", [
+            "--listen", "127.0.0.1:0", "--dtype", "float64", "--num-blocks", str(NUM_BLOCKS),
+            "--cache-address", cache.address,
+        ], logs)
+    except BaseException:
+        cache.stop()
+        raise
+    yield cache, worker
+    worker.stop()
+    cache.stop()
+
+
+@dataclass(slots=True)
+class Harness:
+    engine: Engine
+    core: Scheduler
+    cache: CacheClient
+
+
+@pytest.fixture
+async def harness(services: tuple[Service, Service]) -> AsyncIterator[Harness]:
+    cache_service, worker = services
+    core = Scheduler(SchedulerConfig(
+        num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
+        eos_token_ids=(257,), preemption_mode=PreemptionMode.OFFLOAD,
+        init_new_token_ratio=0.05, bytes_per_block=4 * 2 * 16 * 2 * 32 * 8,
+    ))
+    channel = rpc.insecure_channel(worker.address)
+    cache = CacheClient(cache_service.address)
+    engine = Engine(core, channel, cache)
+    await engine.start()
+    try:
+        yield Harness(engine, core, cache)
+    finally:
+        await engine.close()
+        await cache.close()
+        await channel.close()
+
+
+def submit_all(engine: Engine) -> dict[str, RequestStream]:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {rid: engine.submit(rid, prompt, sampling) for rid, prompt in PROMPTS.items()}
+
+
+async def collect(stream: RequestStream) -> tuple[list[int], RequestStatus]:
+    tokens: list[int] = []
+    while True:
+        event = await stream.events.get()
+        assert not isinstance(event, Exception), event
+        tokens.extend(event.new_token_ids)
+        if event.finish_status is not None:
+            return tokens, event.finish_status
+
+
+async def wait_for_state(core: Scheduler, status: RequestStatus, timeout_s: float = 60) -> str:
+    async def poll() -> str:
+        while True:
+            for rid in PROMPTS:
+                req = core.get_request(rid)
+                if req is not None and req.status is status:
+                    return rid
+            await asyncio.sleep(0.002)
+
+    return await asyncio.wait_for(poll(), timeout_s)
+
+
+async def assert_nothing_left(h: Harness) -> None:
+    async def drained() -> None:
+        while not h.core.is_idle:
+            await asyncio.sleep(0.01)
+        while True:  # snapshot deletions are asynchronous
+            stats = await h.cache.stats()
+            if stats.memory_snapshots + stats.disk_snapshots + stats.reserved_bytes == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(drained(), 30)
+    h.core.check_integrity()
+    stats = h.core.stats()
+    assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
+    assert all(h.core.get_request(rid) is None for rid in PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "state", [RequestStatus.OFFLOADING, RequestStatus.OFFLOADED, RequestStatus.RESUMING])
+async def test_abort_in_offload_state_releases_blocks_and_snapshot(
+    harness: Harness, state: RequestStatus
+) -> None:
+    streams = submit_all(harness.engine)
+    victim = await wait_for_state(harness.core, state)
+    harness.engine.abort(victim)
+    results = dict(zip(streams, await asyncio.gather(*map(collect, streams.values()))))
+    assert results[victim][1] is RequestStatus.FINISHED_ABORTED
+    for rid, (tokens, status) in results.items():
+        if rid != victim:
+            assert status is RequestStatus.FINISHED_LENGTH
+            assert tokens == reference_greedy(PROMPTS[rid], MAX_TOKENS), rid
+    await assert_nothing_left(harness)
+
+
+async def test_steps_continue_while_an_offload_is_slow(harness: Harness) -> None:
+    streams = submit_all(harness.engine)
+    victim = await wait_for_state(harness.core, RequestStatus.OFFLOADING)
+    others = [rid for rid in PROMPTS if rid != victim]
+
+    def num_tokens_of_others() -> int:
+        return sum(len(r.output_token_ids) for rid in others
+                   if (r := harness.core.get_request(rid)) is not None)
+
+    steps_before, tokens_before = harness.core.stats().num_steps, num_tokens_of_others()
+    await asyncio.sleep(0.2)
+    victim_req = harness.core.get_request(victim)
+    assert victim_req is not None and victim_req.status is RequestStatus.OFFLOADING
+    assert harness.core.stats().num_steps >= steps_before + 5
+    assert num_tokens_of_others() >= tokens_before + 5
+    for rid, (tokens, status) in zip(streams, await asyncio.gather(*map(collect, streams.values()))):
+        assert status is RequestStatus.FINISHED_LENGTH and tokens == reference_greedy(
+            PROMPTS[rid], MAX_TOKENS)
+    await assert_nothing_left(harness)
