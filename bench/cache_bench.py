@@ -11,7 +11,7 @@ in the same preallocated buffer; the raw server receives into a reused 4 MiB
 buffer, the cache into a fresh snapshot buffer. Also prints peak resident
 memory of the cache server and of this (client) process.
 
-This process calls cache_svc.memory.tune_malloc() like the server: any process
+This process calls kvstash.malloc_tuning.tune_malloc() like the server: any process
 streaming snapshots should (see that module for why).
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_svc.memory import tune_malloc
 from kvstash.cache_client import CacheClient
+from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import MIB, parse_bytes
 from kvstash.v1 import common_pb2
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from cache_svc.config import CacheConfig
-from cache_svc.memory import tune_malloc
 from cache_svc.server import create_cache_server
 from kvstash import rpc
+from kvstash.malloc_tuning import tune_malloc
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -121,13 +121,21 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                 f"first message is chunk {first.index}; a put must start with a header"
             )
         meta = meta_from_proto(first, self._store.config.default_ttl_s)
-        session = await self._store.begin_put(meta)
-        committed = False
+        await self._store.reserve_put(meta)
         try:
             # Tells the client its room is reserved: CacheClient sends no
             # payload before this, so puts waiting for room hold no bytes in
-            # gRPC's receive windows.
+            # gRPC's receive windows. Admitting before the buffer exists lets
+            # the first chunks cross the network while the kernel faults the
+            # buffer in (what arrives meanwhile stays in the flow-control
+            # window, counted in CacheConfig's overhead).
             await stream.send_metadata(admitted=True)
+            session = self._store.begin_put(meta)
+        except BaseException:
+            self._store.release_put(meta)
+            raise
+        committed = False
+        try:
             while True:
                 # Paced before the chunk leaves gRPC, so waiting buffers nothing.
                 await self._bandwidth.take(session.next_chunk_bytes)

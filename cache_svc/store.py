@@ -7,8 +7,9 @@ work runs in a thread pool. Accounting invariants (see `check_integrity`):
                                                      are preallocated, so counted)
     disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
 
-A put is `begin_put` (reserve, or wait for spills, or ResourceExhausted),
-`PutSession.accept` per chunk, then `commit_put` or `abort_put`.
+A put is `reserve_put` (reserve, or wait for spills, or ResourceExhausted),
+`begin_put` (allocate the buffer) or `release_put`, `PutSession.accept` per
+chunk, then `commit_put` or `abort_put`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
-from cache_svc.ingest import PutSession, allocate
+from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
 from cache_svc.snapshot import SnapshotMeta, checksum
 from kvstash.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -88,7 +89,10 @@ class SnapshotStore:
 
     # -- puts -----------------------------------------------------------------
 
-    async def begin_put(self, meta: SnapshotMeta) -> PutSession:
+    async def reserve_put(self, meta: SnapshotMeta) -> None:
+        """Counts the snapshot's bytes against the memory budget, waiting for
+        spills and other puts to make room, or raises ResourceExhausted. Then
+        `begin_put`, or `release_put` if the put ends before that."""
         snapshot_id = meta.snapshot_id
         if snapshot_id in self._lru or snapshot_id in self._pending_ids:
             raise AlreadyExists(f"snapshot {snapshot_id} already exists or is being put")
@@ -105,14 +109,18 @@ class SnapshotStore:
         except BaseException:
             self._pending_ids.discard(snapshot_id)
             raise
-        try:
-            buffer = await self._run_io(allocate, size)
-        except BaseException:
-            self._reserved -= size
-            self._pending_ids.discard(snapshot_id)
-            self._notify()
-            raise
+
+    def begin_put(self, meta: SnapshotMeta) -> PutSession:
+        """Maps the reserved buffer; its pages are faulted in off the event loop."""
+        buffer = allocate(meta.total_bytes)
+        self._spawn(self._run_io(populate, buffer))
         return PutSession(meta, buffer)
+
+    def release_put(self, meta: SnapshotMeta) -> None:
+        """Gives back a reservation that never became a session."""
+        self._reserved -= meta.total_bytes
+        self._pending_ids.discard(meta.snapshot_id)
+        self._notify()
 
     def commit_put(self, session: PutSession) -> SnapshotInfo:
         session.check_complete()
@@ -128,10 +136,8 @@ class SnapshotStore:
         return SnapshotInfo(meta, entry.tier)
 
     def abort_put(self, session: PutSession) -> None:
-        self._reserved -= session.meta.total_bytes
-        self._pending_ids.discard(session.meta.snapshot_id)
         self._counters.num_failed_puts += 1
-        self._notify()
+        self.release_put(session.meta)
 
     def count_bytes_in(self, num_bytes: int) -> None:
         self._counters.bytes_in += num_bytes

@@ -9,15 +9,14 @@ request alone (an unpressured run) and checks the outputs are identical.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 
+from kvstash import rpc
 from kvstash.client import Client, GenerateResult
 from kvstash.stack import StackConfig, running_stack
 from kvstash.v1 import cache_pb2_grpc, common_pb2
-from kvstash import rpc
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
 

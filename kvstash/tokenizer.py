@@ -52,8 +52,8 @@ class _ByteStream:
 class ByteTokenizer:
     """UTF-8 bytes as tokens; no BOS is added (prompts stay what users sent)."""
 
-    vocab_size = BYTE_VOCAB_SIZE
-    eos_token_ids = (BYTE_EOS_ID,)
+    vocab_size: int = BYTE_VOCAB_SIZE
+    eos_token_ids: tuple[int, ...] = (BYTE_EOS_ID,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -30,14 +30,15 @@ class PreemptionMode(enum.Enum):
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        # ValueError, not TypeError: every bad setting fails the same way at start-up.
+        raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_float(name: str, value: object, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 

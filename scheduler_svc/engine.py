@@ -16,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -188,8 +189,8 @@ class Engine:
 
     # -- transfers ----------------------------------------------------------
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -75,18 +75,18 @@ def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
         raise IntegrityError(f"request {rid} in {queue} holds {num_blocks} blocks")
     if queue == "waiting" and num_computed:
         raise IntegrityError(f"waiting request {rid} has {num_computed} computed tokens")
-    if queue == "prefilling":
-        if not num_computed < req.num_tokens or num_blocks != blocks_for(req.num_tokens):
-            raise IntegrityError(
-                f"prefilling request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
-                f"{num_blocks} blocks"
-            )
-    if queue in ("decoding", "offloading", "offloaded", "resuming"):
-        if num_computed != req.num_tokens - 1:
-            raise IntegrityError(
-                f"request {rid} in {queue}: {num_computed} computed tokens, "
-                f"{req.num_tokens} tokens"
-            )
+    if queue == "prefilling" and (
+        not num_computed < req.num_tokens or num_blocks != blocks_for(req.num_tokens)
+    ):
+        raise IntegrityError(
+            f"prefilling request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
+            f"{num_blocks} blocks"
+        )
+    preempted_or_decoding = ("decoding", "offloading", "offloaded", "resuming")
+    if queue in preempted_or_decoding and num_computed != req.num_tokens - 1:
+        raise IntegrityError(
+            f"request {rid} in {queue}: {num_computed} computed tokens, {req.num_tokens} tokens"
+        )
     if queue == "decoding" and not blocks_for(num_computed) <= num_blocks <= blocks_for(
         num_computed + 1
     ):

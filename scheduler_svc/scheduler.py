@@ -158,7 +158,8 @@ class Scheduler:
         preempted = self._preempt_for_decodes(out)
 
         seqs = out.seqs
-        self._scheduled = scheduled = []
+        scheduled: list[Request] = []
+        self._scheduled = scheduled
         add_seq = seqs.append
         add_scheduled = scheduled.append
         block_size = config.block_size

@@ -62,7 +62,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("prompt is missing: set text or token_ids")
 
-    async def Generate(  # noqa: N802 (gRPC method name)
+    async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         arrival = time.monotonic()
@@ -121,13 +121,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 yield response
 
     @rpc.maps_errors
-    async def Abort(  # noqa: N802
+    async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.AbortResponse:
         self._engine.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 
-    async def GetStats(  # noqa: N802
+    async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
         stats = self._engine.core.stats()

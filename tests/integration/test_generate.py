@@ -9,7 +9,6 @@ import pytest
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.stack import Stack
-
 from tests.integration.reference import reference_greedy
 
 PROMPTS = [[(i * 37 + j * 11) % 256 for j in range(5 + 9 * i)] for i in range(6)]
@@ -71,9 +70,10 @@ async def test_bad_input_is_refused_and_service_keeps_serving(
 
 async def test_max_tokens_zero_refused_by_the_server(stack: Stack) -> None:
     # The Python client refuses it locally; a raw gRPC caller reaches the server.
+    import grpc
+
     from kvstash import rpc
     from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-    import grpc
 
     async with rpc.insecure_channel(stack.address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstash.stack import StackConfig, running_stack
-
 from kvstash.client import Client
+from kvstash.stack import StackConfig, running_stack
 from tests.integration.workload import (
-    PRESSURED_BLOCKS, PRESSURED_SCHEDULER_ARGS, cache_stats, expected_outputs, run_workload,
+    PRESSURED_BLOCKS,
+    PRESSURED_SCHEDULER_ARGS,
+    cache_stats,
+    expected_outputs,
+    run_workload,
     wait_drained,
 )
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from kvstash import rpc
 from kvstash.client import Client, GenerateResult
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2, scheduler_pb2
-from kvstash import rpc
-
 from tests.integration.reference import reference_greedy
 
 NUM_REQUESTS = 24

@@ -14,7 +14,7 @@ PROFILE = "scheduler_svc"
 
 settings.register_profile(
     PROFILE,
-    max_examples=60,
+    max_examples=300,
     deadline=None,
     derandomize=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

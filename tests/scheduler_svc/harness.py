@@ -9,7 +9,6 @@ from kvstash.errors import NotFound
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
-
 from tests.scheduler_svc.fakes import FakeTransport, FakeWorker, reference_output
 
 

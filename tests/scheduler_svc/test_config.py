@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 
 from scheduler_svc.config import PreemptionMode, ReservationPolicy
-
 from tests.scheduler_svc.factories import make_config
 
 

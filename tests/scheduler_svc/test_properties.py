@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from scheduler_svc.request import RequestStatus, SamplingParams
-
 from tests.scheduler_svc.conftest import PROFILE
 from tests.scheduler_svc.harness import AbortPlan, Arrival, Harness
 
@@ -91,7 +90,15 @@ def test_random_workloads_keep_every_invariant(scenario) -> None:
     Harness(config, **transport).run(reqs, aborts)
 
 
-@settings(parent=settings.get_profile(PROFILE), max_examples=20)
+@settings(parent=settings.get_profile(PROFILE))
+@given(scenarios(pressure=True))
+def test_pressured_workloads_keep_every_invariant(scenario) -> None:
+    """Everything arrives at once with no reservation: preemption on most steps."""
+    config, reqs, aborts, transport = scenario
+    Harness(config, **transport).run(reqs, aborts)
+
+
+@settings(parent=settings.get_profile(PROFILE), max_examples=30)
 @given(arrivals(max_requests=8), st.integers(0, 2**32))
 def test_pressured_run_matches_unpressured_run(reqs: list[Arrival], seed: int) -> None:
     """Same tokens with a huge pool and with the smallest pool that fits."""

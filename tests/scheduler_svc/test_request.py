@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
-
 from tests.scheduler_svc.factories import make_scheduler, step
 
 

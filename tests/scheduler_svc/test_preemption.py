@@ -1,0 +1,243 @@
+"""Preemption: victims, modes, the offload/restore protocol, aborts mid-copy."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.request import RequestStatus
+from scheduler_svc.scheduler import Scheduler
+from tests.scheduler_svc.factories import add, ids, make_scheduler, step
+
+S = RequestStatus
+
+
+def tight_scheduler(num_blocks: int, mode: PreemptionMode, **overrides: object) -> Scheduler:
+    """block_size 2, nothing reserved: preemption comes early."""
+    values: dict[str, object] = {
+        "num_blocks": num_blocks, "block_size": 2, "preemption_mode": mode,
+        "reservation_policy": ReservationPolicy.FIXED_BLOCKS, "fixed_blocks_per_decode": 0,
+        "bytes_per_block": 100,
+    }
+    values.update(overrides)
+    return make_scheduler(**values)
+
+
+def status(scheduler: Scheduler, request_id: str) -> RequestStatus:
+    req = scheduler.get_request(request_id)
+    assert req is not None
+    return req.status
+
+
+def two_decodes_then_pressure(mode: PreemptionMode) -> tuple[Scheduler, object]:
+    """'a' (prompt 2) and 'b' (prompt 4) decode in a 4-block pool; step 2 runs short."""
+    scheduler = tight_scheduler(4, mode)
+    add(scheduler, "a", prompt_len=2, max_tokens=6, ignore_eos=True)
+    add(scheduler, "b", prompt_len=4, max_tokens=4, ignore_eos=True, first_token=40)
+    step(scheduler, token_id=5)
+    output, _ = step(scheduler, token_id=6)
+    return scheduler, output
+
+
+def test_victim_is_shortest_output_then_longest_prompt() -> None:
+    scheduler, output = two_decodes_then_pressure(PreemptionMode.RECOMPUTE)
+    # Equal outputs: "b" has the longer prompt.
+    assert status(scheduler, "b") is S.WAITING and ids(output.seqs) == ["a"]
+    scheduler = tight_scheduler(6, PreemptionMode.RECOMPUTE)
+    add(scheduler, "a", prompt_len=2, max_tokens=8, ignore_eos=True)
+    add(scheduler, "b", prompt_len=4, max_tokens=8, ignore_eos=True, first_token=40)
+    step(scheduler)
+    add(scheduler, "c", prompt_len=2, max_tokens=8, ignore_eos=True, first_token=60)
+    step(scheduler)
+    output, _ = step(scheduler)
+    # "c" has the shortest output although "b" has the longest prompt.
+    assert status(scheduler, "c") is S.WAITING
+    assert ids(output.seqs) == ["a", "b"]
+    assert scheduler.stats().num_preemptions_recompute == 1
+
+
+def test_recompute_keeps_output_and_counts_recomputed_tokens() -> None:
+    scheduler, _ = two_decodes_then_pressure(PreemptionMode.RECOMPUTE)
+    b = scheduler.get_request("b")
+    assert b is not None
+    assert b.output_token_ids == [5] and b.block_ids == [] and b.num_preemptions == 1
+    while b.status is not S.RUNNING_DECODE:
+        output, _ = step(scheduler, token_id=7)
+    [b_seq] = [s for s in output.seqs if s.request_id == "b"]
+    # Prefilled prompt + output again in one chunk, minus cached blocks that survived;
+    # 4 positions had KV before: re-prefilling below 4 is recomputation.
+    assert b_seq.token_ids[-1] == 5 and b_seq.start_pos + len(b_seq.token_ids) == 5
+    assert b.num_recomputed_tokens == 4 - b_seq.start_pos
+    assert scheduler.stats().num_recomputed_tokens == b.num_recomputed_tokens
+    assert b.output_token_ids == [5, 7]
+
+
+def test_prefill_is_never_preempted_and_one_decode_keeps_running() -> None:
+    scheduler = tight_scheduler(6, PreemptionMode.RECOMPUTE, max_num_batched_tokens=3,
+                                max_num_seqs=2)
+    add(scheduler, "a", prompt_len=2, max_tokens=10, ignore_eos=True)
+    step(scheduler)
+    add(scheduler, "long", prompt_len=8, max_tokens=2, first_token=50)  # 4 blocks, 4 chunks
+    skipped = False
+    for _ in range(4):
+        output, _ = step(scheduler)
+        skipped |= "a" not in ids(output.seqs)
+        assert status(scheduler, "a") is S.RUNNING_DECODE
+    assert status(scheduler, "long") is S.RUNNING_DECODE
+    # "a" ran out of blocks while "long" prefilled: it waited, nobody was preempted.
+    assert skipped and scheduler.stats().num_preemptions_recompute == 0
+
+
+def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
+    scheduler, output = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    [offload] = output.offloads
+    b = scheduler.get_request("b")
+    assert b is not None and b.status is S.OFFLOADING
+    assert (offload.request_id, offload.block_ids, offload.num_tokens) == ("b", [1, 2], 4)
+    assert offload.snapshot_id == b.snapshot_id == "b-0"
+    assert scheduler.kv.pool.ref_cnt(1) == 1  # still allocated: a copy is in flight
+    step(scheduler)
+    assert scheduler.stats().num_offloaded == 1
+    scheduler.finish_offload("b", 4096)
+    assert b.status is S.OFFLOADED and b.block_ids == [] and b.bytes_offloaded == 4096
+    while b.status is S.OFFLOADED:
+        output, _ = step(scheduler, token_id=8)
+    [restore] = output.restores
+    assert (restore.request_id, restore.snapshot_id, len(restore.block_ids)) == ("b", "b-0", 2)
+    assert b.status is S.RESUMING and b.block_ids == restore.block_ids
+    output, _ = step(scheduler)
+    assert "b" not in ids(output.seqs)  # not scheduled before the restore is acknowledged
+    scheduler.finish_restore("b", ok=True)
+    assert scheduler.take_snapshots_to_delete() == ["b-0"]
+    output, _ = step(scheduler, token_id=9)
+    [b_seq] = [s for s in output.seqs if s.request_id == "b"]
+    # Continues from the next token: KV of positions 0..3 came back, no recompute.
+    assert (b_seq.token_ids, b_seq.start_pos) == ([5], 4)
+    assert b.num_recomputed_tokens == 0 and b.output_token_ids == [5, 9]
+    stats = scheduler.stats()
+    assert stats.num_preemptions_offload == 1 and stats.bytes_restored == 4096
+
+
+def test_offload_failure_falls_back_to_recompute() -> None:
+    scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    scheduler.finish_offload("b", None)
+    b = scheduler.get_request("b")
+    assert b is not None and b.status is S.WAITING and b.snapshot_id is None
+    assert scheduler.take_snapshots_to_delete() == []  # a failed put stores nothing
+    assert scheduler.stats().num_offload_failures == 1
+
+
+def test_restore_failure_frees_blocks_and_recomputes() -> None:
+    scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    scheduler.finish_offload("b", 10)
+    b = scheduler.get_request("b")
+    assert b is not None
+    while b.status is not S.RESUMING:
+        step(scheduler)
+    scheduler.finish_restore("b", ok=False)
+    assert b.status is S.WAITING and b.block_ids == []
+    assert scheduler.take_snapshots_to_delete() == ["b-0"]
+    scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(None, S.WAITING), (199, S.WAITING), (200, S.OFFLOADING)],
+)
+def test_auto_offloads_only_when_the_snapshot_fits(capacity: int | None, expected: S) -> None:
+    scheduler = tight_scheduler(4, PreemptionMode.AUTO)
+    scheduler.set_offload_capacity(capacity)
+    add(scheduler, "a", prompt_len=2, max_tokens=6, ignore_eos=True)
+    add(scheduler, "b", prompt_len=4, max_tokens=4, ignore_eos=True, first_token=40)
+    step(scheduler)
+    step(scheduler)
+    assert status(scheduler, "b") is expected  # 2 blocks * 100 bytes
+
+
+def test_auto_subtracts_snapshots_in_flight() -> None:
+    scheduler = tight_scheduler(6, PreemptionMode.AUTO)
+    scheduler.set_offload_capacity(300)
+    for i, name in enumerate("abc"):
+        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
+    step(scheduler)
+    step(scheduler)
+    step(scheduler)
+    output, _ = step(scheduler)  # all three need a third block; none is free
+    assert len(output.offloads) == 1
+    scheduler.finish_offload(output.offloads[0].request_id, 200)
+    # 300 - 200 committed since the report: the next 200-byte snapshot does not fit.
+    assert scheduler._should_offload(200) is False
+    scheduler.set_offload_capacity(1000)
+    assert scheduler._should_offload(200) is True
+
+
+def test_blocks_being_offloaded_count_as_soon_free() -> None:
+    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD)
+    for i, name in enumerate("abc"):
+        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
+    for _ in range(3):
+        step(scheduler)
+    output, _ = step(scheduler)
+    assert ids(output.offloads) == ["a"] and ids(output.seqs) == []
+    output, _ = step(scheduler)  # still in flight: wait for it, preempt nobody else
+    assert output.offloads == [] and status(scheduler, "b") is S.RUNNING_DECODE
+    scheduler.finish_offload("a", 1)
+    output, _ = step(scheduler)
+    assert ids(output.seqs) == ["b", "c"]
+
+
+def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
+    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD, resume_headroom=0)
+    for i, name in enumerate("abc"):
+        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
+    for _ in range(3):
+        step(scheduler)
+    step(scheduler)
+    scheduler.finish_offload("a", 1)
+    add(scheduler, "new", prompt_len=2, max_tokens=2, first_token=80)
+    resumed = []
+    while status(scheduler, "a") is S.OFFLOADED:
+        output, _ = step(scheduler)
+        assert "new" not in ids(output.seqs)
+        resumed += ids(output.restores)
+        for offload in output.offloads:
+            scheduler.finish_offload(offload.request_id, 1)
+    assert resumed == ["a"]
+
+
+@pytest.mark.parametrize("state", [S.OFFLOADING, S.OFFLOADED, S.RESUMING])
+@pytest.mark.parametrize("copy_ok", [True, False])
+def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: bool) -> None:
+    scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    if state is not S.OFFLOADING:
+        scheduler.finish_offload("b", 10)
+    if state is S.RESUMING:
+        while status(scheduler, "b") is not S.RESUMING:
+            step(scheduler)
+    b = scheduler.get_request("b")
+    assert b is not None
+    held = list(b.block_ids)
+    scheduler.abort("b")
+    scheduler.check_integrity()
+    if state is S.OFFLOADED:
+        assert scheduler.take_snapshots_to_delete() == ["b-0"]
+        assert scheduler.get_request("b") is None
+        return
+    # A copy is in flight: its blocks stay allocated until it lands.
+    assert all(scheduler.kv.pool.ref_cnt(block) == 1 for block in held)
+    assert scheduler.stats().num_offloaded == 0
+    step(scheduler)
+    if state is S.OFFLOADING:
+        scheduler.finish_offload("b", 10 if copy_ok else None)
+    else:
+        scheduler.finish_restore("b", copy_ok)
+    assert all(scheduler.kv.pool.ref_cnt(block) == 0 for block in held)
+    expect_delete = copy_ok or state is S.RESUMING
+    assert scheduler.take_snapshots_to_delete() == (["b-0"] if expect_delete else [])
+    assert scheduler.get_request("b") is None
+    scheduler.check_integrity()
+    while scheduler.has_unfinished_requests:
+        step(scheduler)
+    stats = scheduler.stats()
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
+    assert scheduler.is_idle

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import ReservationPolicy
+from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.reservation import Reservation
+from tests.scheduler_svc.factories import add, make_config, make_scheduler, step
+
+
+def make_request(max_tokens: int, num_output: int = 0) -> Request:
+    req = Request.create(
+        "r", [1], SamplingParams(max_tokens=max_tokens), arrival_time=0.0, arrival_seq=0
+    )
+    req.output_token_ids.extend([1] * num_output)
+    return req
+
+
+def test_ratio_decays_linearly_to_the_floor() -> None:
+    config = make_config(new_token_ratio_decay_steps=10)
+    reservation = Reservation(config)
+    decay = (0.7 - 0.7 * 0.14) / 10
+    reservation.on_step(idle=False)
+    assert reservation.new_token_ratio == pytest.approx(0.7 - decay)
+    for _ in range(5):
+        reservation.on_step(idle=False)
+    assert reservation.new_token_ratio == pytest.approx(0.7 - 6 * decay)
+    for _ in range(100):
+        reservation.on_step(idle=False)
+    assert reservation.new_token_ratio == pytest.approx(0.098)
+
+
+def test_ratio_resets_when_idle() -> None:
+    reservation = Reservation(make_config())
+    for _ in range(50):
+        reservation.on_step(idle=False)
+    assert reservation.new_token_ratio < 0.7
+    reservation.on_step(idle=True)
+    assert reservation.new_token_ratio == 0.7
+
+
+def test_scheduler_resets_ratio_when_nothing_runs_or_waits() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", max_tokens=3)
+    for _ in range(3):
+        step(scheduler)
+    assert scheduler.stats().new_token_ratio < 0.7
+    step(scheduler)  # idle step
+    assert scheduler.stats().new_token_ratio == 0.7
+
+
+def test_ratio_recomputed_after_preemption() -> None:
+    reservation = Reservation(make_config(retract_steps=20))
+    decoding = [make_request(100, num_output=10), make_request(300, num_output=30)]
+    reservation.on_preemption(decoding)
+    # (decoded 40 + 20 steps * 2 requests) / (max_tokens 400 + 1)
+    assert reservation.new_token_ratio == pytest.approx(80 / 401)
+
+
+def test_recomputed_ratio_is_capped_at_init() -> None:
+    reservation = Reservation(make_config(retract_steps=20))
+    reservation.on_preemption([make_request(10, num_output=9)])
+    assert reservation.new_token_ratio == 0.7
+
+
+def test_reserved_tokens_clip_remaining_output() -> None:
+    reservation = Reservation(make_config(block_size=16))
+    assert reservation.reserved_tokens(make_request(100_000)) == pytest.approx(4096 * 0.7)
+    assert reservation.reserved_blocks(make_request(100_000)) == 180  # ceil(2867.2 / 16)
+    assert reservation.reserved_tokens(make_request(100, num_output=60)) == pytest.approx(28)
+    assert reservation.reserved_blocks(make_request(100, num_output=60)) == 2
+
+
+def test_fixed_blocks_policy() -> None:
+    config = make_config(reservation_policy=ReservationPolicy.FIXED_BLOCKS,
+                         fixed_blocks_per_decode=3)
+    reservation = Reservation(config)
+    assert reservation.reserved_blocks(make_request(100_000)) == 3
+    assert reservation.total_reserved_blocks([make_request(5), make_request(9)]) == 6
+
+
+@pytest.mark.parametrize(
+    ("policy", "admitted"),
+    [(ReservationPolicy.NEW_TOKEN_RATIO, False), (ReservationPolicy.FIXED_BLOCKS, True)],
+)
+def test_admission_keeps_reservation_for_running_decodes(
+    policy: ReservationPolicy, admitted: bool
+) -> None:
+    # 12 blocks of 4. "a" decodes with 40 tokens left: 0.7 * 40 = 28 tokens = 7 blocks.
+    scheduler = make_scheduler(num_blocks=12, reservation_policy=policy,
+                               fixed_blocks_per_decode=1, new_token_ratio_decay_steps=10**6)
+    add(scheduler, "a", prompt_len=4, max_tokens=41, ignore_eos=True)
+    step(scheduler)
+    add(scheduler, "b", prompt_len=16, max_tokens=4, first_token=50)
+    output, _ = step(scheduler)
+    # "b" needs 4 blocks; 10 are left after "a"'s two: 10 - 4 < 7 under the ratio policy.
+    assert ("b" in [s.request_id for s in output.seqs]) is admitted

@@ -1,0 +1,202 @@
+from __future__ import annotations
+
+import pytest
+
+from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from scheduler_svc.block_pool import IntegrityError
+from scheduler_svc.request import RequestStatus, SamplingParams
+from tests.scheduler_svc.factories import EOS, add, ids, make_scheduler, step
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "message"),
+    [
+        ([], 4, "request r: prompt is empty"),
+        ([1], 0, "max_tokens must be positive, got 0"),
+        ([1, 100], 4, "token id 100 at position 1 is outside the vocabulary [0, 100)"),
+        ([1, -1], 4, "token id -1 at position 1"),
+        ([1] * 250, 10, "prompt of 250 tokens + max_tokens 10 = 260 exceeds max_model_len 256"),
+        ([1] * 60, 10, "70 tokens need 18 blocks, the whole pool has 16 (64 tokens)"),
+    ],
+)
+def test_admission_refusals_name_the_numbers(prompt: list[int], max_tokens: int, message: str) -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    with pytest.raises(InvalidArgument) as excinfo:
+        scheduler.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
+    assert message in str(excinfo.value)
+    assert scheduler.get_request("r") is None
+
+
+def test_duplicate_live_id_is_refused_and_finished_ids_are_reusable() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "r", max_tokens=1)
+    with pytest.raises(AlreadyExists, match="request r already exists"):
+        add(scheduler, "r")
+    step(scheduler)
+    assert scheduler.get_request("r") is None
+    add(scheduler, "r")
+
+
+def test_prefill_samples_then_decodes_one_token_per_step() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", prompt_len=5, max_tokens=3, first_token=10)
+    output, updates = step(scheduler, token_id=7)
+    [seq] = output.seqs
+    assert (seq.token_ids, seq.start_pos, seq.sample) == ([10, 11, 12, 13, 14], 0, True)
+    assert updates[0].new_token_ids == [7] and updates[0].finish_status is None
+    req = scheduler.get_request("a")
+    assert req is not None and req.status is RequestStatus.RUNNING_DECODE
+    assert req.first_token_time is not None
+    output, _ = step(scheduler, token_id=8)
+    [seq] = output.seqs
+    assert (seq.token_ids, seq.start_pos, seq.block_ids) == ([7], 5, [0, 1])
+    _, updates = step(scheduler, token_id=9)
+    assert updates[0].finish_status is RequestStatus.FINISHED_LENGTH
+    assert req.output_token_ids == [7, 8, 9]
+    stats = scheduler.stats()
+    assert stats.num_finished == 1
+    # Freed, full blocks stay cached: [10..13] and [14, 7, 8, 9] minus the uncomputed last.
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
+    assert stats.num_evictable_blocks == 1
+
+
+@pytest.mark.parametrize(
+    ("sampling", "tokens", "status"),
+    [
+        ({"max_tokens": 5}, [3, EOS], RequestStatus.FINISHED_STOPPED),
+        ({"max_tokens": 5, "ignore_eos": True}, [3, EOS, 3, 3, 3], RequestStatus.FINISHED_LENGTH),
+        ({"max_tokens": 5, "stop_token_ids": (9,)}, [3, 9], RequestStatus.FINISHED_STOPPED),
+    ],
+)
+def test_finish_on_stop_eos_and_length(sampling: dict, tokens: list[int], status: RequestStatus) -> None:
+    scheduler = make_scheduler()
+    req = scheduler.add_request("a", [1, 2], SamplingParams(**sampling))
+    for token in tokens:
+        _, updates = step(scheduler, token_id=token)
+    assert updates[-1].finish_status is status
+    assert req.output_token_ids == tokens  # the stop token is kept
+    assert req.status is status
+
+
+def test_decodes_are_scheduled_before_chunked_prefill_under_the_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    add(scheduler, "a", prompt_len=2, max_tokens=20, ignore_eos=True)
+    add(scheduler, "b", prompt_len=2, max_tokens=20, ignore_eos=True, first_token=30)
+    step(scheduler)
+    add(scheduler, "long", prompt_len=20, max_tokens=2, first_token=50)
+    chunks = []
+    for _ in range(4):
+        output, _ = step(scheduler)
+        assert ids(output.seqs)[:2] == ["a", "b"]
+        assert output.num_scheduled_tokens <= 8
+        chunks += [(s.start_pos, len(s.token_ids), s.sample) for s in output.seqs[2:]]
+    # 6 tokens per step left for the prompt: chunks of 6, 6, 6, 2; only the last samples.
+    assert chunks[:4] == [(0, 6, False), (6, 6, False), (12, 6, False), (18, 2, True)]
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i, name in enumerate("abc"):
+        add(scheduler, name, max_tokens=5, ignore_eos=True, first_token=10 + 20 * i)
+    output, _ = step(scheduler)
+    assert ids(output.seqs) == ["a", "b"]
+    assert scheduler.stats().num_waiting == 1
+
+
+def test_update_ignores_requests_aborted_meanwhile() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a")
+    add(scheduler, "b", first_token=40)
+    output = scheduler.schedule()
+    scheduler.abort("a")
+    add(scheduler, "a", first_token=60)  # same id, new request: not the one scheduled
+    updates = scheduler.update(output, {"a": 5, "b": 6})
+    assert [(u.request_id, u.new_token_ids) for u in updates] == [("b", [6])]
+    req = scheduler.get_request("a")
+    assert req is not None and req.status is RequestStatus.WAITING and req.output_token_ids == []
+    scheduler.check_integrity()
+
+
+def test_update_refuses_stale_output_and_missing_tokens() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a")
+    first = scheduler.schedule()
+    scheduler.schedule()  # the first step never ran
+    with pytest.raises(FailedPrecondition, match="output of step 1 is stale"):
+        scheduler.update(first, {"a": 1})
+    scheduler2 = make_scheduler()
+    add(scheduler2, "a")
+    output = scheduler2.schedule()
+    with pytest.raises(InvalidArgument, match="no sampled token for request a"):
+        scheduler2.update(output, {})
+
+
+def test_abort_unknown_or_finished_is_not_found() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(NotFound, match="request x is unknown or already finished"):
+        scheduler.abort("x")
+    add(scheduler, "a", max_tokens=1)
+    step(scheduler)
+    with pytest.raises(NotFound):
+        scheduler.abort("a")
+
+
+@pytest.mark.parametrize("num_steps", [0, 1, 2])
+def test_abort_waiting_prefilling_decoding_frees_everything(num_steps: int) -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    add(scheduler, "a", prompt_len=12, max_tokens=5)
+    for _ in range(num_steps):
+        step(scheduler)
+    scheduler.abort("a")
+    scheduler.check_integrity()
+    stats = scheduler.stats()
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
+    assert scheduler.get_request("a") is None and scheduler.is_idle
+
+
+def test_identical_prompts_share_prefix_blocks() -> None:
+    scheduler = make_scheduler(block_size=2)
+    add(scheduler, "a", prompt_len=6, max_tokens=5, ignore_eos=True)
+    step(scheduler)
+    add(scheduler, "b", prompt_len=6, max_tokens=5, ignore_eos=True)
+    output, _ = step(scheduler)
+    a, b = scheduler.get_request("a"), scheduler.get_request("b")
+    assert a is not None and b is not None
+    assert b.block_ids[:2] == a.block_ids[:2]  # [10, 11] [12, 13] computed by "a"
+    [b_seq] = [s for s in output.seqs if s.request_id == "b"]
+    assert (b_seq.start_pos, b_seq.token_ids) == (4, [14, 15])
+
+
+def test_check_integrity_catches_corrupted_scheduler_state() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", max_tokens=5)
+    add(scheduler, "b", max_tokens=5, first_token=50)
+    step(scheduler)
+    scheduler.check_integrity()
+    a = scheduler.get_request("a")
+    assert a is not None
+    a.status = RequestStatus.WAITING  # a status that disagrees with its queue
+    with pytest.raises(IntegrityError, match="request a in decoding has status waiting"):
+        scheduler.check_integrity()
+    a.status = RequestStatus.RUNNING_DECODE
+    a.block_ids.append(a.block_ids[0])  # a block held twice with one reference
+    with pytest.raises(IntegrityError, match="ref_cnt 1 but 2 block tables hold it"):
+        scheduler.check_integrity()
+    a.block_ids.pop()
+    scheduler._decoding.append(a)  # duplicated in its queue
+    with pytest.raises(IntegrityError, match="request a is in both decoding and decoding"):
+        scheduler.check_integrity()
+    scheduler._decoding.pop()
+    scheduler._decoding.remove(a)  # lost
+    with pytest.raises(IntegrityError, match=r"requests \['a'\] are in no queue"):
+        scheduler.check_integrity()
+
+
+def test_stats_count_states() -> None:
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=4)
+    add(scheduler, "a", prompt_len=6)
+    add(scheduler, "b")
+    step(scheduler)
+    stats = scheduler.stats()
+    assert (stats.num_running_prefill, stats.num_running_decode, stats.num_waiting) == (1, 0, 1)
+    assert stats.num_steps == 1 and stats.num_total_blocks == 64 and stats.block_size == 4
