@@ -17,6 +17,7 @@ neither kind of name can be produced by a client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -93,10 +94,8 @@ class DiskFiles:
         return data
 
     def remove(self, path: Path) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def scan(self) -> list[DiskSnapshot]:
         """Creates the directory if needed, removes temporaries and unreadable

@@ -7,9 +7,11 @@ the heap and inflate resident memory after a failed put).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import mmap
+import threading
 
 from cache_svc.snapshot import ChecksumMismatch, SnapshotMeta, checksum
 from kvstash.errors import InvalidArgument
@@ -35,7 +37,7 @@ def allocate(total_bytes: int) -> mmap.mmap:
     return buffer
 
 
-def populate(buffer: mmap.mmap) -> None:
+def populate(buffer: mmap.mmap, stop: threading.Event) -> None:
     """Faults `buffer` in, front to back; blocks, so run it off the event loop.
 
     Runs beside the put: chunks that arrive meanwhile are copied in at once
@@ -43,14 +45,17 @@ def populate(buffer: mmap.mmap) -> None:
     zeroing overlaps the transfer instead of preceding it. Faulting ahead in
     one thread is about twice as fast as taking the faults chunk by chunk on
     the event loop. Goes through ctypes, which releases the GIL
-    (mmap.madvise holds it). A no-op before Linux 5.14."""
+    (mmap.madvise holds it). Returns soon after `stop` is set (the put ended)
+    and at once before Linux 5.14."""
     anchor = ctypes.c_char.from_buffer(buffer)  # keeps the mapping alive meanwhile
     address = ctypes.addressof(anchor)
     size = len(buffer)
     for offset in range(0, size, _POPULATE_STEP_BYTES):
+        if stop.is_set():
+            break
         length = min(_POPULATE_STEP_BYTES, size - offset)
         if _libc.madvise(address + offset, length, _MADV_POPULATE_WRITE) != 0:
-            return
+            break
     del anchor
 
 
@@ -58,13 +63,15 @@ class PutSession:
     """Accepts chunks 0..n-1 strictly in order; any deviation raises, naming
     the chunk and why. The store owns the reservation; this owns the bytes."""
 
-    __slots__ = ("buffer", "checksums", "meta", "num_received")
+    __slots__ = ("buffer", "checksums", "meta", "num_received", "populating", "stop")
 
     def __init__(self, meta: SnapshotMeta, buffer: mmap.mmap) -> None:
         self.meta = meta
         self.buffer = buffer
         self.num_received = 0  # chunks accepted so far; also the next expected index
         self.checksums: list[int] = []  # of the chunks accepted, verified; gets reuse them
+        self.stop = threading.Event()  # tells `populate` the put ended
+        self.populating: asyncio.Future[None] | None = None  # `populate`, run by the store
 
     @property
     def next_chunk_bytes(self) -> int:

@@ -160,7 +160,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             return info
         finally:
             if not committed:
-                self._store.abort_put(session)
+                await self._store.abort_put(session)
 
     async def _drain(self, stream: _PutStream) -> None:
         # Unadmitted CacheClients half-close on seeing metadata without the

@@ -8,7 +8,7 @@ work runs in a thread pool. Accounting invariants (see `check_integrity`):
     disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
 
 A put is `reserve_put` (reserve, or wait for spills, or ResourceExhausted),
-`begin_put` (allocate the buffer) or `release_put`, `PutSession.accept` per
+`begin_put` (map the buffer) or `release_put`, `PutSession.accept` per
 chunk, then `commit_put` or `abort_put`.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -111,10 +112,10 @@ class SnapshotStore:
             raise
 
     def begin_put(self, meta: SnapshotMeta) -> PutSession:
-        """Maps the reserved buffer; its pages are faulted in off the event loop."""
-        buffer = allocate(meta.total_bytes)
-        self._spawn(self._run_io(populate, buffer))
-        return PutSession(meta, buffer)
+        """Maps the reserved buffer; a thread faults its pages in meanwhile."""
+        session = PutSession(meta, allocate(meta.total_bytes))
+        session.populating = self._spawn(self._run_io(populate, session.buffer, session.stop))
+        return session
 
     def release_put(self, meta: SnapshotMeta) -> None:
         """Gives back a reservation that never became a session."""
@@ -124,6 +125,7 @@ class SnapshotStore:
 
     def commit_put(self, session: PutSession) -> SnapshotInfo:
         session.check_complete()
+        session.stop.set()
         meta = session.meta
         entry = Entry(meta, Residence.MEMORY, self._clock(), buffer=session.buffer,
                       checksums=tuple(session.checksums))
@@ -135,9 +137,17 @@ class SnapshotStore:
         self._notify()
         return SnapshotInfo(meta, entry.tier)
 
-    def abort_put(self, session: PutSession) -> None:
+    async def abort_put(self, session: PutSession) -> None:
         self._counters.num_failed_puts += 1
-        self.release_put(session.meta)
+        session.stop.set()
+        # The populating thread holds the buffer until its current step ends
+        # (milliseconds); the room goes back only then, so resident memory
+        # stays in budget. A callback, so it happens even if this is cancelled;
+        # registered before wait()'s own, so it has run when this returns.
+        populating = session.populating
+        assert populating is not None
+        populating.add_done_callback(lambda _: self.release_put(session.meta))
+        await asyncio.wait((populating,))
 
     def count_bytes_in(self, num_bytes: int) -> None:
         self._counters.bytes_in += num_bytes
@@ -169,10 +179,8 @@ class SnapshotStore:
                     f"in progress, {self._disk_free()} disk bytes free) and no snapshot "
                     "can be spilled or evicted"
                 )
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
 
     def _may_change(self) -> bool:
         """Whether waiting could help: a spill, a get or another put is running."""
@@ -363,10 +371,11 @@ class SnapshotStore:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

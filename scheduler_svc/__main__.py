@@ -17,6 +17,7 @@ from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.server import create_scheduler_server
 
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds per transfer")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -83,16 +85,21 @@ async def serve(args: argparse.Namespace) -> None:
     config = build_config(args, info)
     tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size, tuple(info.eos_token_ids))
     cache = CacheClient(args.cache_address) if args.cache_address else None
-    engine = Engine(Scheduler(config), worker_channel,
-                    cache, EngineConfig(transfer_timeout_s=args.transfer_timeout))
+    core = Scheduler(config)
+    engine = Engine(core, worker_channel, cache,
+                    EngineConfig(transfer_timeout_s=args.transfer_timeout))
     await engine.start()
-    server, port = await create_scheduler_server(engine, tokenizer, args.listen)
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+    metrics_server = metrics.serve(args.metrics_port) if args.metrics_port else None
+    server, port = await create_scheduler_server(engine, tokenizer, metrics, args.listen)
     log.info("serving %s (%d KV blocks of %d tokens) on port %d",
              info.model_name, config.num_blocks, config.block_size, port)
     rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
 
     async def on_stop() -> None:
         await engine.close()
+        if metrics_server is not None:
+            metrics_server.stop()
 
     try:
         await rpc.run_until_signalled(server, on_stop)

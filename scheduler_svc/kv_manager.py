@@ -97,6 +97,14 @@ class KVCacheManager:
         req.block_ids.extend(new_ids)
         return new_ids
 
+    def append_block(self, req: Request) -> bool:
+        """One more block for a decode whose blocks are full; False (nothing changed) if none is left."""
+        pool = self.pool
+        if not pool.can_allocate(1):
+            return False
+        req.block_ids.extend(pool.allocate(1))
+        return True
+
     def allocate_fresh(self, req: Request, num_blocks: int) -> list[int] | None:
         """A new block table of `num_blocks` uncached blocks (restore target)."""
         if req.block_ids:

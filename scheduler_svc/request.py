@@ -16,6 +16,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_svc.outputs import ScheduledSeq
 
 
 class RequestStatus(enum.Enum):
@@ -107,6 +111,9 @@ class Request:
     bytes_offloaded: int = 0
     # Clock value when the first output token arrived.
     first_token_time: float | None = None
+    # This request's decode work item, refreshed in place by every schedule()
+    # that decodes it rather than rebuilt (the per-step hot path).
+    decode_seq: ScheduledSeq | None = None
 
     @classmethod
     def create(

@@ -17,6 +17,7 @@ from kvstash import errors, rpc
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine import Engine, RequestStream
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import RequestStatus, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,10 @@ def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
+        self._metrics = metrics
 
     def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -91,14 +93,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         text = self._tokenizer.stream()
         ttft_s = 0.0
-        num_tokens = 0
         while True:
             event = await stream.events.get()
             if isinstance(event, errors.KvstashError):
                 raise event
             if event.new_token_ids and not ttft_s:
                 ttft_s = time.monotonic() - arrival
-            num_tokens += len(event.new_token_ids)
             response = scheduler_pb2.GenerateResponse(
                 request_id=request_id,
                 token_ids=event.new_token_ids,
@@ -106,6 +106,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             )
             if event.finish_status is not None:
                 req = stream.request
+                self._observe_latency(arrival, ttft_s, len(req.output_token_ids))
                 response.finish_reason = _FINISH_REASON[event.finish_status]
                 response.usage.CopyFrom(scheduler_pb2.Usage(
                     prompt_tokens=len(req.prompt_token_ids),
@@ -119,6 +120,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 return
             if response.token_ids:
                 yield response
+
+    def _observe_latency(self, arrival: float, ttft_s: float, num_tokens: int) -> None:
+        if not ttft_s:
+            return
+        self._metrics.ttft_s.observe(ttft_s)
+        if num_tokens > 1:
+            decode_s = time.monotonic() - arrival - ttft_s
+            self._metrics.tpot_s.observe(decode_s / (num_tokens - 1))
 
     @rpc.maps_errors
     async def Abort(
@@ -152,9 +161,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def create_scheduler_server(
-    engine: Engine, tokenizer: Tokenizer, address: str
+    engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics, address: str
 ) -> tuple[grpc.aio.Server, int]:
-    servicer = SchedulerServicer(engine, tokenizer)
+    servicer = SchedulerServicer(engine, tokenizer, metrics)
     server, port, _ = await rpc.create_server(
         address,
         [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],

@@ -57,7 +57,9 @@ async def test_slow_disk_makes_writers_wait(start_cache) -> None:
                            for i, p in enumerate(payloads)))
     elapsed = loop.time() - started
     watcher.cancel()
-    assert elapsed > 0.6, f"6 puts took {elapsed:.2f} s; spills of 16 MiB at 20 MiB/s did not pace them"
+    assert elapsed > 0.6, (
+        f"6 puts took {elapsed:.2f} s; spills of 16 MiB at 20 MiB/s did not pace them"
+    )
     assert peak <= 8 * MIB
     for i, p in enumerate(payloads):
         assert (await running.client.get(f"s{i}"))[1] == p.tobytes()

@@ -6,11 +6,15 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from pathlib import Path
 
 from kvstash.client import Client
+from kvstash.stack import StackConfig, running_stack
 
 
 def _alive(pid: int) -> bool:
@@ -63,3 +67,24 @@ def test_every_service_runs_alone_with_help() -> None:
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "--listen" in out.stdout or module == "kvstash.cli"
+
+
+def test_scheduler_exports_prometheus_metrics(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a free port for the metrics endpoint
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    config = StackConfig(num_blocks=32, scheduler_args=("--metrics-port", str(metrics_port)))
+    with running_stack(config, tmp_path) as stack:
+
+        async def call() -> None:
+            async with Client(stack.address) as client:
+                await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)
+
+        asyncio.run(call())
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    assert "kvstash_scheduler_num_total_blocks 32.0" in text
+    assert "kvstash_scheduler_finished_requests_total 1.0" in text
+    assert "kvstash_scheduler_ttft_seconds_count 1.0" in text
+    assert "kvstash_scheduler_time_per_output_token_seconds_count 1.0" in text
+    assert "kvstash_scheduler_new_token_ratio" in text

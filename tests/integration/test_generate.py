@@ -10,6 +10,7 @@ from kvstash import errors
 from kvstash.client import Client
 from kvstash.stack import Stack
 from tests.integration.reference import reference_greedy
+from tests.integration.workload import wait_drained
 
 PROMPTS = [[(i * 37 + j * 11) % 256 for j in range(5 + 9 * i)] for i in range(6)]
 
@@ -106,3 +107,14 @@ async def test_abort_running_request_frees_its_blocks(stack: Stack) -> None:
         after = await client.stats()
     assert after.num_running_decode == 0 and after.num_waiting == 0
     assert after.num_free_blocks + after.num_evictable_blocks == before.num_total_blocks
+
+
+async def test_client_disconnect_releases_the_request(stack: Stack) -> None:
+    async with Client(stack.address) as client:
+        stream = client.generate([4, 5, 6], max_tokens=1000, ignore_eos=True)
+        assert (await stream.__anext__()).token_ids
+        await stream.aclose()  # cancels the call, as a vanished client would
+    # 1000 decode steps take several seconds; being drained sooner means aborted.
+    stats = await wait_drained(stack.address, timeout_s=1.5)
+    assert stats.num_running_decode == stats.num_running_prefill == stats.num_waiting == 0
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks

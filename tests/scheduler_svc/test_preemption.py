@@ -166,9 +166,9 @@ def test_auto_subtracts_snapshots_in_flight() -> None:
     assert len(output.offloads) == 1
     scheduler.finish_offload(output.offloads[0].request_id, 200)
     # 300 - 200 committed since the report: the next 200-byte snapshot does not fit.
-    assert scheduler._should_offload(200) is False
+    assert scheduler._preemption.can_offload(200) is False
     scheduler.set_offload_capacity(1000)
-    assert scheduler._should_offload(200) is True
+    assert scheduler._preemption.can_offload(200) is True
 
 
 def test_blocks_being_offloaded_count_as_soon_free() -> None:

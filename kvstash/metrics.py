@@ -1,0 +1,58 @@
+"""Prometheus exposition shared by the services.
+
+Counters and gauges are read from a service's own stats snapshot at scrape
+time, so they can never drift from what its GetStats RPC reports and cost
+nothing between scrapes. The HTTP server runs on its own thread; the stats
+are taken on the service's event loop, which owns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class StatsCollector(Collector):
+    """Gauges and counters named `prefix + key`, valued from `read()`'s fields.
+
+    `gauges` maps metric key -> help text (the field has the key's name);
+    `counters` maps metric key -> (field, help text)."""
+
+    def __init__(self, prefix: str, read: Callable[[], Any], loop: asyncio.AbstractEventLoop,
+                 gauges: Mapping[str, str], counters: Mapping[str, tuple[str, str]]) -> None:
+        self._prefix = prefix
+        self._read = read
+        self._loop = loop
+        self._gauges = gauges
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        async def read() -> Any:
+            return self._read()
+
+        stats = asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
+        for key, doc in self._gauges.items():
+            yield GaugeMetricFamily(self._prefix + key, doc, value=getattr(stats, key))
+        for key, (field, doc) in self._counters.items():
+            yield CounterMetricFamily(self._prefix + key, doc, value=getattr(stats, field))
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on `port` for the collectors of `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+        self.registry = registry
+        self._http_server, _thread = start_http_server(port, addr=addr, registry=registry)
+
+    @property
+    def port(self) -> int:
+        return int(self._http_server.server_port)
+
+    def stop(self) -> None:
+        self._http_server.shutdown()
+        self._http_server.server_close()
