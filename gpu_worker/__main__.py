@@ -12,6 +12,7 @@ import logging
 import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
+from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
 
 log = logging.getLogger("gpu_worker")
@@ -21,7 +22,8 @@ _DEFAULTS = WorkerConfig()
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, WorkerConfig]:
     p = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on; port 0 = any")
+    p.add_argument("--listen", default="127.0.0.1:50061",
+                   help="host:port to serve on; port 0 = any")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--model", default=_DEFAULTS.model,
                    help=f"{TINY_MODEL!r} or a local directory with config.json, "
@@ -67,6 +69,7 @@ async def serve(listen: str, config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     setup_logging(args.log_level)
+    tune_malloc()  # the worker streams snapshots to and from the cache service
     try:
         asyncio.run(serve(args.listen, config))
     except ValueError as exc:  # a checkpoint that does not match its config, ...

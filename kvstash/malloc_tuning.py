@@ -1,7 +1,7 @@
 """glibc malloc settings for processes that stream KV snapshots.
 
-Call `tune_malloc()` once at start-up, before any traffic, in every service
-process (cache, worker, scheduler) and in the benchmarks.
+Call `tune_malloc()` once at start-up, before any traffic, in every process
+that moves snapshot bytes (the cache service, the worker) and in the benchmarks.
 """
 
 from __future__ import annotations
