@@ -141,7 +141,7 @@ async def run_rounds(
         times = []
         async with CacheClient(address, chunk_bytes=chunk_bytes, timeout_s=600) as client:
             for i in range(rounds):
-                raw_put, raw_get = raw_socket_round(raw_port, memoryview(data), out.data,
+                raw_put, raw_get = raw_socket_round(raw_port, data.data, out.data,
                                                     chunk_bytes)
                 out[:] = 0
                 put_s, get_s = await cache_round(client, f"bench-{chunk_mib}-{i}", data, out)

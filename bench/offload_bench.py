@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> None:
             with running_stack(config) as s:
                 runs.append(asyncio.run(
                     _workload(s.address, mode, init_ratio, prompts, args.max_tokens)))
-    header = (f"{'init ratio':<10} {'mode':<10} {'req/s':>7} {'wall s':>7} {'preempt':>8} {'recomputed':>11} "
-              f"{'MiB offl.':>10} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12}")
+    header = (f"{'init ratio':<10} {'mode':<10} {'req/s':>7} {'wall s':>7} {'preempt':>8} "
+              f"{'recomputed':>11} {'MiB offl.':>10} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12}")
     print(header)
     for r in runs:
         print(f"{r.init_ratio:<10} {r.mode:<10} {r.num_requests / r.wall_s:>7.2f} {r.wall_s:>7.1f} "
               f"{r.num_preemptions:>8} {r.num_recomputed_tokens:>11} {r.mib_offloaded:>10.1f} "
               f"{_pct(r.tpot_ms, 0.5):>12.1f} {_pct(r.tpot_ms, 0.99):>12.1f}")
-    for recompute, offload in zip(runs[::2], runs[1::2]):
+    for recompute, offload in zip(runs[::2], runs[1::2], strict=True):
         print(f"init ratio {recompute.init_ratio}: offload/recompute req/s "
               f"{recompute.wall_s / offload.wall_s:.2f}x, outputs identical: "
               f"{recompute.outputs == offload.outputs}")

@@ -72,7 +72,8 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
 
     num_tokens = sum(len(t.result.token_ids) for t in pressured)
     ttfts = [t.result.usage.ttft_s for t in pressured if t.result.usage is not None]
-    matched = sum(a.result.token_ids == b.result.token_ids for a, b in zip(pressured, alone))
+    matched = sum(a.result.token_ids == b.result.token_ids
+                  for a, b in zip(pressured, alone, strict=True))
     mib = 1 << 20
     rows = [
         ("requests", f"{num_requests}"),

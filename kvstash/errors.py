@@ -37,3 +37,7 @@ class FailedPrecondition(KvstashError):
 
 class Unavailable(KvstashError):
     """A dependency could not be reached."""
+
+
+class DataLoss(KvstashError):
+    """Bytes did not match their checksum (or size): damaged in transit or at rest."""

@@ -33,6 +33,7 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.lookahead_bytes", 4 * MIB),
 ]
 
+# Server side: the status each domain error is sent as (subclasses included).
 _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -40,19 +41,31 @@ _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+}
+# Client side: the inverse, plus codes that grpc itself or a foreign peer
+# produces. Any other code (INTERNAL, UNKNOWN, ...) means the peer failed, which
+# callers treat like an unreachable one: Unavailable.
+_ERROR_FOR: dict[grpc.StatusCode, type[errors.KvstashError]] = {
+    **{code: cls for cls, code in _STATUS_FOR.items()},
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.CANCELLED: errors.Unavailable,
 }
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError, what: str = "") -> errors.KvstashError:
-    """The domain error for a failed call, keeping the server's message."""
-    prefix = f"{what}: " if what else ""
+    """The domain error for a failed call, keeping the server's message.
+
+    `what` ("cache", "generate") prefixes the message; the status name is
+    added where the error class alone does not tell it."""
     code = exc.code()
-    for cls, mapped in _STATUS_FOR.items():
-        if mapped == code:
-            return cls(f"{prefix}{exc.details()}")
-    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return errors.Unavailable(f"{prefix}{code.name}: {exc.details()}")
-    return errors.KvstashError(f"{prefix}{code.name}: {exc.details()}")
+    cls = _ERROR_FOR.get(code, errors.Unavailable)
+    parts = [what] if what else []
+    if _STATUS_FOR.get(cls) != code:
+        parts.append(code.name)
+    parts.append(exc.details() or "")
+    return cls(": ".join(parts))
 
 
 def status_for(exc: errors.KvstashError) -> grpc.StatusCode:

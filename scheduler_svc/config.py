@@ -31,14 +31,14 @@ class PreemptionMode(enum.Enum):
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         # ValueError, not TypeError: every bad setting fails the same way at start-up.
-        raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_float(name: str, value: object, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"{name} must be a number, got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
@@ -100,8 +100,8 @@ class SchedulerConfig:
             if token_id >= self.vocab_size:
                 raise ValueError(f"eos token id {token_id} is outside vocab_size {self.vocab_size}")
         object.__setattr__(self, "eos_token_ids", eos)
-        object.__setattr__(self, "reservation_policy",
-                           _coerce(ReservationPolicy, "reservation_policy", self.reservation_policy))
+        policy = _coerce(ReservationPolicy, "reservation_policy", self.reservation_policy)
+        object.__setattr__(self, "reservation_policy", policy)
         object.__setattr__(self, "preemption_mode",
                            _coerce(PreemptionMode, "preemption_mode", self.preemption_mode))
 

@@ -98,7 +98,7 @@ class KVCacheManager:
         return new_ids
 
     def append_block(self, req: Request) -> bool:
-        """One more block for a decode whose blocks are full; False (nothing changed) if none is left."""
+        """One more block for a decode that filled its last; False (no change) if none is left."""
         pool = self.pool
         if not pool.can_allocate(1):
             return False

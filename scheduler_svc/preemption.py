@@ -82,11 +82,15 @@ class Preemption:
         if pool.num_allocatable_blocks >= len(decoding):
             return victims, offloads
         block_size = self.config.block_size
-        num_needed = sum(1 for r in decoding if r.num_computed_tokens >= len(r.block_ids) * block_size)
+        num_needed = sum(
+            1 for r in decoding if r.num_computed_tokens >= len(r.block_ids) * block_size
+        )
         num_soon_free = self.num_soon_free_blocks()
         if num_needed <= pool.num_allocatable_blocks + num_soon_free:
             return victims, offloads
-        by_progress = sorted(decoding, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens))
+        by_progress = sorted(
+            decoding, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
+        )
         for victim in by_progress[:-1]:
             if num_needed <= pool.num_allocatable_blocks + num_soon_free:
                 break

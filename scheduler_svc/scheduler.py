@@ -249,7 +249,7 @@ class Scheduler:
                 num_finished += 1
             else:
                 add_update(RequestUpdate(request_id, [token_id], None))
-        for seq, req in zip(islice(seqs, len(decodes), None), prefills):
+        for seq, req in zip(islice(seqs, len(decodes), None), prefills, strict=True):
             if req.status is not RUNNING_PREFILL or req.num_computed_tokens != seq.start_pos:
                 continue  # aborted (and maybe re-added) since schedule()
             self._record_chunk(req, seq)

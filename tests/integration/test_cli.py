@@ -64,7 +64,7 @@ def test_up_serves_then_ctrl_c_leaves_no_process_behind() -> None:
 def test_every_service_runs_alone_with_help() -> None:
     for module in ("scheduler_svc", "cache_svc", "gpu_worker", "kvstash.cli"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
-                             text=True, timeout=60)
+                             text=True, timeout=60, check=False)
         assert out.returncode == 0, out.stderr
         assert "--listen" in out.stdout or module == "kvstash.cli"
 

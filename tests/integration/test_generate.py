@@ -19,7 +19,7 @@ async def test_concurrent_greedy_equals_model_run_directly(stack: Stack) -> None
     async with Client(stack.address) as client:
         results = await asyncio.gather(*[
             client.complete(prompt, max_tokens=24, ignore_eos=True) for prompt in PROMPTS])
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.finish_reason == "length"
         assert result.usage is not None and result.usage.completion_tokens == 24
         assert result.usage.prompt_tokens == len(prompt)

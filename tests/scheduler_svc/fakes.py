@@ -72,7 +72,8 @@ class FakeWorker:
             assert len(seq.block_ids) * self.block_size >= end, f"{seq.request_id}: table short"
             self.write(seq.block_ids, seq.start_pos, seq.token_ids)
             read = self.read(seq.block_ids, end)
-            assert read == tokens[:end], f"{seq.request_id}: KV holds {read}, expected {tokens[:end]}"
+            expected = tokens[:end]
+            assert read == expected, f"{seq.request_id}: KV holds {read}, expected {expected}"
             if seq.sample:
                 sampled[seq.request_id] = next_token(tokens[:end], self.vocab_size)
         return sampled

@@ -166,7 +166,9 @@ class Harness:
         assert stats.num_finished == len(arrivals)
         assert stats.num_running_decode == stats.num_running_prefill == stats.num_waiting == 0
         assert stats.num_offloaded == 0
-        self.outcome.num_preemptions = stats.num_preemptions_offload + stats.num_preemptions_recompute
+        self.outcome.num_preemptions = (
+            stats.num_preemptions_offload + stats.num_preemptions_recompute
+        )
         for arrival in arrivals:
             rid = arrival.request_id
             with_abort = self.outcome.finish_statuses[rid] is RequestStatus.FINISHED_ABORTED

@@ -125,7 +125,8 @@ async def test_abort_in_offload_state_releases_blocks_and_snapshot(
     streams = submit_all(harness.engine)
     victim = await wait_for_state(harness.core, state)
     harness.engine.abort(victim)
-    results = dict(zip(streams, await asyncio.gather(*map(collect, streams.values()))))
+    results = dict(zip(streams, await asyncio.gather(*map(collect, streams.values())),
+                       strict=True))
     assert results[victim][1] is RequestStatus.FINISHED_ABORTED
     for rid, (tokens, status) in results.items():
         if rid != victim:
@@ -149,7 +150,8 @@ async def test_steps_continue_while_an_offload_is_slow(harness: Harness) -> None
     assert victim_req is not None and victim_req.status is RequestStatus.OFFLOADING
     assert harness.core.stats().num_steps >= steps_before + 5
     assert num_tokens_of_others() >= tokens_before + 5
-    for rid, (tokens, status) in zip(streams, await asyncio.gather(*map(collect, streams.values()))):
-        assert status is RequestStatus.FINISHED_LENGTH and tokens == reference_greedy(
-            PROMPTS[rid], MAX_TOKENS)
+    outcomes = await asyncio.gather(*map(collect, streams.values()))
+    for rid, (tokens, status) in zip(streams, outcomes, strict=True):
+        assert status is RequestStatus.FINISHED_LENGTH
+        assert tokens == reference_greedy(PROMPTS[rid], MAX_TOKENS)
     await assert_nothing_left(harness)

@@ -19,7 +19,9 @@ from tests.scheduler_svc.factories import EOS, add, ids, make_scheduler, step
         ([1] * 60, 10, "70 tokens need 18 blocks, the whole pool has 16 (64 tokens)"),
     ],
 )
-def test_admission_refusals_name_the_numbers(prompt: list[int], max_tokens: int, message: str) -> None:
+def test_admission_refusals_name_the_numbers(
+    prompt: list[int], max_tokens: int, message: str
+) -> None:
     scheduler = make_scheduler(num_blocks=16)
     with pytest.raises(InvalidArgument) as excinfo:
         scheduler.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
@@ -68,7 +70,9 @@ def test_prefill_samples_then_decodes_one_token_per_step() -> None:
         ({"max_tokens": 5, "stop_token_ids": (9,)}, [3, 9], RequestStatus.FINISHED_STOPPED),
     ],
 )
-def test_finish_on_stop_eos_and_length(sampling: dict, tokens: list[int], status: RequestStatus) -> None:
+def test_finish_on_stop_eos_and_length(
+    sampling: dict, tokens: list[int], status: RequestStatus
+) -> None:
     scheduler = make_scheduler()
     req = scheduler.add_request("a", [1, 2], SamplingParams(**sampling))
     for token in tokens:
