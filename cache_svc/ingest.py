@@ -13,8 +13,8 @@ import ctypes.util
 import mmap
 import threading
 
-from cache_svc.snapshot import ChecksumMismatch, SnapshotMeta, checksum
-from kvstash.errors import InvalidArgument
+from cache_svc.snapshot import SnapshotMeta, checksum
+from kvstash.errors import DataLoss, InvalidArgument
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 _POPULATE_STEP_BYTES = 16 << 20
@@ -105,7 +105,7 @@ class PutSession:
             )
         actual = checksum(data)
         if actual != sent_checksum:
-            raise ChecksumMismatch(
+            raise DataLoss(
                 f"chunk {index} checksum mismatch: sent {sent_checksum:#018x}, "
                 f"data hashes to {actual:#018x}"
             )

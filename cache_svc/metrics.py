@@ -1,17 +1,14 @@
-"""Prometheus metrics, read from the store's stats at scrape time so they can
-never drift from what GetStats reports."""
+"""The cache's Prometheus metrics, read from the store's stats at scrape time so
+they can never drift from what GetStats reports."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
 
-from cache_svc.model import CacheStats
 from cache_svc.store import SnapshotStore
+from kvstash.metrics import MetricsServer, StatsCollector
 
 _PREFIX = "kvstash_cache_"
 _GAUGES = {
@@ -38,39 +35,9 @@ _COUNTERS = {
 }
 
 
-class StatsCollector:
-    def __init__(self, store: SnapshotStore, loop: asyncio.AbstractEventLoop) -> None:
-        self._store = store
-        self._loop = loop
-
-    def collect(self) -> Iterator[Metric]:
-        # Scrapes run on the HTTP server's thread; the store belongs to the
-        # event loop, so the stats are taken there.
-        stats: CacheStats = asyncio.run_coroutine_threadsafe(
-            _stats(self._store), self._loop
-        ).result(timeout=5)
-        for name, doc in _GAUGES.items():
-            yield GaugeMetricFamily(_PREFIX + name, doc, value=getattr(stats, name))
-        for name, (field, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(_PREFIX + name, doc, value=getattr(stats, field))
-
-
-async def _stats(store: SnapshotStore) -> CacheStats:
-    return store.stats()
-
-
-class Metrics:
-    def __init__(self, registry: CollectorRegistry, http_server: Any) -> None:
-        self.registry = registry
-        self._http_server = http_server
-
-    @classmethod
-    def serve(cls, store: SnapshotStore, port: int, addr: str = "0.0.0.0") -> Metrics:
-        registry = CollectorRegistry()
-        registry.register(StatsCollector(store, asyncio.get_running_loop()))  # type: ignore[arg-type]
-        http_server, _thread = start_http_server(port, addr=addr, registry=registry)
-        return cls(registry, http_server)
-
-    def stop(self) -> None:
-        self._http_server.shutdown()
-        self._http_server.server_close()
+def serve_metrics(store: SnapshotStore, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serves `/metrics` on `port`; call from the event loop that owns `store`."""
+    registry = CollectorRegistry()
+    registry.register(
+        StatsCollector(_PREFIX, store.stats, asyncio.get_running_loop(), _GAUGES, _COUNTERS))
+    return MetricsServer(registry, port, addr)

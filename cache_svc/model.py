@@ -78,12 +78,12 @@ class CacheStats:
 
 @dataclass(slots=True)
 class Counters:
+    """The store's event counts (evictions and spills are counted by `Tiers`)."""
+
     num_puts: int = 0
     num_gets: int = 0
     num_refused: int = 0
     num_failed_puts: int = 0
-    num_evictions: int = 0
-    num_spills: int = 0
     num_expired: int = 0
     bytes_in: int = 0
     bytes_out: int = 0

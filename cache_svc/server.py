@@ -6,22 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 
 from cache_svc.config import CacheConfig
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
-from cache_svc.metrics import Metrics
+from cache_svc.metrics import serve_metrics
 from cache_svc.model import SnapshotInfo, TierName
-from cache_svc.snapshot import (
-    CHECKSUM_XXH3_64,
-    MAX_CHUNK_BYTES,
-    ChecksumMismatch,
-    Layout,
-    SnapshotMeta,
-)
+from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, Layout, SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
 from kvstash.cache_client import (
@@ -31,6 +25,7 @@ from kvstash.cache_client import (
     encode_chunk,
     encode_message,
 )
+from kvstash.metrics import MetricsServer
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -87,11 +82,6 @@ def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
-    code = grpc.StatusCode.DATA_LOSS if isinstance(exc, ChecksumMismatch) else rpc.status_for(exc)
-    await context.abort(code, str(exc))
-
-
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     def __init__(
         self, store: SnapshotStore, limiter: ByteLimiter, bandwidth: BandwidthLimiter
@@ -109,7 +99,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             # client is still sending makes grpc report a bare INTERNAL on its
             # side, so read out (and drop) what it sends, briefly, first.
             await self._drain(stream)
-            await _abort(context, exc)
+            await rpc.abort_with(context, exc)
         return cache_pb2.PutSnapshotResponse(info=info_to_proto(info))
 
     async def _put(self, stream: _PutStream) -> SnapshotInfo:
@@ -181,7 +171,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         try:
             reader = await store.open_reader(request.snapshot_id, request.start_chunk)
         except errors.KvstashError as exc:
-            await _abort(context, exc)
+            await rpc.abort_with(context, exc)
         try:
             meta = reader.meta
             await context.write(cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta)))
@@ -199,21 +189,17 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         finally:
             store.close_reader(reader)
 
+    @rpc.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            self._store.delete(request.snapshot_id)
-        except errors.KvstashError as exc:
-            await _abort(context, exc)
+        self._store.delete(request.snapshot_id)
         return cache_pb2.DeleteSnapshotResponse()
 
+    @rpc.maps_errors
     async def StatSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return info_to_proto(self._store.stat(request.snapshot_id))
-        except errors.KvstashError as exc:
-            await _abort(context, exc)
+        return info_to_proto(self._store.stat(request.snapshot_id))
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return cache_pb2.CacheStats(**_fields(self._store.stats()))
+        return cache_pb2.CacheStats(**asdict(self._store.stats()))
 
 
 class _PutStream:
@@ -268,10 +254,6 @@ def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _fields(stats: Any) -> dict[str, int]:
-    return {name: getattr(stats, name) for name in stats.__slots__}
-
-
 @dataclass(slots=True)
 class CacheServer:
     """A running cache: the gRPC server plus what must be stopped with it."""
@@ -279,7 +261,7 @@ class CacheServer:
     server: grpc.aio.Server
     port: int
     store: SnapshotStore
-    metrics: Metrics | None
+    metrics: MetricsServer | None
     sweeper: asyncio.Task[None]
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
@@ -310,6 +292,6 @@ async def create_cache_server(
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
     )
-    metrics = Metrics.serve(store, config.metrics_port) if config.metrics_port else None
+    metrics = serve_metrics(store, config.metrics_port) if config.metrics_port else None
     sweeper = asyncio.ensure_future(store.run_sweeper())
     return server, port, CacheServer(server, port, store, metrics, sweeper)

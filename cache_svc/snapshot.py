@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstash.errors import InvalidArgument, KvstashError
+from kvstash.errors import InvalidArgument
 
 MIB = 1 << 20
 MIN_CHUNK_BYTES = 1 * MIB
@@ -29,10 +29,6 @@ CHECKSUM_XXH3_64 = "xxh3_64"
 
 ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
-
-class ChecksumMismatch(KvstashError):
-    """A chunk's bytes do not match the checksum sent with them (DATA_LOSS)."""
 
 
 def validate_snapshot_id(snapshot_id: str) -> str:

@@ -20,7 +20,7 @@ from gpu_worker.runner import ModelRunner, SeqWork, build_runner
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import KvTransfer, SnapshotStore, layout_proto
 from kvstash import errors
-from kvstash.cache_client import CacheClient, DataLoss
+from kvstash.cache_client import CacheClient
 from kvstash.rpc import abort_with, create_server, maps_errors
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -107,13 +107,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Offload(self, request: worker_pb2.OffloadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.OffloadResponse:
-        try:
-            num_bytes = await self._transfer.offload(
-                request.snapshot_id, list(request.block_ids), request.num_tokens,
-                pinned=request.pinned, ttl_s=request.ttl_s,
-            )
-        except DataLoss as exc:  # not among kvstash.rpc's mapped errors
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        num_bytes = await self._transfer.offload(
+            request.snapshot_id, list(request.block_ids), request.num_tokens,
+            pinned=request.pinned, ttl_s=request.ttl_s,
+        )
         log.info("offloaded %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.OffloadResponse(num_bytes=num_bytes)
@@ -121,11 +118,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Restore(self, request: worker_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.RestoreResponse:
-        try:
-            num_bytes = await self._transfer.restore(request.snapshot_id,
-                                                     list(request.block_ids))
-        except DataLoss as exc:
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        num_bytes = await self._transfer.restore(request.snapshot_id, list(request.block_ids))
         log.info("restored %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.RestoreResponse(num_bytes=num_bytes)

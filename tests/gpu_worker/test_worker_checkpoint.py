@@ -125,11 +125,11 @@ def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:
 def test_directory_problems_are_explained(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, LLAMA)
     (tmp_path / "tokenizer.json").unlink()
-    with pytest.raises(ValueError, match="has no tokenizer.json"):
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not one of"):
         parse_model_config({**LLAMA, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="config.json lacks 'hidden_size'"):
+    with pytest.raises(ValueError, match=r"config\.json lacks 'hidden_size'"):
         parse_model_config({k: v for k, v in LLAMA.items() if k != "hidden_size"})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
         parse_model_config({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})

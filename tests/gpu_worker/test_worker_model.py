@@ -107,7 +107,7 @@ def test_gather_and_scatter_reject_bad_blocks() -> None:
         runner.gather_blocks([1, 8])
     with pytest.raises(ValueError, match="repeat"):
         runner.scatter_blocks([1, 1], runner.empty_host_blocks(2))
-    with pytest.raises(ValueError, match="want torch.float32"):
+    with pytest.raises(ValueError, match=r"want torch\.float32"):
         runner.scatter_blocks([1, 2], runner.empty_host_blocks(3))
 
 

@@ -54,5 +54,5 @@ def test_execute_returns_none_for_non_sampling_seqs() -> None:
 def test_max_model_len_cap() -> None:
     runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, max_model_len=10)
     assert runner.max_model_len == 10
-    with pytest.raises(InvalidArgument, match="positions 8..10 exceed max_model_len 10"):
+    with pytest.raises(InvalidArgument, match=r"positions 8\.\.10 exceed max_model_len 10"):
         runner.execute([SeqWork("r", [1, 2, 3], 8, [0, 1, 2])])

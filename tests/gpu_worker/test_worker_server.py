@@ -211,3 +211,23 @@ async def test_offload_without_cache_or_with_stuck_cache_fails_cleanly() -> None
             await channel.close()
             await h.worker.server.stop(None)
             await h.worker.servicer.close()
+
+
+class CorruptStore(MemoryStore):
+    """Every read fails its checksum, as CacheClient reports it."""
+
+    async def get_into(self, snapshot_id: str, out: memoryview) -> cache_pb2.SnapshotHeader:
+        raise errors.DataLoss(f"snapshot {snapshot_id}: chunk 0 checksum 0x1, server sent 0x2")
+
+
+async def test_corrupt_snapshot_is_data_loss() -> None:
+    h, channel = await _start(CorruptStore())
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Restore(worker_pb2.RestoreRequest(snapshot_id="s", block_ids=[0]))
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "chunk 0 checksum 0x1" in (info.value.details() or "")
+    finally:
+        await channel.close()
+        await h.worker.server.stop(None)
+        await h.worker.servicer.close()

@@ -1,0 +1,228 @@
+"""The two tiers and their accounting: where each listed snapshot's bytes live,
+what that costs, and making memory room by spilling or evicting.
+
+Mechanism only; `SnapshotStore` decides what to list, read and drop. Plain
+asyncio and no gRPC: bookkeeping happens on the event loop, disk work in a
+thread pool. Accounting invariants (see `check_integrity`):
+
+    memory_used + reserved       <= memory budget   (buffers of puts in progress
+                                                     are preallocated, so counted)
+    disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cache_svc.config import CacheConfig
+from cache_svc.disk import DiskFiles
+from cache_svc.eviction import plan_room
+from cache_svc.model import Entry, Residence
+from kvstash.errors import NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+
+class Tiers:
+    def __init__(self, config: CacheConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.disk = (
+            DiskFiles(config.disk_dir, config.disk_write_bytes_per_s) if config.disk_dir else None
+        )
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="cache-io")
+        # Listed snapshots, least recently used first.
+        self._lru: collections.OrderedDict[str, Entry] = collections.OrderedDict()
+        self.memory_used = 0
+        self.reserved = 0
+        self.disk_used = 0
+        self.disk_reserved = 0
+        self.num_evictions = 0
+        self.num_spills = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._changed = asyncio.Event()
+
+    async def recover(self) -> None:
+        """Lists the disk tier's snapshots again after a restart."""
+        if self.disk is None:
+            return
+        found = await self.run_io(self.disk.scan)
+        now = self.clock()
+        for snap in found:  # oldest first, so LRU order survives a restart
+            entry = Entry(snap.meta, Residence.DISK, now, path=snap.path)
+            self._lru[snap.meta.snapshot_id] = entry
+            self.disk_used += entry.size
+        if found:
+            log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
+
+    async def close(self) -> None:
+        """Lets running spills and unlinks finish, then stops the I/O threads."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._io.shutdown(wait=True)
+
+    # -- listing --------------------------------------------------------------
+
+    def entries(self) -> Iterable[Entry]:
+        """Listed entries, least recently used first."""
+        return self._lru.values()
+
+    def is_listed(self, snapshot_id: str) -> bool:
+        return snapshot_id in self._lru
+
+    def lookup(self, snapshot_id: str) -> Entry:
+        entry = self._lru.get(snapshot_id)
+        if entry is None:
+            raise NotFound(f"snapshot {snapshot_id} not found")
+        return entry
+
+    def touch(self, entry: Entry) -> None:
+        entry.last_access = self.clock()
+        self._lru.move_to_end(entry.meta.snapshot_id)
+
+    def list_reserved(self, entry: Entry) -> None:
+        """Lists a new memory entry, whose bytes were reserved, as most recent."""
+        self.reserved -= entry.size
+        self.memory_used += entry.size
+        self._lru[entry.meta.snapshot_id] = entry
+        self.notify()
+
+    def unreserve(self, num_bytes: int) -> None:
+        self.reserved -= num_bytes
+        self.notify()
+
+    def drop(self, entry: Entry) -> None:
+        """Unlists an entry; its bytes go now or when its last reader leaves."""
+        del self._lru[entry.meta.snapshot_id]
+        if entry.path is not None and self.disk is not None:
+            self.disk_used -= entry.size
+            self.spawn(self.run_io(self.disk.remove, entry.path))
+            entry.path = None
+        self.settle(entry)
+        self.notify()
+
+    def settle(self, entry: Entry) -> None:
+        """Frees the memory copy once nobody needs it."""
+        if entry.buffer is None or entry.num_readers or entry.residence is Residence.SPILLING:
+            return
+        if self._listed(entry) and entry.residence is Residence.MEMORY:
+            return
+        entry.buffer = None  # the mmap is unmapped when its last reference goes
+        self.memory_used -= entry.size
+
+    def _listed(self, entry: Entry) -> bool:
+        return self._lru.get(entry.meta.snapshot_id) is entry
+
+    # -- making room ----------------------------------------------------------
+
+    async def reserve_memory(self, size: int) -> None:
+        """Counts `size` bytes as reserved, spilling or evicting to make room
+        and waiting up to reserve_wait_s for that, or raises ResourceExhausted."""
+        deadline = self.clock() + self.config.reserve_wait_s
+        while True:
+            if self.memory_free() >= size:
+                self.reserved += size
+                return
+            changed = self._changed
+            spilling = sum(e.size for e in self._lru.values() if e.residence is Residence.SPILLING)
+            shortfall = size - self.memory_free() - spilling
+            if shortfall > 0:
+                plan = plan_room(self._lru.values(), shortfall, self.disk_free())
+                if plan is not None:
+                    for entry in plan.evict_disk + plan.evict_memory:
+                        self.num_evictions += 1
+                        self.drop(entry)
+                    for entry in plan.spill:
+                        self._start_spill(entry)
+                    continue
+            remaining = deadline - self.clock()
+            if remaining <= 0 or not self._may_change():
+                raise ResourceExhausted(
+                    f"need {size} bytes of memory, {self.memory_free()} free of "
+                    f"{self.config.memory_budget_bytes} ({self.reserved} reserved by puts "
+                    f"in progress, {self.disk_free()} disk bytes free) and no snapshot "
+                    "can be spilled or evicted"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _may_change(self) -> bool:
+        """Whether waiting could help: a spill, a get or another put is running."""
+        return (
+            bool(self._tasks)
+            or self.reserved > 0
+            or any(e.num_readers for e in self._lru.values())
+        )
+
+    def _start_spill(self, entry: Entry) -> None:
+        assert self.disk is not None and entry.buffer is not None
+        entry.residence = Residence.SPILLING
+        self.disk_reserved += entry.size
+        self.spawn(self._spill(entry))
+
+    async def _spill(self, entry: Entry) -> None:
+        assert self.disk is not None and entry.buffer is not None
+        try:
+            path = await self.run_io(self.disk.write, entry.meta, memoryview(entry.buffer))
+        except Exception:
+            log.exception("spilling %s failed; it stays in memory", entry.meta.snapshot_id)
+            self.disk_reserved -= entry.size
+            entry.residence = Residence.MEMORY
+            self.settle(entry)
+            self.notify()
+            return
+        self.disk_reserved -= entry.size
+        entry.residence = Residence.DISK
+        if self._listed(entry):
+            entry.path = path
+            self.disk_used += entry.size
+            self.num_spills += 1
+        else:  # deleted or expired while being written
+            self.spawn(self.run_io(self.disk.remove, path))
+        self.settle(entry)
+        self.notify()
+
+    def memory_free(self) -> int:
+        return self.config.memory_budget_bytes - self.memory_used - self.reserved
+
+    def disk_free(self) -> int:
+        if self.disk is None:
+            return 0
+        return max(0, self.config.disk_budget_bytes - self.disk_used - self.disk_reserved)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError when the accounting disagrees with the entries
+        (lingering entries held only by readers are not checked)."""
+        listed = list(self._lru.values())
+        in_memory = sum(e.size for e in listed if e.buffer is not None)
+        on_disk = sum(e.size for e in listed if e.path is not None)
+        assert self.memory_used >= in_memory, (self.memory_used, in_memory)
+        assert self.disk_used == on_disk, (self.disk_used, on_disk)
+        assert self.memory_used + self.reserved <= self.config.memory_budget_bytes
+        assert self.disk_used + self.disk_reserved <= max(self.config.disk_budget_bytes,
+                                                           on_disk)
+        assert self.reserved >= 0 and self.disk_reserved >= 0
+
+    # -- plumbing -------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Wakes puts waiting in `reserve_memory`: something may have freed room."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def spawn(self, coro: Any) -> asyncio.Future[Any]:
+        """Runs `coro` as a task that `close` waits for (and that counts as a
+        change in progress for `reserve_memory`)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
