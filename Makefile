@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# The CPU build of torch, pinned, before anything can pull a CUDA one.
+	# torch first and pinned, so no dependency can pull another build. Where pip
+	# is configured with a local CPU wheel (our CI machines) that is what it takes.
 	$(BIN)/pip install --quiet "torch==2.13.0"
 	$(BIN)/pip install --quiet -e ".[worker,dev]"
 	touch $(STAMP)
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvstash demo
 
-test: $(STAMP) check-protos
+test: $(STAMP) check-protos lint
 	$(BIN)/python -m pytest -q
 
 protos: $(STAMP)
@@ -28,7 +29,7 @@ check-protos: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy kvstash scheduler_svc cache_svc gpu_worker
+	$(BIN)/mypy kvstash scheduler_svc cache_svc gpu_worker bench scripts
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
