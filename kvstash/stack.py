@@ -60,6 +60,8 @@ class Service:
     process: subprocess.Popen[str]
     address: str
     log_path: Path
+    module: str
+    args: tuple[str, ...]  # as started; "--listen" may name port 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.poll() is not None:
@@ -76,6 +78,13 @@ class Service:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def restart(self) -> Service:
+        """Stops this service and starts it again on the address it had."""
+        self.stop()
+        args = list(self.args)
+        args[args.index("--listen") + 1] = self.address
+        return start_service(self.name, self.module, args, self.log_path.parent)
 
 
 @dataclass(slots=True)
@@ -121,7 +130,7 @@ def start_service(
     address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
     # Keep draining stdout so a chatty child never blocks on a full pipe.
     threading.Thread(target=_drain, args=(process.stdout,), daemon=True).start()
-    return Service(name, process, address, log_path)
+    return Service(name, process, address, log_path, module, tuple(args))
 
 
 def _wait_ready(

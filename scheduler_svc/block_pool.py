@@ -131,6 +131,18 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix, e.g. after the worker lost its KV tensor.
+
+        Evictable blocks become free; blocks in use keep their holders but no
+        hash, so they become free when released. Returns the blocks freed."""
+        num_evictable = len(self._evictable)
+        self._free_ids.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_to_block.clear()
+        self._hashes = [None] * self.num_blocks
+        return num_evictable
+
     def count_exclusive(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks would be released if one reference each were dropped."""
         ref_cnts = self._ref_cnts

@@ -7,10 +7,15 @@ Nothing here reads the environment; the service's entry point builds a
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import re
+import secrets
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
+
+
+_SNAPSHOT_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 class ReservationPolicy(enum.Enum):
@@ -82,6 +87,9 @@ class SchedulerConfig:
     # Blocks per running decode request kept free, on top of its reservation,
     # before an offloaded request resumes (one step of growth each).
     resume_headroom: int = 1
+    # Starts every snapshot id, so that schedulers sharing a cache service (or
+    # one restarted with its disk tier intact) never reuse each other's ids.
+    snapshot_id_prefix: str = field(default_factory=lambda: secrets.token_hex(6))
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs"):
@@ -94,6 +102,9 @@ class SchedulerConfig:
             _check_int(name, getattr(self, name), 0)
         _check_float("init_new_token_ratio", self.init_new_token_ratio, 1e-9, 1.0)
         _check_float("min_new_token_ratio_factor", self.min_new_token_ratio_factor, 0.0, 1.0)
+        if not _SNAPSHOT_PREFIX.fullmatch(self.snapshot_id_prefix):
+            raise ValueError("snapshot_id_prefix must be 1-32 chars of [A-Za-z0-9_-], got "
+                             f"{self.snapshot_id_prefix!r}")
         eos = tuple(self.eos_token_ids)
         for token_id in eos:
             _check_int("eos_token_ids entry", token_id, 0)

@@ -32,6 +32,14 @@ from scheduler_svc.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+# Offload failures after which the snapshot certainly does not exist.
+_REFUSED = frozenset({
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DATA_LOSS,
+})
+
+
 @dataclass(slots=True)
 class RequestEvent:
     """What a request's stream receives after a step."""
@@ -54,6 +62,9 @@ class EngineConfig:
     transfer_timeout_s: float = 60.0  # one offload or restore, end to end
     cache_poll_s: float = 0.5  # how often the cache's free capacity is refreshed
     worker_retry_s: float = 1.0  # pause before reopening a broken Execute stream
+    # Expiry of a stashed snapshot since its last access: a request preempted
+    # for longer than this loses its snapshot and is recomputed.
+    snapshot_ttl_s: int = 24 * 3600
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -133,20 +144,37 @@ class Engine:
     # -- the step loop ------------------------------------------------------
 
     async def _run(self) -> None:
+        """Steps over one Execute stream at a time. Whatever breaks a stream
+        (the worker restarted or is unreachable, or answered nonsense) fails
+        the requests in flight; then a new stream is opened. The loop itself
+        never ends but by cancellation."""
         while True:
             call = self._worker.Execute()
+            # A stream that dies while the loop is idle wakes it, so the next
+            # request never meets a dead stream or stale cached prefixes.
+            call.add_done_callback(lambda _: self._wake.set())
             try:
                 await self._steps(call)
-            except (grpc.aio.AioRpcError, errors.Unavailable) as exc:
-                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.error("worker stream broke (%s); failing in-flight requests", reason)
-                self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
-                await asyncio.sleep(self._config.worker_retry_s)
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            except errors.Unavailable as exc:
+                reason = str(exc)
+            except Exception as exc:
+                log.exception("step loop failed")
+                reason = f"{type(exc).__name__}: {exc}"
             finally:
                 call.cancel()
+            log.error("worker stream broke (%s); failing in-flight requests", reason)
+            self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
+            # The next stream may reach a restarted worker with an empty KV
+            # tensor: no cached prefix can be trusted any more.
+            self._core.reset_prefix_cache()
+            await asyncio.sleep(self._config.worker_retry_s)
 
     async def _steps(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
+            if call.done():
+                raise errors.Unavailable("the worker ended the Execute stream")
             output = self._core.schedule()
             for offload in output.offloads:
                 self._spawn(self._offload(offload))
@@ -195,12 +223,14 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     async def _offload(self, cmd: OffloadCommand) -> None:
+        """Whatever happens, the core hears back: the blocks stay pinned until it does."""
         num_bytes: int | None = None
         try:
             response = await self._worker.Offload(
                 worker_pb2.OffloadRequest(
                     request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
                     block_ids=cmd.block_ids, num_tokens=cmd.num_tokens, pinned=True,
+                    ttl_s=self._config.snapshot_ttl_s,
                 ),
                 timeout=self._config.transfer_timeout_s,
             )
@@ -208,10 +238,14 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             log.warning("offload of %s failed (%s: %s); recomputing instead",
                         cmd.request_id, exc.code().name, exc.details())
-            # The put may have landed after our deadline: never leave it behind.
+            if exc.code() not in _REFUSED:  # the put may have landed after all
+                self._delete_snapshots([cmd.snapshot_id])
+        except Exception:
+            log.exception("offload of %s failed; recomputing instead", cmd.request_id)
             self._delete_snapshots([cmd.snapshot_id])
-        self._core.finish_offload(cmd.request_id, num_bytes)
-        self._wake.set()
+        finally:
+            self._core.finish_offload(cmd.request_id, num_bytes)
+            self._wake.set()
 
     async def _restore(self, cmd: RestoreCommand) -> None:
         ok = False
@@ -227,8 +261,11 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             log.warning("restore of %s failed (%s: %s); recomputing instead",
                         cmd.request_id, exc.code().name, exc.details())
-        self._core.finish_restore(cmd.request_id, ok)  # queues the snapshot's deletion
-        self._wake.set()
+        except Exception:
+            log.exception("restore of %s failed; recomputing instead", cmd.request_id)
+        finally:
+            self._core.finish_restore(cmd.request_id, ok)  # queues the snapshot's deletion
+            self._wake.set()
 
     def _delete_snapshots(self, snapshot_ids: list[str]) -> None:
         if self._cache is None or not snapshot_ids:

@@ -125,7 +125,8 @@ class Preemption:
             self._to_recompute(victim)
             return None
         self.num_preemptions_offload += 1
-        snapshot_id = f"{_UNSAFE_ID_CHARS.sub('_', victim.request_id)[:64]}-{self._num_snapshots}"
+        safe_id = _UNSAFE_ID_CHARS.sub("_", victim.request_id)[:64]
+        snapshot_id = f"{self.config.snapshot_id_prefix}.{safe_id}.{self._num_snapshots}"
         self._num_snapshots += 1
         victim.snapshot = Snapshot(snapshot_id, num_tokens, num_blocks)
         victim.status = OFFLOADING

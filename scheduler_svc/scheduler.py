@@ -121,8 +121,8 @@ class Scheduler:
         if not victims:
             return False
         for victim in victims:
-            if victim.status is WAITING:
-                self._waiting.appendleft(victim)  # recompute: its KV is already dropped
+            if victim.status is WAITING:  # recompute: its KV is already dropped
+                self._requeue(victim)
         self._decoding = [r for r in self._decoding if r.status is RUNNING_DECODE]
         self.reservation.on_preemption(self._decoding)
         return True
@@ -184,10 +184,14 @@ class Scheduler:
         reservation = self.reservation
         kv = self.kv
         chunk_limit = config.max_num_batched_tokens
-        # A prefill whose next chunk completes its prompt is about to decode.
-        reserved = reservation.total_reserved_blocks(self._decoding) + sum(
-            reservation.reserved_blocks(r) for r in self._prefilling
-            if r.num_tokens - r.num_computed_tokens <= chunk_limit
+        # A prefill whose next chunk completes its prompt is about to decode,
+        # and a resuming request decodes as soon as its restore lands.
+        reserved = (
+            reservation.total_reserved_blocks(self._decoding)
+            + sum(reservation.reserved_blocks(r) for r in self._prefilling
+                  if r.num_tokens - r.num_computed_tokens <= chunk_limit)
+            + sum(reservation.reserved_blocks(r) for r in self._preemption.resuming.values()
+                  if r.status is RequestStatus.RESUMING)
         )
         num_running = self._num_running()
         while waiting and budget > 0 and num_running < config.max_num_seqs:
@@ -338,13 +342,23 @@ class Scheduler:
             raise NotFound(f"request {request_id} is unknown")
         return req
 
+    def _requeue(self, req: Request) -> None:
+        """Back to WAITING to be recomputed: ahead of every new arrival, behind
+        preempted requests that arrived before it (they keep their places)."""
+        waiting = self._waiting
+        i = 0
+        while (i < len(waiting) and waiting[i].output_token_ids
+               and waiting[i].arrival_seq < req.arrival_seq):
+            i += 1
+        waiting.insert(i, req)
+
     def _file(self, req: Request) -> None:
         """Puts a request whose copy just landed where its new status says."""
         status = req.status
         if status is FINISHED_ABORTED:
             del self._requests[req.request_id]
         elif status is WAITING:
-            self._waiting.appendleft(req)
+            self._requeue(req)
         elif status is RUNNING_DECODE:
             self._decoding.append(req)
         # OFFLOADED: stays with the preemption layer until it resumes.
@@ -352,6 +366,12 @@ class Scheduler:
     def set_offload_capacity(self, free_bytes: int | None) -> None:
         """Free bytes the cache service reported; None = unreachable (recompute)."""
         self._preemption.set_capacity(free_bytes)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix: the worker's KV tensor was lost (it
+        restarted), so no cached block holds what its hash says. Returns the
+        blocks freed."""
+        return self.kv.pool.reset_prefix_cache()
 
     def take_snapshots_to_delete(self) -> list[str]:
         return self._preemption.take_snapshots_to_delete()

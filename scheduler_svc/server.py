@@ -81,7 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
         try:
-            async for response in self._responses(request_id, stream, arrival):
+            async for response in self._responses(request_id, stream, arrival, context):
                 yield response
         finally:
             if not stream.finished:  # the client went away: free everything now
@@ -89,14 +89,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._engine.abort(request_id)
 
     async def _responses(
-        self, request_id: str, stream: RequestStream, arrival: float
+        self, request_id: str, stream: RequestStream, arrival: float,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         text = self._tokenizer.stream()
         ttft_s = 0.0
         while True:
             event = await stream.events.get()
             if isinstance(event, errors.KvstashError):
-                raise event
+                await rpc.abort_with(context, event)
             if event.new_token_ids and not ttft_s:
                 ttft_s = time.monotonic() - arrival
             response = scheduler_pb2.GenerateResponse(

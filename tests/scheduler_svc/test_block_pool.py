@@ -98,3 +98,17 @@ def test_check_integrity_catches_corruption() -> None:
     pool._ref_cnts[blocks[1]] = 3  # corrupt refcount
     with pytest.raises(IntegrityError, match="block 1 has ref_cnt 3 but 1 block tables hold it"):
         pool.check_integrity([blocks])
+
+
+def test_reset_prefix_cache_forgets_every_hash() -> None:
+    pool = BlockPool(4)
+    held, released = pool.allocate(1), pool.allocate(1)
+    assert pool.cache_block(held[0], 1) and pool.cache_block(released[0], 2)
+    pool.free(released)
+    assert pool.reset_prefix_cache() == 1
+    assert (pool.num_free_blocks, pool.num_evictable_blocks) == (3, 0)
+    assert pool.get_cached_block(1) is None and pool.get_cached_block(2) is None
+    pool.check_integrity([held])
+    pool.free(held)  # a held block comes back free, not evictable
+    assert (pool.num_free_blocks, pool.num_evictable_blocks) == (4, 0)
+    pool.check_integrity([])

@@ -88,13 +88,19 @@ def test_prefill_is_never_preempted_and_one_decode_keeps_running() -> None:
     assert skipped and scheduler.stats().num_preemptions_recompute == 0
 
 
+def first_snapshot_of_b(scheduler: Scheduler) -> str:
+    """Snapshot ids carry the scheduler's random prefix, so no two collide."""
+    return f"{scheduler.config.snapshot_id_prefix}.b.0"
+
+
 def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
     scheduler, output = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
     [offload] = output.offloads
     b = scheduler.get_request("b")
     assert b is not None and b.status is S.OFFLOADING
     assert (offload.request_id, offload.block_ids, offload.num_tokens) == ("b", [1, 2], 4)
-    assert offload.snapshot_id == b.snapshot_id == "b-0"
+    snapshot_id = first_snapshot_of_b(scheduler)
+    assert offload.snapshot_id == b.snapshot_id == snapshot_id
     assert scheduler.kv.pool.ref_cnt(1) == 1  # still allocated: a copy is in flight
     step(scheduler)
     assert scheduler.stats().num_offloaded == 1
@@ -103,12 +109,13 @@ def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
     while b.status is S.OFFLOADED:
         output, _ = step(scheduler, token_id=8)
     [restore] = output.restores
-    assert (restore.request_id, restore.snapshot_id, len(restore.block_ids)) == ("b", "b-0", 2)
+    assert (restore.request_id, len(restore.block_ids)) == ("b", 2)
+    assert restore.snapshot_id == snapshot_id
     assert b.status is S.RESUMING and b.block_ids == restore.block_ids
     output, _ = step(scheduler)
     assert "b" not in ids(output.seqs)  # not scheduled before the restore is acknowledged
     scheduler.finish_restore("b", ok=True)
-    assert scheduler.take_snapshots_to_delete() == ["b-0"]
+    assert scheduler.take_snapshots_to_delete() == [snapshot_id]
     output, _ = step(scheduler, token_id=9)
     [b_seq] = [s for s in output.seqs if s.request_id == "b"]
     # Continues from the next token: KV of positions 0..3 came back, no recompute.
@@ -136,7 +143,7 @@ def test_restore_failure_frees_blocks_and_recomputes() -> None:
         step(scheduler)
     scheduler.finish_restore("b", ok=False)
     assert b.status is S.WAITING and b.block_ids == []
-    assert scheduler.take_snapshots_to_delete() == ["b-0"]
+    assert scheduler.take_snapshots_to_delete() == [first_snapshot_of_b(scheduler)]
     scheduler.check_integrity()
 
 
@@ -220,7 +227,7 @@ def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: b
     scheduler.abort("b")
     scheduler.check_integrity()
     if state is S.OFFLOADED:
-        assert scheduler.take_snapshots_to_delete() == ["b-0"]
+        assert scheduler.take_snapshots_to_delete() == [first_snapshot_of_b(scheduler)]
         assert scheduler.get_request("b") is None
         return
     # A copy is in flight: its blocks stay allocated until it lands.
@@ -233,7 +240,8 @@ def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: b
         scheduler.finish_restore("b", copy_ok)
     assert all(scheduler.kv.pool.ref_cnt(block) == 0 for block in held)
     expect_delete = copy_ok or state is S.RESUMING
-    assert scheduler.take_snapshots_to_delete() == (["b-0"] if expect_delete else [])
+    expected = [first_snapshot_of_b(scheduler)] if expect_delete else []
+    assert scheduler.take_snapshots_to_delete() == expected
     assert scheduler.get_request("b") is None
     scheduler.check_integrity()
     while scheduler.has_unfinished_requests:
