@@ -5,8 +5,16 @@ Every function here blocks; the store calls them in a thread executor.
 One snapshot is one file `<id>~<token>.kvsnap` (the token makes names unique
 even when an id is deleted and reused while a late write is still running):
 
-    0        8          12               DATA_OFFSET           DATA_OFFSET+total
+    0        8          12               DATA_OFFSET     DATA_OFFSET+total
     | magic  | json len | json metadata  ... zero pad |  payload (row-major)  |
+    DATA_OFFSET+total                       DATA_OFFSET+total+8*num_chunks
+    | chunk 0 checksum | chunk 1 checksum | ... (u64 little-endian each)   |
+
+The checksums are the ones verified when the snapshot was put; gets send
+them as they are, so a byte damaged at rest fails the client's check instead
+of being served. They trail the payload because the page-aligned head cannot
+hold one per chunk of a large snapshot. Files of an older format (magic
+KVSNAP01, without checksums) are unreadable and removed by `scan`.
 
 A file is written under `.tmp~<id>~<token>`, fsynced, renamed into place and
 the directory fsynced, so after a crash a name ending in `.kvsnap` always holds
@@ -28,12 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import Layout, SnapshotMeta, validate_snapshot_id
-from kvstash.errors import InvalidArgument
+from kvstash.errors import DataLoss, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVSNAP01"
+MAGIC = b"KVSNAP02"
 DATA_OFFSET = 4096  # page-aligned payload; the metadata is far smaller
+CHECKSUM_BYTES = 8  # per chunk, in the trailer
 SUFFIX = ".kvsnap"
 TMP_PREFIX = ".tmp~"
 _WRITE_SLICE = 8 << 20  # bytes per write call: bounds throttle granularity
@@ -45,6 +54,7 @@ class DiskSnapshot:
 
     meta: SnapshotMeta
     path: Path
+    checksums: tuple[int, ...]  # one per chunk, from the trailer
 
 
 class DiskFiles:
@@ -59,8 +69,12 @@ class DiskFiles:
         validate_snapshot_id(snapshot_id)
         return self.directory / f"{snapshot_id}~{token}{SUFFIX}"
 
-    def write(self, meta: SnapshotMeta, payload: memoryview) -> Path:
-        """Writes the snapshot atomically; returns its final path."""
+    def write(self, meta: SnapshotMeta, payload: memoryview, checksums: tuple[int, ...]) -> Path:
+        """Writes the snapshot and its chunk checksums atomically; returns its
+        final path."""
+        if len(checksums) != meta.num_chunks:
+            raise ValueError(f"snapshot {meta.snapshot_id} has {meta.num_chunks} chunks, "
+                             f"got {len(checksums)} checksums")
         token = secrets.token_hex(8)
         final = self.path_for(meta.snapshot_id, token)
         tmp = self.directory / f"{TMP_PREFIX}{meta.snapshot_id}~{token}"
@@ -72,6 +86,7 @@ class DiskFiles:
                 _write_all(fd, piece)
                 if self._write_bytes_per_s:
                     time.sleep(len(piece) / self._write_bytes_per_s)
+            _write_all(fd, _encode_trailer(checksums))
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -86,11 +101,12 @@ class DiskFiles:
         return os.open(path, os.O_RDONLY)
 
     def read(self, fd: int, start: int, end: int) -> bytes:
-        """Payload bytes [start, end) of an open snapshot file."""
+        """Payload bytes [start, end) of an open snapshot file; DataLoss if the
+        file is shorter (truncated since it was written)."""
         data = os.pread(fd, end - start, DATA_OFFSET + start)
         if len(data) != end - start:
-            raise OSError(f"snapshot file short: wanted {end - start} bytes at {start}, "
-                          f"got {len(data)}")
+            raise DataLoss(f"file is short: wanted {end - start} payload bytes at {start}, "
+                           f"got {len(data)}")
         return data
 
     def remove(self, path: Path) -> None:
@@ -129,18 +145,21 @@ class DiskFiles:
             with open(path, "rb") as f:
                 head = f.read(DATA_OFFSET)
                 size = os.fstat(f.fileno()).st_size
-            meta = _decode_head(head)
+                meta = _decode_head(head)
+                expected = _file_bytes(meta)
+                if size != expected:
+                    log.warning("removing %s: %d bytes, expected %d", path.name, size, expected)
+                    return None
+                trailer = os.pread(f.fileno(), expected - DATA_OFFSET - meta.total_bytes,
+                                   DATA_OFFSET + meta.total_bytes)
+            checksums = _decode_trailer(trailer, meta.num_chunks)
         except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
             log.warning("removing unreadable snapshot file %s: %s", path.name, exc)
             return None
         if not path.name.startswith(meta.snapshot_id + "~"):
             log.warning("removing %s: it holds snapshot %r", path.name, meta.snapshot_id)
             return None
-        if size != DATA_OFFSET + meta.total_bytes:
-            log.warning("removing %s: %d bytes, expected %d", path.name, size,
-                        DATA_OFFSET + meta.total_bytes)
-            return None
-        return DiskSnapshot(meta, path)
+        return DiskSnapshot(meta, path, checksums)
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -167,8 +186,23 @@ def _encode_head(meta: SnapshotMeta) -> bytes:
 
 def _decode_head(head: bytes) -> SnapshotMeta:
     if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
-        raise ValueError("bad magic")
+        raise ValueError(f"bad magic {head[: len(MAGIC)]!r}, expected {MAGIC!r}")
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
     fields = json.loads(head[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
     fields["layout"] = Layout(**fields["layout"])
     return SnapshotMeta(**fields)
+
+
+def _file_bytes(meta: SnapshotMeta) -> int:
+    return DATA_OFFSET + meta.total_bytes + CHECKSUM_BYTES * meta.num_chunks
+
+
+def _encode_trailer(checksums: tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(checksums)}Q", *checksums)
+
+
+def _decode_trailer(trailer: bytes, num_chunks: int) -> tuple[int, ...]:
+    if len(trailer) != CHECKSUM_BYTES * num_chunks:
+        raise ValueError(f"checksum trailer has {len(trailer)} bytes, expected "
+                         f"{CHECKSUM_BYTES * num_chunks}")
+    return struct.unpack(f"<{num_chunks}Q", trailer)

@@ -29,13 +29,14 @@ class Entry:
 
     meta: SnapshotMeta
     residence: Residence
-    last_access: float  # monotonic seconds; TTL counts from here
+    last_access: float  # store clock seconds; TTL counts from here
+    # Per-chunk checksums verified at put time and kept in the disk file, so
+    # gets send them instead of hashing what they read: damage at rest is
+    # then caught by the client.
+    checksums: tuple[int, ...]
     buffer: mmap.mmap | None = None  # the bytes, while in memory
     path: Path | None = None  # the file, once on disk
     num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
-    # Per-chunk checksums verified at put time, so gets need not hash again;
-    # None for snapshots found on disk after a restart (hashed when read).
-    checksums: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:

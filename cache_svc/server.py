@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from cache_svc.model import SnapshotInfo, TierName
 from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, Layout, SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
-from kvstash.cache_client import (
+from kvstash.chunk_codec import (
     ADMITTED_KEY,
     RawChunk,
     decode_put_request,
@@ -181,7 +183,10 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                 # One chunk at a time, and write() returns only once gRPC took it,
                 # so a slow reader slows this loop instead of growing a buffer.
                 async with self._limiter.hold(meta.chunk_bytes):
-                    data, digest = await store.read_chunk(reader, index)
+                    try:
+                        data, digest = await store.read_chunk(reader, index)
+                    except errors.KvstashError as exc:
+                        await rpc.abort_with(context, exc)
                     message = encode_chunk(index, data, digest)  # the one copy
                     del data
                     await context.write(message)
@@ -224,7 +229,7 @@ class _PutStream:
 
 def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
     """The generated add_KVCacheServicer_to_server, except that PutSnapshot and
-    GetSnapshot move chunks in CacheClient's raw wire format (same bytes on
+    GetSnapshot move chunks in kvstash.chunk_codec's raw wire format (same bytes on
     the wire; one copy per chunk instead of protobuf's three)."""
     handlers = {
         "PutSnapshot": grpc.stream_unary_rpc_method_handler(
@@ -280,10 +285,11 @@ class CacheServer:
 
 
 async def create_cache_server(
-    config: CacheConfig, address: str
+    config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic
 ) -> tuple[grpc.aio.Server, int, CacheServer]:
-    """Recovers the disk tier, then binds `address` (port 0 = any) and serves."""
-    store = SnapshotStore(config)
+    """Recovers the disk tier, then binds `address` (port 0 = any) and serves.
+    `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
+    store = SnapshotStore(config, clock)
     await store.start()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s))

@@ -3,7 +3,8 @@
 Plain asyncio and no gRPC. A put is `reserve_put` (reserve, or wait for
 spills, or ResourceExhausted), `begin_put` (map the buffer) or `release_put`,
 `PutSession.accept` per chunk, then `commit_put` or `abort_put`. A get is
-`open_reader`, `read_chunk` per chunk, then `close_reader`.
+`open_reader`, `read_chunk` per chunk, then `close_reader`; disk failures
+during a get are DataLoss or Unavailable naming the snapshot and chunk.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
-from cache_svc.snapshot import SnapshotMeta, checksum
+from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
-from kvstash.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from kvstash.errors import (
+    AlreadyExists,
+    DataLoss,
+    InvalidArgument,
+    KvstashError,
+    ResourceExhausted,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,9 @@ class Reader:
 
     entry: Entry
     fd: int | None  # open file when the bytes are only on disk
+    # The file `fd` was opened from (for messages): a delete meanwhile unsets
+    # entry.path, while the open file still reads.
+    path: Path | None = None
 
     @property
     def meta(self) -> SnapshotMeta:
@@ -93,8 +105,8 @@ class SnapshotStore:
         session.check_complete()
         session.stop.set()
         meta = session.meta
-        entry = Entry(meta, Residence.MEMORY, self._tiers.clock(), buffer=session.buffer,
-                      checksums=tuple(session.checksums))
+        entry = Entry(meta, Residence.MEMORY, self._tiers.clock(), tuple(session.checksums),
+                      buffer=session.buffer)
         self._pending_ids.discard(meta.snapshot_id)
         self._tiers.list_reserved(entry)
         self._counters.num_puts += 1
@@ -131,28 +143,57 @@ class SnapshotStore:
         fd = None
         if entry.buffer is None:
             assert tiers.disk is not None and entry.path is not None
+            path = entry.path
             try:
-                fd = await tiers.run_io(tiers.disk.open, entry.path)
-            except BaseException:
+                fd = await tiers.run_io(tiers.disk.open, path)
+            except BaseException as exc:
                 self.close_reader(Reader(entry, None))
+                if isinstance(exc, OSError):
+                    raise self._disk_failure(entry, path, start_chunk, exc) from exc
                 raise
-        return Reader(entry, fd)
+            return Reader(entry, fd, path)
+        return Reader(entry, None)
 
     async def read_chunk(self, reader: Reader, index: int) -> tuple[bytes | memoryview, int]:
-        """Chunk `index` and its checksum. From memory it is a view of the
-        snapshot buffer (valid while the reader is open), not a copy."""
-        start, end = reader.meta.chunk_range(index)
+        """Chunk `index` and the checksum verified when it was put (never one
+        computed from what was read, so damage at rest reaches the client as
+        a mismatch). From memory the chunk is a view of the snapshot buffer
+        (valid while the reader is open), not a copy."""
+        entry = reader.entry
+        start, end = entry.meta.chunk_range(index)
         if reader.fd is None:
-            assert reader.entry.buffer is not None
-            data: bytes | memoryview = memoryview(reader.entry.buffer)[start:end]
+            assert entry.buffer is not None
+            data: bytes | memoryview = memoryview(entry.buffer)[start:end]
         else:
             disk = self._tiers.disk
-            assert disk is not None
-            data = await self._tiers.run_io(disk.read, reader.fd, start, end)
-        checksums = reader.entry.checksums
-        digest = checksums[index] if checksums is not None else checksum(data)
+            assert disk is not None and reader.path is not None
+            try:
+                data = await self._tiers.run_io(disk.read, reader.fd, start, end)
+            except (OSError, DataLoss) as exc:
+                raise self._disk_failure(entry, reader.path, index, exc) from exc
         self._counters.bytes_out += end - start
-        return data, digest
+        return data, entry.checksums[index]
+
+    def _disk_failure(
+        self, entry: Entry, path: Path, index: int, exc: OSError | DataLoss
+    ) -> KvstashError:
+        """The error a get reports when the disk tier fails it. A file that
+        vanished because the snapshot was dropped meanwhile (delete, TTL,
+        eviction) is UNAVAILABLE: a retry sees NOT_FOUND. A listed snapshot
+        whose file is missing or short is lost: it is unlisted (so it stops
+        counting and failing) and the get is DATA_LOSS. Other I/O errors may
+        pass (descriptors, memory), so UNAVAILABLE."""
+        sid = entry.meta.snapshot_id
+        where = f"snapshot {sid}, chunk {index} (file {path.name})"
+        if isinstance(exc, FileNotFoundError) and not self._tiers.lists(entry):
+            return Unavailable(f"{where}: the snapshot was deleted while being read")
+        if isinstance(exc, FileNotFoundError | DataLoss):
+            what = "the file is missing" if isinstance(exc, OSError) else str(exc)
+            if self._tiers.lists(entry):
+                log.error("snapshot %s is lost and unlisted: %s", sid, what)
+                self._tiers.drop(entry)
+            return DataLoss(f"{where}: {what}; the snapshot is lost")
+        return Unavailable(f"{where}: reading from disk failed: {exc}")
 
     def close_reader(self, reader: Reader) -> None:
         tiers = self._tiers

@@ -55,7 +55,7 @@ class Tiers:
         found = await self.run_io(self.disk.scan)
         now = self.clock()
         for snap in found:  # oldest first, so LRU order survives a restart
-            entry = Entry(snap.meta, Residence.DISK, now, path=snap.path)
+            entry = Entry(snap.meta, Residence.DISK, now, snap.checksums, path=snap.path)
             self._lru[snap.meta.snapshot_id] = entry
             self.disk_used += entry.size
         if found:
@@ -111,20 +111,24 @@ class Tiers:
         """Frees the memory copy once nobody needs it."""
         if entry.buffer is None or entry.num_readers or entry.residence is Residence.SPILLING:
             return
-        if self._listed(entry) and entry.residence is Residence.MEMORY:
+        if self.lists(entry) and entry.residence is Residence.MEMORY:
             return
         entry.buffer = None  # the mmap is unmapped when its last reference goes
         self.memory_used -= entry.size
 
-    def _listed(self, entry: Entry) -> bool:
+    def lists(self, entry: Entry) -> bool:
+        """Whether `entry` is still listed (not dropped since it was looked up)."""
         return self._lru.get(entry.meta.snapshot_id) is entry
 
     # -- making room ----------------------------------------------------------
 
     async def reserve_memory(self, size: int) -> None:
         """Counts `size` bytes as reserved, spilling or evicting to make room
-        and waiting up to reserve_wait_s for that, or raises ResourceExhausted."""
-        deadline = self.clock() + self.config.reserve_wait_s
+        and waiting up to reserve_wait_s for that, or raises ResourceExhausted.
+        The wait is real time (the event loop's), not `clock`, which is for TTLs
+        and can be a test's fake."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.reserve_wait_s
         while True:
             if self.memory_free() >= size:
                 self.reserved += size
@@ -141,7 +145,7 @@ class Tiers:
                     for entry in plan.spill:
                         self._start_spill(entry)
                     continue
-            remaining = deadline - self.clock()
+            remaining = deadline - loop.time()
             if remaining <= 0 or not self._may_change():
                 raise ResourceExhausted(
                     f"need {size} bytes of memory, {self.memory_free()} free of "
@@ -169,7 +173,8 @@ class Tiers:
     async def _spill(self, entry: Entry) -> None:
         assert self.disk is not None and entry.buffer is not None
         try:
-            path = await self.run_io(self.disk.write, entry.meta, memoryview(entry.buffer))
+            path = await self.run_io(self.disk.write, entry.meta, memoryview(entry.buffer),
+                                     entry.checksums)
         except Exception:
             log.exception("spilling %s failed; it stays in memory", entry.meta.snapshot_id)
             self.disk_reserved -= entry.size
@@ -179,7 +184,7 @@ class Tiers:
             return
         self.disk_reserved -= entry.size
         entry.residence = Residence.DISK
-        if self._listed(entry):
+        if self.lists(entry):
             entry.path = path
             self.disk_used += entry.size
             self.num_spills += 1
@@ -221,8 +226,14 @@ class Tiers:
         change in progress for `reserve_memory`)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        # A put waiting in `reserve_memory` because this was running must look
+        # again: it may now be refused at once instead of at its deadline.
+        self._tasks.discard(task)
+        self.notify()
 
     async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

@@ -72,6 +72,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
         self._transfer = KvTransfer(runner, self._compute, store, cache_timeout_s)
         self._info = info_proto(runner)
+        # One scheduler owns the KV tensor: a second Execute stream is refused.
+        self._driven = False
 
     async def close(self) -> None:
         if self._store is not None:
@@ -86,6 +88,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
+        if self._driven:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "another scheduler is driving this worker (one Execute stream "
+                                "at a time: its block pool owns this KV cache)")
+        self._driven = True
+        try:
+            async for result in self._execute(request_iterator, context):
+                yield result
+        finally:
+            self._driven = False
+
+    async def _execute(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
         loop = asyncio.get_running_loop()
         async for plan in request_iterator:
             try:

@@ -3,12 +3,13 @@ real server processes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,3 +122,33 @@ def start_cache_process(*args: str, timeout_s: float = 30) -> CacheProcess:
 def _lines(proc: subprocess.Popen[str]) -> Iterator[str]:
     assert proc.stdout is not None
     yield from proc.stdout
+
+
+class FakeClock:
+    """A clock for SnapshotStore's TTLs that moves only when told to."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 30.0
+) -> None:
+    """Polls `condition` (plain or async) until true. The deadline is generous
+    on purpose: it only bounds a hang, it does not time anything."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout_s} s still not: {what}")
+        await asyncio.sleep(0.01)

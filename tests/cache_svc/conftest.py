@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,19 +47,24 @@ StartCache = Callable[..., Awaitable[Running]]
 @pytest.fixture
 async def start_cache(tmp_path: Path) -> AsyncIterator[StartCache]:
     """Starts in-process cache servers on port 0; `start_cache(memory_budget_bytes=...)`
-    overrides config fields (the disk tier defaults to tmp_path/disk, 64 MiB)."""
+    overrides config fields (the disk tier defaults to tmp_path/disk, 64 MiB, so
+    a second server started after `stop()` finds the first one's disk tier);
+    `clock=` replaces the TTL clock."""
     started: list[tuple[Running, Any]] = []
 
-    async def start(**overrides: Any) -> Running:
+    async def start(clock: Callable[[], float] = time.monotonic, **overrides: Any) -> Running:
         fields: dict[str, Any] = {
             "memory_budget_bytes": 32 * MIB,
             "disk_dir": tmp_path / "disk",
             "disk_budget_bytes": 64 * MIB,
-            "reserve_wait_s": 1.0,
+            # Generous: a put waiting for a spill must not be refused because a
+            # loaded machine's fsync is slow. Refusals with nothing running
+            # come at once regardless.
+            "reserve_wait_s": 30.0,
         }
         fields.update(overrides)
         config = CacheConfig(**fields)
-        _server, port, cache = await create_cache_server(config, "127.0.0.1:0")
+        _server, port, cache = await create_cache_server(config, "127.0.0.1:0", clock)
         address = f"127.0.0.1:{port}"
         channel = insecure_channel(address)
         running = Running(cache, CacheClient(address, chunk_bytes=MIB),

@@ -7,7 +7,15 @@ import asyncio
 
 import grpc
 import pytest
-from cache_helpers import MIB, chunk_msg, make_header, make_layout, make_payload, split
+from cache_helpers import (
+    MIB,
+    chunk_msg,
+    make_header,
+    make_layout,
+    make_payload,
+    split,
+    wait_until,
+)
 
 from kvstash.v1 import cache_pb2
 
@@ -84,7 +92,7 @@ async def send(stub, messages) -> grpc.aio.AioRpcError | None:
             yield message
 
     try:
-        await stub.PutSnapshot(requests(), timeout=10)
+        await stub.PutSnapshot(requests(), timeout=60)
     except grpc.aio.AioRpcError as exc:
         return exc
     return None
@@ -127,13 +135,14 @@ async def stalled_put(running):
         yield chunk_msg(0, PIECES[0])
         await stall.wait()
 
-    call = running.stub.PutSnapshot(requests(), timeout=20)
-    for _ in range(200):
+    call = running.stub.PutSnapshot(requests(), timeout=60)
+
+    async def going() -> bool:
         stats = await running.client.stats()
-        if stats.reserved_bytes and stats.bytes_in:
-            return call
-        await asyncio.sleep(0.01)
-    raise AssertionError("the put never got going")
+        return bool(stats.reserved_bytes and stats.bytes_in)
+
+    await wait_until(going, "the put got going")
+    return call
 
 
 async def test_client_cancellation_mid_stream_leaves_nothing(start_cache) -> None:
@@ -142,12 +151,14 @@ async def test_client_cancellation_mid_stream_leaves_nothing(start_cache) -> Non
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    for _ in range(200):
+
+    async def failed() -> bool:
+        # The reservation goes back once the populating thread has let go of
+        # the buffer, a moment after the failure is counted.
         stats = await running.client.stats()
-        if stats.num_failed_puts:
-            break
-        await asyncio.sleep(0.01)
-    assert stats.num_failed_puts == 1
+        return stats.num_failed_puts == 1 and stats.reserved_bytes == 0
+
+    await wait_until(failed, "the cancelled put is counted and released")
     await running.assert_nothing_left()
 
 

@@ -8,7 +8,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from cache_helpers import MIB, make_layout, make_payload, start_cache_process
+from cache_helpers import MIB, make_layout, make_payload, start_cache_process, wait_until
 
 from kvstash import errors
 from kvstash.cache_client import CacheClient
@@ -98,8 +98,12 @@ async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
+    # The bandwidth limit keeps the 16 MiB put in flight for about a second,
+    # and the signal goes only once it has started: no fixed sleep decides
+    # whether SIGTERM lands before, during or after it.
     process = start_cache_process("--memory-budget", "64MiB", "--metrics-port",
-                                  str(metrics_port), "--grace", "10")
+                                  str(metrics_port), "--grace", "60",
+                                  "--bandwidth-limit", "16MiB")
     processes.append(process)
     data = make_payload(LAYOUT, 4 * NUM_BLOCKS)  # 16 MiB
     async with CacheClient(process.address) as client:
@@ -108,7 +112,11 @@ async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) 
         assert "kvstash_cache_puts_total 1.0" in text
         assert "kvstash_cache_memory_bytes 4.194304e+06" in text
         put = asyncio.ensure_future(client.put("during", LAYOUT, 4 * NUM_BLOCKS, 0, data))
-        await asyncio.sleep(0.05)
+
+        async def started() -> bool:
+            return (await client.stats()).bytes_in > 4 * MIB
+
+        await wait_until(started, "the second put is sending")
         process.proc.send_signal(15)
         assert await put == 16 * MIB  # in flight when SIGTERM came: finished
-    assert await asyncio.to_thread(process.proc.wait, 15) == 0
+    assert await asyncio.to_thread(process.proc.wait, 60) == 0

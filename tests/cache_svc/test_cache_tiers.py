@@ -1,12 +1,11 @@
-"""Spill and eviction order (LRU), pinning, TTL expiry."""
+"""Spill and eviction order (LRU), pinning, TTL expiry (on a fake clock)."""
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 
 import pytest
-from cache_helpers import MIB, make_layout, make_payload
+from cache_helpers import MIB, FakeClock, make_layout, make_payload, wait_until
 
 from kvstash import errors
 from kvstash.v1 import cache_pb2
@@ -91,25 +90,54 @@ async def test_without_disk_pinned_are_refused_unpinned_evicted(start_cache) -> 
 
 
 async def test_idle_snapshots_expire_in_both_tiers(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=4 * MIB, default_ttl_s=1,
-                                sweep_interval_s=0.1)
+    # A fake TTL clock and explicit sweeps: nothing here depends on how fast
+    # the machine is.
+    clock = FakeClock()
+    running = await start_cache(clock=clock, memory_budget_bytes=4 * MIB, default_ttl_s=10,
+                                sweep_interval_s=3600)
+    store = running.cache.store
     await put(running, "old")  # spilled to disk by the next put
     await put(running, "kept", ttl_s=60)
-    assert (await running.client.stat("old")).header.ttl_s == 1
+    assert (await running.client.stat("old")).header.ttl_s == 10
     assert await tiers(running, "old", "kept") == [DISK, MEMORY]
-    await asyncio.sleep(1.5)
+    clock.advance(9)
+    assert store.sweep_expired() == 0
+    clock.advance(1)  # "old" has been idle for its whole TTL
+    assert store.sweep_expired() == 1
     with pytest.raises(errors.NotFound):
         await running.client.stat("old")
     assert (await running.client.stat("kept")).tier == MEMORY
     stats = await running.client.stats()
     assert stats.num_expired == 1 and stats.disk_snapshots == 0
-    assert running.disk_files() == []
+    await wait_until(lambda: running.disk_files() == [], "the expired file is removed")
+    store.check_integrity()
 
 
 async def test_access_postpones_expiry(start_cache) -> None:
-    running = await start_cache(default_ttl_s=1, sweep_interval_s=0.1)
+    clock = FakeClock()
+    running = await start_cache(clock=clock, default_ttl_s=10, sweep_interval_s=3600)
+    store = running.cache.store
     await put(running, "busy")
     for _ in range(3):
-        await asyncio.sleep(0.6)
+        clock.advance(6)
         await running.client.get("busy")
-    assert (await running.client.stats()).num_expired == 0
+        assert store.sweep_expired() == 0
+    clock.advance(9)  # 27 s since the put, 9 since the last get
+    assert store.sweep_expired() == 0
+    clock.advance(1)
+    assert store.sweep_expired() == 1
+    assert (await running.client.stats()).num_expired == 1
+
+
+async def test_sweeper_expires_on_its_own(start_cache) -> None:
+    clock = FakeClock()
+    running = await start_cache(clock=clock, default_ttl_s=10, sweep_interval_s=0.01)
+    await put(running, "idle")
+    clock.advance(10)
+
+    async def expired() -> bool:
+        return (await running.client.stats()).num_expired == 1
+
+    await wait_until(expired, "the sweeper expires the idle snapshot")
+    with pytest.raises(errors.NotFound):
+        await running.client.stat("idle")

@@ -96,6 +96,7 @@ async def run_steps(stub: worker_pb2_grpc.WorkerStub,
         assert result.step_id == step_id
         out.append([(s.request_id, s.token_id) for s in result.sampled])
     await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK  # the stream is over on both sides
     return out
 
 
@@ -135,6 +136,20 @@ async def test_execute_matches_runner_and_streams_in_order(harness: Harness) -> 
         last = {"a": token_a, "b": token_b}
         pos = {k: v + 1 for k, v in pos.items()}
     assert await run_steps(harness.stub, remote_steps) == expected
+
+
+async def test_one_scheduler_at_a_time(harness: Harness) -> None:
+    first = harness.stub.Execute()
+    await first.write(worker_pb2.StepPlan(step_id=0))
+    assert (await first.read()).step_id == 0
+    second = harness.stub.Execute()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await second.read()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another scheduler" in (info.value.details() or "")
+    await first.done_writing()
+    assert await first.code() == grpc.StatusCode.OK
+    assert await run_steps(harness.stub, [[SeqWork("z", [1, 2], 0, [0], True)]])
 
 
 async def test_bad_plan_is_invalid_argument_and_server_keeps_serving(harness: Harness) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 
-from kvstash import errors
+from kvstash import errors, rpc
 from kvstash.client import Client
 from kvstash.stack import StackConfig, running_stack
+from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.reference import reference_greedy
 
 # Three full 16-token blocks: a second run of it hits the prefix cache.
@@ -37,13 +39,20 @@ async def test_worker_restart_fails_in_flight_then_serves_correctly(tmp_path: Pa
                 == expected
             assert (await client.stats()).num_evictable_blocks >= 3  # the prompt is cached
 
-            # Killed mid-generation: the stream ends with UNAVAILABLE.
-            stream = client.generate([7, 8, 9], max_tokens=1000, ignore_eos=True)
-            assert (await stream.__anext__()).token_ids
-            stack.worker.kill()
-            with pytest.raises(errors.Unavailable, match="worker"):
-                async for _ in stream:
-                    pass
+            # Killed mid-generation: the stream ends with the UNAVAILABLE status
+            # (raw gRPC here, as grpcurl or another language's client sees it).
+            async with rpc.insecure_channel(stack.address) as channel:
+                call = scheduler_pb2_grpc.SchedulerStub(channel).Generate(
+                    scheduler_pb2.GenerateRequest(
+                        token_ids=scheduler_pb2.TokenIds(ids=[7, 8, 9]),
+                        sampling=common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True)))
+                assert (await call.read()).token_ids
+                stack.worker.kill()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "worker" in (info.value.details() or "")
 
             stack.worker = stack.worker.restart()
             assert await complete_when_back(client) == expected

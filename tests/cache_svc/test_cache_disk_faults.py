@@ -1,0 +1,178 @@
+"""The disk tier failing a get: damage at rest reaches the client as DataLoss
+(the file keeps the checksums verified at put time), a vanished or short file
+is a clear status naming the snapshot and chunk, and the server stays healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cache_helpers import MIB, make_layout, make_payload, wait_until
+
+from cache_svc.disk import DATA_OFFSET, DiskFiles
+from cache_svc.snapshot import Layout, SnapshotMeta
+from kvstash import errors
+from kvstash.v1 import cache_pb2
+
+LAYOUT = make_layout()  # 32 KiB blocks
+NUM_BLOCKS = 128  # 4 MiB: 4 chunks of 1 MiB
+PAYLOADS = {name: make_payload(LAYOUT, NUM_BLOCKS, seed=i).tobytes()
+            for i, name in enumerate("abc")}
+
+
+async def put_two_spilled(start_cache, **overrides):
+    """A server with 4 MiB of memory after puts of a, b and c: a and b were
+    spilled to disk, c is in memory."""
+    running = await start_cache(memory_budget_bytes=4 * MIB, **overrides)
+    for name, data in PAYLOADS.items():
+        await running.client.put(name, LAYOUT, NUM_BLOCKS, 0, data)
+    for name in "ab":
+        assert (await running.client.stat(name)).tier == cache_pb2.TIER_DISK
+    return running
+
+
+def file_of(running, snapshot_id: str) -> Path:
+    (path,) = [p for p in running.disk_dir.iterdir() if p.name.startswith(snapshot_id + "~")]
+    return path
+
+
+def patch(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, data, offset) == len(data)
+    finally:
+        os.close(fd)
+
+
+async def assert_healthy(running, gone: str) -> None:
+    """The damaged snapshot is gone; b still round-trips; accounting holds."""
+    with pytest.raises(errors.NotFound):
+        await running.client.stat(gone)
+    assert (await running.client.get("b"))[1] == PAYLOADS["b"]
+    await wait_until(lambda: not any(n.startswith(gone + "~") for n in running.disk_files()),
+                     f"the file of {gone} is removed")
+    running.cache.store.check_integrity()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["spilled", "after_restart"])
+async def test_flipped_byte_on_disk_is_data_loss(start_cache, restart: bool) -> None:
+    running = await put_two_spilled(start_cache)
+    if restart:
+        await running.cache.stop(0)
+    path = file_of(running, "a")
+    offset = DATA_OFFSET + 2 * MIB + 12345  # one byte of chunk 2's payload
+    patch(path, offset, bytes([path.read_bytes()[offset] ^ 0x01]))
+    if restart:
+        running = await start_cache(memory_budget_bytes=4 * MIB)
+        assert (await running.client.stat("a")).tier == cache_pb2.TIER_DISK
+    out = np.zeros(len(PAYLOADS["a"]), np.uint8)
+    with pytest.raises(errors.DataLoss, match="snapshot a: chunk 2 checksum"):
+        await running.client.get_into("a", memoryview(out))
+    # The damage is confined to chunk 2: a resumed get of chunk 3 is intact.
+    await running.client.get_into("a", memoryview(out), start_chunk=3)
+    assert out[3 * MIB :].tobytes() == PAYLOADS["a"][3 * MIB :]
+    assert (await running.client.get("b"))[1] == PAYLOADS["b"]
+    running.cache.store.check_integrity()
+
+
+async def test_files_without_checksums_are_removed_at_rescan(start_cache) -> None:
+    running = await put_two_spilled(start_cache)
+    await running.cache.stop(0)
+    # a: the previous format (magic KVSNAP01, no checksum trailer).
+    old = file_of(running, "a")
+    patch(old, 0, b"KVSNAP01")
+    os.truncate(old, DATA_OFFSET + 4 * MIB)
+    # b: the current head, its trailer cut off.
+    os.truncate(file_of(running, "b"), DATA_OFFSET + 4 * MIB)
+
+    running = await start_cache(memory_budget_bytes=4 * MIB)
+    for name in "ab":
+        with pytest.raises(errors.NotFound):
+            await running.client.stat(name)
+    assert running.disk_files() == []
+    stats = await running.client.stats()
+    assert stats.disk_snapshots == stats.disk_bytes == 0
+
+
+def test_disk_files_round_trip_checksums(tmp_path) -> None:
+    disk = DiskFiles(tmp_path)
+    meta = SnapshotMeta("x", Layout(2, 16, 4, 64, "float16"), NUM_BLOCKS, 0, 4 * MIB, MIB,
+                        pinned=True, ttl_s=60)
+    checksums = (0, 1, 2**64 - 1, 12345)
+    disk.write(meta, memoryview(PAYLOADS["a"]), checksums)
+    (found,) = disk.scan()
+    assert (found.meta, found.checksums) == (meta, checksums)
+    with pytest.raises(ValueError, match="4 chunks, got 3 checksums"):
+        disk.write(meta, memoryview(PAYLOADS["a"]), checksums[:3])
+
+
+async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> None:
+    running = await put_two_spilled(start_cache)
+    opening, go_on = threading.Event(), threading.Event()
+    real_open = DiskFiles.open
+
+    def held_open(self: DiskFiles, path: Path) -> int:
+        opening.set()
+        go_on.wait(30)
+        return real_open(self, path)
+
+    monkeypatch.setattr(DiskFiles, "open", held_open)
+    get = asyncio.ensure_future(running.client.get("a"))
+    assert await asyncio.to_thread(opening.wait, 30)
+    await running.client.delete("a")  # unlinks the file on the other I/O thread
+    await wait_until(lambda: not any(n.startswith("a~") for n in running.disk_files()),
+                     "the deleted file is unlinked")
+    go_on.set()
+    with pytest.raises(errors.Unavailable,
+                       match=r"^cache: snapshot a, chunk 0 \(file a~\w+\.kvsnap\): "
+                             "the snapshot was deleted while being read$"):
+        await get
+    monkeypatch.undo()
+    await assert_healthy(running, gone="a")
+
+
+async def test_delete_during_a_disk_read_lets_the_get_finish(start_cache, monkeypatch) -> None:
+    running = await put_two_spilled(start_cache)
+    reading, go_on = threading.Event(), threading.Event()
+    real_read = DiskFiles.read
+
+    def held_read(self: DiskFiles, fd: int, start: int, end: int) -> bytes:
+        if start == MIB:  # chunk 1
+            reading.set()
+            go_on.wait(30)
+        return real_read(self, fd, start, end)
+
+    monkeypatch.setattr(DiskFiles, "read", held_read)
+    get = asyncio.ensure_future(running.client.get("a"))
+    assert await asyncio.to_thread(reading.wait, 30)
+    await running.client.delete("a")
+    await wait_until(lambda: not any(n.startswith("a~") for n in running.disk_files()),
+                     "the deleted file is unlinked")
+    go_on.set()
+    assert (await get)[1] == PAYLOADS["a"]  # the open file still reads
+    monkeypatch.undo()
+    await assert_healthy(running, gone="a")
+
+
+async def test_short_file_is_data_loss_and_unlisted(start_cache) -> None:
+    running = await put_two_spilled(start_cache)
+    os.truncate(file_of(running, "a"), DATA_OFFSET + MIB + MIB // 2)  # chunk 1 half there
+    with pytest.raises(errors.DataLoss,
+                       match=r"snapshot a, chunk 1 \(file a~\w+\.kvsnap\): file is short: "
+                             "wanted 1048576 payload bytes at 1048576, got 524288"):
+        await running.client.get("a")
+    await assert_healthy(running, gone="a")
+    assert (await running.client.stats()).disk_snapshots == 1
+
+
+async def test_missing_file_is_data_loss_and_unlisted(start_cache) -> None:
+    running = await put_two_spilled(start_cache)
+    file_of(running, "a").unlink()
+    with pytest.raises(errors.DataLoss,
+                       match=r"snapshot a, chunk 2 \(file a~\w+\.kvsnap\): the file is missing"):
+        await running.client.get_into("a", memoryview(bytearray(4 * MIB)), start_chunk=2)
+    await assert_healthy(running, gone="a")
