@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc
+from kvstash import rpc, settings
 from kvstash.malloc_tuning import tune_malloc
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -34,7 +34,10 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cache_svc", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m cache_svc", description=__doc__,
+        epilog="Every flag may also be set as KVSTASH_CACHE_<FLAG> (e.g. "
+               "KVSTASH_CACHE_MEMORY_BUDGET=8GiB); the command line wins.")
     p.add_argument("--listen", default="127.0.0.1:50071", help="host:port; port 0 = any free")
     p.add_argument("--memory-budget", type=parse_size, default=1 << 30)
     p.add_argument("--disk-dir", type=Path, default=None, help="disk tier; omit for none")
@@ -86,7 +89,7 @@ async def serve(config: CacheConfig, address: str, grace_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = settings.parse_args(build_parser(), "cache", argv)
     rpc.setup_logging(args.log_level)
     tune_malloc()
     try:

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
+from kvstash import settings
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
 
@@ -20,8 +21,11 @@ _DEFAULTS = WorkerConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, WorkerConfig]:
-    p = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m gpu_worker", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every flag may also be set as KVSTASH_WORKER_<FLAG> (e.g. "
+               "KVSTASH_WORKER_NUM_BLOCKS=4096); the command line wins.")
     p.add_argument("--listen", default="127.0.0.1:50061",
                    help="host:port to serve on; port 0 = any")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -42,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                    help="deadline for one offload or restore transfer")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="tiny-model weights and unseeded sampling")
-    args = p.parse_args(argv)
+    args = settings.parse_args(p, "worker", argv)
     try:
         config = WorkerConfig(
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from kvstash import rpc
+from kvstash import rpc, settings
 from kvstash.cache_client import CacheClient
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
@@ -28,7 +28,10 @@ _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m scheduler_svc", description=__doc__,
+        epilog="Every flag may also be set as KVSTASH_SCHEDULER_<FLAG> (e.g. "
+               "KVSTASH_SCHEDULER_MAX_NUM_SEQS=128); the command line wins.")
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port; port 0 = any free")
     p.add_argument("--worker-address", default="127.0.0.1:50061")
     p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
@@ -42,13 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default="new_token_ratio")
     p.add_argument("--fixed-blocks-per-decode", type=int, default=1)
     p.add_argument("--init-new-token-ratio", type=float, default=0.7)
+    p.add_argument("--min-new-token-ratio-factor", type=float, default=0.14,
+                   help="the ratio decays to this times its initial value")
     p.add_argument("--new-token-ratio-decay-steps", type=int, default=600)
+    p.add_argument("--clip-max-new-tokens", type=int, default=4096,
+                   help="reserve for at most this many remaining tokens per request")
+    p.add_argument("--retract-steps", type=int, default=20,
+                   help="steps of progress credited per decode request after a preemption")
+    p.add_argument("--resume-headroom", type=int, default=1,
+                   help="free blocks per running decode request kept before a resume")
     p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds per transfer")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    return settings.parse_args(p, "scheduler", argv)
 
 
 async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_pb2.WorkerInfo:
@@ -75,7 +86,11 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         reservation_policy=ReservationPolicy[args.reservation.upper()],
         fixed_blocks_per_decode=args.fixed_blocks_per_decode,
         init_new_token_ratio=args.init_new_token_ratio,
+        min_new_token_ratio_factor=args.min_new_token_ratio_factor,
         new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
+        clip_max_new_tokens=args.clip_max_new_tokens,
+        retract_steps=args.retract_steps,
+        resume_headroom=args.resume_headroom,
         bytes_per_block=bytes_per_block,
     )
 

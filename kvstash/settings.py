@@ -1,0 +1,52 @@
+"""Flags from the environment: the one place any service reads it.
+
+Every flag `--some-flag` of service `worker` may also come from the variable
+`KVSTASH_WORKER_SOME_FLAG` (scheduler: `KVSTASH_SCHEDULER_`, cache:
+`KVSTASH_CACHE_`), read once when the arguments are parsed. A flag on the
+command line wins over the variable; the variable wins over the built-in
+default. That is how a container (and the Helm chart) configures a service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+
+
+def env_name(service: str, option: str) -> str:
+    """("worker", "--num-blocks") -> "KVSTASH_WORKER_NUM_BLOCKS"."""
+    return f"KVSTASH_{service}_{option.lstrip('-')}".upper().replace("-", "_")
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    service: str,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """`parser.parse_args(argv)` with defaults taken from KVSTASH_<SERVICE>_* variables.
+
+    A variable's value is parsed like the flag's own text (its `type` applies),
+    so a bad value fails at start-up with the flag named."""
+    environ = os.environ if environ is None else environ
+    defaults: dict[str, object] = {}
+    for action in parser._actions:  # argparse offers no public view of its options
+        long_options = [o for o in action.option_strings if o.startswith("--")]
+        if not long_options or action.dest == "help":
+            continue
+        value = environ.get(env_name(service, long_options[0]))
+        if value is None:
+            continue
+        if action.nargs == 0:  # store_true / store_false
+            defaults[action.dest] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                defaults[action.dest] = action.type(value) if action.type else value  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                parser.error(f"{env_name(service, long_options[0])}={value!r}: {exc}")
+            if action.choices is not None and defaults[action.dest] not in action.choices:
+                parser.error(f"{env_name(service, long_options[0])}={value!r}: choose from "
+                             f"{', '.join(map(str, action.choices))}")
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)

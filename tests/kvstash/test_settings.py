@@ -1,0 +1,53 @@
+"""Flags from KVSTASH_<SERVICE>_* variables: read once, the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvstash import settings
+from kvstash.stack import start_service
+from tests.integration.workload import cache_stats
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--num-blocks", type=int, default=8)
+    p.add_argument("--mode", choices=["auto", "offload"], default="auto")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def test_variable_sets_default_and_flag_wins() -> None:
+    env = {"KVSTASH_WORKER_NUM_BLOCKS": "64", "KVSTASH_WORKER_VERBOSE": "true",
+           "KVSTASH_SCHEDULER_NUM_BLOCKS": "5"}  # another service's: ignored
+    args = settings.parse_args(make_parser(), "worker", [], env)
+    assert (args.num_blocks, args.verbose, args.mode) == (64, True, "auto")
+    args = settings.parse_args(make_parser(), "worker", ["--num-blocks", "3"], env)
+    assert args.num_blocks == 3
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("KVSTASH_WORKER_NUM_BLOCKS", "many", "KVSTASH_WORKER_NUM_BLOCKS='many'"),
+    ("KVSTASH_WORKER_MODE", "sometimes", "choose from auto, offload"),
+])
+def test_bad_variable_fails_at_start_naming_it(
+    name: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        settings.parse_args(make_parser(), "worker", [], {name: value})
+    assert message in capsys.readouterr().err
+
+
+async def test_a_service_takes_its_settings_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTASH_CACHE_MEMORY_BUDGET", "48MiB")
+    cache = start_service("cache", "cache_svc", ["--listen", "127.0.0.1:0"], tmp_path)
+    try:
+        stats = await cache_stats(cache.address)
+    finally:
+        cache.stop()
+    assert stats.memory_budget_bytes == 48 << 20
