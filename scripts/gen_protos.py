@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ def generate(out_root: Path) -> None:
     include = Path(protoc.__file__).parent / "_proto"
     bindir = Path(sys.executable).parent
     args = [
-        "protoc",
+        sys.executable, "-m", "grpc_tools.protoc",
         f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
         f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
         f"-I{PROTO_ROOT}",
@@ -37,8 +38,10 @@ def generate(out_root: Path) -> None:
         f"--mypy_grpc_out={out_root}",
         *protos,
     ]
-    if protoc.main(args) != 0:
-        raise SystemExit("protoc failed")
+    # The mypy plugins chat on stderr: show it only when something failed.
+    result = subprocess.run(args, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"protoc failed:\n{result.stderr}")
     (out_root / PACKAGE / "__init__.py").write_text(INIT)
 
 
