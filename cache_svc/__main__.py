@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc, settings
+from kvstash import rpc, settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -97,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config, args.listen, args.grace))
+    # Before any server or channel exists: instrumentation wraps their constructors.
+    tracing = telemetry.setup_tracing(telemetry.CACHE_SERVICE)
+    try:
+        asyncio.run(serve(config, args.listen, args.grace))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
-from kvstash import settings
+from kvstash import settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
 
@@ -74,11 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     setup_logging(args.log_level)
     tune_malloc()  # the worker streams snapshots to and from the cache service
+    # Before any server or channel exists: instrumentation wraps their constructors.
+    tracing = telemetry.setup_tracing(telemetry.WORKER_SERVICE)
     try:
         asyncio.run(serve(args.listen, config))
     except ValueError as exc:  # a checkpoint that does not match its config, ...
         log.error("%s", exc)
         return 2
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

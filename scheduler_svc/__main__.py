@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from kvstash import rpc, settings
+from kvstash import rpc, settings, telemetry
 from kvstash.cache_client import CacheClient
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
@@ -95,7 +95,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
     worker_channel = rpc.insecure_channel(args.worker_address)
     info = await fetch_worker_info(worker_channel, args.worker_wait)
     config = build_config(args, info)
@@ -103,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
     cache = CacheClient(args.cache_address) if args.cache_address else None
     core = Scheduler(config)
     engine = Engine(core, worker_channel, cache,
-                    EngineConfig(transfer_timeout_s=args.transfer_timeout))
+                    EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing))
     await engine.start()
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
     metrics_server = metrics.serve(args.metrics_port) if args.metrics_port else None
@@ -131,7 +131,13 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rpc.setup_logging(args.log_level)
-    asyncio.run(serve(args))
+    # Before any server or channel exists: instrumentation wraps their constructors.
+    tracing = telemetry.setup_tracing(telemetry.SCHEDULER_SERVICE)
+    try:
+        asyncio.run(serve(args, tracing=tracing is not None))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ offload never stalls the steps of other requests.
         |
         +-- offloads / restores: their own tasks; completions go back into the
             core (finish_offload / finish_restore) and wake the loop
+
+Tracing (only with EngineConfig.tracing; see kvstash.telemetry): each request
+keeps the trace context it was submitted in (its Generate span). Its offloads
+and restores run inside that context as "kvstash.offload" / "kvstash.restore"
+spans, so the worker's and the cache's spans join the request's trace. Each
+step is a "kvstash.step" span of its own, linked to the requests it serves.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_svc import tracing
 from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
@@ -55,6 +63,9 @@ class RequestStream:
         default_factory=asyncio.Queue
     )
     finished: bool = False
+    # The context the request was submitted in (its Generate span); None
+    # unless tracing is on.
+    trace_context: otel_context.Context | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,9 @@ class EngineConfig:
     # Expiry of a stashed snapshot since its last access: a request preempted
     # for longer than this loses its snapshot and is recomputed.
     snapshot_ttl_s: int = 24 * 3600
+    # Emit step and transfer spans (kvstash.telemetry is on). Off, the step
+    # loop builds no span data at all.
+    tracing: bool = False
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -129,7 +143,8 @@ class Engine:
         """Admits a request (raises InvalidArgument / AlreadyExists) and returns
         the stream its tokens arrive on."""
         request = self._core.add_request(request_id, prompt_token_ids, sampling)
-        stream = RequestStream(request)
+        stream = RequestStream(
+            request, trace_context=otel_context.get_current() if self._config.tracing else None)
         self._req_to_stream[request_id] = stream
         self._wake.set()
         return stream
@@ -187,8 +202,16 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await call.write(plan_to_proto(output))
-            result = await call.read()
+            step_span = (
+                tracing.step_span(output, [self._traced(seq.request_id) for seq in output.seqs])
+                if self._config.tracing else None
+            )
+            try:
+                await call.write(plan_to_proto(output))
+                result = await call.read()
+            finally:
+                if step_span is not None:
+                    step_span.end()
             if result is grpc.aio.EOF:
                 raise errors.Unavailable("worker closed the Execute stream")
             sampled = {t.request_id: t.token_id for t in result.sampled}
@@ -200,6 +223,11 @@ class Engine:
                     stream.events.put_nowait(event)
             # Let request streams, transfers and new arrivals run between steps.
             await asyncio.sleep(0)
+
+    def _traced(self, request_id: str) -> otel_context.Context | None:
+        """The request's trace context, when tracing is on and it is live."""
+        stream = self._req_to_stream.get(request_id) if self._config.tracing else None
+        return None if stream is None else stream.trace_context
 
     def _finish_stream(self, request_id: str, event: RequestEvent) -> None:
         stream = self._req_to_stream.pop(request_id, None)
@@ -225,47 +253,59 @@ class Engine:
     async def _offload(self, cmd: OffloadCommand) -> None:
         """Whatever happens, the core hears back: the blocks stay pinned until it does."""
         num_bytes: int | None = None
-        try:
-            response = await self._worker.Offload(
-                worker_pb2.OffloadRequest(
-                    request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
-                    block_ids=cmd.block_ids, num_tokens=cmd.num_tokens, pinned=True,
-                    ttl_s=self._config.snapshot_ttl_s,
-                ),
-                timeout=self._config.transfer_timeout_s,
-            )
-            num_bytes = response.num_bytes
-        except grpc.aio.AioRpcError as exc:
-            log.warning("offload of %s failed (%s: %s); recomputing instead",
-                        cmd.request_id, exc.code().name, exc.details())
-            if exc.code() not in _REFUSED:  # the put may have landed after all
+        trace_context = self._traced(cmd.request_id)
+        tracing.request_event(trace_context, "preempted", {"mode": "offload"})
+        with tracing.transfer_span(trace_context, "kvstash.offload", cmd) as span:
+            try:
+                response = await self._worker.Offload(
+                    worker_pb2.OffloadRequest(
+                        request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
+                        block_ids=cmd.block_ids, num_tokens=cmd.num_tokens, pinned=True,
+                        ttl_s=self._config.snapshot_ttl_s,
+                    ),
+                    timeout=self._config.transfer_timeout_s,
+                )
+                num_bytes = response.num_bytes
+                span.set_attributes({"kvstash.bytes": num_bytes, "kvstash.outcome": "stored"})
+            except grpc.aio.AioRpcError as exc:
+                log.warning("offload of %s failed (%s: %s); recomputing instead",
+                            cmd.request_id, exc.code().name, exc.details())
+                tracing.set_failed(span, f"{exc.code().name}: {exc.details()}")
+                if exc.code() not in _REFUSED:  # the put may have landed after all
+                    self._delete_snapshots([cmd.snapshot_id])
+            except Exception as exc:
+                log.exception("offload of %s failed; recomputing instead", cmd.request_id)
+                tracing.set_failed(span, f"{type(exc).__name__}: {exc}")
                 self._delete_snapshots([cmd.snapshot_id])
-        except Exception:
-            log.exception("offload of %s failed; recomputing instead", cmd.request_id)
-            self._delete_snapshots([cmd.snapshot_id])
-        finally:
-            self._core.finish_offload(cmd.request_id, num_bytes)
-            self._wake.set()
+            finally:
+                self._core.finish_offload(cmd.request_id, num_bytes)
+                self._wake.set()
 
     async def _restore(self, cmd: RestoreCommand) -> None:
         ok = False
-        try:
-            await self._worker.Restore(
-                worker_pb2.RestoreRequest(
-                    request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
-                    block_ids=cmd.block_ids,
-                ),
-                timeout=self._config.transfer_timeout_s,
-            )
-            ok = True
-        except grpc.aio.AioRpcError as exc:
-            log.warning("restore of %s failed (%s: %s); recomputing instead",
-                        cmd.request_id, exc.code().name, exc.details())
-        except Exception:
-            log.exception("restore of %s failed; recomputing instead", cmd.request_id)
-        finally:
-            self._core.finish_restore(cmd.request_id, ok)  # queues the snapshot's deletion
-            self._wake.set()
+        with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.restore",
+                                   cmd) as span:
+            try:
+                response = await self._worker.Restore(
+                    worker_pb2.RestoreRequest(
+                        request_id=cmd.request_id, snapshot_id=cmd.snapshot_id,
+                        block_ids=cmd.block_ids,
+                    ),
+                    timeout=self._config.transfer_timeout_s,
+                )
+                ok = True
+                span.set_attributes({"kvstash.bytes": response.num_bytes,
+                                     "kvstash.outcome": "restored"})
+            except grpc.aio.AioRpcError as exc:
+                log.warning("restore of %s failed (%s: %s); recomputing instead",
+                            cmd.request_id, exc.code().name, exc.details())
+                tracing.set_failed(span, f"{exc.code().name}: {exc.details()}")
+            except Exception as exc:
+                log.exception("restore of %s failed; recomputing instead", cmd.request_id)
+                tracing.set_failed(span, f"{type(exc).__name__}: {exc}")
+            finally:
+                self._core.finish_restore(cmd.request_id, ok)  # queues the snapshot's deletion
+                self._wake.set()
 
     def _delete_snapshots(self, snapshot_ids: list[str]) -> None:
         if self._cache is None or not snapshot_ids:
@@ -291,3 +331,4 @@ class Engine:
                 log.debug("cache unreachable (%s); preemptions will recompute", exc)
                 self._core.set_offload_capacity(None)
             await asyncio.sleep(self._config.cache_poll_s)
+

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from kvstash import errors, rpc
 from kvstash.tokenizer import Tokenizer
@@ -73,6 +74,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not _REQUEST_ID.fullmatch(request_id):
                 raise errors.InvalidArgument(
                     f"request_id must be 1-128 chars of [A-Za-z0-9._:-], got {request_id!r}")
+            span = trace.get_current_span()  # the Generate span, when tracing
+            if span.is_recording():
+                span.set_attribute("kvstash.request_id", request_id)
             prompt_ids = self._prompt_ids(request)
             if not prompt_ids:
                 raise errors.InvalidArgument("prompt is empty")
@@ -108,6 +112,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if event.finish_status is not None:
                 req = stream.request
                 self._observe_latency(arrival, ttft_s, len(req.output_token_ids))
+                span = trace.get_current_span()
+                if span.is_recording():
+                    span.add_event("finished", {
+                        "kvstash.finish_reason": event.finish_status.name,
+                        "kvstash.prompt_tokens": len(req.prompt_token_ids),
+                        "kvstash.completion_tokens": len(req.output_token_ids),
+                        "kvstash.num_preemptions": req.num_preemptions,
+                        "kvstash.num_recomputed_tokens": req.num_recomputed_tokens,
+                        "kvstash.bytes_offloaded": req.bytes_offloaded,
+                        "kvstash.ttft_s": ttft_s,
+                    })
                 response.finish_reason = _FINISH_REASON[event.finish_status]
                 response.usage.CopyFrom(scheduler_pb2.Usage(
                     prompt_tokens=len(req.prompt_token_ids),

@@ -1,0 +1,145 @@
+"""Tracing end to end: three service processes export to an OTLP receiver run
+by the test, and one request's trace spans all of them, offload and restore
+included."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from kvstash import telemetry
+from kvstash.stack import StackConfig, running_stack
+from tests.integration.workload import (
+    PRESSURED_BLOCKS,
+    PRESSURED_SCHEDULER_ARGS,
+    expected_outputs,
+    run_workload,
+)
+
+GENERATE = "/kvstash.v1.Scheduler/Generate"
+OFFLOAD = "/kvstash.v1.Worker/Offload"
+RESTORE = "/kvstash.v1.Worker/Restore"
+PUT = "/kvstash.v1.KVCache/PutSnapshot"
+GET = "/kvstash.v1.KVCache/GetSnapshot"
+SERVER = trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
+CLIENT = trace_pb2.Span.SpanKind.SPAN_KIND_CLIENT
+INTERNAL = trace_pb2.Span.SpanKind.SPAN_KIND_INTERNAL
+
+
+@dataclass(frozen=True, slots=True)
+class SeenSpan:
+    service: str
+    name: str
+    kind: int
+    trace_id: bytes
+    span_id: bytes
+    parent_span_id: bytes
+    num_links: int
+
+
+@dataclass(slots=True)
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """The OTLP/gRPC trace endpoint of a collector, keeping what it gets."""
+
+    spans: list[SeenSpan] = field(default_factory=list)
+
+    async def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            service = next((a.value.string_value for a in resource_spans.resource.attributes
+                            if a.key == "service.name"), "")
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend(
+                    SeenSpan(service, s.name, s.kind, s.trace_id, s.span_id, s.parent_span_id,
+                             len(s.links))
+                    for s in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+async def receiver(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Receiver]:
+    receiver = Receiver()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    # The services inherit the test's environment.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME",
+                 "OTEL_RESOURCE_ATTRIBUTES", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield receiver
+    finally:
+        await server.stop(None)
+
+
+async def test_one_trace_per_request_across_all_services(
+    receiver: Receiver, tmp_path: Path
+) -> None:
+    config = StackConfig(num_blocks=PRESSURED_BLOCKS, preemption_mode="offload",
+                         scheduler_args=PRESSURED_SCHEDULER_ARGS)
+    with running_stack(config, tmp_path) as stack:
+        outcome = await run_workload(stack.address)
+        # Stopping the stack (in a thread: this loop serves the receiver) must
+        # flush every service's queued spans.
+        await asyncio.to_thread(stack.stop)
+    assert [r.token_ids for r in outcome.results] == expected_outputs()
+    assert outcome.stats.num_preemptions_offload > 0
+
+    spans = receiver.spans
+    assert {s.service for s in spans} >= {
+        telemetry.SCHEDULER_SERVICE, telemetry.WORKER_SERVICE, telemetry.CACHE_SERVICE}
+    by_trace: dict[bytes, list[SeenSpan]] = defaultdict(list)
+    for s in spans:
+        by_trace[s.trace_id].append(s)
+
+    def has(trace: list[SeenSpan], service: str, name: str, kind: int) -> bool:
+        return any(s.service == service and s.name == name and s.kind == kind for s in trace)
+
+    generate_traces = [t for t in by_trace.values()
+                       if has(t, telemetry.SCHEDULER_SERVICE, GENERATE, SERVER)]
+    # One trace per request, each rooted at its Generate span (the test's client
+    # is not instrumented).
+    assert len(generate_traces) == len(outcome.results)
+    for t in generate_traces:
+        roots = [s for s in t if not s.parent_span_id]
+        assert [(r.service, r.name) for r in roots] == [(telemetry.SCHEDULER_SERVICE, GENERATE)]
+
+    offloaded = [t for t in generate_traces
+                 if has(t, telemetry.SCHEDULER_SERVICE, "kvstash.offload", INTERNAL)
+                 and has(t, telemetry.WORKER_SERVICE, OFFLOAD, SERVER)
+                 and has(t, telemetry.WORKER_SERVICE, PUT, CLIENT)
+                 and has(t, telemetry.CACHE_SERVICE, PUT, SERVER)]
+    assert offloaded, "no request trace holds its offload on all three services"
+    restored = [t for t in offloaded
+                if has(t, telemetry.SCHEDULER_SERVICE, "kvstash.restore", INTERNAL)
+                and has(t, telemetry.WORKER_SERVICE, RESTORE, SERVER)
+                and has(t, telemetry.WORKER_SERVICE, GET, CLIENT)
+                and has(t, telemetry.CACHE_SERVICE, GET, SERVER)]
+    assert restored, "no request trace holds its restore on all three services"
+    # Every span of a request's trace hangs off another span of that trace.
+    for t in generate_traces:
+        ids = {s.span_id for s in t}
+        assert all(not s.parent_span_id or s.parent_span_id in ids for s in t)
+
+    steps = [s for s in spans if s.name == "kvstash.step"]
+    assert steps and all(s.service == telemetry.SCHEDULER_SERVICE for s in steps)
+    assert all(not s.parent_span_id for s in steps)
+    assert any(s.num_links > 1 for s in steps)
+    # Background calls (cache stats polls, snapshot deletes, GetInfo, health)
+    # start no traces of their own.
+    roots = {s.name for s in spans if not s.parent_span_id}
+    assert roots == {GENERATE, "kvstash.step"}
