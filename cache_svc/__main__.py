@@ -97,13 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2
-    # Before any server or channel exists: instrumentation wraps their constructors.
-    tracing = telemetry.setup_tracing(telemetry.CACHE_SERVICE)
-    try:
+    with telemetry.tracing_for(telemetry.CACHE_SERVICE):
         asyncio.run(serve(config, args.listen, args.grace))
-    finally:
-        if tracing is not None:
-            tracing.shutdown()
     return 0
 
 

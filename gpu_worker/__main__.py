@@ -74,16 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     setup_logging(args.log_level)
     tune_malloc()  # the worker streams snapshots to and from the cache service
-    # Before any server or channel exists: instrumentation wraps their constructors.
-    tracing = telemetry.setup_tracing(telemetry.WORKER_SERVICE)
-    try:
-        asyncio.run(serve(args.listen, config))
-    except ValueError as exc:  # a checkpoint that does not match its config, ...
-        log.error("%s", exc)
-        return 2
-    finally:
-        if tracing is not None:
-            tracing.shutdown()
+    with telemetry.tracing_for(telemetry.WORKER_SERVICE):
+        try:
+            asyncio.run(serve(args.listen, config))
+        except ValueError as exc:  # a checkpoint that does not match its config, ...
+            log.error("%s", exc)
+            return 2
     return 0
 
 

@@ -45,9 +45,10 @@ What is traced, so that one request is one trace and idle services send nothing:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,20 @@ def _exporters_from_env(env: Mapping[str, str]) -> list[Any]:
             raise ValueError(f"OTEL_TRACES_EXPORTER names {name!r}; kvstash supports "
                              "otlp (gRPC), console and none")
     return exporters
+
+
+@contextlib.contextmanager
+def tracing_for(service_name: str) -> Iterator[Tracing | None]:
+    """`setup_tracing` for a service's whole run, flushed and stopped at exit.
+
+    Enter it before any gRPC server or channel exists: the instrumentation
+    wraps their constructors."""
+    tracing = setup_tracing(service_name)
+    try:
+        yield tracing
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 # -- gRPC instrumentation --------------------------------------------------

@@ -131,13 +131,8 @@ async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rpc.setup_logging(args.log_level)
-    # Before any server or channel exists: instrumentation wraps their constructors.
-    tracing = telemetry.setup_tracing(telemetry.SCHEDULER_SERVICE)
-    try:
+    with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:
         asyncio.run(serve(args, tracing=tracing is not None))
-    finally:
-        if tracing is not None:
-            tracing.shutdown()
 
 
 if __name__ == "__main__":
