@@ -1,6 +1,6 @@
 """Cache throughput over loopback against a raw TCP socket moving the same bytes.
 
-    python -m bench.cache_bench [--size 256MiB] [--rounds 5]
+    python -m bench.cache_bench [--size 256MiB] [--rounds 5] [--compare "--buffer-pool 0"]
 
 Starts `python -m cache_svc` and a plain socket server as separate processes.
 For each chunk size (1, 2, 4 MiB), each round puts and gets one snapshot
@@ -8,8 +8,15 @@ through CacheClient and, right beside it, sends and receives the same bytes
 over a raw socket with the same chunking loop; ratios are taken per round (so
 machine noise hits both sides alike) and their median printed. Both gets land
 in the same preallocated buffer; the raw server receives into a reused 4 MiB
-buffer, the cache into a fresh snapshot buffer. Also prints peak resident
-memory of the cache server and of this (client) process.
+buffer, the cache into a snapshot buffer (fresh in a round's first put, then
+reused from the server's buffer pool unless it runs with --buffer-pool 0).
+Also prints peak resident memory of the cache server and of this (client)
+process.
+
+`--compare ARGS` starts a second cache server with those extra flags (e.g.
+with a feature turned off) and runs it in the same rounds, in alternating
+order, against the same raw-socket times: a before/after comparison on a
+shared, noisy machine.
 
 This process calls kvstash.malloc_tuning.tune_malloc() like the server: any process
 streaming snapshots should (see that module for why).
@@ -92,10 +99,12 @@ def raw_socket_round(
     return put_s, get_s
 
 
-def start_cache(memory_budget: int) -> tuple[subprocess.Popen[str], str]:
+def start_cache(
+    memory_budget: int, extra_args: list[str]
+) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0",
-         "--memory-budget", str(memory_budget), "--log-level", "warning"],
+         "--memory-budget", str(memory_budget), "--log-level", "warning", *extra_args],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -130,22 +139,33 @@ async def cache_round(
     return put_s, get_s
 
 
+Times = list[tuple[float, float, float, float]]  # (raw put, raw get, put, get) s per round
+
+
 async def run_rounds(
-    address: str, raw_port: int, data: np.ndarray, rounds: int
-) -> list[tuple[int, list[tuple[float, float, float, float]]]]:
-    """Per chunk size: (raw put, raw get, cache put, cache get) seconds per round."""
+    addresses: list[str], raw_port: int, data: np.ndarray, rounds: int
+) -> list[tuple[int, list[Times]]]:
+    """Per chunk size, per cache server: its times and the raw times of each round."""
     out = np.zeros_like(data)  # both paths' get destination, faulted in once
     results = []
     for chunk_mib in CHUNK_MIBS:
         chunk_bytes = chunk_mib * MIB
-        times = []
-        async with CacheClient(address, chunk_bytes=chunk_bytes, timeout_s=600) as client:
+        clients = [CacheClient(a, chunk_bytes=chunk_bytes, timeout_s=600) for a in addresses]
+        times: list[Times] = [[] for _ in addresses]
+        try:
             for i in range(rounds):
                 raw_put, raw_get = raw_socket_round(raw_port, data.data, out.data,
                                                     chunk_bytes)
-                out[:] = 0
-                put_s, get_s = await cache_round(client, f"bench-{chunk_mib}-{i}", data, out)
-                times.append((raw_put, raw_get, put_s, get_s))
+                # Alternate which server goes first, so neither always follows the raw run.
+                order = range(len(clients)) if i % 2 == 0 else reversed(range(len(clients)))
+                for k in order:
+                    out[:] = 0
+                    put_s, get_s = await cache_round(clients[k], f"bench-{chunk_mib}-{i}",
+                                                     data, out)
+                    times[k].append((raw_put, raw_get, put_s, get_s))
+        finally:
+            for client in clients:
+                await client.close()
         results.append((chunk_mib, times))
     return results
 
@@ -154,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cache_bench")
     parser.add_argument("--size", type=parse_bytes, default=256 * MIB)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compare", default=None, metavar="ARGS",
+                        help='a second cache server\'s extra flags, e.g. "--buffer-pool 0"')
     args = parser.parse_args(argv)
     tune_malloc()
     size = args.size // MIB * MIB
@@ -164,30 +186,39 @@ def main(argv: list[str] | None = None) -> int:
                                                       daemon=True)
     raw.start()
     budget = size + 64 * MIB
-    proc, address = start_cache(memory_budget=budget)
-    baseline_kib = vm_kib(proc.pid, "VmRSS")
+    variants: list[tuple[str, list[str]]] = [("", [])]
+    if args.compare is not None:
+        variants.insert(0, (args.compare, args.compare.split()))
+    servers = [start_cache(budget, extra) for _, extra in variants]
+    idle_kib = [vm_kib(proc.pid, "VmRSS") for proc, _ in servers]
     try:
-        results = asyncio.run(run_rounds(address, listener.getsockname()[1], data, args.rounds))
-        peak_kib = vm_kib(proc.pid, "VmHWM")
+        results = asyncio.run(run_rounds([address for _, address in servers],
+                                         listener.getsockname()[1], data, args.rounds))
+        peak_kib = [vm_kib(proc.pid, "VmHWM") for proc, _ in servers]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(30)
         raw.kill()
 
     mib = size / MIB
     med = statistics.median
     print(f"snapshot {mib:.0f} MiB over loopback, {os.cpu_count()} CPUs, "
           f"median of {args.rounds} rounds (ratio = raw time / cache time, same round)")
-    print(f"{'chunk':<8}{'raw put':>9}{'raw get':>9}{'put MiB/s':>11}{'get MiB/s':>11}"
-          f"{'put ratio':>11}{'get ratio':>11}")
-    for chunk_mib, times in results:
-        print(f"{f'{chunk_mib} MiB':<8}"
-              f"{med(mib / t[0] for t in times):>9.0f}{med(mib / t[1] for t in times):>9.0f}"
-              f"{med(mib / t[2] for t in times):>11.0f}{med(mib / t[3] for t in times):>11.0f}"
-              f"{med(t[0] / t[2] for t in times):>11.2f}{med(t[1] / t[3] for t in times):>11.2f}")
-    print(f"cache server RSS: idle {baseline_kib / 1024:.0f} MiB, peak {peak_kib / 1024:.0f} MiB "
-          f"(memory budget {budget / MIB:.0f} MiB); client peak "
-          f"{vm_kib(os.getpid(), 'VmHWM') / 1024:.0f} MiB")
+    label_width = max(len(label) for label, _ in variants) + 2
+    print(f"{'chunk':<8}{'server':<{label_width}}{'raw put':>9}{'raw get':>9}"
+          f"{'put MiB/s':>11}{'get MiB/s':>11}{'put ratio':>11}{'get ratio':>11}")
+    for chunk_mib, per_server in results:
+        for (label, _), times in zip(variants, per_server, strict=True):
+            print(f"{f'{chunk_mib} MiB':<8}{label or 'default':<{label_width}}"
+                  f"{med(mib / t[0] for t in times):>9.0f}{med(mib / t[1] for t in times):>9.0f}"
+                  f"{med(mib / t[2] for t in times):>11.0f}{med(mib / t[3] for t in times):>11.0f}"
+                  f"{med(t[0] / t[2] for t in times):>11.2f}"
+                  f"{med(t[1] / t[3] for t in times):>11.2f}")
+    for (label, _), idle, peak in zip(variants, idle_kib, peak_kib, strict=True):
+        print(f"cache server ({label or 'default'}) RSS: idle {idle / 1024:.0f} MiB, "
+              f"peak {peak / 1024:.0f} MiB (memory budget {budget / MIB:.0f} MiB)")
+    print(f"client peak {vm_kib(os.getpid(), 'VmHWM') / 1024:.0f} MiB")
     return 0
 
 

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on put and get payload bytes per second, all streams "
                         "together, e.g. 2MiB; 0 = unlimited")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    p.add_argument("--buffer-pool", type=parse_size, default=1 << 30,
+                   help="freed snapshot buffers kept (within the memory budget) for "
+                        "reuse by puts of the same size; 0 = off")
+    p.add_argument("--buffer-pool-idle", type=parse_duration, default=60.0,
+                   help="pooled buffers unused this long are unmapped")
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
@@ -75,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         bandwidth_limit_bytes_per_s=args.bandwidth_limit,
         disk_write_bytes_per_s=float(args.disk_throttle),
         metrics_port=args.metrics_port,
+        buffer_pool_bytes=args.buffer_pool,
+        buffer_pool_idle_s=args.buffer_pool_idle,
     )
 
 

@@ -15,8 +15,10 @@ GIB = 1 << 30
 class CacheConfig:
     """Budgets and limits of one cache server.
 
-    Resident memory is bounded by `memory_budget_bytes` (committed snapshots
-    plus the preallocated buffers of puts in progress) plus a fixed overhead:
+    Resident memory is bounded by `memory_budget_bytes` (committed snapshots,
+    the preallocated buffers of puts in progress, and freed buffers pooled for
+    reuse, which are unmapped as soon as a put needs their room) plus a fixed
+    overhead:
       - the idle process: ~45 MiB (interpreter, grpc, protobuf, prometheus);
       - chunks being copied: `max_inflight_bytes` times about 4 transient
         copies (gRPC slices, serialized bytes, parsed message, `.data`);
@@ -46,6 +48,11 @@ class CacheConfig:
     # Test hook simulating a slow disk: caps write speed (0 = unthrottled).
     disk_write_bytes_per_s: float = 0.0
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
+    # Freed snapshot buffers kept, within the memory budget, for later puts of
+    # the same size (saves them the kernel's page faults and zeroing); 0 = off.
+    # They cap how much of the budget stays resident while nothing uses it.
+    buffer_pool_bytes: int = 1 * GIB
+    buffer_pool_idle_s: float = 60.0  # pooled buffers unused this long are unmapped
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MAX_CHUNK_BYTES:
@@ -81,5 +88,9 @@ class CacheConfig:
             raise ValueError(
                 f"disk_write_bytes_per_s is {self.disk_write_bytes_per_s}, must be >= 0"
             )
+        if self.buffer_pool_bytes < 0:
+            raise ValueError(f"buffer_pool_bytes is {self.buffer_pool_bytes}, must be >= 0")
+        if self.buffer_pool_idle_s <= 0:
+            raise ValueError(f"buffer_pool_idle_s is {self.buffer_pool_idle_s}, must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")

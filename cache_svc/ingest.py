@@ -61,7 +61,9 @@ def populate(buffer: mmap.mmap, stop: threading.Event) -> None:
 
 class PutSession:
     """Accepts chunks 0..n-1 strictly in order; any deviation raises, naming
-    the chunk and why. The store owns the reservation; this owns the bytes."""
+    the chunk and why. The store owns the reservation; this owns the bytes.
+    The chunks tile the buffer exactly, so once `check_complete` passes every
+    byte was written by this put: a reused buffer's old bytes are all gone."""
 
     __slots__ = ("buffer", "checksums", "meta", "num_received", "populating", "stop")
 

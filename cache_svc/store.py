@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
@@ -53,7 +55,9 @@ class SnapshotStore:
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._tiers = Tiers(config, clock)
-        self._pending_ids: set[str] = set()  # puts between reserve_put and commit/release
+        # Puts between reserve_put and commit/release, with the pooled buffer
+        # reserve_put got for them until begin_put takes it.
+        self._pending: dict[str, mmap.mmap | None] = {}
         self._counters = Counters()
 
     async def start(self) -> None:
@@ -71,7 +75,7 @@ class SnapshotStore:
         spills and other puts to make room, or raises ResourceExhausted. Then
         `begin_put`, or `release_put` if the put ends before that."""
         snapshot_id = meta.snapshot_id
-        if self._tiers.is_listed(snapshot_id) or snapshot_id in self._pending_ids:
+        if self._tiers.is_listed(snapshot_id) or snapshot_id in self._pending:
             raise AlreadyExists(f"snapshot {snapshot_id} already exists or is being put")
         size = meta.total_bytes
         budget = self.config.memory_budget_bytes
@@ -80,26 +84,32 @@ class SnapshotStore:
             raise ResourceExhausted(
                 f"snapshot {snapshot_id} has {size} bytes, more than the memory budget {budget}"
             )
-        self._pending_ids.add(snapshot_id)
+        self._pending[snapshot_id] = None
         try:
-            await self._tiers.reserve_memory(size)
+            self._pending[snapshot_id] = await self._tiers.reserve_memory(size)
         except BaseException as exc:
             if isinstance(exc, ResourceExhausted):
                 self._counters.num_refused += 1
-            self._pending_ids.discard(snapshot_id)
+            del self._pending[snapshot_id]
             raise
 
     def begin_put(self, meta: SnapshotMeta) -> PutSession:
-        """Maps the reserved buffer; a thread faults its pages in meanwhile."""
-        session = PutSession(meta, allocate(meta.total_bytes))
+        """Maps the reserved buffer, or reuses a pooled one: its old bytes are
+        all overwritten before commit_put lists it (see `PutSession`). A thread
+        faults the pages in meanwhile (at once for a pooled, resident buffer,
+        or one only partly faulted in by a put that failed)."""
+        buffer = self._pending[meta.snapshot_id] or allocate(meta.total_bytes)
+        self._pending[meta.snapshot_id] = None
+        session = PutSession(meta, buffer)
         tiers = self._tiers
         session.populating = tiers.spawn(tiers.run_io(populate, session.buffer, session.stop))
         return session
 
-    def release_put(self, meta: SnapshotMeta) -> None:
-        """Gives back a reservation that never became a session."""
-        self._pending_ids.discard(meta.snapshot_id)
-        self._tiers.unreserve(meta.total_bytes)
+    def release_put(self, meta: SnapshotMeta, buffer: mmap.mmap | None = None) -> None:
+        """Gives back a reservation that never became a session (or, with the
+        session's `buffer`, one whose put failed; the buffer goes to the pool)."""
+        pooled = self._pending.pop(meta.snapshot_id, None)
+        self._tiers.unreserve(meta.total_bytes, buffer or pooled)
 
     def commit_put(self, session: PutSession) -> SnapshotInfo:
         session.check_complete()
@@ -107,7 +117,7 @@ class SnapshotStore:
         meta = session.meta
         entry = Entry(meta, Residence.MEMORY, self._tiers.clock(), tuple(session.checksums),
                       buffer=session.buffer)
-        self._pending_ids.discard(meta.snapshot_id)
+        del self._pending[meta.snapshot_id]
         self._tiers.list_reserved(entry)
         self._counters.num_puts += 1
         return SnapshotInfo(meta, entry.tier)
@@ -121,7 +131,7 @@ class SnapshotStore:
         # registered before wait()'s own, so it has run when this returns.
         populating = session.populating
         assert populating is not None
-        populating.add_done_callback(lambda _: self.release_put(session.meta))
+        populating.add_done_callback(lambda _: self.release_put(session.meta, session.buffer))
         await asyncio.wait((populating,))
 
     def count_bytes_in(self, num_bytes: int) -> None:
@@ -231,6 +241,17 @@ class SnapshotStore:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             self.sweep_expired()
+            self.trim_buffer_pool()
+
+    def trim_buffer_pool(self) -> None:
+        """Unmaps pooled buffers no put reused for buffer_pool_idle_s."""
+        self._tiers.trim_pool(self.config.buffer_pool_idle_s)
+
+    @property
+    def buffer_pool(self) -> BufferPool:
+        """For tests and diagnostics; CacheStats mirrors the proto, which has
+        no pool fields."""
+        return self._tiers.pool
 
     def stats(self) -> CacheStats:
         tiers = self._tiers
@@ -256,4 +277,4 @@ class SnapshotStore:
         """Raises AssertionError when the accounting disagrees with the entries
         or with the puts in progress."""
         self._tiers.check_integrity()
-        assert not self._pending_ids & {e.meta.snapshot_id for e in self._tiers.entries()}
+        assert not self._pending.keys() & {e.meta.snapshot_id for e in self._tiers.entries()}

@@ -6,7 +6,10 @@ asyncio and no gRPC: bookkeeping happens on the event loop, disk work in a
 thread pool. Accounting invariants (see `check_integrity`):
 
     memory_used + reserved       <= memory budget   (buffers of puts in progress
-                                                     are preallocated, so counted)
+      + pool.num_bytes                               are preallocated, so counted;
+                                                     so are freed buffers pooled
+                                                     for reuse, which yield to
+                                                     any put that needs the room)
     disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
 """
 
@@ -16,10 +19,12 @@ import asyncio
 import collections
 import contextlib
 import logging
+import mmap
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
@@ -43,6 +48,7 @@ class Tiers:
         self.reserved = 0
         self.disk_used = 0
         self.disk_reserved = 0
+        self.pool = BufferPool(config.buffer_pool_bytes)
         self.num_evictions = 0
         self.num_spills = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -66,6 +72,7 @@ class Tiers:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._io.shutdown(wait=True)
+        self.pool.release(self.pool.num_bytes)
 
     # -- listing --------------------------------------------------------------
 
@@ -93,8 +100,11 @@ class Tiers:
         self._lru[entry.meta.snapshot_id] = entry
         self.notify()
 
-    def unreserve(self, num_bytes: int) -> None:
+    def unreserve(self, num_bytes: int, buffer: mmap.mmap | None = None) -> None:
+        """Gives back a reservation and, if one was mapped for it, its buffer."""
         self.reserved -= num_bytes
+        if buffer is not None:
+            self.pool.give(buffer, self.clock())
         self.notify()
 
     def drop(self, entry: Entry) -> None:
@@ -113,8 +123,9 @@ class Tiers:
             return
         if self.lists(entry) and entry.residence is Residence.MEMORY:
             return
-        entry.buffer = None  # the mmap is unmapped when its last reference goes
+        buffer, entry.buffer = entry.buffer, None
         self.memory_used -= entry.size
+        self.pool.give(buffer, self.clock())  # still counted, now as pooled
 
     def lists(self, entry: Entry) -> bool:
         """Whether `entry` is still listed (not dropped since it was looked up)."""
@@ -122,17 +133,25 @@ class Tiers:
 
     # -- making room ----------------------------------------------------------
 
-    async def reserve_memory(self, size: int) -> None:
+    async def reserve_memory(self, size: int) -> mmap.mmap | None:
         """Counts `size` bytes as reserved, spilling or evicting to make room
         and waiting up to reserve_wait_s for that, or raises ResourceExhausted.
+        Returns a pooled buffer of exactly `size` bytes if there is one (its
+        bytes, counted as pooled, are now the reservation), else None.
         The wait is real time (the event loop's), not `clock`, which is for TTLs
         and can be a test's fake."""
+        buffer = self.pool.take(size)
+        if buffer is not None:
+            self.reserved += size
+            return buffer
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.reserve_wait_s
         while True:
             if self.memory_free() >= size:
+                # Pooled bytes count as free; as many as the put needs go now.
+                self.pool.release(size - (self.memory_free() - self.pool.num_bytes))
                 self.reserved += size
-                return
+                return None
             changed = self._changed
             spilling = sum(e.size for e in self._lru.values() if e.residence is Residence.SPILLING)
             shortfall = size - self.memory_free() - spilling
@@ -194,7 +213,12 @@ class Tiers:
         self.notify()
 
     def memory_free(self) -> int:
+        """Budget bytes a put can reserve: pooled buffers count as free."""
         return self.config.memory_budget_bytes - self.memory_used - self.reserved
+
+    def trim_pool(self, idle_s: float) -> None:
+        """Unmaps pooled buffers nobody reused for `idle_s` seconds."""
+        self.pool.release_idle(self.clock() - idle_s)
 
     def disk_free(self) -> int:
         if self.disk is None:
@@ -209,7 +233,9 @@ class Tiers:
         on_disk = sum(e.size for e in listed if e.path is not None)
         assert self.memory_used >= in_memory, (self.memory_used, in_memory)
         assert self.disk_used == on_disk, (self.disk_used, on_disk)
-        assert self.memory_used + self.reserved <= self.config.memory_budget_bytes
+        assert (self.memory_used + self.reserved + self.pool.num_bytes
+                <= self.config.memory_budget_bytes)
+        self.pool.check_integrity()
         assert self.disk_used + self.disk_reserved <= max(self.config.disk_budget_bytes,
                                                            on_disk)
         assert self.reserved >= 0 and self.disk_reserved >= 0

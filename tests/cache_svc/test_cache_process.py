@@ -120,3 +120,33 @@ async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) 
         process.proc.send_signal(15)
         assert await put == 16 * MIB  # in flight when SIGTERM came: finished
     assert await asyncio.to_thread(process.proc.wait, 60) == 0
+
+
+async def test_pooled_buffers_stay_in_budget_and_go_when_idle(processes) -> None:
+    budget = 48 * MIB
+    process = start_cache_process("--memory-budget", "48MiB", "--reserve-wait", "60",
+                                  "--sweep-interval", "0.2", "--buffer-pool-idle", "1s")
+    processes.append(process)
+    baseline = process.rss_bytes()
+    sizes = [NUM_BLOCKS, 2 * NUM_BLOCKS, NUM_BLOCKS // 2]  # 4, 8 and 2 MiB: pooled, reused,
+    async with CacheClient(process.address) as client:   # and released for other sizes
+        for round_ in range(4):
+            names = [f"r{round_}-{i}" for i in range(8)]
+            payloads = [make_payload(LAYOUT, sizes[(round_ + i) % 3], seed=i) for i in range(8)]
+            await asyncio.gather(*(client.put(n, LAYOUT, p.nbytes // (32 * 1024), 0, p)
+                                   for n, p in zip(names, payloads, strict=True)))
+            for n, p in zip(names, payloads, strict=True):
+                assert (await client.get(n))[1] == p.tobytes()
+                await client.delete(n)
+        peak = process.rss_bytes("VmHWM")
+        limit = baseline + budget + 4 * 32 * MIB + 32 * MIB  # as in the 32-stream test
+        assert peak <= limit, f"peak RSS {peak / MIB:.0f} MiB > {limit / MIB:.0f} MiB"
+
+        # The last round's 40 MiB of freed buffers sit in the pool, unmapped
+        # after 1 s idle (what else stays resident is grpc's and malloc's).
+        pooled_rss = process.rss_bytes()
+
+        async def trimmed() -> bool:
+            return process.rss_bytes() <= pooled_rss - 24 * MIB
+
+        await wait_until(trimmed, "idle pooled buffers are unmapped")
