@@ -35,8 +35,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cache_svc.snapshot import Layout, SnapshotMeta, validate_snapshot_id
+from cache_svc.snapshot import SnapshotMeta, validate_snapshot_id
 from kvstash.errors import DataLoss, InvalidArgument
+from kvstash.layout import Layout
 
 log = logging.getLogger(__name__)
 

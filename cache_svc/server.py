@@ -17,7 +17,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import serve_metrics
 from cache_svc.model import SnapshotInfo, TierName
-from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, Layout, SnapshotMeta
+from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
 from kvstash.chunk_codec import (
@@ -27,6 +27,7 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
+from kvstash.layout import Layout
 from kvstash.metrics import MetricsServer
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -45,10 +46,9 @@ def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> Sna
             f"checksum algorithm {header.checksum_algorithm} unsupported; "
             f"use CHECKSUM_ALGORITHM_XXH3_64 ({cache_pb2.CHECKSUM_ALGORITHM_XXH3_64})"
         )
-    lay = header.layout
     return SnapshotMeta(
         snapshot_id=header.snapshot_id,
-        layout=Layout(lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype),
+        layout=Layout.of(header.layout),
         num_blocks=header.num_blocks,
         num_tokens=header.num_tokens,
         total_bytes=header.total_bytes,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstash.errors import InvalidArgument
+from kvstash.layout import Layout
 
 MIB = 1 << 20
 MIN_CHUNK_BYTES = 1 * MIB
@@ -27,7 +28,6 @@ MAX_CHUNK_BYTES = 4 * MIB
 MAX_ID_CHARS = 128
 CHECKSUM_XXH3_64 = "xxh3_64"
 
-ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -50,32 +50,6 @@ def validate_snapshot_id(snapshot_id: str) -> str:
 
 def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Shape of one KV block (see common.proto KvLayout)."""
-
-    num_layers: int
-    block_size: int  # tokens per block
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # one of ITEMSIZE_FOR_DTYPE
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"layout {name} is {getattr(self, name)}, must be > 0")
-        if self.dtype not in ITEMSIZE_FOR_DTYPE:
-            raise InvalidArgument(
-                f"layout dtype {self.dtype!r} unknown; expected one of "
-                f"{sorted(ITEMSIZE_FOR_DTYPE)}"
-            )
-
-    @property
-    def bytes_per_block(self) -> int:
-        itemsize = ITEMSIZE_FOR_DTYPE[self.dtype]
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 @dataclass(frozen=True, slots=True)

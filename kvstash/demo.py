@@ -13,10 +13,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from kvstash import rpc
+from kvstash.cache_client import CacheClient
 from kvstash.client import Client, GenerateResult
 from kvstash.stack import StackConfig, running_stack
-from kvstash.v1 import cache_pb2_grpc, common_pb2
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
 
@@ -66,9 +65,8 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
         stats = await client.stats()
         print("\n-- replaying each request alone (unpressured) to check outputs ...")
         alone = [await _one(client, p, max_tokens, echo=False) for p in prompts]
-    async with rpc.insecure_channel(cache_address) as channel:
-        cache_stats = await cache_pb2_grpc.KVCacheStub(channel).GetStats(
-            common_pb2.GetStatsRequest())
+    async with CacheClient(cache_address) as cache:
+        cache_stats = await cache.stats()
 
     num_tokens = sum(len(t.result.token_ids) for t in pressured)
     ttfts = [t.result.usage.ttft_s for t in pressured if t.result.usage is not None]

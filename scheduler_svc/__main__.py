@@ -14,6 +14,7 @@ import grpc
 
 from kvstash import rpc, settings, telemetry
 from kvstash.cache_client import CacheClient
+from kvstash.layout import Layout
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
@@ -24,7 +25,6 @@ from scheduler_svc.server import create_scheduler_server
 
 log = logging.getLogger("scheduler_svc")
 
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,9 +68,7 @@ async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_
 
 
 def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
-    layout = info.kv_layout
-    bytes_per_block = (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads
-                       * layout.head_dim * _DTYPE_BYTES[layout.dtype])
+    layout = Layout.of(info.kv_layout)
     if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
         raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
                          f"got {args.num_blocks}")
@@ -91,7 +89,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         clip_max_new_tokens=args.clip_max_new_tokens,
         retract_steps=args.retract_steps,
         resume_headroom=args.resume_headroom,
-        bytes_per_block=bytes_per_block,
+        bytes_per_block=layout.bytes_per_block,
     )
 
 

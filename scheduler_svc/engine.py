@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -81,7 +82,10 @@ class EngineConfig:
     tracing: bool = False
 
 
+@functools.lru_cache(maxsize=4096)
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Built once per distinct sampling setting, not once per sequence per step
+    (SeqWork copies it, so the cached message is never mutated)."""
     proto = common_pb2.SamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,

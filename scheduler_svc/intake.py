@@ -6,6 +6,8 @@ pool), so no request ever fails later because memory ran short.
 
 from __future__ import annotations
 
+import math
+
 from kvstash.errors import InvalidArgument
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import SamplingParams
@@ -21,7 +23,8 @@ def check_new_request(
         raise InvalidArgument(
             f"request {request_id}: max_tokens must be positive, got {sampling.max_tokens}"
         )
-    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+    temperature_ok = math.isfinite(sampling.temperature) and sampling.temperature >= 0
+    if not temperature_ok or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
         raise InvalidArgument(
             f"request {request_id}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
             f"{sampling.temperature}, {sampling.top_p}, {sampling.top_k}"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 
 import grpc
 from opentelemetry import trace
@@ -32,18 +32,11 @@ _FINISH_REASON = {
 
 
 def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Validates what a client sent; InvalidArgument names the bad field."""
-    if proto.max_tokens <= 0:
-        raise errors.InvalidArgument(f"max_tokens must be > 0, got {proto.max_tokens}")
-    if not math.isfinite(proto.temperature) or proto.temperature < 0:
-        raise errors.InvalidArgument(f"temperature must be >= 0, got {proto.temperature}")
-    top_p = proto.top_p or 1.0
-    if not 0 < top_p <= 1:
-        raise errors.InvalidArgument(f"top_p must be in (0, 1], got {proto.top_p}")
+    """Converts only: the core's admission checks validate every value."""
     return SamplingParams(
         max_tokens=proto.max_tokens,
         temperature=proto.temperature,
-        top_p=top_p,
+        top_p=proto.top_p or 1.0,  # proto3's 0 means unset
         top_k=proto.top_k,
         seed=proto.seed if proto.HasField("seed") else None,
         stop_token_ids=tuple(proto.stop_token_ids),
@@ -77,11 +70,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span = trace.get_current_span()  # the Generate span, when tracing
             if span.is_recording():
                 span.set_attribute("kvstash.request_id", request_id)
-            prompt_ids = self._prompt_ids(request)
-            if not prompt_ids:
-                raise errors.InvalidArgument("prompt is empty")
             stream = self._engine.submit(
-                request_id, prompt_ids, sampling_from_proto(request.sampling))
+                request_id, self._prompt_ids(request), sampling_from_proto(request.sampling))
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
         try:
@@ -155,25 +145,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        stats = self._engine.core.stats()
-        return scheduler_pb2.SchedulerStats(
-            num_total_blocks=stats.num_total_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            num_evictable_blocks=stats.num_evictable_blocks,
-            num_running_prefill=stats.num_running_prefill,
-            num_running_decode=stats.num_running_decode,
-            num_waiting=stats.num_waiting,
-            num_offloaded=stats.num_offloaded,
-            new_token_ratio=stats.new_token_ratio,
-            num_preemptions_offload=stats.num_preemptions_offload,
-            num_preemptions_recompute=stats.num_preemptions_recompute,
-            num_recomputed_tokens=stats.num_recomputed_tokens,
-            num_finished=stats.num_finished,
-            bytes_offloaded=stats.bytes_offloaded,
-            bytes_restored=stats.bytes_restored,
-            num_steps=stats.num_steps,
-            block_size=stats.block_size,
-        )
+        return scheduler_pb2.SchedulerStats(**asdict(self._engine.core.stats()))
 
 
 async def create_scheduler_server(

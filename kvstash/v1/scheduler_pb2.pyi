@@ -236,6 +236,8 @@ class SchedulerStats(_message.Message):
     BYTES_RESTORED_FIELD_NUMBER: _builtins.int
     NUM_STEPS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_OFFLOAD_FAILURES_FIELD_NUMBER: _builtins.int
+    NUM_RESTORE_FAILURES_FIELD_NUMBER: _builtins.int
     num_total_blocks: _builtins.int
     num_free_blocks: _builtins.int
     """never used or fully released"""
@@ -255,6 +257,10 @@ class SchedulerStats(_message.Message):
     bytes_restored: _builtins.int
     num_steps: _builtins.int
     block_size: _builtins.int
+    num_offload_failures: _builtins.int
+    """offloads that fell back to recompute"""
+    num_restore_failures: _builtins.int
+    """restores that fell back to recompute"""
     def __init__(
         self,
         *,
@@ -274,10 +280,12 @@ class SchedulerStats(_message.Message):
         bytes_restored: _builtins.int = ...,
         num_steps: _builtins.int = ...,
         block_size: _builtins.int = ...,
+        num_offload_failures: _builtins.int = ...,
+        num_restore_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_recomputed_tokens", b"num_recomputed_tokens", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_recomputed_tokens", b"num_recomputed_tokens", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,18 +9,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 import xxhash
 
-from kvstash.v1 import cache_pb2, common_pb2
+from kvstash.layout import Layout
+from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def make_layout(
@@ -34,8 +35,7 @@ def make_layout(
 
 
 def bytes_per_block(layout: common_pb2.KvLayout) -> int:
-    return (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
-            * ITEMSIZE[layout.dtype])
+    return Layout.of(layout).bytes_per_block
 
 
 def make_payload(layout: common_pb2.KvLayout, num_blocks: int, seed: int = 0) -> np.ndarray:
@@ -69,6 +69,22 @@ def chunk_msg(index: int, data: bytes, checksum: int | None = None) -> cache_pb2
         index=index, data=data,
         checksum=xxhash.xxh3_64_intdigest(data) if checksum is None else checksum,
     ))
+
+
+async def send(
+    stub: cache_pb2_grpc.KVCacheStub, messages: Iterable[cache_pb2.PutSnapshotRequest]
+) -> grpc.aio.AioRpcError | None:
+    """One raw PutSnapshot of exactly these messages; the error, or None."""
+
+    async def requests() -> AsyncIterator[cache_pb2.PutSnapshotRequest]:
+        for message in messages:
+            yield message
+
+    try:
+        await stub.PutSnapshot(requests(), timeout=60)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
 
 
 def split(data: bytes, chunk_bytes: int) -> list[bytes]:

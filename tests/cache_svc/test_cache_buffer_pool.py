@@ -8,7 +8,16 @@ import mmap
 import grpc
 import numpy as np
 import pytest
-from cache_helpers import MIB, FakeClock, chunk_msg, make_header, make_layout, make_payload, split
+from cache_helpers import (
+    MIB,
+    FakeClock,
+    chunk_msg,
+    make_header,
+    make_layout,
+    make_payload,
+    send,
+    split,
+)
 
 from cache_svc.buffers import BufferPool
 from kvstash import errors
@@ -24,18 +33,6 @@ async def put(running, name: str, num_blocks: int = NUM_BLOCKS, seed: int = 0,
     data = make_payload(LAYOUT, num_blocks, seed=seed)
     await running.client.put(name, LAYOUT, num_blocks, 0, data, pinned=pinned)
     return data
-
-
-async def send(stub, messages) -> grpc.aio.AioRpcError | None:
-    async def requests():
-        for message in messages:
-            yield message
-
-    try:
-        await stub.PutSnapshot(requests(), timeout=60)
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    return None
 
 
 async def test_freed_buffer_is_reused_by_a_put_of_the_same_size(start_cache) -> None:

@@ -13,6 +13,7 @@ from cache_helpers import (
     make_header,
     make_layout,
     make_payload,
+    send,
     split,
     wait_until,
 )
@@ -84,18 +85,6 @@ def unknown_dtype() -> list[cache_pb2.PutSnapshotRequest]:
 
 CASES["unknown_checksum_algorithm"] = (unknown_checksum(), BAD, "checksum algorithm 0")
 CASES["unknown_dtype"] = (unknown_dtype(), BAD, "dtype 'int8' unknown")
-
-
-async def send(stub, messages) -> grpc.aio.AioRpcError | None:
-    async def requests():
-        for message in messages:
-            yield message
-
-    try:
-        await stub.PutSnapshot(requests(), timeout=60)
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    return None
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvstash import rpc
+from kvstash.cache_client import CacheClient
 from kvstash.client import Client, GenerateResult
-from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2, scheduler_pb2
+from kvstash.v1 import cache_pb2, scheduler_pb2
 from tests.integration.reference import reference_greedy
 
 NUM_REQUESTS = 24
@@ -42,8 +42,8 @@ async def run_workload(address: str) -> Outcome:
 
 
 async def cache_stats(address: str) -> cache_pb2.CacheStats:
-    async with rpc.insecure_channel(address) as channel:
-        return await cache_pb2_grpc.KVCacheStub(channel).GetStats(common_pb2.GetStatsRequest())
+    async with CacheClient(address) as cache:
+        return await cache.stats()
 
 
 async def wait_drained(address: str, timeout_s: float = 10.0) -> scheduler_pb2.SchedulerStats:

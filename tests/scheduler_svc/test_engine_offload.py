@@ -13,6 +13,7 @@ import pytest
 
 from kvstash import rpc
 from kvstash.cache_client import CacheClient
+from kvstash.layout import Layout
 from kvstash.stack import Service, start_service
 from scheduler_svc.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.engine import Engine, RequestStream
@@ -59,7 +60,7 @@ async def harness(services: tuple[Service, Service]) -> AsyncIterator[Harness]:
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
         eos_token_ids=(257,), preemption_mode=PreemptionMode.OFFLOAD,
-        init_new_token_ratio=0.05, bytes_per_block=4 * 2 * 16 * 2 * 32 * 8,
+        init_new_token_ratio=0.05, bytes_per_block=Layout(4, 16, 2, 32, "float64").bytes_per_block,
     ))
     channel = rpc.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)

@@ -29,6 +29,16 @@ def test_admission_refusals_name_the_numbers(
     assert scheduler.get_request("r") is None
 
 
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": -0.5}, {"temperature": float("nan")}, {"top_p": 0.0},
+                 {"top_p": 1.5}, {"top_k": -1}])
+def test_bad_sampling_values_are_refused(sampling: dict[str, float]) -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(InvalidArgument, match="need temperature >= 0, 0 < top_p <= 1"):
+        scheduler.add_request("r", [1, 2], SamplingParams(max_tokens=4, **sampling))  # type: ignore[arg-type]
+    assert scheduler.get_request("r") is None
+
+
 def test_duplicate_live_id_is_refused_and_finished_ids_are_reusable() -> None:
     scheduler = make_scheduler()
     add(scheduler, "r", max_tokens=1)
