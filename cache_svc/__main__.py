@@ -12,6 +12,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
 from kvstash import rpc, settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
+from kvstash.metrics import listen_host
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on put and get payload bytes per second, all streams "
                         "together, e.g. 2MiB; 0 = unlimited")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1",
+                   help="address the Prometheus endpoint listens on; 0.0.0.0 = every interface")
     p.add_argument("--buffer-pool", type=parse_size, default=1 << 30,
                    help="freed snapshot buffers kept (within the memory budget) for "
                         "reuse by puts of the same size; 0 = off")
@@ -80,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         bandwidth_limit_bytes_per_s=args.bandwidth_limit,
         disk_write_bytes_per_s=float(args.disk_throttle),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         buffer_pool_bytes=args.buffer_pool,
         buffer_pool_idle_s=args.buffer_pool_idle,
     )

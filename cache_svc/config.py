@@ -6,28 +6,46 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import MAX_CHUNK_BYTES
+from kvstash.metrics import listen_host
 
 MIB = 1 << 20
 GIB = 1 << 30
+# Chunks of max_inflight_bytes an admitted put holds (see cache_svc.put_stream).
+PUT_SHARE_CHUNKS = 3
+# What gRPC accepts on a stream before the server asks for a message (the
+# HTTP/2 initial window; cache_svc.server.SERVER_OPTIONS). Smaller windows
+# cost single-stream put throughput: 64 KiB ran ~30% slower than this on
+# loopback, since a put then moves one message per window update.
+STREAM_WINDOW_BYTES = 2 * MIB
+MAX_STREAMS_PER_CONNECTION = 32  # further calls wait on the client's side
+# Allocator slack: freed chunk copies the heap keeps until the sweeper trims it.
+HEAP_SLACK_BYTES = 32 * MIB
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Budgets and limits of one cache server.
 
-    Resident memory is bounded by `memory_budget_bytes` (committed snapshots,
+    Resident memory stays within `memory_budget_bytes` (committed snapshots,
     the preallocated buffers of puts in progress, and freed buffers pooled for
-    reuse, which are unmapped as soon as a put needs their room) plus a fixed
-    overhead:
+    reuse, which are unmapped as soon as a put needs their room) plus an
+    overhead that no client behaviour raises (`overhead_bytes`):
       - the idle process: ~45 MiB (interpreter, grpc, protobuf, prometheus);
-      - chunks being copied: `max_inflight_bytes` times about 4 transient
-        copies (gRPC slices, serialized bytes, parsed message, `.data`);
-      - gRPC receive windows: up to 4 MiB (kvstash.rpc lookahead) per *admitted*
-        put stream, at most the bytes it still has to send. Puts waiting for
-        room send nothing: the server admits a put with initial metadata and
-        CacheClient streams payload only after that.
-    The test suite checks peak RSS <= idle + budget + 4 * max_inflight + 32 MiB
-    with 32 concurrent streams (measured: 147-176 MiB against a 187 MiB limit).
+      - chunk payload between the network and the snapshot buffers: 4 times
+        `max_inflight_bytes`. An admitted put holds three chunks of it from
+        admission to its end (cache_svc.put_stream says which), a get one per
+        chunk it is sending; a chunk exists about twice on its way (gRPC's
+        buffers, then Python's bytes), and a client sending chunks larger
+        than its header declared is refused at the first;
+      - STREAM_WINDOW_BYTES per open put stream: what gRPC takes in before
+        the server asks for payload, e.g. from a client that sends chunks
+        without waiting for admission (see cache.proto). Nothing more of a
+        put is read before it is admitted;
+      - HEAP_SLACK_BYTES of freed heap, returned to the OS by the sweeper
+        (pooled buffers go after `buffer_pool_idle_s`).
+    Measured with 32 puts of 64 MiB against a 256 MiB budget, their clients
+    sending every chunk before admission: peak 90-120 MiB over idle + budget,
+    of the 224 MiB this allows (tests/cache_svc/test_cache_memory.py).
     """
 
     memory_budget_bytes: int = 1 * GIB
@@ -35,8 +53,8 @@ class CacheConfig:
     disk_budget_bytes: int = 0
     default_ttl_s: int = 3600  # for puts that send ttl_s = 0
     sweep_interval_s: float = 5.0  # how often expired snapshots are looked for
-    # Chunk payload bytes being received or sent at once, over all streams.
-    # Each stream holds at most one chunk (<= 4 MiB) in flight.
+    # Chunk payload bytes being received or sent at once, over all streams:
+    # an admitted put holds PUT_SHARE_CHUNKS chunks, a get one chunk per send.
     max_inflight_bytes: int = 32 * MIB
     # How long a put header may wait for spills and other puts to free room
     # before it is refused with RESOURCE_EXHAUSTED.
@@ -48,6 +66,9 @@ class CacheConfig:
     # Test hook simulating a slow disk: caps write speed (0 = unthrottled).
     disk_write_bytes_per_s: float = 0.0
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
+    # Address /metrics listens on: loopback by default; 0.0.0.0 (or a pod IP)
+    # to be scraped from elsewhere.
+    metrics_host: str = "127.0.0.1"
     # Freed snapshot buffers kept, within the memory budget, for later puts of
     # the same size (saves them the kernel's page faults and zeroing); 0 = off.
     # They cap how much of the budget stays resident while nothing uses it.
@@ -70,10 +91,10 @@ class CacheConfig:
             raise ValueError(f"default_ttl_s is {self.default_ttl_s}, must be > 0")
         if self.sweep_interval_s <= 0:
             raise ValueError(f"sweep_interval_s is {self.sweep_interval_s}, must be > 0")
-        if self.max_inflight_bytes < MAX_CHUNK_BYTES:
+        if self.max_inflight_bytes < PUT_SHARE_CHUNKS * MAX_CHUNK_BYTES:
             raise ValueError(
                 f"max_inflight_bytes is {self.max_inflight_bytes}, must be at least "
-                f"{MAX_CHUNK_BYTES} (one chunk)"
+                f"{PUT_SHARE_CHUNKS * MAX_CHUNK_BYTES} (one put of {MAX_CHUNK_BYTES}-byte chunks)"
             )
         if self.reserve_wait_s < 0:
             raise ValueError(f"reserve_wait_s is {self.reserve_wait_s}, must be >= 0")
@@ -94,3 +115,10 @@ class CacheConfig:
             raise ValueError(f"buffer_pool_idle_s is {self.buffer_pool_idle_s}, must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
+        listen_host(self.metrics_host, "metrics_host")
+
+    def overhead_bytes(self, num_streams: int) -> int:
+        """Resident memory beyond the idle process and the memory budget that
+        `num_streams` open put streams may cost at most (see above)."""
+        return (4 * self.max_inflight_bytes + num_streams * STREAM_WINDOW_BYTES
+                + HEAP_SLACK_BYTES)

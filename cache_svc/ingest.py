@@ -14,7 +14,7 @@ import mmap
 import threading
 
 from cache_svc.snapshot import SnapshotMeta, checksum
-from kvstash.errors import DataLoss, InvalidArgument
+from kvstash.errors import DataLoss, InvalidArgument, preview
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 _POPULATE_STEP_BYTES = 16 << 20
@@ -78,18 +78,15 @@ class PutSession:
     @property
     def next_chunk_bytes(self) -> int:
         """Payload size of the chunk expected next; 0 once all arrived."""
-        if self.num_received >= self.meta.num_chunks:
-            return 0
-        start, end = self.meta.chunk_range(self.num_received)
-        return end - start
+        return self.meta.chunk_size(self.num_received)
 
     def accept(self, index: int, data: bytes | memoryview, sent_checksum: int) -> None:
         meta = self.meta
         expected = self.num_received
         if index >= meta.num_chunks:
             raise InvalidArgument(
-                f"chunk {index} is extra: snapshot {meta.snapshot_id} has {meta.num_chunks} "
-                f"chunks (0..{meta.num_chunks - 1})"
+                f"chunk {index} is extra: snapshot {preview(meta.snapshot_id)} has "
+                f"{meta.num_chunks} chunks (0..{meta.num_chunks - 1})"
             )
         if index < expected:
             raise InvalidArgument(f"chunk {index} is a duplicate: expected chunk {expected} next")

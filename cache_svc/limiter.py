@@ -1,9 +1,10 @@
 """A byte-counting semaphore that bounds chunk payload in flight over all streams.
 
-A stream takes its share before it pulls the next chunk out of gRPC and gives
-it back once the chunk is copied (put) or written (get). While a stream waits
-here its data stays in gRPC's flow-controlled window, so the sender is slowed
-by HTTP/2 instead of the server buffering more.
+A put takes its share when it is admitted and keeps it to its end (what gRPC
+may hold for it then; see cache_svc.put_stream); a get takes one before it
+reads each chunk and gives it back once gRPC has sent it. While a put waits
+here it is not admitted, so its client's data stays in gRPC's flow-controlled
+window and HTTP/2 slows the sender instead of the server buffering more.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The cache's Prometheus metrics, read from the store's stats at scrape time so
-they can never drift from what GetStats reports."""
+"""The cache's Prometheus metrics: gauges and counters read from the store's
+stats at scrape time (so they can never drift from what GetStats reports),
+and histograms of transfer durations observed by the gRPC edge."""
 
 from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from cache_svc.store import SnapshotStore
 from kvstash.metrics import MetricsServer, StatsCollector
@@ -35,9 +36,30 @@ _COUNTERS = {
 }
 
 
-def serve_metrics(store: SnapshotStore, port: int, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serves `/metrics` on `port`; call from the event loop that owns `store`."""
-    registry = CollectorRegistry()
+# From a small snapshot over loopback (~1 ms) to a put that waited reserve_wait_s.
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+
+
+class TransferMetrics:
+    """Durations of completed transfers, in their own registry (one per server,
+    so servers in one process do not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.put_seconds = Histogram(
+            _PREFIX + "put_seconds", "Duration of completed puts: header, waiting for "
+            "room, chunks, commit", registry=self.registry, buckets=_SECONDS_BUCKETS)
+        self.get_seconds = Histogram(
+            _PREFIX + "get_seconds", "Duration of completed gets: header and every chunk "
+            "sent", registry=self.registry, buckets=_SECONDS_BUCKETS)
+
+
+def serve_metrics(
+    store: SnapshotStore, transfers: TransferMetrics, port: int, addr: str
+) -> MetricsServer:
+    """Serves `/metrics` on `addr`:`port`; call from the event loop that owns `store`."""
+    registry = transfers.registry
     registry.register(
         StatsCollector(_PREFIX, store.stats, asyncio.get_running_loop(), _GAUGES, _COUNTERS))
     return MetricsServer(registry, port, addr)

@@ -13,20 +13,15 @@ from typing import Any
 
 import grpc
 
-from cache_svc.config import CacheConfig
+from cache_svc.config import MAX_STREAMS_PER_CONNECTION, STREAM_WINDOW_BYTES, CacheConfig
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
-from cache_svc.metrics import serve_metrics
+from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.model import SnapshotInfo, TierName
+from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
 from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
-from kvstash.chunk_codec import (
-    ADMITTED_KEY,
-    RawChunk,
-    decode_put_request,
-    encode_chunk,
-    encode_message,
-)
+from kvstash.chunk_codec import RawChunk, decode_put_request, encode_chunk, encode_message
 from kvstash.layout import Layout
 from kvstash.metrics import MetricsServer
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
@@ -38,6 +33,23 @@ _ALGORITHM_NAMES = {cache_pb2.CHECKSUM_ALGORITHM_XXH3_64: CHECKSUM_XXH3_64}
 _ALGORITHM_CODES = {name: code for code, name in _ALGORITHM_NAMES.items()}
 DRAIN_LIMIT_S = 5.0  # how long a failed put reads out a client still sending
 _TIER_CODES = {TierName.MEMORY: cache_pb2.TIER_MEMORY, TierName.DISK: cache_pb2.TIER_DISK}
+# The largest request message: a chunk and its framing (headers are far smaller).
+MAX_REQUEST_BYTES = MAX_CHUNK_BYTES + 4096
+# gRPC receive settings that keep CacheConfig's memory bound whatever a
+# client sends. Measured with grpc 1.85: a stream takes in its initial window
+# ("lookahead") before the servicer asks for a message, and with BDP probing
+# on every stream's initial window grows with the link's bandwidth-delay
+# product: 32 puts that sent payload before admission were then held whole
+# by gRPC (2.1 GiB for a 256 MiB budget). cache_svc.put_stream has the rest.
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # Refused from the length prefix, before any of it is buffered.
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    # Without BDP probing frames stay 16 KiB; a chunk in one frame is cheaper.
+    ("grpc.http2.max_frame_size", MAX_REQUEST_BYTES),
+]
 
 
 def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> SnapshotMeta:
@@ -86,14 +98,17 @@ def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
 
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     def __init__(
-        self, store: SnapshotStore, limiter: ByteLimiter, bandwidth: BandwidthLimiter
+        self, store: SnapshotStore, limiter: ByteLimiter, bandwidth: BandwidthLimiter,
+        metrics: TransferMetrics,
     ) -> None:
         self._store = store
         self._limiter = limiter  # bounds bytes in flight
         self._bandwidth = bandwidth  # bounds bytes per second
+        self._metrics = metrics
 
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        stream = _PutStream(aiter(request_iterator), context)
+        started = time.perf_counter()
+        stream = PutStream(aiter(request_iterator), context, self._limiter, self._bandwidth)
         try:
             info = await self._put(stream)
         except errors.KvstashError as exc:
@@ -102,9 +117,12 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             # side, so read out (and drop) what it sends, briefly, first.
             await self._drain(stream)
             await rpc.abort_with(context, exc)
+        finally:
+            await stream.close()
+        self._metrics.put_seconds.observe(time.perf_counter() - started)
         return cache_pb2.PutSnapshotResponse(info=info_to_proto(info))
 
-    async def _put(self, stream: _PutStream) -> SnapshotInfo:
+    async def _put(self, stream: PutStream) -> SnapshotInfo:
         first = await stream.next()
         if first is None:
             raise errors.InvalidArgument("put stream is empty; the first message must be a header")
@@ -113,14 +131,14 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                 f"first message is chunk {first.index}; a put must start with a header"
             )
         meta = meta_from_proto(first, self._store.config.default_ttl_s)
+        # No payload is asked for before admission: however much the client
+        # sends meanwhile, gRPC holds no more than the stream's initial window.
         await self._store.reserve_put(meta)
         try:
-            # Tells the client its room is reserved: CacheClient sends no
-            # payload before this, so puts waiting for room hold no bytes in
-            # gRPC's receive windows. Admitting before the buffer exists lets
-            # the first chunks cross the network while the kernel faults the
-            # buffer in (what arrives meanwhile stays in the flow-control
-            # window, counted in CacheConfig's overhead).
+            await stream.hold(put_share_bytes(meta))
+            # Tells the client its room is reserved (see cache.proto). Admitting
+            # before the buffer exists lets the first chunks cross the network
+            # while the kernel faults the buffer in.
             await stream.send_metadata(admitted=True)
             session = self._store.begin_put(meta)
         except BaseException:
@@ -128,25 +146,20 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             raise
         committed = False
         try:
-            while True:
-                # Paced before the chunk leaves gRPC, so waiting buffers nothing.
-                await self._bandwidth.take(session.next_chunk_bytes)
-                # Pull the next chunk out of gRPC only when the in-flight budget
-                # allows; until then HTTP/2 flow control holds the sender back.
-                async with self._limiter.hold(meta.chunk_bytes):
-                    request = await stream.next()
-                    if request is None:
-                        break
-                    if not isinstance(request, RawChunk):
-                        raise errors.InvalidArgument(
-                            f"second header after {session.num_received} chunks; "
-                            "a put has exactly one header"
-                        )
-                    # request.data is a view into gRPC's message: one copy,
-                    # into the snapshot buffer, in accept().
-                    self._store.count_bytes_in(request.data.nbytes)
-                    session.accept(request.index, request.data, request.checksum)
-                    del request
+            await stream.read_ahead(session.next_chunk_bytes)
+            while (request := await stream.take()) is not None:
+                if not isinstance(request, RawChunk):
+                    raise errors.InvalidArgument(
+                        f"second header after {session.num_received} chunks; "
+                        "a put has exactly one header"
+                    )
+                # The next chunk crosses the network while this one is copied.
+                await stream.read_ahead(meta.chunk_size(session.num_received + 1))
+                # request.data is a view into gRPC's message: one copy, into
+                # the snapshot buffer, in accept().
+                self._store.count_bytes_in(request.data.nbytes)
+                session.accept(request.index, request.data, request.checksum)
+                del request  # not kept while the next one is awaited
             info = self._store.commit_put(session)
             committed = True
             return info
@@ -154,21 +167,26 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             if not committed:
                 await self._store.abort_put(session)
 
-    async def _drain(self, stream: _PutStream) -> None:
+    async def _drain(self, stream: PutStream) -> None:
         # Unadmitted CacheClients half-close on seeing metadata without the
         # admission key, so a refusal costs them no payload and no wait.
         await stream.send_metadata(admitted=False)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(DRAIN_LIMIT_S):
+                if not stream.holds_share:  # refused before admission
+                    await stream.hold(DRAIN_SHARE_BYTES)
                 while not stream.ended:
-                    await self._bandwidth.take(MAX_CHUNK_BYTES)
-                    async with self._limiter.hold(MAX_CHUNK_BYTES):
-                        await stream.next()
+                    if not stream.reading:
+                        await stream.read_ahead(MAX_CHUNK_BYTES)
+                    await stream.take()
 
-    # Writes with context.write (not yield) so each send waits for gRPC.
+    # An async generator, the handler shape grpc's interceptors (tracing's
+    # among them) support. grpc awaits each send before asking for the next
+    # message, so a slow reader slows this loop instead of growing a buffer.
     async def GetSnapshot(  # type: ignore[override]
         self, request: Any, context: grpc.aio.ServicerContext
-    ) -> None:
+    ) -> Any:
+        started = time.perf_counter()
         store = self._store
         try:
             reader = await store.open_reader(request.snapshot_id, request.start_chunk)
@@ -176,12 +194,10 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             await rpc.abort_with(context, exc)
         try:
             meta = reader.meta
-            await context.write(cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta)))
+            yield cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta))
             for index in range(request.start_chunk, meta.num_chunks):
                 start, end = meta.chunk_range(index)
                 await self._bandwidth.take(end - start)
-                # One chunk at a time, and write() returns only once gRPC took it,
-                # so a slow reader slows this loop instead of growing a buffer.
                 async with self._limiter.hold(meta.chunk_bytes):
                     try:
                         data, digest = await store.read_chunk(reader, index)
@@ -189,10 +205,11 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                         await rpc.abort_with(context, exc)
                     message = encode_chunk(index, data, digest)  # the one copy
                     del data
-                    await context.write(message)
+                    yield message
                     del message
         finally:
             store.close_reader(reader)
+        self._metrics.get_seconds.observe(time.perf_counter() - started)
 
     @rpc.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -205,26 +222,6 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return cache_pb2.CacheStats(**asdict(self._store.stats()))
-
-
-class _PutStream:
-    """The request side of one put, remembering what was already done."""
-
-    def __init__(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
-        self._requests = requests
-        self._context = context
-        self._metadata_sent = False
-        self.ended = False  # the client half-closed
-
-    async def next(self) -> Any:
-        request = await anext(self._requests, None)
-        self.ended = request is None
-        return request
-
-    async def send_metadata(self, admitted: bool) -> None:
-        if not self._metadata_sent:
-            self._metadata_sent = True
-            await self._context.send_initial_metadata(((ADMITTED_KEY, "1"),) if admitted else ())
 
 
 def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
@@ -291,13 +288,17 @@ async def create_cache_server(
     `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
     store = SnapshotStore(config, clock)
     await store.start()
+    transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
-                             BandwidthLimiter(config.bandwidth_limit_bytes_per_s))
+                             BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)
     server, port, _health = await rpc.create_server(
         address,
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
+        options=SERVER_OPTIONS,
     )
-    metrics = serve_metrics(store, config.metrics_port) if config.metrics_port else None
+    metrics = None
+    if config.metrics_port:
+        metrics = serve_metrics(store, transfers, config.metrics_port, config.metrics_host)
     sweeper = asyncio.ensure_future(store.run_sweeper())
     return server, port, CacheServer(server, port, store, metrics, sweeper)

@@ -19,32 +19,34 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstash.errors import InvalidArgument
+from kvstash.errors import MAX_ID_CHARS, InvalidArgument, preview
 from kvstash.layout import Layout
 
 MIB = 1 << 20
 MIN_CHUNK_BYTES = 1 * MIB
 MAX_CHUNK_BYTES = 4 * MIB
-MAX_ID_CHARS = 128
 CHECKSUM_XXH3_64 = "xxh3_64"
 
-_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_ID_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_ID_CHARS}}}")
 
 
 def validate_snapshot_id(snapshot_id: str) -> str:
-    """Returns the id unchanged or raises InvalidArgument saying what is wrong."""
+    """Returns the id unchanged or raises InvalidArgument saying what is wrong
+    (quoting no more of the id than `kvstash.errors.preview` does)."""
     if not snapshot_id:
-        raise InvalidArgument("snapshot id is empty; need 1-128 chars of [A-Za-z0-9._-]")
+        raise InvalidArgument(
+            f"snapshot id is empty; need 1-{MAX_ID_CHARS} chars of [A-Za-z0-9._-]"
+        )
     if len(snapshot_id) > MAX_ID_CHARS:
         raise InvalidArgument(
             f"snapshot id has {len(snapshot_id)} chars, at most {MAX_ID_CHARS} allowed"
         )
     if _ID_PATTERN.fullmatch(snapshot_id) is None:
         raise InvalidArgument(
-            f"snapshot id {snapshot_id[:40]!r} has characters outside [A-Za-z0-9._-]"
+            f"snapshot id {preview(snapshot_id)} has characters outside [A-Za-z0-9._-]"
         )
     if snapshot_id.startswith("."):
-        raise InvalidArgument(f"snapshot id {snapshot_id[:40]!r} must not start with '.'")
+        raise InvalidArgument(f"snapshot id {preview(snapshot_id)} must not start with '.'")
     return snapshot_id
 
 
@@ -102,3 +104,8 @@ class SnapshotMeta:
         """Byte offsets [start, end) of chunk `index`."""
         start = index * self.chunk_bytes
         return start, min(start + self.chunk_bytes, self.total_bytes)
+
+    def chunk_size(self, index: int) -> int:
+        """Payload bytes of chunk `index`; 0 past the last chunk."""
+        start, end = self.chunk_range(index)
+        return max(0, end - start)

@@ -29,7 +29,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
 from cache_svc.model import Entry, Residence
-from kvstash.errors import NotFound, ResourceExhausted
+from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Tiers:
     def lookup(self, snapshot_id: str) -> Entry:
         entry = self._lru.get(snapshot_id)
         if entry is None:
-            raise NotFound(f"snapshot {snapshot_id} not found")
+            raise NotFound(f"snapshot {preview(snapshot_id)} not found")
         return entry
 
     def touch(self, entry: Entry) -> None:

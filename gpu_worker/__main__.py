@@ -1,7 +1,8 @@
 """`python -m gpu_worker`: load the model, serve the Worker service until a signal.
 
-Prints `KVSTASH_READY worker host:port` once it accepts calls (with --listen
-host:0 the port is the one actually bound).
+Binds first and answers health NOT_SERVING while the model loads; prints
+`KVSTASH_READY worker host:port` once the model is loaded and Worker calls are
+served (with --listen host:0 the port is the one actually bound).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--model", default=_DEFAULTS.model,
                    help=f"{TINY_MODEL!r} or a local directory with config.json, "
                         "*.safetensors and tokenizer.json")
-    p.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPES)
+    p.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPES,
+                   help="auto = the checkpoint's own (config.json dtype / torch_dtype), "
+                        "float64 for the tiny model")
     p.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size,
                    help="tokens per KV block")
@@ -46,13 +49,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                    help="deadline for one offload or restore transfer")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="tiny-model weights and unseeded sampling")
+    p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
+                   help="Prometheus /metrics port; 0 = off")
+    p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
+                   help="address /metrics listens on; 0.0.0.0 = every interface")
     args = settings.parse_args(p, "worker", argv)
     try:
         config = WorkerConfig(
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             num_blocks=args.num_blocks, max_model_len=args.max_model_len,
             cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
-            seed=args.seed,
+            seed=args.seed, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -65,9 +72,19 @@ async def serve(listen: str, config: WorkerConfig) -> None:
 
     worker = await create_worker_server(config, listen)
     host = listen.rsplit(":", 1)[0]
-    log.info("worker serving %s on %s:%d", config.model, host, worker.port)
+    log.info("worker listening on %s:%d (NOT_SERVING), loading %s", host, worker.port,
+             config.model)
+    if worker.metrics_server is not None:
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host,
+                 worker.metrics_server.port)
+    try:
+        await worker.loaded
+    except BaseException:
+        await worker.server.stop(None)
+        await worker.close()
+        raise
     announce_ready("worker", host, worker.port)
-    await run_until_signalled(worker.server, on_stop=worker.servicer.close)
+    await run_until_signalled(worker.server, on_stop=worker.close)
 
 
 def main(argv: list[str] | None = None) -> int:

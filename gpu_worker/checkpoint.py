@@ -17,16 +17,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from gpu_worker.config import (
-    TINY_MODEL,
-    Llama3RopeScaling,
-    ModelConfig,
-    WorkerConfig,
-    tiny_model_config,
-)
+from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, WorkerConfig, tiny_model_config
+from gpu_worker.hf_config import checkpoint_dtype, parse_model_config
 from gpu_worker.model import CausalLM, build_tiny_model
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Older Llama exports store the rotary table; it is recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -44,6 +38,9 @@ TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# safetensors' names for the same dtypes.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16,
+                       "BF16": torch.bfloat16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -61,67 +58,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(config: WorkerConfig) -> LoadedModel:
-    dtype, device = torch_dtype(config.dtype), resolve_device(config.device)
+    """dtype auto: the checkpoint's own; for the tiny model float64, the dtype in
+    which greedy outputs are the exact oracle the tests compare against."""
+    device = resolve_device(config.device)
+    auto = config.dtype == AUTO_DTYPE
     if config.model == TINY_MODEL:
+        dtype = torch.float64 if auto else torch_dtype(config.dtype)
         model = build_tiny_model(tiny_model_config(), config.seed, dtype, device)
         return LoadedModel(TINY_MODEL, model, "")
-    return load_checkpoint(Path(config.model), dtype, device)
-
-
-def _eos_ids(raw: Any) -> tuple[int, ...]:
-    if raw is None:
-        return ()
-    return (int(raw),) if isinstance(raw, int) else tuple(int(t) for t in raw)
-
-
-def _rope_scaling(raw: dict[str, Any] | None) -> Llama3RopeScaling | None:
-    if not raw:
-        return None
-    kind = raw.get("rope_type", raw.get("type"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (only llama3)")
-    return Llama3RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )
-
-
-def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None
-                       ) -> ModelConfig:
-    """A Hugging Face `config.json` (as a dict) -> ModelConfig."""
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-    if raw.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported")
-    try:
-        num_heads = int(raw["num_attention_heads"])
-        hidden_size = int(raw["hidden_size"])
-        eos = raw.get("eos_token_id")
-        if eos is None and generation is not None:
-            eos = generation.get("eos_token_id")
-        return ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_model_len=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            eos_token_ids=_eos_ids(eos),
-            rope_scaling=_rope_scaling(raw.get("rope_scaling")),
-        )
-    except KeyError as exc:
-        raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+    return load_checkpoint(Path(config.model), None if auto else torch_dtype(config.dtype),
+                           device)
 
 
 def _tensor_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -177,14 +123,33 @@ def _read_json(path: Path) -> dict[str, Any]:
     raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
 
 
-def load_checkpoint(directory: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _stored_dtype(index: dict[str, tuple[Path, tuple[int, ...]]]) -> torch.dtype:
+    """The dtype of the first floating-point tensor as stored on disk."""
+    for name, (path, _) in sorted(index.items()):
+        with safe_open(str(path), framework="pt") as f:
+            dtype = f.get_slice(name).get_dtype()
+        if dtype in _SAFETENSORS_DTYPES:
+            return _SAFETENSORS_DTYPES[dtype]
+    raise ValueError(f"checkpoint holds no tensor of dtype {sorted(_SAFETENSORS_DTYPES)}; "
+                     "pass --dtype")
+
+
+def load_checkpoint(directory: Path, dtype: torch.dtype | None,
+                    device: torch.device) -> LoadedModel:
+    """dtype None = the checkpoint's own: config.json's `dtype` / `torch_dtype`,
+    else that of its stored tensors."""
     config_path, tokenizer_path = directory / "config.json", directory / "tokenizer.json"
     for required in (config_path, tokenizer_path):
         if not required.is_file():
             raise ValueError(f"checkpoint directory {directory} has no {required.name}")
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
-    cfg = parse_model_config(_read_json(config_path), generation)
+    raw = _read_json(config_path)
+    cfg = parse_model_config(raw, generation)
+    if dtype is None:
+        declared = checkpoint_dtype(raw)
+        dtype = (torch_dtype(declared) if declared is not None
+                 else _stored_dtype(_tensor_index(directory)))
     model = CausalLM(cfg, dtype, device)
     load_weights(model, directory)
     name = os.path.basename(os.path.normpath(directory))

@@ -10,7 +10,10 @@ import os
 import re
 from dataclasses import dataclass
 
-DTYPES = ("float32", "float64", "float16", "bfloat16")
+from kvstash.metrics import listen_host
+
+AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
+DTYPES = (AUTO_DTYPE, "float32", "float64", "float16", "bfloat16")
 TINY_MODEL = "tiny"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
@@ -18,7 +21,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     model: str = TINY_MODEL  # "tiny" (random weights, byte tokenizer) or a checkpoint directory
-    dtype: str = "float32"  # weights, activations and KV cache; float64 for exact oracles
+    dtype: str = AUTO_DTYPE  # weights, activations and KV cache (see AUTO_DTYPE)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 512  # blocks in the KV-cache tensor
@@ -26,6 +29,8 @@ class WorkerConfig:
     cache_address: str = ""  # KV cache service "host:port"; "" = offload unavailable
     cache_timeout_s: float = 60.0  # bound on one offload or restore transfer
     seed: int = 0  # tiny-model weights and unseeded sampling
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
+    metrics_host: str = "127.0.0.1"  # address /metrics listens on; 0.0.0.0 = every interface
 
     def __post_init__(self) -> None:
         if self.model != TINY_MODEL and not os.path.isdir(self.model):
@@ -46,6 +51,9 @@ class WorkerConfig:
             raise ValueError(f"cache_timeout_s must be > 0, got {self.cache_timeout_s}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        listen_host(self.metrics_host, "metrics_host")
 
 
 @dataclass(frozen=True, slots=True)

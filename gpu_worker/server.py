@@ -1,26 +1,36 @@
 """gRPC edge of the worker: protos in, `ModelRunner` / `KvTransfer` calls, protos out.
 
-All model work (steps, gathers, scatters) runs on one dedicated thread, in
-arrival order, so the event loop stays free to stream snapshots and answer
-health checks while a step computes.
+All model work (loading, steps, gathers, scatters) runs on one dedicated
+thread, in arrival order, so the event loop stays free to stream snapshots and
+answer health checks while a step computes or the model loads.
+
+Start-up order: bind, then load. Until the model is loaded, health answers
+NOT_SERVING (for "" and the Worker service), so a readiness probe can tell a
+worker that is starting from one that is gone; GetInfo waits for the model
+(within the caller's deadline, as `wait_for_ready` waits for the port) and the
+other Worker calls fail UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.runner import ModelRunner, SeqWork, build_runner
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import KvTransfer, SnapshotStore, layout_proto
 from kvstash import errors
 from kvstash.cache_client import CacheClient
+from kvstash.metrics import MetricsServer
 from kvstash.rpc import abort_with, create_server, maps_errors
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -63,17 +73,44 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
     )
 
 
+class _Model(NamedTuple):
+    """What the Worker calls need once the model is loaded."""
+
+    runner: ModelRunner
+    transfer: KvTransfer
+    info: worker_pb2.WorkerInfo
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, store: SnapshotStore | None,
-                 cache_timeout_s: float) -> None:
-        self._runner = runner
+    def __init__(self, store: SnapshotStore | None, cache_timeout_s: float,
+                 metrics: WorkerMetrics) -> None:
         self._store = store
-        # One thread: steps, gathers and scatters are serialized by construction.
+        self._cache_timeout_s = cache_timeout_s
+        self._metrics = metrics
+        # One thread: loading, steps, gathers and scatters are serialized by construction.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
-        self._transfer = KvTransfer(runner, self._compute, store, cache_timeout_s)
-        self._info = info_proto(runner)
+        self._model: _Model | None = None  # None while the model loads
+        self._model_ready = asyncio.Event()
         # One scheduler owns the KV tensor: a second Execute stream is refused.
         self._driven = False
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Starts serving Worker calls with `runner`."""
+        transfer = KvTransfer(runner, self._compute, self._store, self._cache_timeout_s)
+        self._model = _Model(runner, transfer, info_proto(runner))
+        self._model_ready.set()
+        log.info("model %s ready: %s on %s, %d KV blocks of %d tokens", runner.name,
+                 runner.layout.dtype, runner.device, runner.num_blocks, runner.block_size)
+
+    async def load(self, build: Callable[[], ModelRunner]) -> None:
+        """Runs `build` on the compute thread, then serves with its runner."""
+        loop = asyncio.get_running_loop()
+        self.attach(await loop.run_in_executor(self._compute, build))
+
+    def _loaded(self) -> _Model:
+        if self._model is None:
+            raise errors.Unavailable("the worker is still loading its model")
+        return self._model
 
     async def close(self) -> None:
         if self._store is not None:
@@ -84,28 +121,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
-        return self._info
+        await self._model_ready.wait()
+        return self._loaded().info
 
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
+        try:
+            runner = self._loaded().runner
+        except errors.Unavailable as exc:
+            await abort_with(context, exc)
         if self._driven:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "another scheduler is driving this worker (one Execute stream "
                                 "at a time: its block pool owns this KV cache)")
         self._driven = True
         try:
-            async for result in self._execute(request_iterator, context):
+            async for result in self._execute(runner, request_iterator, context):
                 yield result
         finally:
             self._driven = False
 
-    async def _execute(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
+    def _step(self, runner: ModelRunner, seqs: Sequence[SeqWork]) -> list[int | None]:
+        """One step, timed on the compute thread (not counting time queued behind
+        other work there)."""
+        start = time.perf_counter()
+        tokens = runner.execute(seqs)
+        if seqs:
+            self._metrics.observe_step(seqs, time.perf_counter() - start)
+        return tokens
+
+    async def _execute(self, runner: ModelRunner,
+                       request_iterator: AsyncIterator[worker_pb2.StepPlan],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
         loop = asyncio.get_running_loop()
         async for plan in request_iterator:
             try:
                 seqs = [seq_from_proto(s) for s in plan.seqs]
-                tokens = await loop.run_in_executor(self._compute, self._runner.execute, seqs)
+                tokens = await loop.run_in_executor(self._compute, self._step, runner, seqs)
             except errors.KvstashError as exc:
                 log.warning("step %d rejected: %s", plan.step_id, exc)
                 await abort_with(context, exc)
@@ -122,10 +174,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Offload(self, request: worker_pb2.OffloadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.OffloadResponse:
-        num_bytes = await self._transfer.offload(
+        transfer = self._loaded().transfer
+        start = time.perf_counter()
+        num_bytes = await transfer.offload(
             request.snapshot_id, list(request.block_ids), request.num_tokens,
             pinned=request.pinned, ttl_s=request.ttl_s,
         )
+        self._metrics.observe_offload(num_bytes, time.perf_counter() - start)
         log.info("offloaded %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.OffloadResponse(num_bytes=num_bytes)
@@ -133,7 +188,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Restore(self, request: worker_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.RestoreResponse:
-        num_bytes = await self._transfer.restore(request.snapshot_id, list(request.block_ids))
+        transfer = self._loaded().transfer
+        start = time.perf_counter()
+        num_bytes = await transfer.restore(request.snapshot_id, list(request.block_ids))
+        self._metrics.observe_restore(num_bytes, time.perf_counter() - start)
         log.info("restored %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.RestoreResponse(num_bytes=num_bytes)
@@ -143,6 +201,15 @@ class WorkerServer(NamedTuple):
     server: grpc.aio.Server
     port: int
     servicer: WorkerServicer
+    loaded: asyncio.Future[None]  # done once Worker calls are served; holds a load error
+    metrics: WorkerMetrics
+    metrics_server: MetricsServer | None  # None = --metrics-port 0
+
+    async def close(self) -> None:
+        """Releases what the server holds besides its port (call after server.stop)."""
+        await self.servicer.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 def connect_store(config: WorkerConfig) -> SnapshotStore | None:
@@ -151,16 +218,38 @@ def connect_store(config: WorkerConfig) -> SnapshotStore | None:
     return CacheClient(config.cache_address, timeout_s=config.cache_timeout_s)
 
 
+async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer,
+                             build: Callable[[], ModelRunner]) -> None:
+    await servicer.load(build)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
 async def create_worker_server(config: WorkerConfig, address: str,
                                runner: ModelRunner | None = None,
                                store: SnapshotStore | None = None) -> WorkerServer:
-    """Starts a Worker server on `address` (port 0 = any free). `runner` and
-    `store` default to what `config` describes; tests pass their own."""
-    runner = runner if runner is not None else build_runner(config)
+    """Starts a Worker server on `address` (port 0 = any free) and, unless a
+    `runner` is given (tests), starts loading the model `config` names; await
+    `loaded` for it. `store` defaults to the cache service `config` names."""
     store = store if store is not None else connect_store(config)
-    servicer = WorkerServicer(runner, store, config.cache_timeout_s)
-    server, port, _ = await create_server(
-        address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
-    )
-    return WorkerServer(server, port, servicer)
+    metrics = WorkerMetrics()
+    servicer = WorkerServicer(store, config.cache_timeout_s, metrics)
+    metrics_server = (MetricsServer(metrics.registry, config.metrics_port, config.metrics_host)
+                      if config.metrics_port else None)
+    try:
+        server, port, health_servicer = await create_server(
+            address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
+            [SERVICE_NAME], serving=runner is not None,
+        )
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.stop()
+        raise
+    loaded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    if runner is not None:
+        servicer.attach(runner)
+        loaded.set_result(None)
+    else:
+        loaded = asyncio.ensure_future(
+            _serve_once_loaded(servicer, health_servicer, lambda: build_runner(config)))
+    return WorkerServer(server, port, servicer, loaded, metrics, metrics_server)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import StackConfig, running_stack, wait_for_exit
+from kvstash.stack import StackConfig, start_stack
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -36,21 +37,40 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
     )
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGHUP arrived: stop like Ctrl-C does."""
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     port = int(args.listen.rsplit(":", 1)[1])
     host = args.listen.rsplit(":", 1)[0]
     config = _stack_config(args, host=host, scheduler_port=port)
-    with running_stack(config) as stack:
+    # A service manager stops us with SIGTERM, a closed terminal with SIGHUP:
+    # either must stop the services too, not orphan them.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    stack = start_stack(config)
+    try:
         for service in stack.services:
             print(f"{service.name:<10} {service.address:<22} pid {service.process.pid}")
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
-        try:
-            wait_for_exit([s.process for s in stack.services])
-            print("a service exited; stopping the others", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("\nstopping", file=sys.stderr)
-            return 0
+        failed = stack.wait_for_exit()
+    except (KeyboardInterrupt, _Stop) as exc:
+        print(f"\nstopping ({exc or 'interrupted'})", file=sys.stderr)
+        stack.stop()
+        return 0
+    except BaseException:
+        stack.stop()
+        raise
+    # Keep every log: the others may say why this one died.
+    print(f"{failed.name} exited with code {failed.process.returncode}; stopping the others. "
+          f"Its log: {failed.log_path}", file=sys.stderr)
+    stack.stop(keep_logs=True)
+    return 1
 
 
 async def _generate(args: argparse.Namespace) -> int:

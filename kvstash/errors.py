@@ -7,6 +7,19 @@ quantities involved, e.g. "prompt has 900 tokens, max_model_len is 512".
 
 from __future__ import annotations
 
+# Longest id (request or snapshot) any service accepts; longer is INVALID_ARGUMENT.
+MAX_ID_CHARS = 128
+
+
+def preview(value: str, limit: int = 40) -> str:
+    """`value` quoted for an error message, cut to `limit` characters.
+
+    Messages never echo more than this of what a client sent: a huge id must
+    come back as a short INVALID_ARGUMENT, not overflow gRPC's metadata."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} chars)"
+
 
 class KvstashError(Exception):
     """Base class; never raised directly."""

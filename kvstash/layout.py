@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstash.errors import InvalidArgument
+from kvstash.errors import InvalidArgument, preview
 
 ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -42,7 +42,7 @@ class Layout:
                 raise InvalidArgument(f"layout {name} is {getattr(self, name)}, must be > 0")
         if self.dtype not in ITEMSIZE_FOR_DTYPE:
             raise InvalidArgument(
-                f"layout dtype {self.dtype!r} unknown; expected one of "
+                f"layout dtype {preview(self.dtype)} unknown; expected one of "
                 f"{sorted(ITEMSIZE_FOR_DTYPE)}"
             )
 

@@ -9,12 +9,16 @@ are taken on the service's event loop, which owns them.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvstash.errors import preview
 
 
 class StatsCollector(Collector):
@@ -40,6 +44,22 @@ class StatsCollector(Collector):
             yield GaugeMetricFamily(self._prefix + key, doc, value=getattr(stats, key))
         for key, (field, doc) in self._counters.items():
             yield CounterMetricFamily(self._prefix + key, doc, value=getattr(stats, field))
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+
+
+def listen_host(text: str, what: str = "host") -> str:
+    """`text` if it is an IP address or host name to listen on ("127.0.0.1",
+    "0.0.0.0", "::", "metrics.local"); ValueError naming `what` otherwise."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(text):
+            raise ValueError(
+                f"{what} {preview(text)} is not an IP address or host name (127.0.0.1 "
+                "for this host only, 0.0.0.0 for every interface)") from None
+    return text
 
 
 class MetricsServer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -97,6 +98,98 @@ def maps_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class _Undecodable:
+    """What a request deserializer yields for bytes it cannot decode."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # protobuf's DecodeError, or our codec's ValueError
+            return _Undecodable(str(exc)[:200])
+
+    return decode
+
+
+async def _refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> NoReturn:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {bad.reason}")
+    raise AssertionError("unreachable: context.abort raises")
+
+
+async def _checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        yield request
+
+
+def _wrap_unary_in(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    # Keep the behavior's shape: grpc tells a response stream written with
+    # `yield` from one written with `context.write` by it.
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await _refuse(context, request)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        return await behavior(request, context)
+
+    return unary
+
+
+def _wrap_stream_in(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for response in behavior(_checked(requests, context), context):
+                yield response
+
+        return stream
+
+    async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(_checked(requests, context), context)
+
+    return unary
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that does not decode (bad UTF-8 in a string field,
+    garbage bytes) with INVALID_ARGUMENT and a plain message, on every method.
+
+    Without it grpc sends UNKNOWN with a Python class name in the details.
+    The deserializer is made tolerant (it returns a marker instead of
+    raising) and the behavior refuses the marker; for streamed requests the
+    marker is caught as the servicer reads the stream."""
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        changes: dict[str, Any] = {"request_deserializer": _tolerant(handler.request_deserializer)}
+        for kind, wrap in (("unary_unary", _wrap_unary_in), ("unary_stream", _wrap_unary_in),
+                           ("stream_unary", _wrap_stream_in), ("stream_stream", _wrap_stream_in)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                changes[kind] = wrap(behavior)
+        return handler._replace(**changes)
+
+
 Registrar = Callable[[grpc.aio.Server], None]
 
 
@@ -106,13 +199,18 @@ async def create_server(
     service_names: Iterable[str],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     options: Iterable[tuple[str, Any]] = (),
+    serving: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
-    Returns the server, the bound port and its health servicer (all services
-    report SERVING once started; flip them with `health.set`)."""
+    Returns the server, the bound port and its health servicer: all services
+    report SERVING once started, or NOT_SERVING unless `serving` (a service
+    that is not ready yet); flip them with `health.set`."""
+    # grpc core takes the first of repeated keys: a service's own options win.
+    merged = dict(CHANNEL_OPTIONS) | dict(options)
     server = grpc.aio.server(
-        options=[*CHANNEL_OPTIONS, *options], interceptors=list(interceptors)
+        options=list(merged.items()),
+        interceptors=[*interceptors, DecodeErrorInterceptor()],
     )
     for register in registrars:
         register(server)
@@ -126,8 +224,10 @@ async def create_server(
     if port == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
     return server, port, health_servicer
 
 

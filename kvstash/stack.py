@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -30,9 +31,10 @@ class StackConfig:
     """What `kvstash up` starts. The defaults run anywhere on a CPU."""
 
     model: str = "tiny"
-    # The tiny model runs in float64 so greedy outputs are bit-stable however
-    # requests are batched, chunked, preempted or restored (see README).
-    dtype: str = "float64"
+    # auto: a checkpoint's own dtype; float64 for the tiny model, so greedy
+    # outputs are bit-stable however requests are batched, chunked, preempted
+    # or restored (see README).
+    dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_blocks: int = 512  # KV blocks on the worker = the scheduler's pool
@@ -79,11 +81,13 @@ class Service:
             self.process.kill()
             self.process.wait()
 
-    def restart(self) -> Service:
-        """Stops this service and starts it again on the address it had."""
+    def restart(self, flags: Mapping[str, str] | None = None) -> Service:
+        """Stops this service and starts it again on the address it had;
+        `flags` ({"--num-blocks": "48"}) replace values it was started with."""
         self.stop()
         args = list(self.args)
-        args[args.index("--listen") + 1] = self.address
+        for flag, value in {**(flags or {}), "--listen": self.address}.items():
+            args[args.index(flag) + 1] = value
         return start_service(self.name, self.module, args, self.log_path.parent)
 
 
@@ -94,6 +98,8 @@ class Stack:
     scheduler: Service
     log_dir: Path
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    # The log directory was made for this stack: removed on stop unless kept.
+    _own_logs: bool = field(default=False, repr=False)
 
     @property
     def services(self) -> list[Service]:
@@ -103,13 +109,26 @@ class Stack:
     def address(self) -> str:
         return self.scheduler.address
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stops every service and removes what the stack made, except its
+        logs when `keep_logs` (a service failed: the user needs them)."""
         # Front to back, so nobody sees its dependency vanish mid-request.
         for service in self.services:
             service.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._own_logs and not keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self._own_logs = False
+
+    def wait_for_exit(self, poll_s: float = 0.5) -> Service:
+        """Blocks until a service exits and returns it."""
+        while True:
+            for service in self.services:
+                if service.process.poll() is not None:
+                    return service
+            time.sleep(poll_s)
 
 
 def start_service(
@@ -128,8 +147,9 @@ def start_service(
     log_file.close()
     assert process.stdout is not None
     address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
-    # Keep draining stdout so a chatty child never blocks on a full pipe.
-    threading.Thread(target=_drain, args=(process.stdout,), daemon=True).start()
+    # Keep draining stdout, into the log: a chatty child never blocks on a
+    # full pipe, and what it prints (a console span exporter's output) is kept.
+    threading.Thread(target=_copy, args=(process.stdout, log_path), daemon=True).start()
     return Service(name, process, address, log_path, module, tuple(args))
 
 
@@ -156,16 +176,19 @@ def _wait_ready(
     raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s; its log:\n{tail}")
 
 
-def _drain(stdout: IO[str]) -> None:
-    with contextlib.suppress(ValueError, OSError):
-        for _ in stdout:
-            pass
+def _copy(stdout: IO[str], log_path: Path) -> None:
+    with contextlib.suppress(ValueError, OSError), log_path.open("a") as log:
+        for line in stdout:
+            log.write(line)
+            log.flush()
 
 
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, worker and scheduler; on any failure stops what started."""
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
-    logs = log_dir or Path(tmp.name)
+    # Logs live apart from the data (the cache's disk tier), so they can
+    # outlive a failed stack without keeping gigabytes of snapshots.
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvstash-logs-"))
     disk_dir = config.cache_disk_dir or str(Path(tmp.name) / "cache")
     listen = f"{config.host}:0"
     started: list[Service] = []
@@ -196,7 +219,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             service.stop()
         tmp.cleanup()
         raise
-    return Stack(cache, worker, scheduler, logs, tmp)
+    return Stack(cache, worker, scheduler, logs, tmp, _own_logs=log_dir is None)
 
 
 @contextlib.contextmanager
@@ -206,9 +229,3 @@ def running_stack(config: StackConfig, log_dir: Path | None = None) -> Iterator[
         yield stack
     finally:
         stack.stop()
-
-
-def wait_for_exit(processes: Sequence[subprocess.Popen[str]], poll_s: float = 0.5) -> None:
-    """Blocks until any process exits (or KeyboardInterrupt)."""
-    while all(p.poll() is None for p in processes):
-        time.sleep(poll_s)

@@ -38,8 +38,9 @@ What is traced, so that one request is one trace and idle services send nothing:
     start no traces.
   * clients: only calls made inside a trace.
   * Worker.Execute, the step stream, is never instrumented: it lives as long
-    as the process. The scheduler emits one "kvstash.step" span per step
-    instead, linked to the requests it serves.
+    as the process. Steps are not spans at all (a span per step would be a
+    trace per step); each request's trace holds its phases in the scheduler
+    instead: kvstash.queued, kvstash.prefill, kvstash.decode.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`python -m scheduler_svc`: the scheduler as its own process.
 
-It asks the worker for its model and KV layout (GetInfo), sizes the block pool
-from the answer, and serves the public Scheduler API."""
+It binds first (health NOT_SERVING), then asks the worker for its model and KV
+layout (GetInfo, waiting while the worker starts or loads), sizes the block
+pool from the answer, and serves the public Scheduler API; it prints
+`KVSTASH_READY scheduler host:port` once it does."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import grpc
 from kvstash import rpc, settings, telemetry
 from kvstash.cache_client import CacheClient
 from kvstash.layout import Layout
+from kvstash.metrics import listen_host
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
@@ -25,6 +28,9 @@ from scheduler_svc.server import create_scheduler_server
 
 log = logging.getLogger("scheduler_svc")
 
+# One scheduler drives one worker: notice a restarted one within seconds
+# (gRPC's default reconnect backoff grows to two minutes).
+_WORKER_CHANNEL_OPTIONS = [*rpc.CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,13 +64,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1",
+                   help="address /metrics listens on; 0.0.0.0 = every interface")
     p.add_argument("--log-level", default="info")
     return settings.parse_args(p, "scheduler", argv)
 
 
 async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_pb2.WorkerInfo:
+    """The worker's info, waiting up to `wait_s` for it to start and load its
+    model (it answers UNAVAILABLE meanwhile)."""
     stub = worker_pb2_grpc.WorkerStub(channel)
-    return await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=wait_s, wait_for_ready=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await stub.GetInfo(worker_pb2.GetInfoRequest(), wait_for_ready=True,
+                                      timeout=max(deadline - loop.time(), 0.0))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() + 1 > deadline:
+                raise
+        await asyncio.sleep(1)
 
 
 def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
@@ -94,18 +113,31 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
 
 
 async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
-    worker_channel = rpc.insecure_channel(args.worker_address)
-    info = await fetch_worker_info(worker_channel, args.worker_wait)
+    scheduler = await create_scheduler_server(args.listen)
+    server, port = scheduler.server, scheduler.port
+    worker_channel = grpc.aio.insecure_channel(args.worker_address,
+                                               options=_WORKER_CHANNEL_OPTIONS)
+    log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
+             port, args.worker_address)
+    try:
+        info = await fetch_worker_info(worker_channel, args.worker_wait)
+    except BaseException:
+        await server.stop(None)
+        await worker_channel.close()
+        raise
     config = build_config(args, info)
     tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size, tuple(info.eos_token_ids))
     cache = CacheClient(args.cache_address) if args.cache_address else None
     core = Scheduler(config)
-    engine = Engine(core, worker_channel, cache,
-                    EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing))
-    await engine.start()
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
-    metrics_server = metrics.serve(args.metrics_port) if args.metrics_port else None
-    server, port = await create_scheduler_server(engine, tokenizer, metrics, args.listen)
+    engine = Engine(core, worker_channel, cache,
+                    EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing),
+                    metrics=metrics, on_worker_change=scheduler.set_serving, worker_info=info)
+    scheduler.servicer.attach(engine, tokenizer, metrics)
+    await engine.start()
+    await engine.wait_until_worker_up()  # READY means SERVING
+    metrics_server = (metrics.serve(args.metrics_port, args.metrics_host)
+                      if args.metrics_port else None)
     log.info("serving %s (%d KV blocks of %d tokens) on port %d",
              info.model_name, config.num_blocks, config.block_size, port)
     # Everything built so far lives as long as the process: keep it out of the

@@ -13,8 +13,8 @@ offload never stalls the steps of other requests.
 Tracing (only with EngineConfig.tracing; see kvstash.telemetry): each request
 keeps the trace context it was submitted in (its Generate span). Its offloads
 and restores run inside that context as "kvstash.offload" / "kvstash.restore"
-spans, so the worker's and the cache's spans join the request's trace. Each
-step is a "kvstash.step" span of its own, linked to the requests it serves.
+spans, so the worker's and the cache's spans join the request's trace, as do
+its phases in the scheduler (tracing.RequestPhases: queued, prefill, decode).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_svc import tracing
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
@@ -67,6 +69,7 @@ class RequestStream:
     # The context the request was submitted in (its Generate span); None
     # unless tracing is on.
     trace_context: otel_context.Context | None = None
+    phases: tracing.RequestPhases | None = None  # with trace_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +77,11 @@ class EngineConfig:
     transfer_timeout_s: float = 60.0  # one offload or restore, end to end
     cache_poll_s: float = 0.5  # how often the cache's free capacity is refreshed
     worker_retry_s: float = 1.0  # pause before reopening a broken Execute stream
+    worker_probe_s: float = 10.0  # bound on one GetInfo that checks the worker is back
     # Expiry of a stashed snapshot since its last access: a request preempted
     # for longer than this loses its snapshot and is recomputed.
     snapshot_ttl_s: int = 24 * 3600
-    # Emit step and transfer spans (kvstash.telemetry is on). Off, the step
+    # Emit phase and transfer spans (kvstash.telemetry is on). Off, the step
     # loop builds no span data at all.
     tracing: bool = False
 
@@ -105,6 +109,16 @@ def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
     ])
 
 
+def _changed_fields(
+    before: worker_pb2.WorkerInfo | None, after: worker_pb2.WorkerInfo
+) -> list[str]:
+    """WorkerInfo fields that differ; the device may change, nothing else."""
+    if before is None:
+        return []
+    return [f.name for f in worker_pb2.WorkerInfo.DESCRIPTOR.fields
+            if f.name != "device" and getattr(before, f.name) != getattr(after, f.name)]
+
+
 class Engine:
     def __init__(
         self,
@@ -112,11 +126,23 @@ class Engine:
         worker_channel: grpc.aio.Channel,
         cache: CacheClient | None,
         config: EngineConfig = EngineConfig(),
+        *,
+        metrics: SchedulerMetrics | None = None,
+        on_worker_change: Callable[[bool], Awaitable[None]] | None = None,
+        worker_info: worker_pb2.WorkerInfo | None = None,
     ) -> None:
+        """`on_worker_change(True)` is awaited once the worker answers and an
+        Execute stream is open, `(False)` once that stream broke. With
+        `worker_info` (what the core was built for), a worker that comes back
+        with another model or KV layout is not used."""
         self._core = core
         self._worker = worker_pb2_grpc.WorkerStub(worker_channel)
         self._cache = cache
         self._config = config
+        self._metrics = metrics
+        self._on_worker_change = on_worker_change
+        self._worker_info = worker_info
+        self._worker_up = asyncio.Event()
         self._req_to_stream: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -125,6 +151,14 @@ class Engine:
     @property
     def core(self) -> Scheduler:
         return self._core
+
+    @property
+    def worker_up(self) -> bool:
+        """An Execute stream to a live worker is open: requests can run."""
+        return self._worker_up.is_set()
+
+    async def wait_until_worker_up(self) -> None:
+        await self._worker_up.wait()
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run(), name="step-loop")
@@ -147,8 +181,10 @@ class Engine:
         """Admits a request (raises InvalidArgument / AlreadyExists) and returns
         the stream its tokens arrive on."""
         request = self._core.add_request(request_id, prompt_token_ids, sampling)
-        stream = RequestStream(
-            request, trace_context=otel_context.get_current() if self._config.tracing else None)
+        stream = RequestStream(request)
+        if self._config.tracing:
+            stream.trace_context = otel_context.get_current()
+            stream.phases = tracing.RequestPhases(stream.trace_context)
         self._req_to_stream[request_id] = stream
         self._wake.set()
         return stream
@@ -165,13 +201,17 @@ class Engine:
     async def _run(self) -> None:
         """Steps over one Execute stream at a time. Whatever breaks a stream
         (the worker restarted or is unreachable, or answered nonsense) fails
-        the requests in flight; then a new stream is opened. The loop itself
+        the requests in flight; then a new stream is opened once the worker
+        answers again. The worker counts as up (`worker_up`, reported to
+        `on_worker_change`) exactly while a stream is open. The loop itself
         never ends but by cancellation."""
         while True:
+            await self._wait_for_worker()
             call = self._worker.Execute()
             # A stream that dies while the loop is idle wakes it, so the next
             # request never meets a dead stream or stale cached prefixes.
             call.add_done_callback(lambda _: self._wake.set())
+            await self._set_worker_up(True)
             try:
                 await self._steps(call)
             except grpc.aio.AioRpcError as exc:
@@ -183,12 +223,44 @@ class Engine:
                 reason = f"{type(exc).__name__}: {exc}"
             finally:
                 call.cancel()
+            await self._set_worker_up(False)
             log.error("worker stream broke (%s); failing in-flight requests", reason)
             self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
             # The next stream may reach a restarted worker with an empty KV
             # tensor: no cached prefix can be trusted any more.
             self._core.reset_prefix_cache()
             await asyncio.sleep(self._config.worker_retry_s)
+
+    async def _wait_for_worker(self) -> None:
+        """Returns once the worker answers GetInfo: reachable, its model
+        loaded, and the model and KV layout the core was built for."""
+        reported: list[str] = []
+        while True:
+            try:
+                info = await self._worker.GetInfo(
+                    worker_pb2.GetInfoRequest(), wait_for_ready=True,
+                    timeout=self._config.worker_probe_s)
+                changed = _changed_fields(self._worker_info, info)
+                if not changed:
+                    return
+                if changed != reported:
+                    log.error("the worker came back with another %s; not using it "
+                              "(restart the scheduler to adopt it)", ", ".join(changed))
+                    reported = changed
+            except grpc.aio.AioRpcError as exc:
+                log.debug("worker not ready (%s: %s)", exc.code().name, exc.details())
+            await asyncio.sleep(self._config.worker_retry_s)
+
+    async def _set_worker_up(self, up: bool) -> None:
+        if up == self._worker_up.is_set():
+            return
+        if up:
+            self._worker_up.set()
+            log.info("worker stream open; serving")
+        else:
+            self._worker_up.clear()
+        if self._on_worker_change is not None:
+            await self._on_worker_change(up)
 
     async def _steps(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
@@ -206,24 +278,26 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            step_span = (
-                tracing.step_span(output, [self._traced(seq.request_id) for seq in output.seqs])
-                if self._config.tracing else None
-            )
-            try:
-                await call.write(plan_to_proto(output))
-                result = await call.read()
-            finally:
-                if step_span is not None:
-                    step_span.end()
+            if self._config.tracing:
+                for seq in output.seqs:
+                    stream = self._req_to_stream.get(seq.request_id)
+                    if stream is not None and stream.phases is not None:
+                        stream.phases.scheduled()
+            await call.write(plan_to_proto(output))
+            result = await call.read()
             if result is grpc.aio.EOF:
                 raise errors.Unavailable("worker closed the Execute stream")
             sampled = {t.request_id: t.token_id for t in result.sampled}
             for update in self._core.update(output, sampled):
+                stream = self._req_to_stream.get(update.request_id)
+                if stream is None:
+                    continue
                 event = RequestEvent(update.new_token_ids, update.finish_status)
+                if stream.phases is not None and update.new_token_ids:
+                    stream.phases.produced()
                 if update.finish_status is not None:
                     self._finish_stream(update.request_id, event)
-                elif (stream := self._req_to_stream.get(update.request_id)) is not None:
+                else:
                     stream.events.put_nowait(event)
             # Let request streams, transfers and new arrivals run between steps.
             await asyncio.sleep(0)
@@ -238,6 +312,8 @@ class Engine:
         if stream is not None:
             stream.finished = True
             stream.events.put_nowait(event)
+            if stream.phases is not None and event.finish_status is not None:
+                stream.phases.end(event.finish_status.name)
 
     def _fail_all(self, error: errors.KvstashError) -> None:
         for request_id in list(self._req_to_stream):
@@ -246,6 +322,8 @@ class Engine:
             stream = self._req_to_stream.pop(request_id)
             stream.finished = True
             stream.events.put_nowait(error)
+            if stream.phases is not None:
+                stream.phases.end("error")
 
     # -- transfers ----------------------------------------------------------
 
@@ -259,6 +337,7 @@ class Engine:
         num_bytes: int | None = None
         trace_context = self._traced(cmd.request_id)
         tracing.request_event(trace_context, "preempted", {"mode": "offload"})
+        started = time.monotonic()
         with tracing.transfer_span(trace_context, "kvstash.offload", cmd) as span:
             try:
                 response = await self._worker.Offload(
@@ -270,6 +349,8 @@ class Engine:
                     timeout=self._config.transfer_timeout_s,
                 )
                 num_bytes = response.num_bytes
+                if self._metrics is not None:
+                    self._metrics.observe_offload(time.monotonic() - started)
                 span.set_attributes({"kvstash.bytes": num_bytes, "kvstash.outcome": "stored"})
             except grpc.aio.AioRpcError as exc:
                 log.warning("offload of %s failed (%s: %s); recomputing instead",
@@ -287,6 +368,7 @@ class Engine:
 
     async def _restore(self, cmd: RestoreCommand) -> None:
         ok = False
+        started = time.monotonic()
         with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.restore",
                                    cmd) as span:
             try:
@@ -298,6 +380,8 @@ class Engine:
                     timeout=self._config.transfer_timeout_s,
                 )
                 ok = True
+                if self._metrics is not None:
+                    self._metrics.observe_restore(time.monotonic() - started)
                 span.set_attributes({"kvstash.bytes": response.num_bytes,
                                      "kvstash.outcome": "restored"})
             except grpc.aio.AioRpcError as exc:
@@ -326,13 +410,21 @@ class Engine:
         self._spawn(delete())
 
     async def _poll_cache(self) -> None:
+        """Refreshes the cache's free capacity; None while it is unreachable
+        (degraded: preemptions recompute). Logs each change, not each poll."""
         assert self._cache is not None
+        available: bool | None = None  # unknown before the first poll
         while True:
             try:
-                stats = await self._cache.stats()
-                self._core.set_offload_capacity(stats.free_bytes)
+                free_bytes: int | None = (await self._cache.stats()).free_bytes
             except errors.KvstashError as exc:
-                log.debug("cache unreachable (%s); preemptions will recompute", exc)
-                self._core.set_offload_capacity(None)
+                free_bytes = None
+                if available is not False:
+                    log.warning("cache service %s unreachable (%s); preemptions recompute "
+                                "until it is back", self._cache.address, exc)
+            self._core.set_offload_capacity(free_bytes)
+            if free_bytes is not None and not available:
+                log.info("cache service %s available", self._cache.address)
+            available = free_bytes is not None
             await asyncio.sleep(self._config.cache_poll_s)
 

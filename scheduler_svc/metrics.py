@@ -1,24 +1,36 @@
-"""The scheduler's Prometheus metrics: queue, pool and preemption counters from
-the core's stats at scrape time, plus latency histograms observed per request."""
+"""The scheduler's Prometheus metrics, named like vLLM's and SGLang's with the
+`kvstash_scheduler_` prefix.
+
+Queue, pool, token and preemption figures are read from the core's stats at
+scrape time, so they cost the step loop nothing. Per-request histograms are
+observed once per request when its Generate call ends (`observe_finished`),
+transfer durations once per offload or restore (`observe_offload`,
+`observe_restore`, from the engine): never per token.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstash.metrics import MetricsServer, StatsCollector
+from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler
 
+_PREFIX = "kvstash_scheduler_"
 _GAUGES = {
     "num_total_blocks": "KV blocks in the pool",
     "num_free_blocks": "KV blocks never used or fully released",
     "num_evictable_blocks": "Cached prefix blocks nobody holds (reclaimed LRU)",
+    "kv_usage_ratio": "Share of KV blocks held by requests (neither free nor evictable)",
     "num_running_prefill": "Requests computing their prompt",
     "num_running_decode": "Requests generating",
     "num_waiting": "Requests queued for (re)prefill",
     "num_offloaded": "Requests offloading, offloaded or resuming",
     "new_token_ratio": "Share of each decode request's remaining tokens reserved at admission",
+    "cache_available": "1 while the cache service answers; 0: preemptions recompute",
 }
 _COUNTERS = {
     "preemptions_offload": ("num_preemptions_offload", "Preemptions that stashed KV"),
@@ -27,25 +39,67 @@ _COUNTERS = {
     "restore_failures": ("num_restore_failures", "Restores that failed (fell back to recompute)"),
     "recomputed_tokens": ("num_recomputed_tokens", "Tokens prefilled again after preemption"),
     "finished_requests": ("num_finished", "Requests finished, any reason"),
+    "prompt_tokens": ("num_prompt_tokens", "Prompt tokens of requests whose prefill completed"),
+    "generation_tokens": ("num_generation_tokens", "Output tokens generated"),
     "offloaded_bytes": ("bytes_offloaded", "KV bytes stashed in the cache service"),
     "restored_bytes": ("bytes_restored", "KV bytes brought back from the cache service"),
     "steps": ("num_steps", "Engine steps scheduled"),
 }
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The finish_reason a client sees (an error ends a request as aborted).
+_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 class SchedulerMetrics:
-    """Histograms the gRPC edge observes; exported with the core's counters."""
-
     def __init__(self, core: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(
-            StatsCollector("kvstash_scheduler_", core.stats, loop, _GAUGES, _COUNTERS))
-        self.ttft_s = Histogram("kvstash_scheduler_ttft_seconds", "Arrival to first token",
-                                buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot_s = Histogram("kvstash_scheduler_time_per_output_token_seconds",
-                                "Mean time between output tokens of a finished request",
-                                buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry = r = CollectorRegistry()
+        r.register(StatsCollector(_PREFIX, core.stats, loop, _GAUGES, _COUNTERS))
 
-    def serve(self, port: int) -> MetricsServer:
-        return MetricsServer(self.registry, port)
+        def latency(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(_PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.queue_time_s = latency("queue_time_seconds", "Arrival to first scheduled",
+                                    _LATENCY_BUCKETS)
+        self.ttft_s = latency("ttft_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+        self.tpot_s = latency("time_per_output_token_seconds",
+                              "Mean time between output tokens of a finished request",
+                              _LATENCY_BUCKETS)
+        self.e2e_s = latency("e2e_request_latency_seconds",
+                             "Arrival to the end of the request, any reason", _LATENCY_BUCKETS)
+        self.offload_s = latency("offload_seconds", "Command to commit of one successful offload",
+                                 _TRANSFER_BUCKETS)
+        self.restore_s = latency("restore_seconds",
+                                 "Command to completion of one successful restore",
+                                 _TRANSFER_BUCKETS)
+        finished = Counter(_PREFIX + "finished_requests_by_reason",
+                           "Requests finished, by finish_reason", ["reason"], registry=r)
+        self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}
+
+    def observe_finished(self, req: Request, arrival: float, ttft_s: float) -> None:
+        """A Generate call ended (req is finished): `arrival` and `ttft_s` are
+        the edge's, on time.monotonic(); the queue time is the core's."""
+        if (counter := self._finished.get(req.status)) is not None:
+            counter.inc()
+        self.e2e_s.observe(time.monotonic() - arrival)
+        if req.first_scheduled_time is not None:
+            self.queue_time_s.observe(req.first_scheduled_time - req.arrival_time)
+        if not ttft_s:
+            return
+        self.ttft_s.observe(ttft_s)
+        num_tokens = len(req.output_token_ids)
+        if num_tokens > 1:
+            self.tpot_s.observe((time.monotonic() - arrival - ttft_s) / (num_tokens - 1))
+
+    def observe_offload(self, seconds: float) -> None:
+        self.offload_s.observe(seconds)
+
+    def observe_restore(self, seconds: float) -> None:
+        self.restore_s.observe(seconds)
+
+    def serve(self, port: int, host: str) -> MetricsServer:
+        return MetricsServer(self.registry, port, host)

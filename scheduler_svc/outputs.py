@@ -135,3 +135,16 @@ class SchedulerStats:
     bytes_restored: int
     # schedule() calls.
     num_steps: int
+    # The cache service reported its capacity at the latest poll; False when
+    # none is configured or it is unreachable (preemptions then recompute).
+    cache_available: bool
+    # Prompt tokens of requests whose prefill completed (once per request).
+    num_prompt_tokens: int
+    # Output tokens generated.
+    num_generation_tokens: int
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        """Share of the pool held by requests (neither free nor evictable), in [0, 1]."""
+        num_free = self.num_free_blocks + self.num_evictable_blocks
+        return (self.num_total_blocks - num_free) / self.num_total_blocks

@@ -249,6 +249,11 @@ class Preemption:
         return snapshot_ids
 
     @property
+    def has_capacity_report(self) -> bool:
+        """The cache service reported its free bytes (it is reachable)."""
+        return self._capacity is not None
+
+    @property
     def has_snapshots_to_delete(self) -> bool:
         return bool(self._snapshots_to_delete)
 

@@ -109,6 +109,8 @@ class Request:
     num_recomputed_tokens: int = 0
     # KV bytes stashed in the cache service over the request's life.
     bytes_offloaded: int = 0
+    # Clock value when the request was first admitted (its queue time ends).
+    first_scheduled_time: float | None = None
     # Clock value when the first output token arrived.
     first_token_time: float | None = None
     # This request's decode work item, refreshed in place by every schedule()

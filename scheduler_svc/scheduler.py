@@ -67,6 +67,8 @@ class Scheduler:
         self._scheduled_prefills: list[Request] = []
         self._num_recomputed_tokens = 0
         self._num_finished = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
 
     # ----------------------------------------------------------------- intake
 
@@ -202,6 +204,8 @@ class Scheduler:
                 break
             waiting.popleft()
             req.status = RUNNING_PREFILL
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self._clock()
             self._prefilling.append(req)
             num_running += 1
             if req.num_tokens - req.num_computed_tokens <= chunk_limit:
@@ -264,6 +268,7 @@ class Scheduler:
             self._decoding.append(req)
             if req.first_token_time is None:
                 req.first_token_time = self._clock()
+                self._num_prompt_tokens += req.num_prompt_tokens
             update = self._take_token(req, sampled_token_ids)
             add_update(update)
             if update.finish_status is not None:
@@ -272,6 +277,7 @@ class Scheduler:
             self._prefilling = [r for r in self._prefilling if r.status is RUNNING_PREFILL]
         if num_finished:
             self._decoding = [r for r in self._decoding if r.status is RUNNING_DECODE]
+        self._num_generation_tokens += len(updates)  # one new token each
         return updates
 
     def _take_token(self, req: Request, sampled_token_ids: Mapping[str, int]) -> RequestUpdate:
@@ -419,6 +425,9 @@ class Scheduler:
             bytes_offloaded=preemption.bytes_offloaded,
             bytes_restored=preemption.bytes_restored,
             num_steps=self._step_id,
+            cache_available=preemption.has_capacity_report,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
         )
 
     def check_integrity(self) -> None:

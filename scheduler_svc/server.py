@@ -1,5 +1,12 @@
 """gRPC edge of the scheduler: validates requests, converts protos to domain
-values and back, and streams tokens from the engine to clients."""
+values and back, and streams tokens from the engine to clients.
+
+Start-up order: bind, then find the worker, then `attach` the engine. Until
+then Scheduler calls answer UNAVAILABLE; health answers NOT_SERVING (for ""
+and the Scheduler service) whenever the engine has no worker (`set_serving`).
+Error messages echo at most a short prefix of what a client sent
+(`errors.preview`): a huge id must come back as a short INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,11 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import trace
 
 from kvstash import errors, rpc
@@ -23,12 +32,21 @@ from scheduler_svc.request import RequestStatus, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: scheduler_pb2.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: scheduler_pb2.FINISH_REASON_ABORT,
 }
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises InvalidArgument, echoing no more than a short prefix of the id."""
+    if len(request_id) > errors.MAX_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
+        raise errors.InvalidArgument(
+            f"request_id must be 1-{errors.MAX_ID_CHARS} chars of [A-Za-z0-9._:-], "
+            f"got {errors.preview(request_id)}")
 
 
 def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
@@ -44,16 +62,40 @@ def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics) -> None:
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._metrics = metrics
+class _Backend(NamedTuple):
+    """What the Scheduler calls need once the worker has been found."""
 
-    def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
+    engine: Engine
+    tokenizer: Tokenizer
+    metrics: SchedulerMetrics
+
+
+@dataclass(slots=True)
+class _Timing:
+    """One Generate call's latency, on time.monotonic()."""
+
+    arrival: float  # when the call came in
+    ttft_s: float = 0.0  # arrival to first token; 0 until one arrives
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self._backend: _Backend | None = None
+
+    def attach(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics) -> None:
+        """Starts serving Scheduler calls with `engine`."""
+        self._backend = _Backend(engine, tokenizer, metrics)
+
+    def _attached(self) -> _Backend:
+        if self._backend is None:
+            raise errors.Unavailable("the scheduler is still waiting for its worker")
+        return self._backend
+
+    @staticmethod
+    def _prompt_ids(request: scheduler_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return self._tokenizer.encode(request.text)
+            return tokenizer.encode(request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("prompt is missing: set text or token_ids")
@@ -61,39 +103,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        arrival = time.monotonic()
+        timing = _Timing(time.monotonic())
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            if not _REQUEST_ID.fullmatch(request_id):
-                raise errors.InvalidArgument(
-                    f"request_id must be 1-128 chars of [A-Za-z0-9._:-], got {request_id!r}")
+            check_request_id(request_id)
+            backend = self._attached()
             span = trace.get_current_span()  # the Generate span, when tracing
             if span.is_recording():
                 span.set_attribute("kvstash.request_id", request_id)
-            stream = self._engine.submit(
-                request_id, self._prompt_ids(request), sampling_from_proto(request.sampling))
+            stream = backend.engine.submit(
+                request_id, self._prompt_ids(request, backend.tokenizer),
+                sampling_from_proto(request.sampling))
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
         try:
-            async for response in self._responses(request_id, stream, arrival, context):
+            async for response in self._responses(
+                    request_id, stream, timing, backend.tokenizer, context):
                 yield response
         finally:
             if not stream.finished:  # the client went away: free everything now
                 with contextlib.suppress(errors.NotFound):
-                    self._engine.abort(request_id)
+                    backend.engine.abort(request_id)
+            backend.metrics.observe_finished(stream.request, timing.arrival, timing.ttft_s)
 
     async def _responses(
-        self, request_id: str, stream: RequestStream, arrival: float,
+        self, request_id: str, stream: RequestStream, timing: _Timing, tokenizer: Tokenizer,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        text = self._tokenizer.stream()
-        ttft_s = 0.0
+        text = tokenizer.stream()
         while True:
             event = await stream.events.get()
             if isinstance(event, errors.KvstashError):
                 await rpc.abort_with(context, event)
-            if event.new_token_ids and not ttft_s:
-                ttft_s = time.monotonic() - arrival
+            if event.new_token_ids and not timing.ttft_s:
+                timing.ttft_s = time.monotonic() - timing.arrival
+            ttft_s = timing.ttft_s
             response = scheduler_pb2.GenerateResponse(
                 request_id=request_id,
                 token_ids=event.new_token_ids,
@@ -101,7 +145,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             )
             if event.finish_status is not None:
                 req = stream.request
-                self._observe_latency(arrival, ttft_s, len(req.output_token_ids))
                 span = trace.get_current_span()
                 if span.is_recording():
                     span.add_event("finished", {
@@ -127,34 +170,43 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if response.token_ids:
                 yield response
 
-    def _observe_latency(self, arrival: float, ttft_s: float, num_tokens: int) -> None:
-        if not ttft_s:
-            return
-        self._metrics.ttft_s.observe(ttft_s)
-        if num_tokens > 1:
-            decode_s = time.monotonic() - arrival - ttft_s
-            self._metrics.tpot_s.observe(decode_s / (num_tokens - 1))
-
     @rpc.maps_errors
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.AbortResponse:
-        self._engine.abort(request.request_id)
+        check_request_id(request.request_id)
+        self._attached().engine.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 
+    @rpc.maps_errors
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        return scheduler_pb2.SchedulerStats(**asdict(self._engine.core.stats()))
+        return scheduler_pb2.SchedulerStats(**asdict(self._attached().engine.core.stats()))
 
 
-async def create_scheduler_server(
-    engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics, address: str
-) -> tuple[grpc.aio.Server, int]:
-    servicer = SchedulerServicer(engine, tokenizer, metrics)
-    server, port, _ = await rpc.create_server(
+@dataclass(slots=True)
+class SchedulerServer:
+    server: grpc.aio.Server
+    port: int
+    servicer: SchedulerServicer
+    health: health.aio.HealthServicer
+
+    async def set_serving(self, serving: bool) -> None:
+        """What the health service answers for "" and the Scheduler service."""
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def create_scheduler_server(address: str) -> SchedulerServer:
+    """Binds and starts serving, NOT_SERVING until an engine is attached and
+    reports its worker up."""
+    servicer = SchedulerServicer()
+    server, port, health_servicer = await rpc.create_server(
         address,
         [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
-        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        [SERVICE_NAME], serving=False,
     )
-    return server, port
+    return SchedulerServer(server, port, servicer, health_servicer)

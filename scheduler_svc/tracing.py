@@ -7,35 +7,59 @@ trace context (None when it has none) and is a no-op without one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+from scheduler_svc.outputs import OffloadCommand, RestoreCommand
 
 _tracer = trace.get_tracer("kvstash.scheduler")
 
 
-def step_span(
-    output: SchedulerOutput, trace_contexts: Sequence[otel_context.Context | None]
-) -> trace.Span:
-    """A root span per step: a step serves many requests, so it links to their
-    traces instead of belonging to one."""
-    links = []
-    for ctx in trace_contexts:
-        if ctx is not None:
-            span_context = trace.get_current_span(ctx).get_span_context()
-            if span_context.is_valid:
-                links.append(trace.Link(span_context))
-    return _tracer.start_span(
-        "kvstash.step", context=otel_context.Context(), links=links, attributes={
-            "kvstash.step_id": output.step_id,
-            "kvstash.num_seqs": len(output.seqs),
-            "kvstash.num_scheduled_tokens": output.num_scheduled_tokens,
-            "kvstash.num_offloads": len(output.offloads),
-            "kvstash.num_restores": len(output.restores),
-        })
+class RequestPhases:
+    """A request's time in the scheduler as consecutive spans of its own trace:
+
+        Generate ─┬─ kvstash.queued ── kvstash.prefill ── kvstash.decode ─┐
+                  │  (submitted ->      (-> first token)   (-> finished)   │
+                  │   first scheduled)                                     │
+                  └─ kvstash.offload / kvstash.restore (when preempted) ───┘
+
+    Steps are not spans: a step serves many requests, and a span per step
+    would be a trace of its own (hundreds per second, each one span). Step
+    timing is the worker's step histogram; here each phase counts its steps."""
+
+    __slots__ = ("_context", "_name", "_num_steps", "_span")
+
+    def __init__(self, context: otel_context.Context) -> None:
+        self._context = context
+        self._name: str | None = None  # of the open span; None once ended
+        self._span: trace.Span | None = None
+        self._num_steps = 0  # steps the open phase has been scheduled in
+        self._next("kvstash.queued")
+
+    def scheduled(self) -> None:
+        """The request is in this step's batch."""
+        if self._name == "kvstash.queued":
+            self._next("kvstash.prefill")
+        self._num_steps += 1
+
+    def produced(self) -> None:
+        """The request got a token."""
+        if self._name == "kvstash.prefill":
+            self._next("kvstash.decode")
+
+    def end(self, outcome: str) -> None:
+        if self._span is not None:
+            self._span.set_attribute("kvstash.outcome", outcome)
+        self._next(None)
+
+    def _next(self, name: str | None) -> None:
+        if self._span is not None:
+            self._span.set_attribute("kvstash.num_steps", self._num_steps)
+            self._span.end()
+        self._num_steps = 0
+        self._name = name
+        self._span = None if name is None else _tracer.start_span(name, context=self._context)
 
 
 def transfer_span(

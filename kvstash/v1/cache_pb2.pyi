@@ -66,7 +66,9 @@ class SnapshotHeader(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
     snapshot_id: _builtins.str
-    """1-128 chars of [A-Za-z0-9._-], not starting with '.'"""
+    """1-128 chars of [A-Za-z0-9._-], not starting with '.'; anything else is
+    INVALID_ARGUMENT on every call that takes an id.
+    """
     num_blocks: _builtins.int
     num_tokens: _builtins.int
     """tokens whose KV the blocks hold"""

@@ -74,6 +74,18 @@ class KVCacheServicer:
         otherwise, before any payload is read). Then chunks 0..n-1 in order. The
         snapshot becomes visible only when all arrived with matching checksums;
         any failure leaves nothing behind. ALREADY_EXISTS if the id is taken.
+
+        Admission handshake. The header may wait for room (spills, other puts)
+        up to the server's reserve wait. Once room is reserved the server sends
+        initial metadata with the key "kvstash-put-admitted" (value "1"); a
+        refusal sends initial metadata without it and ends the call with the
+        status. A client should send chunks only after it has seen the key, and
+        on metadata without it, half-close and read the status. A client that
+        sends chunks right away is served the same: the server reads no payload
+        of a put before admitting it, and HTTP/2 flow control stops such a client
+        after the stream's initial window (a few MiB) until then; its chunks
+        simply wait. After a refusal the server reads out and drops what the
+        client still sends for a few seconds, then ends the call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

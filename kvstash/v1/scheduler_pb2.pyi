@@ -238,6 +238,9 @@ class SchedulerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_OFFLOAD_FAILURES_FIELD_NUMBER: _builtins.int
     NUM_RESTORE_FAILURES_FIELD_NUMBER: _builtins.int
+    CACHE_AVAILABLE_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     num_total_blocks: _builtins.int
     num_free_blocks: _builtins.int
     """never used or fully released"""
@@ -261,6 +264,15 @@ class SchedulerStats(_message.Message):
     """offloads that fell back to recompute"""
     num_restore_failures: _builtins.int
     """restores that fell back to recompute"""
+    cache_available: _builtins.bool
+    """The cache service answered the latest capacity poll. False: none is
+    configured, or it is unreachable and preemptions recompute (degraded,
+    still serving).
+    """
+    num_prompt_tokens: _builtins.int
+    """prompt tokens of requests whose prefill completed"""
+    num_generation_tokens: _builtins.int
+    """output tokens generated"""
     def __init__(
         self,
         *,
@@ -282,10 +294,13 @@ class SchedulerStats(_message.Message):
         block_size: _builtins.int = ...,
         num_offload_failures: _builtins.int = ...,
         num_restore_failures: _builtins.int = ...,
+        cache_available: _builtins.bool = ...,
+        num_prompt_tokens: _builtins.int = ...,
+        num_generation_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_recomputed_tokens", b"num_recomputed_tokens", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "cache_available", b"cache_available", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_generation_tokens", b"num_generation_tokens", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_prompt_tokens", b"num_prompt_tokens", "num_recomputed_tokens", b"num_recomputed_tokens", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

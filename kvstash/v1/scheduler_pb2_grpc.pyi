@@ -37,12 +37,16 @@ class SchedulerStub:
     Generate: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.GenerateRequest, _scheduler_pb2.GenerateResponse]
     """Streams a request's output: token deltas, then one final message carrying
     finish_reason and usage. Preemption is invisible here apart from a pause.
-    INVALID_ARGUMENT: empty prompt, bad sampling values, token ids outside the
-    vocabulary, prompt + max_tokens that can never fit. ALREADY_EXISTS: the
-    request_id is in use.
+    INVALID_ARGUMENT: a request that does not decode, a request_id that is not
+    1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
+    ids outside the vocabulary, prompt + max_tokens that can never fit.
+    ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
+    health service then answers NOT_SERVING), or it died mid-request.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]
-    """Stops a request in any state and frees what it holds. NOT_FOUND if unknown."""
+    """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
+    or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]
     """A point-in-time view of the scheduler's queues and block pool."""
 
@@ -54,12 +58,16 @@ class SchedulerAsyncStub(SchedulerStub):
     Generate: _aio.UnaryStreamMultiCallable[_scheduler_pb2.GenerateRequest, _scheduler_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams a request's output: token deltas, then one final message carrying
     finish_reason and usage. Preemption is invisible here apart from a pause.
-    INVALID_ARGUMENT: empty prompt, bad sampling values, token ids outside the
-    vocabulary, prompt + max_tokens that can never fit. ALREADY_EXISTS: the
-    request_id is in use.
+    INVALID_ARGUMENT: a request that does not decode, a request_id that is not
+    1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
+    ids outside the vocabulary, prompt + max_tokens that can never fit.
+    ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
+    health service then answers NOT_SERVING), or it died mid-request.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]  # type: ignore[assignment]
-    """Stops a request in any state and frees what it holds. NOT_FOUND if unknown."""
+    """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
+    or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+    """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]  # type: ignore[assignment]
     """A point-in-time view of the scheduler's queues and block pool."""
 
@@ -74,9 +82,11 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.GenerateResponse], _abc.AsyncIterator[_scheduler_pb2.GenerateResponse]]:
         """Streams a request's output: token deltas, then one final message carrying
         finish_reason and usage. Preemption is invisible here apart from a pause.
-        INVALID_ARGUMENT: empty prompt, bad sampling values, token ids outside the
-        vocabulary, prompt + max_tokens that can never fit. ALREADY_EXISTS: the
-        request_id is in use.
+        INVALID_ARGUMENT: a request that does not decode, a request_id that is not
+        1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
+        ids outside the vocabulary, prompt + max_tokens that can never fit.
+        ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
+        health service then answers NOT_SERVING), or it died mid-request.
         """
 
     @_abc_1.abstractmethod
@@ -85,7 +95,9 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.AbortResponse, _abc.Awaitable[_scheduler_pb2.AbortResponse]]:
-        """Stops a request in any state and frees what it holds. NOT_FOUND if unknown."""
+        """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
+        or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+        """
 
     @_abc_1.abstractmethod
     def GetStats(

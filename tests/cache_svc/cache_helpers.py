@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -87,6 +88,28 @@ async def send(
     return None
 
 
+async def send_without_waiting(
+    channel: grpc.aio.Channel, messages: Iterable[bytes], timeout_s: float = 60
+) -> grpc.StatusCode:
+    """One PutSnapshot of these wire messages (a header, then chunks from
+    kvstash.chunk_codec.encode_chunk), sent the way grpcurl or a client in
+    another language may: all at once, never waiting for the server's
+    admission metadata. Returns the call's status."""
+    put = channel.stream_unary("/kvstash.v1.KVCache/PutSnapshot",
+                               request_serializer=bytes,
+                               response_deserializer=cache_pb2.PutSnapshotResponse.FromString)
+
+    async def requests() -> AsyncIterator[bytes]:
+        for message in messages:
+            yield message
+
+    try:
+        await put(requests(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
 def split(data: bytes, chunk_bytes: int) -> list[bytes]:
     return [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)]
 
@@ -113,6 +136,33 @@ class CacheProcess:
     def terminate(self, timeout_s: float = 15) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout_s)
+
+
+class RssSampler:
+    """Samples a process's resident memory every `interval_s` on a thread,
+    while used as a context manager; `peak` is the highest sample."""
+
+    def __init__(self, process: CacheProcess, interval_s: float = 0.05) -> None:
+        self._process = process
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.peak = 0
+        self.num_samples = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.rss_bytes())
+            self.num_samples += 1
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def start_cache_process(*args: str, timeout_s: float = 30) -> CacheProcess:

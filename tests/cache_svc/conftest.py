@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from cache_svc.config import CacheConfig
@@ -28,6 +29,7 @@ class Running:
     client: CacheClient
     stub: cache_pb2_grpc.KVCacheStub  # for hand-made (malformed) streams
     disk_dir: Path
+    channel: grpc.aio.Channel  # the stub's, for calls with raw bytes
 
     def disk_files(self) -> list[str]:
         return sorted(p.name for p in self.disk_dir.iterdir()) if self.disk_dir.exists() else []
@@ -68,7 +70,7 @@ async def start_cache(tmp_path: Path) -> AsyncIterator[StartCache]:
         address = f"127.0.0.1:{port}"
         channel = insecure_channel(address)
         running = Running(cache, CacheClient(address, chunk_bytes=MIB),
-                          cache_pb2_grpc.KVCacheStub(channel), tmp_path / "disk")
+                          cache_pb2_grpc.KVCacheStub(channel), tmp_path / "disk", channel)
         started.append((running, channel))
         return running
 
@@ -77,3 +79,13 @@ async def start_cache(tmp_path: Path) -> AsyncIterator[StartCache]:
         await running.client.close()
         await channel.close()
         await running.cache.stop(0)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Any]]:
+    """Cache processes a test appends here are killed after it, if still running."""
+    started: list[Any] = []
+    yield started
+    for process in started:
+        if process.proc.poll() is None:
+            process.kill()

@@ -104,7 +104,7 @@ def test_flag_parses_sizes_and_config_refuses_negative() -> None:
 async def test_limited_process_stays_within_memory_bound(tmp_path) -> None:
     # 4 concurrent 4 MiB puts against 16 MiB/s: at least a second, and the
     # streams waiting for their turn hold nothing beyond the in-flight bounds.
-    process = start_cache_process("--memory-budget", "32MiB", "--max-inflight", "8MiB",
+    process = start_cache_process("--memory-budget", "32MiB", "--max-inflight", "12MiB",
                                   "--bandwidth-limit", "16MiB")
     try:
         baseline = process.rss_bytes()
@@ -124,5 +124,6 @@ async def test_limited_process_stays_within_memory_bound(tmp_path) -> None:
     assert elapsed >= SLACK * 16 * MIB / (16 * MIB), f"16 MiB at 16 MiB/s took {elapsed:.2f} s"
     for p, o in zip(payloads, outs, strict=True):
         assert o.tobytes() == p.tobytes()
-    limit = baseline + 32 * MIB + 4 * 8 * MIB + 32 * MIB  # as in CacheConfig's docstring
+    config = CacheConfig(memory_budget_bytes=32 * MIB, max_inflight_bytes=12 * MIB)
+    limit = baseline + 32 * MIB + config.overhead_bytes(4)  # the documented bound
     assert peak <= limit, f"peak RSS {peak / MIB:.0f} MiB > {limit / MIB:.0f} MiB"

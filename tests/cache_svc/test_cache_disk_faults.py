@@ -129,7 +129,7 @@ async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> N
                      "the deleted file is unlinked")
     go_on.set()
     with pytest.raises(errors.Unavailable,
-                       match=r"^cache: snapshot a, chunk 0 \(file a~\w+\.kvsnap\): "
+                       match=r"^cache: snapshot 'a', chunk 0: "
                              "the snapshot was deleted while being read$"):
         await get
     monkeypatch.undo()
@@ -163,7 +163,7 @@ async def test_short_file_is_data_loss_and_unlisted(start_cache) -> None:
     running = await put_two_spilled(start_cache)
     os.truncate(file_of(running, "a"), DATA_OFFSET + MIB + MIB // 2)  # chunk 1 half there
     with pytest.raises(errors.DataLoss,
-                       match=r"snapshot a, chunk 1 \(file a~\w+\.kvsnap\): file is short: "
+                       match=r"snapshot 'a', chunk 1: file is short: "
                              "wanted 1048576 payload bytes at 1048576, got 524288"):
         await running.client.get("a")
     await assert_healthy(running, gone="a")
@@ -174,6 +174,6 @@ async def test_missing_file_is_data_loss_and_unlisted(start_cache) -> None:
     running = await put_two_spilled(start_cache)
     file_of(running, "a").unlink()
     with pytest.raises(errors.DataLoss,
-                       match=r"snapshot a, chunk 2 \(file a~\w+\.kvsnap\): the file is missing"):
+                       match=r"snapshot 'a', chunk 2: the file is missing"):
         await running.client.get_into("a", memoryview(bytearray(4 * MIB)), start_chunk=2)
     await assert_healthy(running, gone="a")

@@ -68,7 +68,7 @@ async def test_slow_disk_makes_writers_wait(start_cache) -> None:
 
 async def test_concurrent_puts_and_gets_in_process(start_cache) -> None:
     running = await start_cache(memory_budget_bytes=24 * MIB, disk_budget_bytes=128 * MIB,
-                                max_inflight_bytes=8 * MIB, reserve_wait_s=20)
+                                max_inflight_bytes=12 * MIB, reserve_wait_s=20)
     address = running.client.address
     payloads = [make_payload(LAYOUT, 64 + i, seed=i) for i in range(16)]
     async with CacheClient(address, chunk_bytes=MIB) as a, CacheClient(address) as b:

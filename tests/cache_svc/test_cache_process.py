@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from cache_helpers import MIB, make_layout, make_payload, start_cache_process, wait_until
 
+from cache_svc.config import CacheConfig
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
@@ -21,15 +22,6 @@ NUM_BLOCKS = 128  # 4 MiB
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
         return response.read().decode()
-
-
-@pytest.fixture
-def processes():
-    started = []
-    yield started
-    for process in started:
-        if process.proc.poll() is None:
-            process.kill()
 
 
 async def test_disk_tier_survives_sigkill(tmp_path, processes) -> None:
@@ -83,9 +75,8 @@ async def test_resident_memory_bounded_under_32_streams(tmp_path, processes) -> 
     for p, o in zip(payloads, outs, strict=True):
         assert o.tobytes() == p.tobytes()
     peak = process.rss_bytes("VmHWM")
-    # Documented overhead: 4 copies of the in-flight budget plus the HTTP/2
-    # windows of 4 connections (~16 MiB), over the idle baseline.
-    limit = baseline + budget + 4 * inflight + 32 * MIB
+    config = CacheConfig(memory_budget_bytes=budget, max_inflight_bytes=inflight)
+    limit = baseline + budget + config.overhead_bytes(32)  # the documented bound
     print(f"baseline {baseline / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB, "
           f"limit {limit / MIB:.0f} MiB, spills {stats.num_spills}")
     assert stats.num_spills >= 20 and stats.memory_bytes <= budget
@@ -139,7 +130,7 @@ async def test_pooled_buffers_stay_in_budget_and_go_when_idle(processes) -> None
                 assert (await client.get(n))[1] == p.tobytes()
                 await client.delete(n)
         peak = process.rss_bytes("VmHWM")
-        limit = baseline + budget + 4 * 32 * MIB + 32 * MIB  # as in the 32-stream test
+        limit = baseline + budget + CacheConfig(memory_budget_bytes=budget).overhead_bytes(8)
         assert peak <= limit, f"peak RSS {peak / MIB:.0f} MiB > {limit / MIB:.0f} MiB"
 
         # The last round's 40 MiB of freed buffers sit in the pool, unmapped

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 from cache_helpers import REPO, make_header, make_layout
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstash.chunk_codec import (
     RawChunk,
@@ -46,6 +49,26 @@ def test_headers_go_through_protobuf() -> None:
     assert decode_put_request(request.SerializeToString()) == header
     response = cache_pb2.GetSnapshotResponse(header=header)
     assert decode_get_response(response.SerializeToString()) == header
+
+
+VALID = [encode_chunk(3, b"x" * 300, 7),
+         cache_pb2.PutSnapshotRequest(header=make_header("snap", make_layout(), 4))
+         .SerializeToString()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64),
+                 st.tuples(st.sampled_from(VALID), st.integers(0, 400), st.binary(max_size=8))
+                 .map(lambda t: t[0][: t[1]] + t[2] + t[0][t[1] + len(t[2]):])))
+def test_garbage_is_decoded_or_refused_with_decode_error(message: bytes) -> None:
+    # The server's interceptor turns exactly this exception into
+    # INVALID_ARGUMENT; anything else would reach the client as UNKNOWN.
+    for decode in (decode_put_request, decode_get_response):
+        try:
+            result = decode(message)
+        except DecodeError:
+            continue
+        assert isinstance(result, RawChunk | cache_pb2.SnapshotHeader)
 
 
 def test_server_does_not_import_the_client() -> None:

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from gpu_worker.checkpoint import load_checkpoint, parse_model_config
+from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.config import WorkerConfig
+from gpu_worker.hf_config import parse_model_config
 from gpu_worker.model import CausalLM, fill_random
 from gpu_worker.runner import SeqWork, build_runner
 from kvstash.tokenizer import load_tokenizer
@@ -35,19 +36,21 @@ LLAMA = {
 }
 
 
-def _tokenizer_json() -> str:
+def tokenizer_json() -> str:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok.to_str()
 
 
 def write_checkpoint(directory: Path, raw: dict[str, Any], shards: int = 2,
-                     edit: dict[str, torch.Tensor | None] | None = None) -> CausalLM:
-    """Writes config.json, model-*.safetensors and tokenizer.json; returns the
-    model whose tensors were written (`edit` replaces or, with None, drops some)."""
+                     edit: dict[str, torch.Tensor | None] | None = None,
+                     dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Writes config.json, model-*.safetensors (tensors in `dtype`) and
+    tokenizer.json; returns the model whose tensors were written (`edit`
+    replaces or, with None, drops some)."""
     source = CausalLM(parse_model_config(raw), torch.float32)
     fill_random(source, seed=5)
-    tensors = {n: p.detach().clone() for n, p in source.named_parameters()}
+    tensors = {n: p.detach().to(dtype) for n, p in source.named_parameters()}
     for name, value in (edit or {}).items():
         if value is None:
             tensors.pop(name)
@@ -58,7 +61,7 @@ def write_checkpoint(directory: Path, raw: dict[str, Any], shards: int = 2,
         save_file({n: tensors[n] for n in names[i::shards]},
                   str(directory / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw))
-    (directory / "tokenizer.json").write_text(_tokenizer_json())
+    (directory / "tokenizer.json").write_text(tokenizer_json())
     return source
 
 
@@ -131,5 +134,84 @@ def test_directory_problems_are_explained(tmp_path: Path) -> None:
         parse_model_config({**LLAMA, "model_type": "gpt2"})
     with pytest.raises(ValueError, match=r"config\.json lacks 'hidden_size'"):
         parse_model_config({k: v for k, v in LLAMA.items() if k != "hidden_size"})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
         parse_model_config({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+        ({"rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+         "rope_type='dynamic' is not supported: only default, llama3"),
+        ({"rope_scaling": None, "rope_parameters": {"rope_type": "default",
+                                                    "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor=0.5 is not supported"),
+        ({"partial_rotary_factor": 0.25}, "partial_rotary_factor=0.25 is not supported"),
+        ({"rope_scaling": None, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+         "rope_parameters.full_attention=.* per-layer-type RoPE"),
+        ({"layer_types": ["full_attention", "sliding_attention"]},
+         "layer_types='sliding_attention' is not supported"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096},
+         "use_sliding_window=True is not supported"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+         "quantization_config='awq' is not supported"),
+        ({"head_dim": None, "num_attention_heads": 3},
+         "hidden_size=64 is not supported: not a multiple of num_attention_heads 3"),
+    ],
+)
+def test_unsupported_math_is_refused_by_name(edit: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_model_config({**LLAMA, **edit})
+
+
+def test_both_rope_layouts_and_defaults() -> None:
+    new_layout = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "rope_scaling")}
+    new_layout["rope_parameters"] = {**LLAMA["rope_scaling"], "rope_theta": 500000.0}
+    assert parse_model_config(new_layout) == parse_model_config(LLAMA)
+    cfg = parse_model_config(new_layout)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is not None
+    assert cfg.rope_scaling.factor == 8.0
+    qwen = parse_model_config({**QWEN2, "rope_parameters": {"rope_type": "default",
+                                                            "rope_theta": 1e6}})
+    assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None
+    bare = parse_model_config({k: v for k, v in QWEN2.items() if k != "rope_theta"})
+    assert bare.rope_theta == 10000.0  # transformers' own default
+    # A Qwen2 export that names a window it does not use loads as full attention.
+    assert parse_model_config({**QWEN2, "sliding_window": 131072, "use_sliding_window": False,
+                               "layer_types": ["full_attention"] * 2}).attention_bias
+
+
+def test_eos_ids_merge_generation_config(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA)  # config.json: eos 1
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 1, 2]}))
+    loaded = load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    assert loaded.model.config.eos_token_ids == (1, 3, 2)
+    assert parse_model_config({**QWEN2, "eos_token_id": None}, {"eos_token_id": 7}
+                              ).eos_token_ids == (7,)
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [({"dtype": "float16"}, torch.float16), ({"torch_dtype": "bfloat16"}, torch.bfloat16),
+     ({}, torch.float16)],  # none declared: the stored tensors' own (float16 here)
+    ids=["dtype", "torch_dtype", "stored"],
+)
+def test_auto_dtype_reads_the_checkpoint(tmp_path: Path, fields: dict[str, str],
+                                         want: torch.dtype) -> None:
+    write_checkpoint(tmp_path, {**LLAMA, **fields}, shards=1, dtype=torch.float16)
+    runner = build_runner(WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8))
+    assert runner.dtype == want and runner.layout.dtype == str(want).removeprefix("torch.")
+
+
+def test_auto_dtype_refuses_an_unknown_one_and_tiny_is_float64(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, {**LLAMA, "dtype": "float8_e4m3fn"}, shards=1)
+    with pytest.raises(ValueError, match=r"dtype='float8_e4m3fn' is not supported.*--dtype"):
+        load_checkpoint(tmp_path, None, torch.device("cpu"))
+    assert load_checkpoint(tmp_path, torch.float32, torch.device("cpu")).model.dtype == (
+        torch.float32)  # an explicit --dtype wins
+    assert build_runner(WorkerConfig(num_blocks=4)).dtype == torch.float64
+    assert build_runner(WorkerConfig(num_blocks=4, dtype="float32")).dtype == torch.float32

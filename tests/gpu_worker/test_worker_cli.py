@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from gpu_worker.__main__ import parse_args
 from gpu_worker.config import WorkerConfig
 from kvstash.rpc import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.gpu_worker.worker_factories import REPO, worker_process
 
 
 @pytest.mark.parametrize(
@@ -28,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
         ({"cache_address": "localhost"}, "host:port, got 'localhost'"),
         ({"cache_timeout_s": 0}, "cache_timeout_s must be > 0, got 0"),
+        ({"metrics_port": 70000}, r"metrics_port must be in \[0, 65535\], got 70000"),
+        ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
     ],
 )
 def test_config_names_the_bad_value(kwargs: dict[str, object], message: str) -> None:
@@ -39,6 +39,18 @@ def test_help_works() -> None:
     out = subprocess.run([sys.executable, "-m", "gpu_worker", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True)
     assert "--num-blocks" in out.stdout and "--cache-address" in out.stdout
+    assert "--metrics-port" in out.stdout and "--metrics-host" in out.stdout
+
+
+def test_flags_and_environment_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, config = parse_args([])
+    assert (config.dtype, config.metrics_port, config.metrics_host) == ("auto", 0, "127.0.0.1")
+    monkeypatch.setenv("KVSTASH_WORKER_METRICS_PORT", "9500")
+    assert parse_args([])[1].metrics_port == 9500
+    _, config = parse_args(["--metrics-port", "9400", "--metrics-host", "0.0.0.0",
+                            "--dtype", "bfloat16"])
+    assert (config.dtype, config.metrics_port, config.metrics_host) == (
+        "bfloat16", 9400, "0.0.0.0")
 
 
 def test_bad_flag_value_exits_with_message() -> None:
@@ -48,21 +60,9 @@ def test_bad_flag_value_exits_with_message() -> None:
 
 
 async def test_serves_announces_and_stops_on_sigterm() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--num-blocks", "16",
-        "--log-level", "warning",
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
-        assert line[:2] == ["KVSTASH_READY", "worker"], line
-        async with insecure_channel(line[2]) as channel:
+    async with worker_process("--num-blocks", "16") as worker:
+        async with insecure_channel(worker.address) as channel:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
         assert info.num_blocks == 16
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        worker.process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(worker.process.wait(), 30) == 0

@@ -1,8 +1,15 @@
-"""Factories shared by the worker tests: tiny runners and a minimal greedy loop."""
+"""Factories shared by the worker tests: tiny runners, a minimal greedy loop,
+and a real worker process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -12,6 +19,7 @@ from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import GREEDY, SamplingParams
 
 BLOCK_SIZE = 4
+REPO = Path(__file__).resolve().parents[2]
 _MODELS: dict[torch.dtype, CausalLM] = {}
 
 
@@ -53,3 +61,29 @@ def greedy_generate(runner: ModelRunner, prompt_ids: Sequence[int], num_tokens: 
         assert token is not None
         out.append(token)
     return out
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    process: asyncio.subprocess.Process
+    address: str  # announced on its ready line
+
+
+@contextlib.asynccontextmanager
+async def worker_process(*flags: str) -> AsyncIterator[WorkerProcess]:
+    """`python -m gpu_worker --listen 127.0.0.1:0 FLAGS`, once it announced
+    itself ready; killed on the way out unless it already exited."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--log-level", "warning",
+        *flags, cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().split()
+        assert line[:2] == ["KVSTASH_READY", "worker"], line
+        yield WorkerProcess(process, line[2])
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -11,14 +11,14 @@ import torch
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
-from kvstash.stack import StackConfig
 
 _BLOCK_SIZE = 16
 
 
 @cache
 def _runner() -> ModelRunner:
-    dtype = getattr(torch, StackConfig().dtype)
+    # What the stack's worker runs the tiny model in (its dtype "auto").
+    dtype = torch.float64
     model = build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cpu")
     return ModelRunner(model, block_size=_BLOCK_SIZE, num_blocks=model.config.max_model_len
                        // _BLOCK_SIZE)

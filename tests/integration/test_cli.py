@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from kvstash.client import Client
 from kvstash.stack import StackConfig, running_stack
@@ -30,35 +32,92 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_then_ctrl_c_leaves_no_process_behind() -> None:
-    up = subprocess.Popen(
+@dataclass(slots=True)
+class Up:
+    """A running `kvstash up` and what it printed about its services."""
+
+    process: subprocess.Popen[str]
+    services: dict[str, tuple[str, int]]  # name -> (address, pid)
+    log_dir: Path
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for _, pid in self.services.values()]
+
+
+def start_up() -> Up:
+    process = subprocess.Popen(
         [sys.executable, "-m", "kvstash.cli", "up", "--listen", "127.0.0.1:0",
          "--num-blocks", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert up.stdout is not None
+    assert process.stdout is not None
     services: dict[str, tuple[str, int]] = {}
     deadline = time.monotonic() + 120
-    while len(services) < 3 and time.monotonic() < deadline:
-        line = up.stdout.readline()
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
         if match := re.match(r"(\w+)\s+(\S+:\d+)\s+pid (\d+)", line):
             services[match[1]] = (match[2], int(match[3]))
+        if match := re.match(r"logs in (\S+);", line):
+            break
     assert set(services) == {"cache", "worker", "scheduler"}, services
+    assert match is not None
+    return Up(process, services, Path(match[1]))
 
-    async def call() -> list[int]:
-        async with Client(services["scheduler"][0]) as client:
-            return (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
 
-    assert len(asyncio.run(call())) == 4
-    pids = [pid for _, pid in services.values()]
-    assert all(_alive(pid) for pid in pids)
-
-    up.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    assert up.wait(30) == 0
+def wait_gone(pids: list[int]) -> list[int]:
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in pids if _alive(pid)]
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_up_serves_then_a_stop_signal_leaves_nothing_behind(sig: signal.Signals) -> None:
+    up = start_up()
+
+    async def call() -> list[int]:
+        async with Client(up.services["scheduler"][0]) as client:
+            return (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
+
+    assert len(asyncio.run(call())) == 4
+    assert all(_alive(pid) for pid in up.pids)
+
+    up.process.send_signal(sig)  # Ctrl-C, a service manager, a closed terminal
+    assert up.process.wait(30) == 0
+    assert not wait_gone(up.pids)
+    assert not up.log_dir.exists()
+
+
+def test_up_names_a_dead_service_and_keeps_its_log() -> None:
+    up = start_up()
+    os.kill(up.services["worker"][1], signal.SIGKILL)
+    assert up.process.wait(30) == 1
+    assert up.process.stderr is not None
+    err = up.process.stderr.read()
+    assert f"worker exited with code -9; stopping the others. Its log: {up.log_dir}" in err
+    assert (up.log_dir / "worker.log").exists()
+    assert (up.log_dir / "scheduler.log").exists()
+    assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
+
+
+def test_console_span_exporter_output_reaches_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
+    with running_stack(StackConfig(num_blocks=32), tmp_path) as stack:
+
+        async def call() -> None:
+            async with Client(stack.address) as client:
+                await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)
+
+        asyncio.run(call())
+    # Stopping flushed the exporter; the stdout it wrote to went to the log.
+    log = (tmp_path / "scheduler.log").read_text()
+    assert '"name": "/kvstash.v1.Scheduler/Generate"' in log
+    assert '"name": "kvstash.decode"' in log
 
 
 def test_every_service_runs_alone_with_help() -> None:
@@ -67,24 +126,3 @@ def test_every_service_runs_alone_with_help() -> None:
                              text=True, timeout=60, check=False)
         assert out.returncode == 0, out.stderr
         assert "--listen" in out.stdout or module == "kvstash.cli"
-
-
-def test_scheduler_exports_prometheus_metrics(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a free port for the metrics endpoint
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
-    config = StackConfig(num_blocks=32, scheduler_args=("--metrics-port", str(metrics_port)))
-    with running_stack(config, tmp_path) as stack:
-
-        async def call() -> None:
-            async with Client(stack.address) as client:
-                await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)
-
-        asyncio.run(call())
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-    assert "kvstash_scheduler_num_total_blocks 32.0" in text
-    assert "kvstash_scheduler_finished_requests_total 1.0" in text
-    assert "kvstash_scheduler_ttft_seconds_count 1.0" in text
-    assert "kvstash_scheduler_time_per_output_token_seconds_count 1.0" in text
-    assert "kvstash_scheduler_new_token_ratio" in text

@@ -1,13 +1,21 @@
-"""Every service serves the standard gRPC health service and server reflection."""
+"""Every service serves the standard gRPC health service and server reflection,
+and the scheduler's health follows reality: NOT_SERVING without a worker,
+SERVING (degraded, shown in its stats) without a cache."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstash import rpc
-from kvstash.stack import Stack
+from kvstash.client import Client
+from kvstash.stack import Service, Stack, StackConfig, running_stack
 
 SERVICES = {
     "scheduler": "kvstash.v1.Scheduler",
@@ -32,3 +40,73 @@ async def test_health_and_reflection(stack: Stack, name: str) -> None:
         await call.done_writing()
     names = {s.name for s in reply.list_services_response.service}
     assert {SERVICES[name], "grpc.health.v1.Health"} <= names
+
+
+SERVING = {health_pb2.HealthCheckResponse.SERVING}
+NOT_SERVING = {health_pb2.HealthCheckResponse.NOT_SERVING}
+
+
+async def _scheduler_statuses(channel: grpc.aio.Channel) -> set[int]:
+    health = health_pb2_grpc.HealthStub(channel)
+    return {(await health.Check(health_pb2.HealthCheckRequest(service=s))).status
+            for s in ("", SERVICES["scheduler"])}
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float) -> float:
+    """Seconds until `check()` holds; fails after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not await check():
+        assert loop.time() - start < timeout_s, f"not within {timeout_s} s"
+        await asyncio.sleep(0.1)
+    return loop.time() - start
+
+
+async def test_scheduler_health_follows_its_worker_not_its_cache(tmp_path: Path) -> None:
+    # Before: SERVING throughout, with the worker dead and with the cache gone.
+    with running_stack(StackConfig(num_blocks=64), tmp_path) as stack:
+        async with rpc.insecure_channel(stack.address) as channel, \
+                Client(stack.address) as client:
+            assert await _scheduler_statuses(channel) == SERVING
+            await _eventually(lambda: _cache_available(client, True), 5)
+
+            stack.worker.kill()
+            await _eventually(lambda: _statuses_are(channel, NOT_SERVING), 5)
+            stack.worker = stack.worker.restart()
+            await _eventually(lambda: _statuses_are(channel, SERVING), 30)
+            assert (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
+
+            # A lost cache degrades offload to recompute: still SERVING.
+            stack.cache.kill()
+            await _eventually(lambda: _cache_available(client, False), 5)
+            await asyncio.sleep(1.5)  # three more polls, still unreachable
+            assert await _scheduler_statuses(channel) == SERVING
+            assert (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
+    log = stack.scheduler.log_path.read_text()
+    assert log.count("unreachable") == 1, log  # once per change, not once per poll
+
+
+async def test_a_worker_back_with_another_kv_layout_is_not_used(tmp_path: Path) -> None:
+    # The core's block pool was sized for the first worker: a worker with
+    # fewer blocks would be handed block ids it does not have.
+    with running_stack(StackConfig(num_blocks=64), tmp_path) as stack:
+        async with rpc.insecure_channel(stack.address) as channel, \
+                Client(stack.address) as client:
+            stack.worker = stack.worker.restart({"--num-blocks": "32"})
+            await _eventually(lambda: _log_has(stack.scheduler, "another num_blocks"), 30)
+            assert await _scheduler_statuses(channel) == NOT_SERVING
+            stack.worker = stack.worker.restart({"--num-blocks": "64"})
+            await _eventually(lambda: _statuses_are(channel, SERVING), 30)
+            assert (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
+
+
+async def _log_has(service: Service, text: str) -> bool:
+    return text in service.log_path.read_text()
+
+
+async def _statuses_are(channel: grpc.aio.Channel, expected: set[int]) -> bool:
+    return await _scheduler_statuses(channel) == expected
+
+
+async def _cache_available(client: Client, expected: bool) -> bool:
+    return (await client.stats()).cache_available == expected

@@ -166,6 +166,10 @@ class Harness:
         assert stats.num_finished == len(arrivals)
         assert stats.num_running_decode == stats.num_running_prefill == stats.num_waiting == 0
         assert stats.num_offloaded == 0
+        outputs = self.outcome.outputs
+        assert stats.num_generation_tokens == sum(len(o) for o in outputs.values())
+        assert stats.num_prompt_tokens == sum(
+            len(a.prompt) for a in arrivals if outputs[a.request_id])
         self.outcome.num_preemptions = (
             stats.num_preemptions_offload + stats.num_preemptions_recompute
         )

@@ -5,7 +5,8 @@ import pytest
 from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from scheduler_svc.block_pool import IntegrityError
 from scheduler_svc.request import RequestStatus, SamplingParams
-from tests.scheduler_svc.factories import EOS, add, ids, make_scheduler, step
+from scheduler_svc.scheduler import Scheduler
+from tests.scheduler_svc.factories import EOS, add, ids, make_config, make_scheduler, step
 
 
 @pytest.mark.parametrize(
@@ -214,3 +215,33 @@ def test_stats_count_states() -> None:
     stats = scheduler.stats()
     assert (stats.num_running_prefill, stats.num_running_decode, stats.num_waiting) == (1, 0, 1)
     assert stats.num_steps == 1 and stats.num_total_blocks == 64 and stats.block_size == 4
+
+
+def test_stats_count_tokens_usage_and_queue_time() -> None:
+    now = [0.0]
+    scheduler = Scheduler(make_config(max_num_seqs=1), clock=lambda: now[0])
+    add(scheduler, "a", prompt_len=6, max_tokens=3)
+    add(scheduler, "b", prompt_len=5, max_tokens=2)
+    now[0] = 1.0
+    step(scheduler)  # a: prefill + first token; b waits for the seat
+    stats = scheduler.stats()
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (6, 1)
+    assert stats.kv_usage_ratio == 2 / 64  # a's 7 positions in blocks of 4
+    assert not stats.cache_available
+    while scheduler.has_unfinished_requests:
+        step(scheduler)
+    stats = scheduler.stats()
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (11, 5)
+    assert stats.kv_usage_ratio == 0
+    scheduler.set_offload_capacity(1 << 20)
+    assert scheduler.stats().cache_available
+
+
+def test_first_scheduled_time_is_the_first_admission() -> None:
+    now = [0.0]
+    scheduler = Scheduler(make_config(), clock=lambda: now[0])
+    req = scheduler.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert req.first_scheduled_time is None
+    now[0] = 2.5
+    step(scheduler)
+    assert req.first_scheduled_time == 2.5 and req.arrival_time == 0.0

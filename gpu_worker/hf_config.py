@@ -1,0 +1,156 @@
+"""Reading a Hugging Face `config.json` (and `generation_config.json`) into a ModelConfig.
+
+Both layouts transformers has written are read: before version 5, `rope_theta`
+at the top level and scaling under `rope_scaling`; from version 5 on, both
+under `rope_parameters`. Any field that would change the math of a model this
+worker does not implement (another activation, sliding windows, a RoPE
+variant, biases Llama does not have here, quantized weights) is refused with
+the field and its value named: loading it anyway would serve wrong logits
+without a single error.
+
+No torch here: it parses JSON only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_worker.config import Llama3RopeScaling, ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Checkpoint dtypes `--dtype auto` takes as they are.
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
+
+
+def _refuse(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"config.json {field}={value!r} is not supported: {why}")
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of either layout, as one flat dict with rope_type and
+    rope_theta. `rope_scaling` wins over `rope_parameters`, as in transformers."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise _refuse("rope_parameters", params, "expected an object")
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise _refuse(f"rope_parameters.{nested[0]}", params[nested[0]],
+                      "per-layer-type RoPE is not implemented")
+    out = dict(params)
+    out["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    out["rope_theta"] = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    return out
+
+
+def _rope_scaling(params: dict[str, Any], max_position_embeddings: int
+                  ) -> Llama3RopeScaling | None:
+    kind = params["rope_type"]
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise _refuse("rope_type", kind, f"only {', '.join(SUPPORTED_ROPE_TYPES)} are implemented")
+    factor = params.get("partial_rotary_factor", 1.0)
+    if float(factor) != 1.0:
+        raise _refuse("partial_rotary_factor", factor, "RoPE is applied to the whole head")
+    if kind == "default":
+        return None
+    return Llama3RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", max_position_embeddings)),
+    )
+
+
+def check_supported(raw: dict[str, Any]) -> None:
+    """Raises ValueError for the first field whose math this model lacks."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise _refuse("quantization_config", method or quantization,
+                      "weights must be unquantized")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "the MLP is SwiGLU (silu)")
+    if raw.get("mlp_bias"):
+        raise _refuse("mlp_bias", raw["mlp_bias"], "MLP projections have no bias")
+    # Qwen2 always has q/k/v biases (and no o_proj bias); Llama's attention_bias
+    # would add all four, o_proj's included, which is not implemented.
+    if model_type == "llama" and raw.get("attention_bias"):
+        raise _refuse("attention_bias", raw["attention_bias"],
+                      "q/k/v/o biases on Llama are not implemented")
+    if raw.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", raw["use_sliding_window"],
+                      "attention is full causal (sliding windows are not implemented)")
+    windowed = [t for t in raw.get("layer_types") or () if t != "full_attention"]
+    if windowed:
+        raise _refuse("layer_types", windowed[0], "every layer must be full_attention")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse("partial_rotary_factor", raw["partial_rotary_factor"],
+                      "RoPE is applied to the whole head")
+
+
+def eos_token_ids(*raws: Any) -> tuple[int, ...]:
+    """Every eos id of the given `eos_token_id` values (int, list or None), in
+    order, without repeats: a chat model often ends turns with a second one
+    that only generation_config.json lists."""
+    ids: list[int] = []
+    for raw in raws:
+        for token in ([] if raw is None else [raw] if isinstance(raw, int) else raw):
+            if int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype the checkpoint declares (`dtype` since transformers 5, else
+    `torch_dtype`), or None when it declares none."""
+    for field in ("dtype", "torch_dtype"):
+        name = raw.get(field)
+        if name is None:
+            continue
+        if name not in CHECKPOINT_DTYPES:
+            raise _refuse(field, name, f"--dtype auto takes one of {CHECKPOINT_DTYPES}; "
+                                       "pass --dtype explicitly")
+        return str(name)
+    return None
+
+
+def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None
+                       ) -> ModelConfig:
+    """A Hugging Face `config.json` (as a dict) -> ModelConfig; `generation` is
+    `generation_config.json`, whose eos ids are added to config.json's."""
+    check_supported(raw)
+    try:
+        num_heads = int(raw["num_attention_heads"])
+        hidden_size = int(raw["hidden_size"])
+        if num_heads < 1:
+            raise ValueError(f"num_attention_heads must be >= 1, got {num_heads}")
+        if not raw.get("head_dim") and hidden_size % num_heads:
+            raise _refuse("hidden_size", hidden_size, f"not a multiple of num_attention_heads "
+                                                      f"{num_heads}, and no head_dim given")
+        max_len = int(raw.get("max_position_embeddings", 2048))
+        rope = _rope_parameters(raw)
+        return ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rope_theta=rope["rope_theta"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_model_len=max_len,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=raw["model_type"] == "qwen2",
+            eos_token_ids=eos_token_ids(raw.get("eos_token_id"),
+                                        (generation or {}).get("eos_token_id")),
+            rope_scaling=_rope_scaling(rope, max_len),
+        )
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks {exc.args[0]!r}") from None

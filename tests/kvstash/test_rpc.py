@@ -1,0 +1,102 @@
+"""kvstash.rpc over a real channel: undecodable requests, whatever the
+handler's shape, end with INVALID_ARGUMENT and a plain message."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstash import errors, rpc
+
+SERVICE = "test.Echo"
+
+
+def _decode(raw: bytes) -> bytes:
+    if raw.startswith(b"bad"):
+        raise ValueError("not an echo request")
+    return raw
+
+
+async def _unary(request: bytes, context: Any) -> bytes:
+    return request
+
+
+async def _stream_out(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    yield request
+    yield request
+
+
+async def _written_out(request: bytes, context: Any) -> None:
+    await context.write(request)
+
+
+async def _stream_in(requests: AsyncIterator[bytes], context: Any) -> bytes:
+    return b"".join([r async for r in requests])
+
+
+async def _stream_both(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield request
+
+
+def _register(server: grpc.aio.Server) -> None:
+    kw: dict[str, Any] = {"request_deserializer": _decode, "response_serializer": None}
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary, **kw),
+        "StreamOut": grpc.unary_stream_rpc_method_handler(_stream_out, **kw),
+        "WrittenOut": grpc.unary_stream_rpc_method_handler(_written_out, **kw),
+        "StreamIn": grpc.stream_unary_rpc_method_handler(_stream_in, **kw),
+        "StreamBoth": grpc.stream_stream_rpc_method_handler(_stream_both, **kw),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+@pytest.fixture
+async def channel() -> AsyncIterator[grpc.aio.Channel]:
+    server, port, _ = await rpc.create_server("127.0.0.1:0", [_register], [SERVICE])
+    async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel
+    await server.stop(None)
+
+
+async def _call(channel: grpc.aio.Channel, method: str, requests: list[bytes]) -> list[bytes]:
+    path = f"/{SERVICE}/{method}"
+    if method == "Unary":
+        return [await channel.unary_unary(path)(requests[0])]
+    if method in ("StreamOut", "WrittenOut"):
+        return [r async for r in channel.unary_stream(path)(requests[0])]
+    if method == "StreamIn":
+        return [await channel.stream_unary(path)(iter(requests))]
+    return [r async for r in channel.stream_stream(path)(iter(requests))]
+
+
+@pytest.mark.parametrize("method", ["Unary", "StreamOut", "WrittenOut"])
+async def test_undecodable_unary_request_is_invalid_argument(
+    channel: grpc.aio.Channel, method: str
+) -> None:
+    assert (await _call(channel, method, [b"ok"]))[0] == b"ok"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _call(channel, method, [b"bad"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "undecodable request: not an echo request"
+
+
+@pytest.mark.parametrize("method", ["StreamIn", "StreamBoth"])
+async def test_undecodable_message_in_a_stream_is_invalid_argument(
+    channel: grpc.aio.Channel, method: str
+) -> None:
+    assert b"".join(await _call(channel, method, [b"a", b"b"])) == b"ab"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _call(channel, method, [b"a", b"bad", b"c"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "<class" not in (caught.value.details() or "")
+
+
+def test_preview_clips_client_input() -> None:
+    assert errors.preview("abc") == "'abc'"
+    clipped = errors.preview("x" * 10_000)
+    assert len(clipped) < 80
+    assert clipped.endswith("(10000 chars)")

@@ -1,0 +1,82 @@
+"""The scheduler's Prometheus endpoint over a real stack and a preempting
+workload: every figure agrees with the requests sent and with GetStats."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvstash import settings
+from kvstash.client import Client
+from kvstash.stack import StackConfig, running_stack
+from scheduler_svc.__main__ import parse_args
+from tests.integration.workload import (
+    MAX_TOKENS,
+    PRESSURED_BLOCKS,
+    PRESSURED_SCHEDULER_ARGS,
+    prompts,
+    wait_drained,
+)
+from tests.metrics_helpers import free_port, scrape
+
+P = "kvstash_scheduler_"
+# A third of the integration workload: enough to preempt, quick on 2 cores.
+PROMPTS = prompts()[:8]
+NUM_REQUESTS = len(PROMPTS)
+
+
+async def test_metrics_agree_with_a_preempting_workload(tmp_path: Path) -> None:
+    port = free_port()
+    config = StackConfig(
+        num_blocks=PRESSURED_BLOCKS, preemption_mode="offload",
+        scheduler_args=(*PRESSURED_SCHEDULER_ARGS, "--metrics-port", str(port),
+                        "--metrics-host", "127.0.0.1"))
+    with running_stack(config, tmp_path) as stack:
+        usage: list[float] = []
+
+        async def sample_usage() -> None:
+            while True:
+                usage.append((await asyncio.to_thread(scrape, port))[P + "kv_usage_ratio"])
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.create_task(sample_usage())
+        async with Client(stack.address) as client:
+            await asyncio.gather(*[client.complete(p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                                   for p in PROMPTS])
+        sampler.cancel()
+        stats = await wait_drained(stack.address)
+        m = scrape(port)
+
+    assert usage and all(0 <= u <= 1 for u in usage) and max(usage) > 0.5
+    assert m[P + "kv_usage_ratio"] == 0  # drained: cached prefixes are not usage
+    assert m[P + "cache_available"] == 1
+    reasons = {r: m[P + f"finished_requests_by_reason_total{{reason={r}}}"]
+               for r in ("stop", "length", "abort")}
+    assert reasons == {"stop": 0, "length": NUM_REQUESTS, "abort": 0}
+    assert m[P + "finished_requests_total"] == NUM_REQUESTS
+    assert m[P + "prompt_tokens_total"] == sum(len(p) for p in PROMPTS)
+    assert m[P + "generation_tokens_total"] == NUM_REQUESTS * MAX_TOKENS
+    for name in ("queue_time", "ttft", "time_per_output_token", "e2e_request_latency"):
+        assert m[P + f"{name}_seconds_count"] == NUM_REQUESTS, name
+        assert m[P + f"{name}_seconds_sum"] > 0, name
+    assert m[P + "e2e_request_latency_seconds_sum"] > m[P + "ttft_seconds_sum"]
+    # Every offload and restore succeeded, and each was timed once.
+    assert stats.num_offload_failures == stats.num_restore_failures == 0
+    assert m[P + "offload_seconds_count"] == stats.num_preemptions_offload > 0
+    assert m[P + "restore_seconds_count"] == stats.num_preemptions_offload
+    assert m[P + "offload_seconds_sum"] > 0 and m[P + "restore_seconds_sum"] > 0
+    assert m[P + "preemptions_offload_total"] == stats.num_preemptions_offload
+
+
+def test_metrics_host_is_validated_and_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args([]).metrics_host == "127.0.0.1"
+    assert parse_args(["--metrics-host", "::"]).metrics_host == "::"
+    monkeypatch.setenv(settings.env_name("scheduler", "--metrics-host"), "0.0.0.0")
+    assert parse_args([]).metrics_host == "0.0.0.0"
+    for bad in ("", "bad host", "x" * 300):
+        with pytest.raises(SystemExit):
+            parse_args(["--metrics-host", bad])
