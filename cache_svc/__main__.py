@@ -12,7 +12,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
 from kvstash import rpc, settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
-from kvstash.metrics import listen_host
+from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-interval", type=parse_duration, default=5.0)
     p.add_argument("--max-inflight", type=parse_size, default=32 << 20,
                    help="chunk payload bytes in flight over all streams")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=CacheConfig().max_concurrent_rpcs,
+                   help="calls served at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--reserve-wait", type=parse_duration, default=10.0,
                    help="how long a put waits for room before RESOURCE_EXHAUSTED")
     p.add_argument("--io-threads", type=int, default=2)
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on put and get payload bytes per second, all streams "
                         "together, e.g. 2MiB; 0 = unlimited")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
-    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1",
+    p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address the Prometheus endpoint listens on; 0.0.0.0 = every interface")
     p.add_argument("--buffer-pool", type=parse_size, default=1 << 30,
                    help="freed snapshot buffers kept (within the memory budget) for "
@@ -78,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         default_ttl_s=max(1, round(args.default_ttl)),
         sweep_interval_s=args.sweep_interval,
         max_inflight_bytes=args.max_inflight,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         reserve_wait_s=args.reserve_wait,
         io_threads=args.io_threads,
         bandwidth_limit_bytes_per_s=args.bandwidth_limit,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import MAX_CHUNK_BYTES
-from kvstash.metrics import listen_host
+from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -37,10 +37,11 @@ class CacheConfig:
         chunk it is sending; a chunk exists about twice on its way (gRPC's
         buffers, then Python's bytes), and a client sending chunks larger
         than its header declared is refused at the first;
-      - STREAM_WINDOW_BYTES per open put stream: what gRPC takes in before
-        the server asks for payload, e.g. from a client that sends chunks
-        without waiting for admission (see cache.proto). Nothing more of a
-        put is read before it is admitted;
+      - STREAM_WINDOW_BYTES per open put stream, and at most
+        `max_concurrent_rpcs` streams over all connections: what gRPC takes
+        in before the server asks for payload, e.g. from a client that sends
+        chunks without waiting for admission (see cache.proto). Nothing more
+        of a put is read before it is admitted;
       - HEAP_SLACK_BYTES of freed heap, returned to the OS by the sweeper
         (pooled buffers go after `buffer_pool_idle_s`).
     Measured with 32 puts of 64 MiB against a 256 MiB budget, their clients
@@ -56,6 +57,9 @@ class CacheConfig:
     # Chunk payload bytes being received or sent at once, over all streams:
     # an admitted put holds PUT_SHARE_CHUNKS chunks, a get one chunk per send.
     max_inflight_bytes: int = 32 * MIB
+    # Calls served at once over all connections; gRPC answers any further one
+    # with RESOURCE_EXHAUSTED (a scheduler then recomputes instead).
+    max_concurrent_rpcs: int = 128
     # How long a put header may wait for spills and other puts to free room
     # before it is refused with RESOURCE_EXHAUSTED.
     reserve_wait_s: float = 10.0
@@ -68,7 +72,7 @@ class CacheConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     # Address /metrics listens on: loopback by default; 0.0.0.0 (or a pod IP)
     # to be scraped from elsewhere.
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = DEFAULT_METRICS_HOST
     # Freed snapshot buffers kept, within the memory budget, for later puts of
     # the same size (saves them the kernel's page faults and zeroing); 0 = off.
     # They cap how much of the budget stays resident while nothing uses it.
@@ -96,6 +100,8 @@ class CacheConfig:
                 f"max_inflight_bytes is {self.max_inflight_bytes}, must be at least "
                 f"{PUT_SHARE_CHUNKS * MAX_CHUNK_BYTES} (one put of {MAX_CHUNK_BYTES}-byte chunks)"
             )
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs is {self.max_concurrent_rpcs}, must be >= 1")
         if self.reserve_wait_s < 0:
             raise ValueError(f"reserve_wait_s is {self.reserve_wait_s}, must be >= 0")
         if self.io_threads < 1:
@@ -117,8 +123,9 @@ class CacheConfig:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")
 
-    def overhead_bytes(self, num_streams: int) -> int:
+    def overhead_bytes(self, num_streams: int | None = None) -> int:
         """Resident memory beyond the idle process and the memory budget that
-        `num_streams` open put streams may cost at most (see above)."""
-        return (4 * self.max_inflight_bytes + num_streams * STREAM_WINDOW_BYTES
-                + HEAP_SLACK_BYTES)
+        `num_streams` open put streams (default: as many as may be open) may
+        cost at most (see above)."""
+        streams = self.max_concurrent_rpcs if num_streams is None else num_streams
+        return 4 * self.max_inflight_bytes + streams * STREAM_WINDOW_BYTES + HEAP_SLACK_BYTES

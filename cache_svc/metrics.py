@@ -9,7 +9,7 @@ import asyncio
 from prometheus_client import CollectorRegistry, Histogram
 
 from cache_svc.store import SnapshotStore
-from kvstash.metrics import MetricsServer, StatsCollector
+from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
 
 _PREFIX = "kvstash_cache_"
 _GAUGES = {
@@ -37,8 +37,6 @@ _COUNTERS = {
 
 
 # From a small snapshot over loopback (~1 ms) to a put that waited reserve_wait_s.
-_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0)
 
 
 class TransferMetrics:
@@ -49,10 +47,10 @@ class TransferMetrics:
         self.registry = CollectorRegistry()
         self.put_seconds = Histogram(
             _PREFIX + "put_seconds", "Duration of completed puts: header, waiting for "
-            "room, chunks, commit", registry=self.registry, buckets=_SECONDS_BUCKETS)
+            "room, chunks, commit", registry=self.registry, buckets=TRANSFER_BUCKETS)
         self.get_seconds = Histogram(
             _PREFIX + "get_seconds", "Duration of completed gets: header and every chunk "
-            "sent", registry=self.registry, buckets=_SECONDS_BUCKETS)
+            "sent", registry=self.registry, buckets=TRANSFER_BUCKETS)
 
 
 def serve_metrics(

@@ -16,9 +16,8 @@ So a put that is being read may have three chunks out of its client at once:
 
 and holds PUT_SHARE_CHUNKS chunks of max_inflight_bytes from admission to its
 end; a put not admitted yet (only its header was read) holds none. A put read
-out after a refusal or failure (the servicer's drain) holds DRAIN_SHARE_BYTES
-unless it already holds a share: one message of any size gRPC accepts, and
-one ahead.
+out after a refusal or failure (the servicer's drain) holds at least
+DRAIN_SHARE_BYTES: one message of any size gRPC accepts, and one ahead.
 """
 
 from __future__ import annotations
@@ -65,14 +64,11 @@ class PutStream:
         return request
 
     async def hold(self, num_bytes: int) -> None:
-        """Takes `num_bytes` of the in-flight budget until `close`, waiting for it."""
-        assert not self._share, "a stream holds one share"
-        await self._limiter.acquire(num_bytes)
-        self._share = num_bytes
-
-    @property
-    def holds_share(self) -> bool:
-        return bool(self._share)
+        """Holds at least `num_bytes` of the in-flight budget until `close`,
+        waiting for what it does not hold yet."""
+        if num_bytes > self._share:
+            await self._limiter.acquire(num_bytes - self._share)
+            self._share = num_bytes
 
     @property
     def reading(self) -> bool:

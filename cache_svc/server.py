@@ -153,6 +153,12 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                         f"second header after {session.num_received} chunks; "
                         "a put has exactly one header"
                     )
+                if request.data.nbytes > meta.chunk_bytes:
+                    # Before asking for more: the share only covers chunks of
+                    # the size the header declared.
+                    raise errors.InvalidArgument(
+                        f"chunk {request.index} has {request.data.nbytes} bytes, more than "
+                        f"the header's chunk_bytes {meta.chunk_bytes}")
                 # The next chunk crosses the network while this one is copied.
                 await stream.read_ahead(meta.chunk_size(session.num_received + 1))
                 # request.data is a view into gRPC's message: one copy, into
@@ -173,8 +179,9 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         await stream.send_metadata(admitted=False)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(DRAIN_LIMIT_S):
-                if not stream.holds_share:  # refused before admission
-                    await stream.hold(DRAIN_SHARE_BYTES)
+                # A put admitted with a small share may now send chunks of
+                # any size gRPC accepts.
+                await stream.hold(DRAIN_SHARE_BYTES)
                 while not stream.ended:
                     if not stream.reading:
                         await stream.read_ahead(MAX_CHUNK_BYTES)
@@ -295,7 +302,7 @@ async def create_cache_server(
         address,
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
-        options=SERVER_OPTIONS,
+        options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     metrics = None
     if config.metrics_port:

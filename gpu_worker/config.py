@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvstash.metrics import listen_host
+from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
 DTYPES = (AUTO_DTYPE, "float32", "float64", "float16", "bfloat16")
@@ -30,7 +30,7 @@ class WorkerConfig:
     cache_timeout_s: float = 60.0  # bound on one offload or restore transfer
     seed: int = 0  # tiny-model weights and unseeded sampling
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
-    metrics_host: str = "127.0.0.1"  # address /metrics listens on; 0.0.0.0 = every interface
+    metrics_host: str = DEFAULT_METRICS_HOST  # /metrics listens here; 0.0.0.0 = everywhere
 
     def __post_init__(self) -> None:
         if self.model != TINY_MODEL and not os.path.isdir(self.model):

@@ -40,7 +40,11 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
                       "per-layer-type RoPE is not implemented")
     out = dict(params)
     out["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    out["rope_theta"] = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    # Theta may sit at the top level or in either dict, whichever layout wrote it.
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None and isinstance(raw.get("rope_parameters"), dict):
+        theta = raw["rope_parameters"].get("rope_theta")
+    out["rope_theta"] = float(_DEFAULT_ROPE_THETA if theta is None else theta)
     return out
 
 

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gpu_worker.runner import SeqWork
+from kvstash.metrics import TRANSFER_BUCKETS
 
 _PREFIX = "kvstash_worker_"
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 def is_decode(seq: SeqWork) -> bool:
@@ -43,10 +43,10 @@ class WorkerMetrics:
                                      "KV bytes restored from the cache service", registry=r)
         self.offload_s = Histogram(_PREFIX + "offload_seconds",
                                    "Gather plus put of one successful offload",
-                                   buckets=_TRANSFER_BUCKETS, registry=r)
+                                   buckets=TRANSFER_BUCKETS, registry=r)
         self.restore_s = Histogram(_PREFIX + "restore_seconds",
                                    "Get plus scatter of one successful restore",
-                                   buckets=_TRANSFER_BUCKETS, registry=r)
+                                   buckets=TRANSFER_BUCKETS, registry=r)
 
     def observe_step(self, seqs: Sequence[SeqWork], seconds: float) -> None:
         decode = sum(len(s.token_ids) for s in seqs if is_decode(s))

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.metrics import WorkerMetrics
@@ -31,7 +31,7 @@ from gpu_worker.transfer import KvTransfer, SnapshotStore, layout_proto
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.metrics import MetricsServer
-from kvstash.rpc import abort_with, create_server, maps_errors
+from kvstash.rpc import abort_with, create_server, maps_errors, set_serving
 from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Offload(self, request: worker_pb2.OffloadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.OffloadResponse:
+        _check_ids(request.request_id, request.snapshot_id)
         transfer = self._loaded().transfer
         start = time.perf_counter()
         num_bytes = await transfer.offload(
@@ -188,6 +189,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Restore(self, request: worker_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.RestoreResponse:
+        _check_ids(request.request_id, request.snapshot_id)
         transfer = self._loaded().transfer
         start = time.perf_counter()
         num_bytes = await transfer.restore(request.snapshot_id, list(request.block_ids))
@@ -195,6 +197,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("restored %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.RestoreResponse(num_bytes=num_bytes)
+
+
+def _check_ids(request_id: str, snapshot_id: str) -> None:
+    """The cache checks snapshot ids fully; this keeps long ones out of our
+    messages and logs before anything is gathered."""
+    for name, value in (("request_id", request_id), ("snapshot_id", snapshot_id)):
+        if len(value) > errors.MAX_ID_CHARS:
+            raise errors.InvalidArgument(
+                f"{name} {errors.preview(value)} is longer than {errors.MAX_ID_CHARS} chars")
 
 
 class WorkerServer(NamedTuple):
@@ -221,8 +232,7 @@ def connect_store(config: WorkerConfig) -> SnapshotStore | None:
 async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer,
                              build: Callable[[], ModelRunner]) -> None:
     await servicer.load(build)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, [SERVICE_NAME], True)
 
 
 async def create_worker_server(config: WorkerConfig, address: str,

@@ -80,7 +80,7 @@ class KvTransfer:
                       pinned: bool, ttl_s: int) -> int:
         """Returns the bytes the cache service committed. Until this returns the
         caller must not reuse the blocks (they may still be being read)."""
-        what = f"offload of snapshot {snapshot_id!r}"
+        what = f"offload of snapshot {errors.preview(snapshot_id)}"
         store = self._store(what)
         capacity = len(block_ids) * self.runner.block_size
         if not 0 < num_tokens <= capacity:
@@ -98,7 +98,7 @@ class KvTransfer:
 
     async def restore(self, snapshot_id: str, block_ids: Sequence[int]) -> int:
         """Reads the snapshot into `block_ids` (as many as it holds); returns its bytes."""
-        what = f"restore of snapshot {snapshot_id!r} into {len(block_ids)} blocks"
+        what = f"restore of snapshot {errors.preview(snapshot_id)} into {len(block_ids)} blocks"
         store = self._store(what)
         if not block_ids:
             raise errors.InvalidArgument(f"{what}: no destination block ids")

@@ -9,7 +9,7 @@ import sys
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import StackConfig, start_stack
+from kvstash.stack import Stack, StackConfig, start_stack
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -61,16 +61,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         failed = stack.wait_for_exit()
     except (KeyboardInterrupt, _Stop) as exc:
         print(f"\nstopping ({exc or 'interrupted'})", file=sys.stderr)
-        stack.stop()
+        _stop_undisturbed(stack)
         return 0
     except BaseException:
-        stack.stop()
+        _stop_undisturbed(stack)
         raise
     # Keep every log: the others may say why this one died.
     print(f"{failed.name} exited with code {failed.process.returncode}; stopping the others. "
           f"Its log: {failed.log_path}", file=sys.stderr)
-    stack.stop(keep_logs=True)
+    _stop_undisturbed(stack, keep_logs=True)
     return 1
+
+
+def _stop_undisturbed(stack: Stack, keep_logs: bool = False) -> None:
+    """Stops the stack with further stop signals ignored: a second SIGTERM
+    (or Ctrl-C) must not cut the stopping short and orphan a service."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    stack.stop(keep_logs)
 
 
 async def _generate(args: argparse.Namespace) -> int:

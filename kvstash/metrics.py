@@ -46,6 +46,11 @@ class StatsCollector(Collector):
             yield CounterMetricFamily(self._prefix + key, doc, value=getattr(stats, field))
 
 
+# Where /metrics listens unless told otherwise: this host only.
+DEFAULT_METRICS_HOST = "127.0.0.1"
+# Histogram buckets, in seconds, of a KV transfer (an offload, restore, put or get).
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
 
@@ -65,7 +70,7 @@ def listen_host(text: str, what: str = "host") -> str:
 class MetricsServer:
     """`/metrics` over HTTP on `port` for the collectors of `registry`."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str) -> None:
         self.registry = registry
         self._http_server, _thread = start_http_server(port, addr=addr, registry=registry)
 

@@ -114,7 +114,8 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     def decode(raw: bytes) -> Any:
         try:
             return deserializer(raw)
-        except Exception as exc:  # protobuf's DecodeError, or our codec's ValueError
+        except Exception as exc:  # protobuf's DecodeError, or our codec's
+            log.debug("undecodable request", exc_info=True)  # a codec bug shows here
             return _Undecodable(str(exc)[:200])
 
     return decode
@@ -200,17 +201,20 @@ async def create_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     options: Iterable[tuple[str, Any]] = (),
     serving: bool = True,
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
     Returns the server, the bound port and its health servicer: all services
     report SERVING once started, or NOT_SERVING unless `serving` (a service
-    that is not ready yet); flip them with `health.set`."""
+    that is not ready yet); flip them with `health.set`. Beyond
+    `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED."""
     # grpc core takes the first of repeated keys: a service's own options win.
     merged = dict(CHANNEL_OPTIONS) | dict(options)
     server = grpc.aio.server(
         options=list(merged.items()),
         interceptors=[*interceptors, DecodeErrorInterceptor()],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     for register in registrars:
         register(server)
@@ -224,11 +228,18 @@ async def create_server(
     if port == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
+    await set_serving(health_servicer, names, serving)
+    return server, port, health_servicer
+
+
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, service_names: Iterable[str], serving: bool
+) -> None:
+    """What health checks answer for the server ("") and each named service."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
-    for name in ["", *names]:
+    for name in ("", *service_names):
         await health_servicer.set(name, status)
-    return server, port, health_servicer
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

@@ -136,7 +136,10 @@ def start_service(
 ) -> Service:
     """Runs `python -m module args`, waits for its ready line, returns it running."""
     log_path = log_dir / f"{name}.log"
-    log_file = log_path.open("w")
+    log_path.write_text("")
+    # Append mode for the child's stderr too: its lines and the stdout that
+    # _copy appends then never overwrite each other.
+    log_file = log_path.open("a")
     process = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
@@ -146,7 +149,12 @@ def start_service(
     )
     log_file.close()
     assert process.stdout is not None
-    address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
+    try:
+        address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
+    except BaseException:  # not ready, or a stop signal while waiting
+        process.kill()
+        process.wait()
+        raise
     # Keep draining stdout, into the log: a chatty child never blocks on a
     # full pipe, and what it prints (a console span exporter's output) is kept.
     threading.Thread(target=_copy, args=(process.stdout, log_path), daemon=True).start()
@@ -170,10 +178,10 @@ def _wait_ready(
     reader.join(timeout_s)
     if found:
         return found[0]
-    process.kill()
-    process.wait()
+    code = process.poll()
+    why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
     tail = log_path.read_text()[-3000:]
-    raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s; its log:\n{tail}")
+    raise RuntimeError(f"{name} {why}; its log ({log_path}):\n{tail}")
 
 
 def _copy(stdout: IO[str], log_path: Path) -> None:

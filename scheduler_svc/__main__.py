@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 
@@ -17,7 +18,7 @@ import grpc
 from kvstash import rpc, settings, telemetry
 from kvstash.cache_client import CacheClient
 from kvstash.layout import Layout
-from kvstash.metrics import listen_host
+from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
@@ -64,15 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
-    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1",
+    p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
     p.add_argument("--log-level", default="info")
     return settings.parse_args(p, "scheduler", argv)
 
 
 async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_pb2.WorkerInfo:
-    """The worker's info, waiting up to `wait_s` for it to start and load its
-    model (it answers UNAVAILABLE meanwhile)."""
+    """The worker's info, waiting up to `wait_s` for it to start (until then
+    its address refuses connections: UNAVAILABLE) and load its model (its
+    GetInfo answers once the model is loaded)."""
     stub = worker_pb2_grpc.WorkerStub(channel)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
@@ -113,49 +115,44 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
 
 
 async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
-    scheduler = await create_scheduler_server(args.listen)
-    server, port = scheduler.server, scheduler.port
-    worker_channel = grpc.aio.insecure_channel(args.worker_address,
-                                               options=_WORKER_CHANNEL_OPTIONS)
-    log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
-             port, args.worker_address)
-    try:
+    # Whatever fails on the way up (no worker in time, a bad setting, a metrics
+    # port in use) still stops and closes what was started before it.
+    async with contextlib.AsyncExitStack() as cleanup:
+        scheduler = await create_scheduler_server(args.listen)
+        server, port = scheduler.server, scheduler.port
+        cleanup.push_async_callback(server.stop, None)
+        worker_channel = grpc.aio.insecure_channel(args.worker_address,
+                                                   options=_WORKER_CHANNEL_OPTIONS)
+        cleanup.push_async_callback(worker_channel.close)
+        log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
+                 port, args.worker_address)
         info = await fetch_worker_info(worker_channel, args.worker_wait)
-    except BaseException:
-        await server.stop(None)
-        await worker_channel.close()
-        raise
-    config = build_config(args, info)
-    tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size, tuple(info.eos_token_ids))
-    cache = CacheClient(args.cache_address) if args.cache_address else None
-    core = Scheduler(config)
-    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
-    engine = Engine(core, worker_channel, cache,
-                    EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing),
-                    metrics=metrics, on_worker_change=scheduler.set_serving, worker_info=info)
-    scheduler.servicer.attach(engine, tokenizer, metrics)
-    await engine.start()
-    await engine.wait_until_worker_up()  # READY means SERVING
-    metrics_server = (metrics.serve(args.metrics_port, args.metrics_host)
-                      if args.metrics_port else None)
-    log.info("serving %s (%d KV blocks of %d tokens) on port %d",
-             info.model_name, config.num_blocks, config.block_size, port)
-    # Everything built so far lives as long as the process: keep it out of the
-    # collector's generations so full collections stay short under load.
-    gc.freeze()
-    rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
-
-    async def on_stop() -> None:
-        await engine.close()
-        if metrics_server is not None:
-            metrics_server.stop()
-
-    try:
-        await rpc.run_until_signalled(server, on_stop)
-    finally:
+        config = build_config(args, info)
+        tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
+                                   tuple(info.eos_token_ids))
+        cache = CacheClient(args.cache_address) if args.cache_address else None
         if cache is not None:
-            await cache.close()
-        await worker_channel.close()
+            cleanup.push_async_callback(cache.close)
+        core = Scheduler(config)
+        metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+        engine = Engine(core, worker_channel, cache,
+                        EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing),
+                        metrics=metrics, on_worker_change=scheduler.set_serving,
+                        worker_info=info)
+        scheduler.servicer.attach(engine, tokenizer, metrics)
+        await engine.start()
+        cleanup.push_async_callback(engine.close)
+        async with asyncio.timeout(args.worker_wait):
+            await engine.wait_until_worker_up()  # READY means SERVING
+        if args.metrics_port:
+            cleanup.callback(metrics.serve(args.metrics_port, args.metrics_host).stop)
+        log.info("serving %s (%d KV blocks of %d tokens) on port %d",
+                 info.model_name, config.num_blocks, config.block_size, port)
+        # Everything built so far lives as long as the process: keep it out of
+        # the collector's generations so full collections stay short under load.
+        gc.freeze()
+        rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
+        await rpc.run_until_signalled(server)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstash.metrics import MetricsServer, StatsCollector
+from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler
 
@@ -46,7 +46,6 @@ _COUNTERS = {
     "steps": ("num_steps", "Engine steps scheduled"),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # The finish_reason a client sees (an error ends a request as aborted).
 _REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -72,10 +71,10 @@ class SchedulerMetrics:
         self.e2e_s = latency("e2e_request_latency_seconds",
                              "Arrival to the end of the request, any reason", _LATENCY_BUCKETS)
         self.offload_s = latency("offload_seconds", "Command to commit of one successful offload",
-                                 _TRANSFER_BUCKETS)
+                                 TRANSFER_BUCKETS)
         self.restore_s = latency("restore_seconds",
                                  "Command to completion of one successful restore",
-                                 _TRANSFER_BUCKETS)
+                                 TRANSFER_BUCKETS)
         finished = Counter(_PREFIX + "finished_requests_by_reason",
                            "Requests finished, by finish_reason", ["reason"], registry=r)
         self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 from opentelemetry import trace
 
 from kvstash import errors, rpc
@@ -194,10 +194,7 @@ class SchedulerServer:
 
     async def set_serving(self, serving: bool) -> None:
         """What the health service answers for "" and the Scheduler service."""
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await rpc.set_serving(self.health, [SERVICE_NAME], serving)
 
 
 async def create_scheduler_server(address: str) -> SchedulerServer:

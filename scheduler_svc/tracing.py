@@ -26,7 +26,9 @@ class RequestPhases:
 
     Steps are not spans: a step serves many requests, and a span per step
     would be a trace of its own (hundreds per second, each one span). Step
-    timing is the worker's step histogram; here each phase counts its steps."""
+    timing is the worker's step histogram; here each phase counts its steps.
+    A request preempted by recompute prefills again inside its decode span
+    (the Generate span's "preempted" event marks when)."""
 
     __slots__ = ("_context", "_name", "_num_steps", "_span")
 

@@ -51,6 +51,10 @@ CASES = {
                     "chunk 1 has 1048575 bytes, expected 1048576"),
     "long_last_chunk": ([HEADER, *good([0, 1, 2]), chunk_msg(3, PIECES[3] + b"\0")], BAD,
                         "chunk 3 has 131073 bytes, expected 131072"),
+    # Refused before another chunk is asked for: the put's share of the
+    # in-flight budget covers chunks of the declared size only.
+    "oversize_chunk": ([HEADER, chunk_msg(0, PIECES[0] + b"\0"), *good([1, 2, 3])], BAD,
+                       "more than the header's chunk_bytes 1048576"),
     "checksum_mismatch": ([HEADER, *good([0, 1]), chunk_msg(2, PIECES[2], checksum=12345),
                            *good([3])], grpc.StatusCode.DATA_LOSS, "chunk 2 checksum mismatch"),
     "payload_before_header": ([*good([0]), HEADER, *good([1, 2, 3])], BAD,

@@ -94,7 +94,12 @@ async def test_puts_that_do_not_wait_for_admission_stay_within_the_bound(
         assert (await client.stats()).memory_bytes == 0
     # With the snapshots gone, pooled buffers are unmapped after 1 s idle and
     # the sweeper hands freed heap back: the process returns near idle (gRPC
-    # keeps some of its own buffers: 2-35 MiB more than at start, measured).
-    await wait_until(lambda: process.rss_bytes() <= baseline + 48 * MIB,
-                     "resident memory returns near idle", timeout_s=20)
+    # and the heap keep some: 20-50 MiB more than at start, measured; 1 GiB
+    # more, 70 s after deleting, before memory was handed back).
+    try:
+        await wait_until(lambda: process.rss_bytes() <= baseline + 96 * MIB,
+                         "resident memory returns near idle", timeout_s=20)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {process.rss_bytes() / MIB:.0f} MiB, "
+                             f"{baseline / MIB:.0f} MiB at start") from None
     print(f"idle again: {process.rss_bytes() / MIB:.0f} MiB")

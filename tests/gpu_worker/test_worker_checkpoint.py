@@ -178,6 +178,9 @@ def test_both_rope_layouts_and_defaults() -> None:
     qwen = parse_model_config({**QWEN2, "rope_parameters": {"rope_type": "default",
                                                             "rope_theta": 1e6}})
     assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None
+    # Both dicts present, theta only in rope_parameters: it is still read.
+    both = {**new_layout, "rope_scaling": LLAMA["rope_scaling"]}
+    assert parse_model_config(both).rope_theta == 500000.0
     bare = parse_model_config({k: v for k, v in QWEN2.items() if k != "rope_theta"})
     assert bare.rope_theta == 10000.0  # transformers' own default
     # A Qwen2 export that names a window it does not use loads as full attention.

@@ -165,6 +165,26 @@ async def test_bad_plan_is_invalid_argument_and_server_keeps_serving(harness: Ha
     assert ok[0][0][0] == "z"
 
 
+async def test_long_ids_and_undecodable_bytes_are_short_invalid_arguments(
+        harness: Harness) -> None:
+    long_id = "s" * 10_000
+    for call in (harness.stub.Offload(worker_pb2.OffloadRequest(
+                     request_id="a", snapshot_id=long_id, block_ids=[0], num_tokens=1)),
+                 harness.stub.Restore(worker_pb2.RestoreRequest(
+                     request_id=long_id, snapshot_id="snap", block_ids=[0]))):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "longer than 128 chars" in (info.value.details() or "")
+        assert len(info.value.details() or "") < 200
+    async with insecure_channel(f"127.0.0.1:{harness.worker.port}") as channel:
+        raw = channel.unary_unary("/kvstash.v1.Worker/Offload")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(b"\x0a\x02\xff\xfe")  # request_id with invalid UTF-8
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "<class" not in (info.value.details() or "")
+
+
 async def test_offload_then_restore_into_other_blocks_continues_identically(
         harness: Harness) -> None:
     ids = prompt("Stash me, then bring me back.")

@@ -89,6 +89,36 @@ def test_up_serves_then_a_stop_signal_leaves_nothing_behind(sig: signal.Signals)
     assert not up.log_dir.exists()
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_up_stopped_while_starting_leaves_nothing_behind() -> None:
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.cli", "up", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    # The cache is up and the worker starting: a stop now lands in the wait
+    # for the worker's ready line.
+    deadline = time.monotonic() + 60
+    while len(children := _children(up.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(children) == 2, children
+    up.send_signal(signal.SIGTERM)
+    up.wait(30)
+    # Gone already: stopped and reaped before `up` exited, not left to die
+    # of a broken pipe whenever the worker finishes loading.
+    assert not [pid for pid in children if _alive(pid)]
+
+
 def test_up_names_a_dead_service_and_keeps_its_log() -> None:
     up = start_up()
     os.kill(up.services["worker"][1], signal.SIGKILL)
