@@ -211,8 +211,9 @@ class Engine:
             # A stream that dies while the loop is idle wakes it, so the next
             # request never meets a dead stream or stale cached prefixes.
             call.add_done_callback(lambda _: self._wake.set())
-            await self._set_worker_up(True)
             try:
+                await self._handshake(call)
+                await self._set_worker_up(True)
                 await self._steps(call)
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
@@ -250,6 +251,14 @@ class Engine:
             except grpc.aio.AioRpcError as exc:
                 log.debug("worker not ready (%s: %s)", exc.code().name, exc.details())
             await asyncio.sleep(self._config.worker_retry_s)
+
+    @staticmethod
+    async def _handshake(call: grpc.aio.StreamStreamCall) -> None:
+        """An empty step, answered only once the worker accepted this stream
+        (it refuses a second scheduler): opening a call proves nothing."""
+        await call.write(worker_pb2.StepPlan())
+        if await call.read() is grpc.aio.EOF:
+            raise errors.Unavailable("worker closed the Execute stream")
 
     async def _set_worker_up(self, up: bool) -> None:
         if up == self._worker_up.is_set():

@@ -5,6 +5,7 @@ SERVING (degraded, shown in its stats) without a cache."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstash import rpc
 from kvstash.client import Client
-from kvstash.stack import Service, Stack, StackConfig, running_stack
+from kvstash.stack import Stack, StackConfig, running_stack
+from tests.metrics_helpers import free_port
 
 SERVICES = {
     "scheduler": "kvstash.v1.Scheduler",
@@ -93,15 +95,39 @@ async def test_a_worker_back_with_another_kv_layout_is_not_used(tmp_path: Path) 
         async with rpc.insecure_channel(stack.address) as channel, \
                 Client(stack.address) as client:
             stack.worker = stack.worker.restart({"--num-blocks": "32"})
-            await _eventually(lambda: _log_has(stack.scheduler, "another num_blocks"), 30)
+            await _eventually(lambda: _log_has(stack.scheduler.log_path, "another num_blocks"), 30)
             assert await _scheduler_statuses(channel) == NOT_SERVING
             stack.worker = stack.worker.restart({"--num-blocks": "64"})
             await _eventually(lambda: _statuses_are(channel, SERVING), 30)
             assert (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
 
 
-async def _log_has(service: Service, text: str) -> bool:
-    return text in service.log_path.read_text()
+async def test_a_second_scheduler_on_a_driven_worker_stays_not_serving(tmp_path: Path) -> None:
+    # The worker refuses a second Execute stream; that scheduler must not
+    # flip to SERVING each time it opens one.
+    with running_stack(StackConfig(num_blocks=32), tmp_path) as stack:
+        port = free_port()
+        log_path = tmp_path / "second-scheduler.log"
+        with log_path.open("w") as log:
+            second = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "scheduler_svc", "--listen", f"127.0.0.1:{port}",
+                "--worker-address", stack.worker.address, stdout=asyncio.subprocess.DEVNULL,
+                stderr=log)
+        try:
+            async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await _eventually(lambda: _log_has(log_path, "another scheduler is driving"), 30)
+                for _ in range(20):  # several reconnects, one every second
+                    assert await _scheduler_statuses(channel) == NOT_SERVING
+                    await asyncio.sleep(0.1)
+        finally:
+            second.kill()
+            await second.wait()
+        async with Client(stack.address) as client:  # the first one is undisturbed
+            assert (await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)).token_ids
+
+
+async def _log_has(path: Path, text: str) -> bool:
+    return text in await asyncio.to_thread(path.read_text)
 
 
 async def _statuses_are(channel: grpc.aio.Channel, expected: set[int]) -> bool:
