@@ -120,9 +120,13 @@ def test_mismatched_tensors_are_named(tmp_path: Path, edit: dict[str, torch.Tens
 
 
 def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, LLAMA,
-                     edit={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(12)})
-    load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    # A stored (here: all-zero) rotary table is neither refused as an unknown
+    # tensor nor used: RoPE comes from the config, as without the table.
+    stale = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(12)}
+    source = write_checkpoint(tmp_path, LLAMA, edit=stale)
+    loaded = load_checkpoint(tmp_path, torch.float32, torch.device("cpu")).model
+    tokens = torch.tensor([2, 3, 4, 5, 6, 7, 8])
+    torch.testing.assert_close(loaded.reference_forward(tokens), source.reference_forward(tokens))
 
 
 def test_directory_problems_are_explained(tmp_path: Path) -> None:

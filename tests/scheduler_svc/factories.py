@@ -59,3 +59,10 @@ def step(
 
 def ids(seqs: Sequence[object]) -> list[str]:
     return [seq.request_id for seq in seqs]  # type: ignore[attr-defined]
+
+
+def run_to_end(scheduler: Scheduler) -> None:
+    """Steps until every request finished (offloads and restores must be
+    answered by the caller first)."""
+    while scheduler.has_unfinished_requests:
+        step(scheduler)

@@ -4,13 +4,16 @@ import dataclasses
 
 import pytest
 
-from scheduler_svc.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from tests.scheduler_svc.factories import make_config
 
 
 def test_defaults_and_derived_values() -> None:
-    config = make_config()
-    assert config.max_num_seqs == 8
+    # Only the fields the worker supplies are given: the rest are the defaults.
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=256, vocab_size=100)
+    assert config.max_num_seqs == 64
+    assert config.max_num_batched_tokens == 512
+    assert config.eos_token_ids == ()
     assert config.reservation_policy is ReservationPolicy.NEW_TOKEN_RATIO
     assert config.preemption_mode is PreemptionMode.AUTO
     assert config.init_new_token_ratio == 0.7
@@ -49,3 +52,9 @@ def test_config_is_frozen() -> None:
     config = make_config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_blocks = 1  # type: ignore[misc]
+
+
+def test_snapshot_ids_are_unique_per_scheduler() -> None:
+    assert make_config().snapshot_id_prefix != make_config().snapshot_id_prefix
+    with pytest.raises(ValueError, match="snapshot_id_prefix"):
+        make_config(snapshot_id_prefix="../x")

@@ -249,3 +249,18 @@ def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: b
     stats = scheduler.stats()
     assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
     assert scheduler.is_idle
+
+
+def test_recompute_victims_keep_arrival_order_at_the_front() -> None:
+    scheduler = make_scheduler(num_blocks=8, preemption_mode=PreemptionMode.RECOMPUTE,
+                               reservation_policy=ReservationPolicy.FIXED_BLOCKS,
+                               fixed_blocks_per_decode=0)
+    # Earlier arrivals have longer prompts, so they are preempted first (and
+    # each at its own step, as it fills its block): requeued at the front in
+    # arrival order, whatever order they were preempted in.
+    for i in range(4):
+        add(scheduler, f"r{i}", prompt_len=7 - i, max_tokens=20)
+    while scheduler.stats().num_preemptions_recompute < 2:
+        step(scheduler)
+    waiting = [r.request_id for r in scheduler._waiting]
+    assert waiting == sorted(waiting)

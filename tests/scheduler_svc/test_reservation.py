@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.config import ReservationPolicy
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.reservation import Reservation
-from tests.scheduler_svc.factories import add, make_config, make_scheduler, step
+from tests.scheduler_svc.factories import add, make_config, make_scheduler, run_to_end, step
 
 
 def make_request(max_tokens: int, num_output: int = 0) -> Request:
@@ -95,3 +95,31 @@ def test_admission_keeps_reservation_for_running_decodes(
     output, _ = step(scheduler)
     # "b" needs 4 blocks; 10 are left after "a"'s two: 10 - 4 < 7 under the ratio policy.
     assert ("b" in [s.request_id for s in output.seqs]) is admitted
+
+
+def test_admission_reserves_for_resuming_requests() -> None:
+    # "a" is offloaded, "b" finishes, "a" resumes. While "a" is RESUMING its
+    # decode reservation (2 blocks) must keep a new arrival from taking the
+    # room it is about to grow into.
+    scheduler = make_scheduler(num_blocks=8, preemption_mode=PreemptionMode.OFFLOAD,
+                               reservation_policy=ReservationPolicy.FIXED_BLOCKS,
+                               fixed_blocks_per_decode=2, bytes_per_block=1)
+    add(scheduler, "a", prompt_len=8, max_tokens=20)
+    add(scheduler, "b", prompt_len=4, max_tokens=20)
+    output, _ = step(scheduler)
+    while not output.offloads:
+        output, _ = step(scheduler)
+    [offload] = output.offloads
+    scheduler.finish_offload(offload.request_id, 1)
+    while not output.restores:
+        output, _ = step(scheduler)
+    resuming = scheduler.get_request(offload.request_id)
+    assert resuming is not None and resuming.status is RequestStatus.RESUMING
+    stats = scheduler.stats()
+    assert stats.num_free_blocks + stats.num_evictable_blocks == 4
+    add(scheduler, "late", prompt_len=12, max_tokens=1)  # 3 of the 4: leaves 1 < 2
+    output, _ = step(scheduler)
+    assert "late" not in [s.request_id for s in output.seqs]
+    scheduler.finish_restore(offload.request_id, ok=True)
+    run_to_end(scheduler)
+    assert scheduler.get_request("late") is None  # finished, all the same

@@ -6,7 +6,15 @@ from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument, N
 from scheduler_svc.block_pool import IntegrityError
 from scheduler_svc.request import RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler
-from tests.scheduler_svc.factories import EOS, add, ids, make_config, make_scheduler, step
+from tests.scheduler_svc.factories import (
+    EOS,
+    add,
+    ids,
+    make_config,
+    make_scheduler,
+    run_to_end,
+    step,
+)
 
 
 @pytest.mark.parametrize(
@@ -245,3 +253,17 @@ def test_first_scheduled_time_is_the_first_admission() -> None:
     now[0] = 2.5
     step(scheduler)
     assert req.first_scheduled_time == 2.5 and req.arrival_time == 0.0
+
+
+def test_reset_prefix_cache_stops_prefix_hits() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", prompt_len=12, max_tokens=2)
+    run_to_end(scheduler)
+    assert scheduler.stats().num_evictable_blocks > 0
+    assert scheduler.reset_prefix_cache() > 0
+    stats = scheduler.stats()
+    assert (stats.num_free_blocks, stats.num_evictable_blocks) == (stats.num_total_blocks, 0)
+    add(scheduler, "b", prompt_len=12, max_tokens=2)  # the same prompt as "a"
+    output, _ = step(scheduler)
+    [seq] = output.seqs
+    assert seq.start_pos == 0 and len(seq.token_ids) == 12  # prefilled from scratch
