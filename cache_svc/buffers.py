@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import mmap
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"))
 
 
 class BufferPool:
@@ -93,15 +89,3 @@ def _close(buffer: mmap.mmap) -> None:
     (`ingest.populate`); then its last reference unmaps it."""
     with contextlib.suppress(BufferError):
         buffer.close()
-
-
-def trim_heap() -> None:
-    """Hands malloc's free memory back to the OS (glibc's `malloc_trim`).
-
-    Chunk messages of a burst of puts and gets pass through the heap (see
-    kvstash.malloc_tuning); once they are freed, glibc returns only the free
-    top of each heap by itself and keeps the holes below live blocks
-    resident. The store's sweeper calls this every sweep. No-op without glibc."""
-    trim = getattr(_libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)

@@ -36,9 +36,6 @@ _COUNTERS = {
 }
 
 
-# From a small snapshot over loopback (~1 ms) to a put that waited reserve_wait_s.
-
-
 class TransferMetrics:
     """Durations of completed transfers, in their own registry (one per server,
     so servers in one process do not collide)."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_svc.buffers import BufferPool, trim_heap
+from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
@@ -34,6 +34,7 @@ from kvstash.errors import (
     Unavailable,
     preview,
 )
+from kvstash.malloc_tuning import trim_heap
 
 log = logging.getLogger(__name__)
 

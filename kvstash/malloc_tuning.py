@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,17 @@ _M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 16 << 20
 TRIM_THRESHOLD_BYTES = 64 << 20
 ARENA_MAX = 2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
 
 
 def tune_malloc() -> bool:
@@ -40,12 +52,8 @@ def tune_malloc() -> bool:
     Returns False (and changes nothing) where glibc's mallopt is missing;
     logs a warning if mallopt refuses a setting.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     ok = (
         bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
@@ -55,3 +63,14 @@ def tune_malloc() -> bool:
     if not ok:
         log.warning("mallopt refused; resident memory may exceed the documented bound")
     return ok
+
+
+def trim_heap() -> None:
+    """Hands malloc's free memory back to the OS (glibc's `malloc_trim`).
+
+    Once a burst's chunk buffers are freed, glibc returns only the free top of
+    each heap by itself and keeps the holes below live blocks resident. The
+    cache's sweeper calls this every sweep. No-op without glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
