@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test protos check-protos lint bench clean
+.PHONY: demo test protos check-protos lint bench test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# On a CUDA machine: the tests marked gpu (batch invariance, the preemption
+# oracle and sampling on the device, in bf16), then the worker benchmark on a
+# random-weight Llama-3.2-1B-shaped checkpoint. Without CUDA the tests skip.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m gpu tests/gpu_worker
+
+bench-gpu: test-gpu
+	$(BIN)/python -m bench.worker_bench --model llama-1b --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvstash.cache_client import CacheClient
 from kvstash.malloc_tuning import tune_malloc
-from kvstash.rpc import MIB, parse_bytes
+from kvstash.units import MIB, parse_bytes
 from kvstash.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent

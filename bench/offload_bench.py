@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvstash.client import Client
 from kvstash.stack import StackConfig, running_stack
+from kvstash.units import MIB
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ async def _workload(address: str, mode: str, init_ratio: float, prompts: list[li
         mode=mode, init_ratio=init_ratio, wall_s=wall, num_requests=len(prompts),
         num_preemptions=stats.num_preemptions_offload + stats.num_preemptions_recompute,
         num_recomputed_tokens=stats.num_recomputed_tokens,
-        mib_offloaded=stats.bytes_offloaded / (1 << 20),
+        mib_offloaded=stats.bytes_offloaded / MIB,
         tpot_ms=[t for _, t in done], outputs=[o for o, _ in done],
     )
 

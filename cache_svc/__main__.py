@@ -10,65 +10,75 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc, settings, telemetry
+from kvstash import rpc, settings, telemetry, units
 from kvstash.malloc_tuning import tune_malloc
-from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.metrics import listen_host
 
-_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# Every flag that sets a CacheConfig field defaults to that field's default.
+_DEFAULTS = CacheConfig()
 
 
 def parse_duration(text: str) -> float:
     """"90", "90s", "30m", "1h" -> seconds."""
-    s = text.strip().lower()
-    unit = s[-1] if s and s[-1] in _SECONDS else "s"
     try:
-        return float(s.rstrip("smhd")) * _SECONDS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 30m, 1h)") from None
+        return units.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_size(text: str) -> int:
+    """"8GiB", "512MiB", "4096" -> bytes."""
     try:
-        return rpc.parse_bytes(text)
+        return units.parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    d = _DEFAULTS
     p = argparse.ArgumentParser(
         prog="python -m cache_svc", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Every flag may also be set as KVSTASH_CACHE_<FLAG> (e.g. "
-               "KVSTASH_CACHE_MEMORY_BUDGET=8GiB); the command line wins.")
+               "KVSTASH_CACHE_MEMORY_BUDGET=8GiB); the command line wins. "
+               "Sizes are in bytes, durations in seconds.")
     p.add_argument("--listen", default="127.0.0.1:50071", help="host:port; port 0 = any free")
-    p.add_argument("--memory-budget", type=parse_size, default=1 << 30)
-    p.add_argument("--disk-dir", type=Path, default=None, help="disk tier; omit for none")
-    p.add_argument("--disk-budget", type=parse_size, default=0)
-    p.add_argument("--default-ttl", type=parse_duration, default=3600.0,
-                   help="expiry after the last access for puts that send ttl_s=0")
-    p.add_argument("--sweep-interval", type=parse_duration, default=5.0)
-    p.add_argument("--max-inflight", type=parse_size, default=32 << 20,
+    p.add_argument("--memory-budget", type=parse_size, default=d.memory_budget_bytes,
+                   help="bytes of snapshots kept in memory, e.g. 8GiB")
+    p.add_argument("--disk-dir", type=Path, default=d.disk_dir, help="disk tier; omit for none")
+    p.add_argument("--disk-budget", type=parse_size, default=d.disk_budget_bytes,
+                   help="bytes of snapshots kept on disk, e.g. 100GiB")
+    p.add_argument("--default-ttl", type=parse_duration, default=d.default_ttl_s,
+                   help="expiry after the last access for puts that send ttl_s=0, e.g. 1h")
+    p.add_argument("--sweep-interval", type=parse_duration, default=d.sweep_interval_s,
+                   help="how often expired snapshots are looked for")
+    p.add_argument("--max-inflight", type=parse_size, default=d.max_inflight_bytes,
                    help="chunk payload bytes in flight over all streams")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=CacheConfig().max_concurrent_rpcs,
+    p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
                    help="calls served at once; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--reserve-wait", type=parse_duration, default=10.0,
+    p.add_argument("--reserve-wait", type=parse_duration, default=d.reserve_wait_s,
                    help="how long a put waits for room before RESOURCE_EXHAUSTED")
-    p.add_argument("--io-threads", type=int, default=2)
-    p.add_argument("--bandwidth-limit", type=parse_size, default=0, metavar="BYTES_PER_S",
+    p.add_argument("--io-threads", type=int, default=d.io_threads,
+                   help="threads for disk reads, writes and scans")
+    p.add_argument("--bandwidth-limit", type=parse_size, default=d.bandwidth_limit_bytes_per_s,
+                   metavar="BYTES_PER_S",
                    help="cap on put and get payload bytes per second, all streams "
                         "together, e.g. 2MiB; 0 = unlimited")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
-    p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help="Prometheus port; 0 = off")
+    p.add_argument("--metrics-host", type=listen_host, default=d.metrics_host,
                    help="address the Prometheus endpoint listens on; 0.0.0.0 = every interface")
-    p.add_argument("--buffer-pool", type=parse_size, default=1 << 30,
+    p.add_argument("--buffer-pool", type=parse_size, default=d.buffer_pool_bytes,
                    help="freed snapshot buffers kept (within the memory budget) for "
                         "reuse by puts of the same size; 0 = off")
-    p.add_argument("--buffer-pool-idle", type=parse_duration, default=60.0,
+    p.add_argument("--buffer-pool-idle", type=parse_duration, default=d.buffer_pool_idle_s,
                    help="pooled buffers unused this long are unmapped")
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
     # Test hook: simulates a slow disk (bytes per second).
-    p.add_argument("--disk-throttle", type=parse_size, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--disk-throttle", type=parse_size, default=d.disk_write_bytes_per_s,
+                   help=argparse.SUPPRESS)
     return p
 
 

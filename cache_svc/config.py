@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_svc.snapshot import MAX_CHUNK_BYTES
+from kvstash.chunk_codec import MAX_CHUNK_BYTES
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.units import GIB, MIB
 
-MIB = 1 << 20
-GIB = 1 << 30
 # Chunks of max_inflight_bytes an admitted put holds (see cache_svc.put_stream).
 PUT_SHARE_CHUNKS = 3
 # What gRPC accepts on a stream before the server asks for a message (the

@@ -35,9 +35,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cache_svc.snapshot import SnapshotMeta, validate_snapshot_id
+from cache_svc.snapshot import SnapshotMeta
 from kvstash.errors import DataLoss, InvalidArgument
+from kvstash.ids import check_snapshot_id
 from kvstash.layout import Layout
+from kvstash.units import MIB
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ DATA_OFFSET = 4096  # page-aligned payload; the metadata is far smaller
 CHECKSUM_BYTES = 8  # per chunk, in the trailer
 SUFFIX = ".kvsnap"
 TMP_PREFIX = ".tmp~"
-_WRITE_SLICE = 8 << 20  # bytes per write call: bounds throttle granularity
+_WRITE_SLICE = 8 * MIB  # bytes per write call: bounds throttle granularity
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ class DiskFiles:
         self._write_bytes_per_s = write_bytes_per_s
 
     def path_for(self, snapshot_id: str, token: str) -> Path:
-        validate_snapshot_id(snapshot_id)
+        check_snapshot_id(snapshot_id)
         return self.directory / f"{snapshot_id}~{token}{SUFFIX}"
 
     def write(self, meta: SnapshotMeta, payload: memoryview, checksums: tuple[int, ...]) -> Path:

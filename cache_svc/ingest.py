@@ -13,11 +13,13 @@ import ctypes.util
 import mmap
 import threading
 
-from cache_svc.snapshot import SnapshotMeta, checksum
+from cache_svc.snapshot import SnapshotMeta
+from kvstash.chunk_codec import checksum
 from kvstash.errors import DataLoss, InvalidArgument, preview
+from kvstash.units import MIB
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
-_POPULATE_STEP_BYTES = 16 << 20
+_POPULATE_STEP_BYTES = 16 * MIB
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 

@@ -31,6 +31,7 @@ _COUNTERS = {
     "evictions": ("num_evictions", "Unpinned snapshots evicted under pressure"),
     "spills": ("num_spills", "Snapshots spilled from memory to disk"),
     "expired": ("num_expired", "Snapshots deleted after their TTL"),
+    "consumed": ("num_consumed", "Snapshots deleted by the get that consumed them"),
     "bytes_in": ("bytes_in", "Chunk payload bytes received"),
     "bytes_out": ("bytes_out", "Chunk payload bytes sent"),
 }

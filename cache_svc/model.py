@@ -75,6 +75,7 @@ class CacheStats:
     bytes_in: int
     bytes_out: int
     free_bytes: int
+    num_consumed: int
 
 
 @dataclass(slots=True)
@@ -86,5 +87,6 @@ class Counters:
     num_refused: int = 0
     num_failed_puts: int = 0
     num_expired: int = 0
+    num_consumed: int = 0  # snapshots deleted by the get that consumed them
     bytes_in: int = 0
     bytes_out: int = 0

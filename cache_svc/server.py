@@ -18,13 +18,20 @@ from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.model import SnapshotInfo, TierName
 from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
-from cache_svc.snapshot import CHECKSUM_XXH3_64, MAX_CHUNK_BYTES, SnapshotMeta
+from cache_svc.snapshot import SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
-from kvstash.chunk_codec import RawChunk, decode_put_request, encode_chunk, encode_message
-from kvstash.layout import Layout
+from kvstash.chunk_codec import (
+    CHECKSUM_XXH3_64,
+    MAX_CHUNK_BYTES,
+    RawChunk,
+    decode_put_request,
+    encode_chunk,
+    encode_message,
+)
 from kvstash.metrics import MetricsServer
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvstash.wire import layout_from_proto, layout_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> Sna
         )
     return SnapshotMeta(
         snapshot_id=header.snapshot_id,
-        layout=Layout.of(header.layout),
+        layout=layout_from_proto(header.layout),
         num_blocks=header.num_blocks,
         num_tokens=header.num_tokens,
         total_bytes=header.total_bytes,
@@ -72,13 +79,9 @@ def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> Sna
 
 
 def meta_to_proto(meta: SnapshotMeta) -> cache_pb2.SnapshotHeader:
-    lay = meta.layout
     return cache_pb2.SnapshotHeader(
         snapshot_id=meta.snapshot_id,
-        layout=common_pb2.KvLayout(
-            num_layers=lay.num_layers, block_size=lay.block_size,
-            num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
-        ),
+        layout=layout_to_proto(meta.layout),
         num_blocks=meta.num_blocks,
         num_tokens=meta.num_tokens,
         total_bytes=meta.total_bytes,
@@ -196,9 +199,13 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         started = time.perf_counter()
         store = self._store
         try:
-            reader = await store.open_reader(request.snapshot_id, request.start_chunk)
+            reader = await store.open_reader(request.snapshot_id, request.start_chunk,
+                                             request.consume)
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
+        # Set only once the last chunk's send is done: a get that ends earlier
+        # (the client cancels, a read fails) does not consume the snapshot.
+        finished = False
         try:
             meta = reader.meta
             yield cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta))
@@ -214,8 +221,9 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                     del data
                     yield message
                     del message
+            finished = True
         finally:
-            store.close_reader(reader)
+            store.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)
 
     @rpc.maps_errors

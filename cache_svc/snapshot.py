@@ -8,50 +8,19 @@ sent as chunks of `chunk_bytes` (only the last may be shorter):
     |-- chunk 0 --|-- chunk 1 ----|-- ... --|- last -|
 
 Everything a client sends is validated here, before it reaches a tier; ids in
-particular are checked against a strict alphabet because the disk tier names
-files after them.
+particular are checked against a strict alphabet (`kvstash.ids`) because the
+disk tier names files after them. The chunk size limits and the checksum are
+the wire's (`kvstash.chunk_codec`), shared with CacheClient.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-import xxhash
-
-from kvstash.errors import MAX_ID_CHARS, InvalidArgument, preview
+from kvstash.chunk_codec import CHECKSUM_XXH3_64, check_chunk_bytes
+from kvstash.errors import InvalidArgument
+from kvstash.ids import check_snapshot_id
 from kvstash.layout import Layout
-
-MIB = 1 << 20
-MIN_CHUNK_BYTES = 1 * MIB
-MAX_CHUNK_BYTES = 4 * MIB
-CHECKSUM_XXH3_64 = "xxh3_64"
-
-_ID_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_ID_CHARS}}}")
-
-
-def validate_snapshot_id(snapshot_id: str) -> str:
-    """Returns the id unchanged or raises InvalidArgument saying what is wrong
-    (quoting no more of the id than `kvstash.errors.preview` does)."""
-    if not snapshot_id:
-        raise InvalidArgument(
-            f"snapshot id is empty; need 1-{MAX_ID_CHARS} chars of [A-Za-z0-9._-]"
-        )
-    if len(snapshot_id) > MAX_ID_CHARS:
-        raise InvalidArgument(
-            f"snapshot id has {len(snapshot_id)} chars, at most {MAX_ID_CHARS} allowed"
-        )
-    if _ID_PATTERN.fullmatch(snapshot_id) is None:
-        raise InvalidArgument(
-            f"snapshot id {preview(snapshot_id)} has characters outside [A-Za-z0-9._-]"
-        )
-    if snapshot_id.startswith("."):
-        raise InvalidArgument(f"snapshot id {preview(snapshot_id)} must not start with '.'")
-    return snapshot_id
-
-
-def checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +38,7 @@ class SnapshotMeta:
     checksum_algorithm: str = CHECKSUM_XXH3_64
 
     def __post_init__(self) -> None:
-        validate_snapshot_id(self.snapshot_id)
+        check_snapshot_id(self.snapshot_id)
         if self.num_blocks <= 0:
             raise InvalidArgument(f"num_blocks is {self.num_blocks}, must be > 0")
         if self.num_tokens < 0 or self.num_tokens > self.num_blocks * self.layout.block_size:
@@ -83,11 +52,7 @@ class SnapshotMeta:
                 f"total_bytes is {self.total_bytes}, but {self.num_blocks} blocks of "
                 f"{self.layout.bytes_per_block} bytes make {expected}"
             )
-        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidArgument(
-                f"chunk_bytes is {self.chunk_bytes}, must be in "
-                f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] (1-4 MiB)"
-            )
+        check_chunk_bytes(self.chunk_bytes)
         if self.checksum_algorithm != CHECKSUM_XXH3_64:
             raise InvalidArgument(
                 f"checksum algorithm {self.checksum_algorithm!r} unsupported; "

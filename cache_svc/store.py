@@ -4,7 +4,8 @@ Plain asyncio and no gRPC. A put is `reserve_put` (reserve, or wait for
 spills, or ResourceExhausted), `begin_put` (map the buffer) or `release_put`,
 `PutSession.accept` per chunk, then `commit_put` or `abort_put`. A get is
 `open_reader`, `read_chunk` per chunk, then `close_reader`; disk failures
-during a get are DataLoss or Unavailable naming the snapshot and chunk.
+during a get are DataLoss or Unavailable naming the snapshot and chunk. A
+consuming get deletes the snapshot when it closes having read every chunk.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
-from cache_svc.snapshot import SnapshotMeta, validate_snapshot_id
+from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
 from kvstash.errors import (
     AlreadyExists,
@@ -34,6 +35,7 @@ from kvstash.errors import (
     Unavailable,
     preview,
 )
+from kvstash.ids import check_snapshot_id
 from kvstash.malloc_tuning import trim_heap
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class Reader:
     # The file `fd` was opened from (for messages): a delete meanwhile unsets
     # entry.path, while the open file still reads.
     path: Path | None = None
+    consume: bool = False  # delete the snapshot once every chunk has been read
 
     @property
     def meta(self) -> SnapshotMeta:
@@ -143,9 +146,13 @@ class SnapshotStore:
 
     # -- gets, deletes, stats -------------------------------------------------
 
-    async def open_reader(self, snapshot_id: str, start_chunk: int = 0) -> Reader:
+    async def open_reader(
+        self, snapshot_id: str, start_chunk: int = 0, consume: bool = False
+    ) -> Reader:
+        """Holds the snapshot (never spilled, evicted or expired meanwhile) until
+        `close_reader`. With `consume`, that deletes it if the get finished."""
         tiers = self._tiers
-        entry = tiers.lookup(validate_snapshot_id(snapshot_id))
+        entry = tiers.lookup(check_snapshot_id(snapshot_id))
         if start_chunk > entry.meta.num_chunks:
             raise InvalidArgument(
                 f"start_chunk {start_chunk} is past the last chunk: snapshot "
@@ -166,8 +173,8 @@ class SnapshotStore:
                 if isinstance(exc, OSError):
                     raise self._disk_failure(entry, path, start_chunk, exc) from exc
                 raise
-            return Reader(entry, fd, path)
-        return Reader(entry, None)
+            return Reader(entry, fd, path, consume)
+        return Reader(entry, None, consume=consume)
 
     async def read_chunk(self, reader: Reader, index: int) -> tuple[bytes | memoryview, int]:
         """Chunk `index` and the checksum verified when it was put (never one
@@ -212,20 +219,29 @@ class SnapshotStore:
         log.warning("snapshot %s, chunk %d: reading %s failed: %s", sid, index, path, exc)
         return Unavailable(f"{where}: reading from disk failed: {exc.strerror or exc}")
 
-    def close_reader(self, reader: Reader) -> None:
+    def close_reader(self, reader: Reader, finished: bool = False) -> None:
+        """Ends a get; `finished` says every chunk it asked for was sent. A
+        finished consuming get deletes the snapshot, unless it was dropped (or
+        dropped and put again) meanwhile. Other gets of it read on: a memory
+        copy is freed, and an unlinked file's space returned, once the last
+        of them closes."""
         tiers = self._tiers
+        entry = reader.entry
         if reader.fd is not None:
             tiers.spawn(tiers.run_io(os.close, reader.fd))
             reader.fd = None
-        reader.entry.num_readers -= 1
-        tiers.settle(reader.entry)
+        if finished and reader.consume and tiers.lists(entry):
+            tiers.drop(entry)
+            self._counters.num_consumed += 1
+        entry.num_readers -= 1
+        tiers.settle(entry)
         tiers.notify()
 
     def delete(self, snapshot_id: str) -> None:
-        self._tiers.drop(self._tiers.lookup(validate_snapshot_id(snapshot_id)))
+        self._tiers.drop(self._tiers.lookup(check_snapshot_id(snapshot_id)))
 
     def stat(self, snapshot_id: str) -> SnapshotInfo:
-        entry = self._tiers.lookup(validate_snapshot_id(snapshot_id))
+        entry = self._tiers.lookup(check_snapshot_id(snapshot_id))
         return SnapshotInfo(entry.meta, entry.tier)
 
     def sweep_expired(self) -> int:
@@ -282,6 +298,7 @@ class SnapshotStore:
             num_puts=c.num_puts, num_gets=c.num_gets, num_refused=c.num_refused,
             num_failed_puts=c.num_failed_puts, num_evictions=tiers.num_evictions,
             num_spills=tiers.num_spills, num_expired=c.num_expired,
+            num_consumed=c.num_consumed,
             bytes_in=c.bytes_in, bytes_out=c.bytes_out,
             free_bytes=tiers.memory_free() + tiers.disk_free(),
         )

@@ -16,6 +16,7 @@ from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
 from kvstash import settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
+from kvstash.units import parse_bytes
 
 log = logging.getLogger("gpu_worker")
 _DEFAULTS = WorkerConfig()
@@ -46,9 +47,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--cache-address", default=_DEFAULTS.cache_address,
                    help="KV cache service host:port; empty = offload unavailable")
     p.add_argument("--cache-timeout-s", type=float, default=_DEFAULTS.cache_timeout_s,
-                   help="deadline for one offload or restore transfer")
+                   help="deadline of an offload or restore whose caller sent none")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="tiny-model weights and unseeded sampling")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS.batch_invariant,
+                   help="compute each row independently of its step (outputs identical under "
+                        "preemption); --no-batch-invariant is faster on big batches")
+    p.add_argument("--row-tile", type=int, default=_DEFAULTS.row_tile,
+                   help="rows per batch-invariant tile; unset = 128 on CUDA, 16 on CPU")
+    p.add_argument("--host-pool", type=parse_bytes, default=_DEFAULTS.host_pool_bytes,
+                   help="idle host buffers kept for offload/restore (pinned on CUDA)")
     p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
                    help="Prometheus /metrics port; 0 = off")
     p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
@@ -59,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             num_blocks=args.num_blocks, max_model_len=args.max_model_len,
             cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
-            seed=args.seed, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            seed=args.seed, batch_invariant=args.batch_invariant, row_tile=args.row_tile,
+            host_pool_bytes=args.host_pool, metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -11,11 +11,15 @@ import re
 from dataclasses import dataclass
 
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.units import GIB
 
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
 DTYPES = (AUTO_DTYPE, "float32", "float64", "float16", "bfloat16")
 TINY_MODEL = "tiny"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+
+
+DEFAULT_HOST_POOL_BYTES = 2 * GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +31,16 @@ class WorkerConfig:
     num_blocks: int = 512  # blocks in the KV-cache tensor
     max_model_len: int | None = None  # cap below the model's own limit; None = the model's
     cache_address: str = ""  # KV cache service "host:port"; "" = offload unavailable
-    cache_timeout_s: float = 60.0  # bound on one offload or restore transfer
+    # Bound on an offload or restore whose caller sent no deadline (a caller's
+    # deadline, e.g. the scheduler's transfer timeout, governs otherwise).
+    cache_timeout_s: float = 60.0
     seed: int = 0  # tiny-model weights and unseeded sampling
+    # A row's numbers do not depend on the rest of its step (gpu_worker/batched.py):
+    # greedy outputs stay identical under preemption. Off: faster, not invariant.
+    batch_invariant: bool = True
+    row_tile: int | None = None  # rows per invariant tile; None = the device's default
+    # Idle pooled host buffers for offload/restore kept at most (pinned on CUDA).
+    host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     metrics_host: str = DEFAULT_METRICS_HOST  # /metrics listens here; 0.0.0.0 = everywhere
 
@@ -51,6 +63,10 @@ class WorkerConfig:
             raise ValueError(f"cache_timeout_s must be > 0, got {self.cache_timeout_s}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.row_tile is not None and not 1 <= self.row_tile <= 4096:
+            raise ValueError(f"row_tile must be in [1, 4096], got {self.row_tile}")
+        if self.host_pool_bytes < 0:
+            raise ValueError(f"host_pool_bytes must be >= 0, got {self.host_pool_bytes}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         listen_host(self.metrics_host, "metrics_host")

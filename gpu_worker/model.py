@@ -13,10 +13,10 @@ num_kv_heads, head_dim]`. A sequence's block table maps positions to slots:
                [ already in the cache ][ written by this call  ]
                [ read by attention (causal: query i sees keys <= its position) ]
 
-Every call computes one sequence. Batching several sequences into one matmul
-would change the reduction order per row (kernels pick blocking by shape), so
-a request's logits would depend on its neighbours; one sequence per call keeps
-them bitwise identical whatever else runs in the step.
+`forward_paged` computes one sequence per call: the per-sequence path, kept as
+the reference the batched one is measured and checked against. The runner's
+batched path (one forward for the whole step, see `batched.py`) reuses these
+modules' weights and `apply_rotary`.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its output head. `forward_paged` is what the runner uses;
-    `reference_forward` is plain full causal attention, for tests."""
+    """The decoder plus its output head. `forward_paged` is the per-sequence
+    path; `reference_forward` is plain full causal attention, for tests."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -213,7 +213,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
         self._inv_freq = rotary_inv_freq(cfg).to(device)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, 1, head_dim] in the model's dtype (angles in float64)."""
         angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [n, 1, head_dim]
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
@@ -221,7 +222,7 @@ class CausalLM(nn.Module):
     def _run(self, token_ids: torch.Tensor, positions: torch.Tensor,
              paged_for_layer: list[PagedKv] | None, all_logits: bool) -> torch.Tensor:
         x = self.model.embed_tokens(token_ids)
-        cos, sin = self._rotary(positions)
+        cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
             paged = None if paged_for_layer is None else paged_for_layer[i]
             x = layer(x, positions, cos, sin, paged)

@@ -4,22 +4,38 @@ Domain-level only (no grpc, no protos): the server converts plans into `SeqWork`
 and calls `execute`. Every input is validated before anything is written, so
 a rejected step leaves the cache untouched.
 
+A step (`execute`, batched) is: pack every sequence's tokens on the host into
+one staged buffer, one copy to the device, one forward over all rows
+(`batched.py`), sampling of every sampling row on the device, and one copy of
+the sampled ids back: the step's only host<->device sync. `execute(...,
+batched=False)` is the per-sequence path (one forward and one sync per
+sequence), kept to compare against.
+
 Calls are not thread-safe; the server funnels steps, gathers and scatters
 through one thread so that a copy never races a step writing the same blocks.
+The host block pool (`lend_host_blocks`) is the exception: it is thread-safe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.batched import BatchedForward, default_row_tile
 from gpu_worker.checkpoint import load_model
-from gpu_worker.config import ModelConfig, WorkerConfig
+from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
+from gpu_worker.host_buffers import HostBlockPool
 from gpu_worker.model import CausalLM
-from gpu_worker.sampling import GREEDY, SamplingParams, sample
+from gpu_worker.sampling import GREEDY, SamplingParams, sample, sample_rows
+from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
+
+# Idle pooled host buffers kept for reuse by offload and restore.
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +68,13 @@ class KvLayoutSpec:
 class ModelRunner:
     def __init__(self, model: CausalLM, *, block_size: int, num_blocks: int,
                  max_model_len: int | None = None, seed: int = 0, name: str = "tiny",
-                 tokenizer_json: str = "") -> None:
+                 tokenizer_json: str = "", batch_invariant: bool = True,
+                 row_tile: int | None = None, attention: AttentionBackend | None = None,
+                 host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES) -> None:
+        """batch_invariant: a row's numbers do not depend on the rest of its step
+        (see batched.py), in `row_tile` row tiles (None = the device's default).
+        Off: each op runs once over all rows, faster, not invariant.
+        attention: None = flash on CUDA in fp16/bf16, else torch."""
         cfg = model.config
         self.model = model
         self.name = name
@@ -68,6 +90,13 @@ class ModelRunner:
             dtype=model.dtype, device=model.device,
         )
         self._process_gen = torch.Generator().manual_seed(seed)
+        self.row_tile = (row_tile or default_row_tile(self.device)) if batch_invariant else None
+        self.batched = BatchedForward(model, block_size, self.max_model_len, self.row_tile,
+                                      attention)
+        self._staging = StepStaging(self.device)
+        self.host_pool = HostBlockPool(
+            (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype,
+            pinned=self.device.type == "cuda", max_idle_bytes=host_pool_bytes)
 
     @property
     def layout(self) -> KvLayoutSpec:
@@ -107,16 +136,26 @@ class ModelRunner:
 
     def check_step(self, seqs: Sequence[SeqWork]) -> None:
         """Every problem a step could hit, raised before any KV is written."""
-        written: dict[int, str] = {}  # slot -> request writing it
         seen_requests: set[str] = set()
         for seq in seqs:
             if seq.request_id in seen_requests:
                 raise InvalidArgument(f"request {seq.request_id!r} appears twice in one step")
             seen_requests.add(seq.request_id)
             self._check_seq(seq)
-            for pos in range(seq.start_pos, seq.start_pos + len(seq.token_ids)):
-                block, offset = divmod(pos, self.block_size)
-                slot = seq.block_ids[block] * self.block_size + offset
+        slots = [self._write_slots(seq) for seq in seqs]
+        flat = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        if len(np.unique(flat)) != len(flat):
+            self._raise_shared_slot(seqs, slots)
+
+    def _write_slots(self, seq: SeqWork) -> np.ndarray:
+        pos = np.arange(seq.start_pos, seq.start_pos + len(seq.token_ids))
+        table = np.asarray(seq.block_ids[: -(-int(pos[-1] + 1) // self.block_size)])
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _raise_shared_slot(self, seqs: Sequence[SeqWork], slots: list[np.ndarray]) -> None:
+        written: dict[int, str] = {}  # slot -> request writing it
+        for seq, seq_slots in zip(seqs, slots, strict=True):
+            for slot in seq_slots.tolist():
                 other = written.setdefault(slot, seq.request_id)
                 if other != seq.request_id:
                     raise InvalidArgument(
@@ -126,9 +165,40 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------
 
-    def execute(self, seqs: Sequence[SeqWork]) -> list[int | None]:
-        """Runs one step; the sampled token per sequence (None where sample is unset)."""
+    def execute(self, seqs: Sequence[SeqWork], batched: bool = True) -> list[int | None]:
+        """Runs one step; the sampled token per sequence (None where sample is unset).
+        batched=False: the per-sequence path (one forward and one sync each)."""
         self.check_step(seqs)
+        if not seqs:
+            return []
+        if not batched:
+            return self._execute_per_sequence(seqs)
+        host = pack_step(seqs, self.block_size, self.row_tile, self._process_gen)
+        step = self._staging.stage(host)
+        hidden = self.batched.hidden(step, self.kv_cache)
+        out: list[int | None] = [None] * len(seqs)
+        if not host.num_sampled:
+            return out
+        logits = self.batched.logits(hidden[step.sample_rows])
+        tokens = sample_rows(logits, step.sampling, self.row_tile)
+        sampled = [i for i, seq in enumerate(seqs) if seq.sample]
+        for i, token in zip(sampled, tokens[: host.num_sampled].tolist(), strict=True):
+            out[i] = token
+        return out
+
+    def logits(self, seqs: Sequence[SeqWork]) -> torch.Tensor:
+        """The batched path's logits after each sequence's last token, [len(seqs),
+        vocab], running the step (its KV is written; nothing is sampled)."""
+        self.check_step(seqs)
+        host = pack_step(seqs, self.block_size, self.row_tile, self._process_gen)
+        step = self._staging.stage(host)
+        hidden = self.batched.hidden(step, self.kv_cache)
+        last = torch.from_numpy(host.query_start[1:] - 1).to(self.device)
+        rows = torch.zeros(host.num_rows, dtype=torch.long, device=self.device)
+        rows[: len(seqs)] = last
+        return self.batched.logits(hidden[rows])[: len(seqs)]
+
+    def _execute_per_sequence(self, seqs: Sequence[SeqWork]) -> list[int | None]:
         out: list[int | None] = []
         for seq in seqs:
             logits = self.forward(seq)
@@ -140,8 +210,8 @@ class ModelRunner:
         return out
 
     def forward(self, seq: SeqWork, all_logits: bool = False) -> torch.Tensor:
-        """Logits after the last token ([vocab]) or for every token ([n, vocab]).
-        Trusts its input; `execute` validates."""
+        """Per-sequence path: logits after the last token ([vocab]) or for every
+        token ([n, vocab]). Trusts its input; `execute` validates."""
         tokens = torch.tensor(list(seq.token_ids), dtype=torch.long, device=self.device)
         table = torch.tensor(list(seq.block_ids), dtype=torch.long, device=self.device)
         return self.model.forward_paged(tokens, seq.start_pos, self.kv_cache, table, all_logits)
@@ -149,10 +219,18 @@ class ModelRunner:
     # ---- block copies for offload / restore -------------------------------
 
     def empty_host_blocks(self, num_blocks: int) -> torch.Tensor:
-        """A host buffer for `num_blocks` blocks, pinned when the cache lives on a GPU
-        (so copies to and from it are DMA, not staged through pageable memory)."""
+        """A new host buffer for `num_blocks` blocks, pinned when the cache lives on
+        a GPU (so copies are DMA, not staged through pageable memory). Offload and
+        restore should borrow from the pool instead (`lend_host_blocks`)."""
         shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def lend_host_blocks(self, num_blocks: int) -> Iterator[torch.Tensor]:
+        """A pooled host buffer [L, 2, num_blocks, block_size, kv_heads, head_dim]
+        for the `with` block, then back to the pool (thread-safe; see host_buffers)."""
+        with self.host_pool.lend(num_blocks) as blocks:
+            yield blocks
 
     def _index(self, block_ids: Sequence[int], what: str) -> torch.Tensor:
         if not block_ids:
@@ -162,22 +240,32 @@ class ModelRunner:
             raise InvalidArgument(f"{what}: block ids {list(block_ids)} repeat")
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
-    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The blocks, in the given order, as one contiguous host tensor
-        [L, 2, len(block_ids), block_size, kv_heads, head_dim]."""
-        index = self._index(block_ids, "gather")
-        host = self.empty_host_blocks(len(block_ids))
-        host.copy_(self.kv_cache.index_select(2, index))
-        return host
-
-    def scatter_blocks(self, block_ids: Sequence[int], host: torch.Tensor) -> None:
-        """Writes host blocks (as `gather_blocks` returns them) into `block_ids`."""
-        index = self._index(block_ids, "scatter")
-        want = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+    def _check_host(self, host: torch.Tensor, num_blocks: int, what: str) -> None:
+        want = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
         if tuple(host.shape) != want or host.dtype != self.dtype:
             raise InvalidArgument(
-                f"scatter: got {host.dtype} {list(host.shape)}, want {self.dtype} {list(want)}"
+                f"{what}: got {host.dtype} {list(host.shape)}, want {self.dtype} {list(want)}"
             )
+
+    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks, in the given order, as one new contiguous host tensor
+        [L, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        host = self.empty_host_blocks(len(block_ids))
+        self.gather_blocks_into(block_ids, host)
+        return host
+
+    def gather_blocks_into(self, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        """Like gather_blocks, into `host` (e.g. a buffer from lend_host_blocks).
+        Returns once the copy is complete."""
+        index = self._index(block_ids, "gather")
+        self._check_host(host, len(block_ids), "gather")
+        host.copy_(self.kv_cache.index_select(2, index))
+
+    def scatter_blocks(self, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        """Writes host blocks (as `gather_blocks` returns them) into `block_ids`.
+        Returns once `host` has been read (it may then go back to its pool)."""
+        index = self._index(block_ids, "scatter")
+        self._check_host(host, len(block_ids), "scatter")
         self.kv_cache.index_copy_(2, index, host.to(self.device))
 
 
@@ -186,4 +274,6 @@ def build_runner(config: WorkerConfig) -> ModelRunner:
     loaded = load_model(config)
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,
-                       tokenizer_json=loaded.tokenizer_json)
+                       tokenizer_json=loaded.tokenizer_json,
+                       batch_invariant=config.batch_invariant, row_tile=config.row_tile,
+                       host_pool_bytes=config.host_pool_bytes)

@@ -9,6 +9,10 @@ NOT_SERVING (for "" and the Worker service), so a readiness probe can tell a
 worker that is starting from one that is gone; GetInfo waits for the model
 (within the caller's deadline, as `wait_for_ready` waits for the port) and the
 other Worker calls fail UNAVAILABLE.
+
+Offload and Restore bound their cache calls by the caller's deadline
+(`context.time_remaining()`), so one transfer has one deadline end to end;
+`cache_timeout_s` applies only to calls sent without one.
 """
 
 from __future__ import annotations
@@ -26,29 +30,24 @@ from grpc_health.v1 import health
 from gpu_worker.config import WorkerConfig
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.runner import ModelRunner, SeqWork, build_runner
-from gpu_worker.sampling import GREEDY, SamplingParams
-from gpu_worker.transfer import KvTransfer, SnapshotStore, layout_proto
+from gpu_worker.transfer import KvTransfer, SnapshotClient
 from kvstash import errors
 from kvstash.cache_client import CacheClient
+from kvstash.ids import check_request_id, check_snapshot_id
 from kvstash.metrics import MetricsServer
 from kvstash.rpc import abort_with, create_server, maps_errors, set_serving
-from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvstash.sampling import GREEDY
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from kvstash.wire import layout_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=float(p.temperature),
-        top_k=int(p.top_k),
-        top_p=float(p.top_p) if p.top_p != 0.0 else 1.0,  # proto 0 = unset = off
-        seed=int(p.seed) if p.HasField("seed") else None,
-    )
-
-
 def seq_from_proto(p: worker_pb2.SeqWork) -> SeqWork:
+    """Raises InvalidArgument naming a bad sampling value of a sampling chunk
+    (the sampling of a chunk that samples nothing is not read)."""
     return SeqWork(
         request_id=p.request_id,
         token_ids=list(p.token_ids),
@@ -66,7 +65,7 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
         vocab_size=cfg.vocab_size,
         max_model_len=runner.max_model_len,
         eos_token_ids=list(cfg.eos_token_ids),
-        kv_layout=layout_proto(runner.layout),
+        kv_layout=layout_to_proto(runner.layout),
         num_blocks=runner.num_blocks,
         device=str(runner.kv_cache.device),
         tokenizer_json=runner.tokenizer_json.encode("utf-8"),
@@ -82,10 +81,10 @@ class _Model(NamedTuple):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, store: SnapshotStore | None, cache_timeout_s: float,
+    def __init__(self, cache: SnapshotClient | None, cache_timeout_s: float,
                  metrics: WorkerMetrics) -> None:
-        self._store = store
-        self._cache_timeout_s = cache_timeout_s
+        self._cache = cache
+        self._cache_timeout_s = cache_timeout_s  # for transfers sent without a deadline
         self._metrics = metrics
         # One thread: loading, steps, gathers and scatters are serialized by construction.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
@@ -96,7 +95,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def attach(self, runner: ModelRunner) -> None:
         """Starts serving Worker calls with `runner`."""
-        transfer = KvTransfer(runner, self._compute, self._store, self._cache_timeout_s)
+        transfer = KvTransfer(runner, self._compute, self._cache)
         self._model = _Model(runner, transfer, info_proto(runner))
         self._model_ready.set()
         log.info("model %s ready: %s on %s, %d KV blocks of %d tokens", runner.name,
@@ -113,8 +112,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._model
 
     async def close(self) -> None:
-        if self._store is not None:
-            await self._store.close()
+        if self._cache is not None:
+            await self._cache.close()
         # Not waiting: a step still running would block the event loop; its
         # thread ends on its own once the step is done.
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -174,12 +173,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Offload(self, request: worker_pb2.OffloadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.OffloadResponse:
-        _check_ids(request.request_id, request.snapshot_id)
+        check_request_id(request.request_id)
+        check_snapshot_id(request.snapshot_id)
+        deadline = self._deadline(context)
         transfer = self._loaded().transfer
         start = time.perf_counter()
         num_bytes = await transfer.offload(
             request.snapshot_id, list(request.block_ids), request.num_tokens,
-            pinned=request.pinned, ttl_s=request.ttl_s,
+            pinned=request.pinned, ttl_s=request.ttl_s, deadline=deadline,
         )
         self._metrics.observe_offload(num_bytes, time.perf_counter() - start)
         log.info("offloaded %s: %d blocks, %d bytes", request.request_id,
@@ -189,23 +190,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @maps_errors
     async def Restore(self, request: worker_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.RestoreResponse:
-        _check_ids(request.request_id, request.snapshot_id)
+        check_request_id(request.request_id)
+        check_snapshot_id(request.snapshot_id)
+        deadline = self._deadline(context)
         transfer = self._loaded().transfer
         start = time.perf_counter()
-        num_bytes = await transfer.restore(request.snapshot_id, list(request.block_ids))
+        num_bytes = await transfer.restore(request.snapshot_id, list(request.block_ids),
+                                           deadline)
         self._metrics.observe_restore(num_bytes, time.perf_counter() - start)
         log.info("restored %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)
         return worker_pb2.RestoreResponse(num_bytes=num_bytes)
 
-
-def _check_ids(request_id: str, snapshot_id: str) -> None:
-    """The cache checks snapshot ids fully; this keeps long ones out of our
-    messages and logs before anything is gathered."""
-    for name, value in (("request_id", request_id), ("snapshot_id", snapshot_id)):
-        if len(value) > errors.MAX_ID_CHARS:
-            raise errors.InvalidArgument(
-                f"{name} {errors.preview(value)} is longer than {errors.MAX_ID_CHARS} chars")
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float:
+        """When this call's cache transfer must be done, in event-loop time:
+        the caller's deadline, or cache_timeout_s from now if it sent none."""
+        remaining = context.time_remaining()
+        budget = self._cache_timeout_s if remaining is None else remaining
+        return asyncio.get_running_loop().time() + budget
 
 
 class WorkerServer(NamedTuple):
@@ -223,10 +225,12 @@ class WorkerServer(NamedTuple):
             self.metrics_server.stop()
 
 
-def connect_store(config: WorkerConfig) -> SnapshotStore | None:
+def connect_cache(config: WorkerConfig) -> SnapshotClient | None:
+    """A client of the cache service `config` names; None if it names none.
+    Its calls get their deadlines from each Offload and Restore."""
     if not config.cache_address:
         return None
-    return CacheClient(config.cache_address, timeout_s=config.cache_timeout_s)
+    return CacheClient(config.cache_address)
 
 
 async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer,
@@ -237,13 +241,13 @@ async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.a
 
 async def create_worker_server(config: WorkerConfig, address: str,
                                runner: ModelRunner | None = None,
-                               store: SnapshotStore | None = None) -> WorkerServer:
+                               cache: SnapshotClient | None = None) -> WorkerServer:
     """Starts a Worker server on `address` (port 0 = any free) and, unless a
     `runner` is given (tests), starts loading the model `config` names; await
-    `loaded` for it. `store` defaults to the cache service `config` names."""
-    store = store if store is not None else connect_store(config)
+    `loaded` for it. `cache` defaults to the cache service `config` names."""
+    cache = cache if cache is not None else connect_cache(config)
     metrics = WorkerMetrics()
-    servicer = WorkerServicer(store, config.cache_timeout_s, metrics)
+    servicer = WorkerServicer(cache, config.cache_timeout_s, metrics)
     metrics_server = (MetricsServer(metrics.registry, config.metrics_port, config.metrics_host)
                       if config.metrics_port else None)
     try:

@@ -5,9 +5,10 @@
 
 Gathers and scatters run on the compute thread, between steps, so a copy never
 overlaps a step that writes the same blocks. Streaming runs on the event loop,
-so steps keep going while bytes move. Every cache call has a deadline: a stuck
-cache service fails the transfer (UNAVAILABLE) and the scheduler falls back to
-recompute, instead of a request waiting forever.
+so steps keep going while bytes move. Every cache call has a deadline, the
+caller's (see `KvTransfer._bounded`): a stuck cache service fails the transfer
+(UNAVAILABLE) and the scheduler falls back to recompute, instead of a request
+waiting forever.
 """
 
 from __future__ import annotations
@@ -21,29 +22,27 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
-from gpu_worker.runner import KvLayoutSpec, ModelRunner
+from gpu_worker.runner import ModelRunner
 from kvstash import errors
 from kvstash.v1 import cache_pb2, common_pb2
+from kvstash.wire import layout_to_proto
 
 T = TypeVar("T")
 
 
-class SnapshotStore(Protocol):
-    """What the worker needs of `kvstash.cache_client.CacheClient`."""
+class SnapshotClient(Protocol):
+    """What the worker needs of `kvstash.cache_client.CacheClient`: every
+    call is bounded by the `timeout_s` it is given."""
 
     async def put(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
                   num_tokens: int, data: memoryview, pinned: bool = True,
-                  ttl_s: int = 0) -> int: ...
+                  ttl_s: int = 0, timeout_s: float | None = None) -> int: ...
 
-    async def get_into(self, snapshot_id: str, out: memoryview) -> cache_pb2.SnapshotHeader: ...
+    async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
+                       consume: bool = False,
+                       timeout_s: float | None = None) -> cache_pb2.SnapshotHeader: ...
 
     async def close(self) -> None: ...
-
-
-def layout_proto(spec: KvLayoutSpec) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(num_layers=spec.num_layers, block_size=spec.block_size,
-                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                               dtype=spec.dtype)
 
 
 def byte_view(host: torch.Tensor) -> memoryview:
@@ -55,65 +54,91 @@ def byte_view(host: torch.Tensor) -> memoryview:
 class KvTransfer:
     runner: ModelRunner
     compute: Executor  # the single thread that also runs steps
-    store: SnapshotStore | None  # None = no cache service configured
-    timeout_s: float
+    cache: SnapshotClient | None  # None = no cache service configured
 
-    def _store(self, what: str) -> SnapshotStore:
-        if self.store is None:
+    def _cache(self, what: str) -> SnapshotClient:
+        if self.cache is None:
             raise errors.FailedPrecondition(f"{what}: this worker has no cache service address")
-        return self.store
+        return self.cache
 
     async def _on_compute(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
-    async def _bounded(self, call: Awaitable[T], what: str) -> T:
+    @staticmethod
+    async def _bounded(call: Callable[[float], Awaitable[T]], deadline: float, what: str) -> T:
+        """Runs `call(timeout_s)` with the time left until `deadline` (event-loop
+        time). The client gets the same deadline, so the cache service stops
+        when we do; `wait_for` also bounds a client that ignores it."""
+        timeout_s = deadline - asyncio.get_running_loop().time()
+        if timeout_s <= 0:
+            raise errors.Unavailable(f"{what}: no time left for the cache service")
         try:
-            return await asyncio.wait_for(call, self.timeout_s)
+            return await asyncio.wait_for(call(timeout_s), timeout_s)
         except TimeoutError:
             raise errors.Unavailable(
-                f"{what}: cache service did not finish within {self.timeout_s:g} s"
+                f"{what}: cache service did not finish within {timeout_s:.2f} s"
             ) from None
         except grpc.RpcError as exc:  # the client should map these; never leak UNKNOWN
             raise errors.Unavailable(f"{what}: cache service call failed: {exc}") from None
 
     async def offload(self, snapshot_id: str, block_ids: Sequence[int], num_tokens: int,
-                      pinned: bool, ttl_s: int) -> int:
+                      pinned: bool, ttl_s: int, deadline: float) -> int:
         """Returns the bytes the cache service committed. Until this returns the
-        caller must not reuse the blocks (they may still be being read)."""
+        caller must not reuse the blocks (they may still be being read). The
+        put must finish by `deadline` (event-loop time)."""
         what = f"offload of snapshot {errors.preview(snapshot_id)}"
-        store = self._store(what)
+        cache = self._cache(what)
         capacity = len(block_ids) * self.runner.block_size
         if not 0 < num_tokens <= capacity:
             raise errors.InvalidArgument(
                 f"{what}: num_tokens {num_tokens} must be in 1..{capacity} "
                 f"({len(block_ids)} blocks of {self.runner.block_size})"
             )
-        host: torch.Tensor = await self._on_compute(self.runner.gather_blocks, list(block_ids))
-        layout = layout_proto(self.runner.layout)
-        return await self._bounded(
-            store.put(snapshot_id, layout, len(block_ids), num_tokens, byte_view(host),
-                      pinned=pinned, ttl_s=ttl_s),
-            what,
-        )
+        layout = layout_to_proto(self.runner.layout)
+        pool = self.runner.host_pool
+        # Borrowed (and, the first time, allocated) on the compute thread: a new
+        # pinned buffer takes about 0.5 s per GiB, which the event loop must not wait.
+        loan = await self._on_compute(pool.acquire, len(block_ids))
+        try:
+            await self._on_compute(self.runner.gather_blocks_into, list(block_ids), loan.blocks)
+            return await self._bounded(
+                lambda timeout_s: cache.put(snapshot_id, layout, len(block_ids), num_tokens,
+                                            byte_view(loan.blocks), pinned=pinned, ttl_s=ttl_s,
+                                            timeout_s=timeout_s),
+                deadline, what,
+            )
+        finally:
+            pool.release(loan)
 
-    async def restore(self, snapshot_id: str, block_ids: Sequence[int]) -> int:
-        """Reads the snapshot into `block_ids` (as many as it holds); returns its bytes."""
+    async def restore(self, snapshot_id: str, block_ids: Sequence[int], deadline: float) -> int:
+        """Reads the snapshot into `block_ids` (as many as it holds), consuming
+        it (see worker.proto); returns its bytes. The read must finish by
+        `deadline` (event-loop time)."""
         what = f"restore of snapshot {errors.preview(snapshot_id)} into {len(block_ids)} blocks"
-        store = self._store(what)
+        cache = self._cache(what)
         if not block_ids:
             raise errors.InvalidArgument(f"{what}: no destination block ids")
         self.runner.check_block_ids(block_ids, what)
-        host = self.runner.empty_host_blocks(len(block_ids))
+        pool = self.runner.host_pool
+        loan = await self._on_compute(pool.acquire, len(block_ids))
+        host = loan.blocks
         try:
-            header = await self._bounded(store.get_into(snapshot_id, byte_view(host)), what)
-        except errors.InvalidArgument as exc:  # e.g. the snapshot's size differs
-            raise errors.InvalidArgument(f"{what}: {exc}") from None
-        self.check_header(header, len(block_ids), what)
-        await self._on_compute(self.runner.scatter_blocks, list(block_ids), host)
+            try:
+                header = await self._bounded(
+                    lambda timeout_s: cache.get_into(snapshot_id, byte_view(host), consume=True,
+                                                     timeout_s=timeout_s),
+                    deadline, what,
+                )
+            except errors.InvalidArgument as exc:  # e.g. the snapshot's size differs
+                raise errors.InvalidArgument(f"{what}: {exc}") from None
+            self.check_header(header, len(block_ids), what)
+            await self._on_compute(self.runner.scatter_blocks, list(block_ids), host)
+        finally:
+            pool.release(loan)  # the scatter has read it (or never will)
         return host.numel() * host.element_size()
 
     def check_header(self, header: cache_pb2.SnapshotHeader, num_blocks: int, what: str) -> None:
-        want = layout_proto(self.runner.layout)
+        want = layout_to_proto(self.runner.layout)
         if header.layout != want:
             raise errors.FailedPrecondition(
                 f"{what}: snapshot layout ({_describe(header.layout)}) differs from this "

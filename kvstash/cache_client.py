@@ -4,8 +4,14 @@ Callers only ever see kvstash.errors (`DataLoss` for a bad chunk, either
 side), never grpc exceptions:
 
     async with CacheClient("127.0.0.1:50071") as cache:
-        await cache.put("req-7", layout, num_blocks=4, num_tokens=60, data=host_buf)
-        header = await cache.get_into("req-7", memoryview(host_buf))
+        await cache.put("req-7", layout, num_blocks=4, num_tokens=60, data=host_buf,
+                        timeout_s=remaining)
+        header = await cache.get_into("req-7", memoryview(host_buf), consume=True)
+
+Deadlines belong to the caller: every call takes `timeout_s` (seconds for the
+whole call, from the header to the last chunk), so a transfer made on behalf
+of an RPC is bounded by that RPC's remaining time. A call given none gets the
+client's `timeout_s`.
 """
 
 from __future__ import annotations
@@ -16,39 +22,36 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 import grpc
-import xxhash
 
 from kvstash import errors, rpc
 from kvstash.chunk_codec import (
     ADMITTED_KEY,
+    DEFAULT_CHUNK_BYTES,
     RawChunk,
+    check_chunk_bytes,
+    checksum,
     decode_get_response,
     encode_chunk,
     encode_message,
 )
-from kvstash.rpc import MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 T = TypeVar("T")
-MIN_CHUNK_BYTES = 1 * MIB
-MAX_CHUNK_BYTES = 4 * MIB
 _PUT_METHOD = "/kvstash.v1.KVCache/PutSnapshot"
 _GET_METHOD = "/kvstash.v1.KVCache/GetSnapshot"
-# 2 MiB, not 4: puts and gets run faster with it in bench/cache_bench.py.
-DEFAULT_CHUNK_BYTES = 2 * MIB
-
-
-def _checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+# For calls whose caller names no deadline (e.g. a scheduler's stats polls
+# and deletes): a stuck cache fails them instead of hanging them.
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class CacheClient:
     def __init__(
         self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float | None = 60.0,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes is {chunk_bytes}, must be in 1-4 MiB")
+        """`timeout_s`: deadline of a call given none (None = no deadline).
+        Raises InvalidArgument (a ValueError) for a bad `chunk_bytes`."""
+        check_chunk_bytes(chunk_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -85,16 +88,18 @@ class CacheClient:
         data: object,
         pinned: bool = True,
         ttl_s: int = 0,
+        timeout_s: float | None = None,
     ) -> int:
         """Streams the snapshot; returns the bytes stored. `data` is any
-        C-contiguous buffer (bytes, bytearray, memoryview, numpy array...)."""
+        C-contiguous buffer (bytes, bytearray, memoryview, numpy array...).
+        `timeout_s` bounds the whole put, waiting for room included."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
         header = cache_pb2.SnapshotHeader(
             snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
             num_tokens=num_tokens, total_bytes=view.nbytes, chunk_bytes=self.chunk_bytes,
             checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
         )
-        call = self._put_snapshot(timeout=self.timeout_s)
+        call = self._put_snapshot(timeout=self._timeout(timeout_s))
         try:
             await call.write(cache_pb2.PutSnapshotRequest(header=header))
             # The server answers with initial metadata once it has reserved
@@ -109,7 +114,7 @@ class CacheClient:
                     piece = view[start : start + self.chunk_bytes]
                     # One copy, into the message; write() waits for HTTP/2
                     # flow control.
-                    await call.write(encode_chunk(index, piece, _checksum(piece)))
+                    await call.write(encode_chunk(index, piece, checksum(piece)))
                 await call.done_writing()
                 response = await call
         except asyncio.InvalidStateError:  # the server ended the call mid-stream
@@ -126,11 +131,14 @@ class CacheClient:
         return int(response.info.header.total_bytes)
 
     async def get_into(
-        self, snapshot_id: str, out: memoryview, start_chunk: int = 0
+        self, snapshot_id: str, out: memoryview, start_chunk: int = 0, consume: bool = False,
+        timeout_s: float | None = None,
     ) -> cache_pb2.SnapshotHeader:
         """Reads the snapshot (from `start_chunk` on) into `out`, which must be
         writable and exactly total_bytes long; bytes before the start chunk
-        are left as they are. Raises DataLoss on a bad chunk."""
+        are left as they are. Raises DataLoss on a bad chunk. With `consume`
+        the cache deletes the snapshot once it has sent the last chunk (even
+        if this then refuses it); a read that ends before that leaves it."""
         target = memoryview(out).cast("B")
         if target.readonly:
             raise errors.InvalidArgument("get_into needs a writable buffer")
@@ -143,36 +151,49 @@ class CacheClient:
                 )
             return target
 
-        return await self._read(snapshot_id, start_chunk, check_size)
+        return await self._read(snapshot_id, start_chunk, consume, timeout_s, check_size)
 
-    async def get(self, snapshot_id: str) -> tuple[cache_pb2.SnapshotHeader, bytes]:
+    async def get(
+        self, snapshot_id: str, consume: bool = False, timeout_s: float | None = None
+    ) -> tuple[cache_pb2.SnapshotHeader, bytes]:
+        """The whole snapshot in a new buffer; `consume` as for `get_into`."""
         buffers: list[bytearray] = []
 
         def allocate(header: cache_pb2.SnapshotHeader) -> memoryview:
             buffers.append(bytearray(header.total_bytes))
             return memoryview(buffers[0])
 
-        header = await self._read(snapshot_id, 0, allocate)
+        header = await self._read(snapshot_id, 0, consume, timeout_s, allocate)
         return header, bytes(buffers[0])
 
-    async def delete(self, snapshot_id: str) -> None:
+    async def delete(self, snapshot_id: str, timeout_s: float | None = None) -> None:
         request = cache_pb2.DeleteSnapshotRequest(snapshot_id=snapshot_id)
-        await self._call(lambda: self._stub.DeleteSnapshot(request, timeout=self.timeout_s))
+        timeout = self._timeout(timeout_s)
+        await self._call(lambda: self._stub.DeleteSnapshot(request, timeout=timeout))
 
-    async def stat(self, snapshot_id: str) -> cache_pb2.SnapshotInfo:
+    async def stat(
+        self, snapshot_id: str, timeout_s: float | None = None
+    ) -> cache_pb2.SnapshotInfo:
         request = cache_pb2.StatSnapshotRequest(snapshot_id=snapshot_id)
-        return await self._call(lambda: self._stub.StatSnapshot(request, timeout=self.timeout_s))
+        timeout = self._timeout(timeout_s)
+        return await self._call(lambda: self._stub.StatSnapshot(request, timeout=timeout))
 
-    async def stats(self) -> cache_pb2.CacheStats:
+    async def stats(self, timeout_s: float | None = None) -> cache_pb2.CacheStats:
         request = common_pb2.GetStatsRequest()
-        return await self._call(lambda: self._stub.GetStats(request, timeout=self.timeout_s))
+        timeout = self._timeout(timeout_s)
+        return await self._call(lambda: self._stub.GetStats(request, timeout=timeout))
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        """The deadline of one call: the caller's, else the client's."""
+        return self.timeout_s if timeout_s is None else timeout_s
 
     async def _read(
-        self, snapshot_id: str, start_chunk: int,
+        self, snapshot_id: str, start_chunk: int, consume: bool, timeout_s: float | None,
         target_for: Callable[[cache_pb2.SnapshotHeader], memoryview],
     ) -> cache_pb2.SnapshotHeader:
-        request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, start_chunk=start_chunk)
-        call = self._get_snapshot(request, timeout=self.timeout_s)
+        request = cache_pb2.GetSnapshotRequest(
+            snapshot_id=snapshot_id, start_chunk=start_chunk, consume=consume)
+        call = self._get_snapshot(request, timeout=self._timeout(timeout_s))
         header: cache_pb2.SnapshotHeader | None = None
         target = memoryview(b"")
         expected = start_chunk
@@ -221,7 +242,7 @@ def _place_chunk(
             f"snapshot {sid}: chunk {chunk.index} has {len(data)} bytes, "
             f"expected {end - start}"
         )
-    actual = _checksum(data)
+    actual = checksum(data)
     if actual != chunk.checksum:
         raise errors.DataLoss(
             f"snapshot {sid}: chunk {chunk.index} checksum {actual:#018x}, "

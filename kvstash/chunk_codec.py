@@ -13,6 +13,9 @@ Encoding copies the payload once; decoding copies nothing (`data` is a view
 into the received message). Anything else (a header, or a chunk encoded
 differently by another client) goes through protobuf, so every valid
 message is understood.
+
+The chunking rules both sides check (chunk sizes, the checksum) live here
+too. No grpc and no torch: the cache server, CacheClient and tests share it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
+from kvstash.errors import InvalidArgument
+from kvstash.units import MIB
 from kvstash.v1 import cache_pb2
 
+# Every chunk but a snapshot's last carries exactly the header's chunk_bytes,
+# which must lie in [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES].
+MIN_CHUNK_BYTES = 1 * MIB
+MAX_CHUNK_BYTES = 4 * MIB
+# 2 MiB, not 4: puts and gets run faster with it in bench/cache_bench.py.
+DEFAULT_CHUNK_BYTES = 2 * MIB
+# The one checksum algorithm (cache.proto CHECKSUM_ALGORITHM_XXH3_64), by name.
+CHECKSUM_XXH3_64 = "xxh3_64"
 # Initial-metadata key the server sends once a put's room is reserved; the
 # client streams no payload before it.
 ADMITTED_KEY = "kvstash-put-admitted"
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """The CHECKSUM_XXH3_64 of one chunk's payload (xxHash3, 64-bit, seed 0)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Raises InvalidArgument (a ValueError) unless `chunk_bytes` is a valid
+    header chunk size."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidArgument(
+            f"chunk_bytes is {chunk_bytes}, must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] "
+            f"({MIN_CHUNK_BYTES // MIB}-{MAX_CHUNK_BYTES // MIB} MiB)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

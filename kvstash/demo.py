@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvstash.cache_client import CacheClient
 from kvstash.client import Client, GenerateResult
 from kvstash.stack import StackConfig, running_stack
+from kvstash.units import MIB
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
 
@@ -72,7 +73,6 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
     ttfts = [t.result.usage.ttft_s for t in pressured if t.result.usage is not None]
     matched = sum(a.result.token_ids == b.result.token_ids
                   for a, b in zip(pressured, alone, strict=True))
-    mib = 1 << 20
     rows = [
         ("requests", f"{num_requests}"),
         ("completion tokens", f"{num_tokens}"),
@@ -82,8 +82,8 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
         ("KV pool", f"{stats.num_total_blocks} blocks of {stats.block_size} tokens"),
         ("preemptions offload / recompute",
          f"{stats.num_preemptions_offload} / {stats.num_preemptions_recompute}"),
-        ("offloaded / restored", f"{stats.bytes_offloaded / mib:.1f} / "
-                                 f"{stats.bytes_restored / mib:.1f} MiB"),
+        ("offloaded / restored", f"{stats.bytes_offloaded / MIB:.1f} / "
+                                 f"{stats.bytes_restored / MIB:.1f} MiB"),
         ("tokens recomputed", f"{stats.num_recomputed_tokens}"),
         ("snapshots left in cache", f"{cache_stats.memory_snapshots + cache_stats.disk_snapshots}"),
         ("outputs equal to unpressured run", f"{matched}/{num_requests}"),

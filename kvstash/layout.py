@@ -17,13 +17,19 @@ ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 class LayoutFields(Protocol):
-    """Anything shaped like a `KvLayout` message."""
+    """Anything shaped like a `KvLayout` message, read-only: a message, a
+    `Layout`, a worker's frozen layout spec."""
 
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,15 @@ import ctypes.util
 import functools
 import logging
 
+from kvstash.units import MIB
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 16 << 20
-TRIM_THRESHOLD_BYTES = 64 << 20
+MMAP_THRESHOLD_BYTES = 16 * MIB
+TRIM_THRESHOLD_BYTES = 64 * MIB
 ARENA_MAX = 2
 
 

@@ -21,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstash import errors
+from kvstash.units import MIB
 
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
 # Snapshot chunks are at most 4 MiB of payload; leave room for framing.
 MAX_MESSAGE_BYTES = 8 * MIB
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
@@ -268,20 +268,6 @@ async def run_until_signalled(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def parse_bytes(text: str) -> int:
-    """"8GiB", "512MiB", "1.5G", "4096" -> bytes. Raises ValueError naming the input."""
-    units = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    num, unit = (s[:-1], s[-1]) if s and s[-1] in "kmgt" else (s, "")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        raise ValueError(f"not a byte size: {text!r} (try 512MiB, 8GiB)") from None
-    if value < 0:
-        raise ValueError(f"byte size must not be negative: {text!r}")
-    return int(value)
 
 
 def setup_logging(level: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 
@@ -21,17 +22,23 @@ from kvstash.layout import Layout
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.cache_link import CacheLink
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.server import create_scheduler_server
+from scheduler_svc.worker_link import WorkerLink
 
 log = logging.getLogger("scheduler_svc")
 
 # One scheduler drives one worker: notice a restarted one within seconds
 # (gRPC's default reconnect backoff grows to two minutes).
 _WORKER_CHANNEL_OPTIONS = [*rpc.CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000)]
+# Defaults come from the config dataclasses, never restated here.
+_CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
+         if f.default is not dataclasses.MISSING}
+_ENGINE = EngineConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,24 +51,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
     p.add_argument("--num-blocks", type=int, default=0,
                    help="use at most this many of the worker's KV blocks (0 = all)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--preemption-mode", choices=[m.name.lower() for m in PreemptionMode],
-                   default="auto")
-    p.add_argument("--reservation", choices=[r.name.lower() for r in ReservationPolicy],
-                   default="new_token_ratio")
-    p.add_argument("--fixed-blocks-per-decode", type=int, default=1)
-    p.add_argument("--init-new-token-ratio", type=float, default=0.7)
-    p.add_argument("--min-new-token-ratio-factor", type=float, default=0.14,
+    p.add_argument("--max-num-seqs", type=int, default=_CORE["max_num_seqs"])
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=_CORE["max_num_batched_tokens"])
+    p.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode],
+                   default=_CORE["preemption_mode"].value)
+    p.add_argument("--reservation", choices=[r.value for r in ReservationPolicy],
+                   default=_CORE["reservation_policy"].value)
+    p.add_argument("--fixed-blocks-per-decode", type=int,
+                   default=_CORE["fixed_blocks_per_decode"])
+    p.add_argument("--init-new-token-ratio", type=float, default=_CORE["init_new_token_ratio"])
+    p.add_argument("--min-new-token-ratio-factor", type=float,
+                   default=_CORE["min_new_token_ratio_factor"],
                    help="the ratio decays to this times its initial value")
-    p.add_argument("--new-token-ratio-decay-steps", type=int, default=600)
-    p.add_argument("--clip-max-new-tokens", type=int, default=4096,
+    p.add_argument("--new-token-ratio-decay-steps", type=int,
+                   default=_CORE["new_token_ratio_decay_steps"])
+    p.add_argument("--clip-max-new-tokens", type=int, default=_CORE["clip_max_new_tokens"],
                    help="reserve for at most this many remaining tokens per request")
-    p.add_argument("--retract-steps", type=int, default=20,
+    p.add_argument("--retract-steps", type=int, default=_CORE["retract_steps"],
                    help="steps of progress credited per decode request after a preemption")
-    p.add_argument("--resume-headroom", type=int, default=1,
+    p.add_argument("--resume-headroom", type=int, default=_CORE["resume_headroom"],
                    help="free blocks per running decode request kept before a resume")
-    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds per transfer")
+    p.add_argument("--transfer-timeout", type=float, default=_ENGINE.transfer_timeout_s,
+                   help="seconds one offload or restore may take, end to end")
+    p.add_argument("--snapshot-ttl", type=int, default=_ENGINE.snapshot_ttl_s,
+                   help="seconds an idle snapshot is kept; 0 = the cache service's default")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
@@ -101,8 +115,8 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         eos_token_ids=tuple(info.eos_token_ids),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=PreemptionMode[args.preemption_mode.upper()],
-        reservation_policy=ReservationPolicy[args.reservation.upper()],
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        reservation_policy=ReservationPolicy(args.reservation),
         fixed_blocks_per_decode=args.fixed_blocks_per_decode,
         init_new_token_ratio=args.init_new_token_ratio,
         min_new_token_ratio_factor=args.min_new_token_ratio_factor,
@@ -130,15 +144,18 @@ async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
         config = build_config(args, info)
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
-        cache = CacheClient(args.cache_address) if args.cache_address else None
-        if cache is not None:
-            cleanup.push_async_callback(cache.close)
+        engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout,
+                                     snapshot_ttl_s=args.snapshot_ttl, tracing=tracing)
+        cache: CacheLink | None = None
+        if args.cache_address:
+            client = CacheClient(args.cache_address)
+            cleanup.push_async_callback(client.close)
+            cache = CacheLink(client)
+        worker = WorkerLink(worker_channel, info)
         core = Scheduler(config)
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
-        engine = Engine(core, worker_channel, cache,
-                        EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing),
-                        metrics=metrics, on_worker_change=scheduler.set_serving,
-                        worker_info=info)
+        engine = Engine(core, worker, cache, engine_config, metrics=metrics,
+                        on_worker_change=scheduler.set_serving)
         scheduler.servicer.attach(engine, tokenizer, metrics)
         await engine.start()
         cleanup.push_async_callback(engine.close)

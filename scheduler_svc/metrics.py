@@ -4,8 +4,8 @@
 Queue, pool, token and preemption figures are read from the core's stats at
 scrape time, so they cost the step loop nothing. Per-request histograms are
 observed once per request when its Generate call ends (`observe_finished`),
-transfer durations once per offload or restore (`observe_offload`,
-`observe_restore`, from the engine): never per token.
+copy durations once per offload or restore (`offload_s`, `restore_s`,
+observed by the engine): never per token.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.core.scheduler import Scheduler
 
 _PREFIX = "kvstash_scheduler_"
 _GAUGES = {
@@ -79,26 +79,26 @@ class SchedulerMetrics:
                            "Requests finished, by finish_reason", ["reason"], registry=r)
         self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}
 
-    def observe_finished(self, req: Request, arrival: float, ttft_s: float) -> None:
-        """A Generate call ended (req is finished): `arrival` and `ttft_s` are
-        the edge's, on time.monotonic(); the queue time is the core's."""
-        if (counter := self._finished.get(req.status)) is not None:
+    def observe_finished(
+        self, status: RequestStatus | None, usage: RequestUsage | None, arrival: float,
+        ttft_s: float,
+    ) -> None:
+        """A Generate call ended: `arrival` and `ttft_s` are the edge's, on
+        time.monotonic(); the queue time is the core's. Without `usage` the
+        request never got into the core (it was refused)."""
+        if status is not None and (counter := self._finished.get(status)) is not None:
             counter.inc()
         self.e2e_s.observe(time.monotonic() - arrival)
-        if req.first_scheduled_time is not None:
-            self.queue_time_s.observe(req.first_scheduled_time - req.arrival_time)
+        if usage is None:
+            return
+        if usage.queue_time_s is not None:
+            self.queue_time_s.observe(usage.queue_time_s)
         if not ttft_s:
             return
         self.ttft_s.observe(ttft_s)
-        num_tokens = len(req.output_token_ids)
-        if num_tokens > 1:
-            self.tpot_s.observe((time.monotonic() - arrival - ttft_s) / (num_tokens - 1))
-
-    def observe_offload(self, seconds: float) -> None:
-        self.offload_s.observe(seconds)
-
-    def observe_restore(self, seconds: float) -> None:
-        self.restore_s.observe(seconds)
+        if usage.num_output_tokens > 1:
+            self.tpot_s.observe(
+                (time.monotonic() - arrival - ttft_s) / (usage.num_output_tokens - 1))
 
     def serve(self, port: int, host: str) -> MetricsServer:
         return MetricsServer(self.registry, port, host)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import grpc
@@ -24,16 +23,19 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from kvstash import errors, rpc
+from kvstash.ids import check_request_id
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.engine import Engine, RequestStream
+from kvstash.wire import sampling_from_proto
+from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.request import RequestStatus, SamplingParams
+from scheduler_svc.streams import RequestStream
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: scheduler_pb2.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
@@ -41,24 +43,17 @@ _FINISH_REASON = {
 }
 
 
-def check_request_id(request_id: str) -> None:
-    """Raises InvalidArgument, echoing no more than a short prefix of the id."""
-    if len(request_id) > errors.MAX_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
-        raise errors.InvalidArgument(
-            f"request_id must be 1-{errors.MAX_ID_CHARS} chars of [A-Za-z0-9._:-], "
-            f"got {errors.preview(request_id)}")
+def stats_to_proto(stats: SchedulerStats) -> scheduler_pb2.SchedulerStats:
+    """Field by field, by name: a field of one missing in the other fails here
+    (and in tests), never silently."""
+    return scheduler_pb2.SchedulerStats(**{f.name: getattr(stats, f.name) for f in fields(stats)})
 
 
-def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Converts only: the core's admission checks validate every value."""
-    return SamplingParams(
-        max_tokens=proto.max_tokens,
-        temperature=proto.temperature,
-        top_p=proto.top_p or 1.0,  # proto3's 0 means unset
-        top_k=proto.top_k,
-        seed=proto.seed if proto.HasField("seed") else None,
-        stop_token_ids=tuple(proto.stop_token_ids),
-        ignore_eos=proto.ignore_eos,
+def usage_to_proto(usage: RequestUsage, ttft_s: float) -> scheduler_pb2.Usage:
+    return scheduler_pb2.Usage(
+        prompt_tokens=usage.num_prompt_tokens, completion_tokens=usage.num_output_tokens,
+        num_preemptions=usage.num_preemptions, num_recomputed_tokens=usage.num_recomputed_tokens,
+        bytes_offloaded=usage.bytes_offloaded, ttft_s=ttft_s,
     )
 
 
@@ -124,7 +119,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not stream.finished:  # the client went away: free everything now
                 with contextlib.suppress(errors.NotFound):
                     backend.engine.abort(request_id)
-            backend.metrics.observe_finished(stream.request, timing.arrival, timing.ttft_s)
+            backend.metrics.observe_finished(
+                stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
 
     async def _responses(
         self, request_id: str, stream: RequestStream, timing: _Timing, tokenizer: Tokenizer,
@@ -144,27 +140,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 text="".join(text.push(t) for t in event.new_token_ids),
             )
             if event.finish_status is not None:
-                req = stream.request
+                assert event.usage is not None  # the core sends it with every finish
+                usage = usage_to_proto(event.usage, ttft_s)
                 span = trace.get_current_span()
                 if span.is_recording():
                     span.add_event("finished", {
                         "kvstash.finish_reason": event.finish_status.name,
-                        "kvstash.prompt_tokens": len(req.prompt_token_ids),
-                        "kvstash.completion_tokens": len(req.output_token_ids),
-                        "kvstash.num_preemptions": req.num_preemptions,
-                        "kvstash.num_recomputed_tokens": req.num_recomputed_tokens,
-                        "kvstash.bytes_offloaded": req.bytes_offloaded,
-                        "kvstash.ttft_s": ttft_s,
+                        **{f"kvstash.{f.name}": getattr(usage, f.name)
+                           for f in usage.DESCRIPTOR.fields},
                     })
                 response.finish_reason = _FINISH_REASON[event.finish_status]
-                response.usage.CopyFrom(scheduler_pb2.Usage(
-                    prompt_tokens=len(req.prompt_token_ids),
-                    completion_tokens=len(req.output_token_ids),
-                    num_preemptions=req.num_preemptions,
-                    num_recomputed_tokens=req.num_recomputed_tokens,
-                    bytes_offloaded=req.bytes_offloaded,
-                    ttft_s=ttft_s,
-                ))
+                response.usage.CopyFrom(usage)
                 yield response
                 return
             if response.token_ids:
@@ -182,7 +168,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        return scheduler_pb2.SchedulerStats(**asdict(self._attached().engine.core.stats()))
+        return stats_to_proto(self._attached().engine.core.stats())
 
 
 @dataclass(slots=True)

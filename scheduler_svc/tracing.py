@@ -11,7 +11,7 @@ import contextlib
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from scheduler_svc.outputs import OffloadCommand, RestoreCommand
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
 
 _tracer = trace.get_tracer("kvstash.scheduler")
 
@@ -84,6 +84,10 @@ def request_event(
     """An event on the request's own (Generate) span."""
     if trace_context is not None:
         trace.get_current_span(trace_context).add_event(name, attributes)
+
+
+def set_copied(span: trace.Span, num_bytes: int) -> None:
+    span.set_attributes({"kvstash.bytes": num_bytes, "kvstash.outcome": "copied"})
 
 
 def set_failed(span: trace.Span, description: str) -> None:

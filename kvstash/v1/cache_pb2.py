@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvstash.v1 import common_pb2 as kvstash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstash/v1/cache.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\xf7\x01\n\x0eSnapshotHeader\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x39\n\x12\x63hecksum_algorithm\x18\x07 \x01(\x0e\x32\x1d.kvstash.v1.ChecksumAlgorithm\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05ttl_s\x18\t \x01(\r\"6\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"n\n\x12PutSnapshotRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\"=\n\x13PutSnapshotResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfo\">\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_chunk\x18\x02 \x01(\r\"o\n\x13GetSnapshotResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\",\n\x15\x44\x65leteSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteSnapshotResponse\"*\n\x13StatSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"n\n\x0cSnapshotInfo\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstash.v1.Tier\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\x99\x03\n\nCacheStats\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x02 \x01(\x04\x12\x18\n\x10memory_snapshots\x18\x03 \x01(\r\x12\x12\n\ndisk_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64isk_snapshots\x18\x06 \x01(\r\x12\x14\n\x0cpinned_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\x10\n\x08num_puts\x18\t \x01(\x04\x12\x10\n\x08num_gets\x18\n \x01(\x04\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x17\n\x0fnum_failed_puts\x18\x0c \x01(\x04\x12\x15\n\rnum_evictions\x18\r \x01(\x04\x12\x12\n\nnum_spills\x18\x0e \x01(\x04\x12\x13\n\x0bnum_expired\x18\x0f \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x10 \x01(\x04\x12\x11\n\tbytes_out\x18\x11 \x01(\x04\x12\x12\n\nfree_bytes\x18\x12 \x01(\x04*W\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x01*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_MEMORY\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\x92\x03\n\x07KVCache\x12P\n\x0bPutSnapshot\x12\x1e.kvstash.v1.PutSnapshotRequest\x1a\x1f.kvstash.v1.PutSnapshotResponse(\x01\x12P\n\x0bGetSnapshot\x12\x1e.kvstash.v1.GetSnapshotRequest\x1a\x1f.kvstash.v1.GetSnapshotResponse0\x01\x12W\n\x0e\x44\x65leteSnapshot\x12!.kvstash.v1.DeleteSnapshotRequest\x1a\".kvstash.v1.DeleteSnapshotResponse\x12I\n\x0cStatSnapshot\x12\x1f.kvstash.v1.StatSnapshotRequest\x1a\x18.kvstash.v1.SnapshotInfo\x12?\n\x08GetStats\x12\x1b.kvstash.v1.GetStatsRequest\x1a\x16.kvstash.v1.CacheStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstash/v1/cache.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\xf7\x01\n\x0eSnapshotHeader\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x39\n\x12\x63hecksum_algorithm\x18\x07 \x01(\x0e\x32\x1d.kvstash.v1.ChecksumAlgorithm\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05ttl_s\x18\t \x01(\r\"6\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"n\n\x12PutSnapshotRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\"=\n\x13PutSnapshotResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfo\"O\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_chunk\x18\x02 \x01(\r\x12\x0f\n\x07\x63onsume\x18\x03 \x01(\x08\"o\n\x13GetSnapshotResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\",\n\x15\x44\x65leteSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteSnapshotResponse\"*\n\x13StatSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"n\n\x0cSnapshotInfo\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstash.v1.Tier\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\xaf\x03\n\nCacheStats\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x02 \x01(\x04\x12\x18\n\x10memory_snapshots\x18\x03 \x01(\r\x12\x12\n\ndisk_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64isk_snapshots\x18\x06 \x01(\r\x12\x14\n\x0cpinned_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\x10\n\x08num_puts\x18\t \x01(\x04\x12\x10\n\x08num_gets\x18\n \x01(\x04\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x17\n\x0fnum_failed_puts\x18\x0c \x01(\x04\x12\x15\n\rnum_evictions\x18\r \x01(\x04\x12\x12\n\nnum_spills\x18\x0e \x01(\x04\x12\x13\n\x0bnum_expired\x18\x0f \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x10 \x01(\x04\x12\x11\n\tbytes_out\x18\x11 \x01(\x04\x12\x12\n\nfree_bytes\x18\x12 \x01(\x04\x12\x14\n\x0cnum_consumed\x18\x13 \x01(\x04*W\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x01*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_MEMORY\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\x92\x03\n\x07KVCache\x12P\n\x0bPutSnapshot\x12\x1e.kvstash.v1.PutSnapshotRequest\x1a\x1f.kvstash.v1.PutSnapshotResponse(\x01\x12P\n\x0bGetSnapshot\x12\x1e.kvstash.v1.GetSnapshotRequest\x1a\x1f.kvstash.v1.GetSnapshotResponse0\x01\x12W\n\x0e\x44\x65leteSnapshot\x12!.kvstash.v1.DeleteSnapshotRequest\x1a\".kvstash.v1.DeleteSnapshotResponse\x12I\n\x0cStatSnapshot\x12\x1f.kvstash.v1.StatSnapshotRequest\x1a\x18.kvstash.v1.SnapshotInfo\x12?\n\x08GetStats\x12\x1b.kvstash.v1.GetStatsRequest\x1a\x16.kvstash.v1.CacheStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstash.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKSUMALGORITHM']._serialized_start=1361
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1448
-  _globals['_TIER']._serialized_start=1450
-  _globals['_TIER']._serialized_end=1510
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1400
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1487
+  _globals['_TIER']._serialized_start=1489
+  _globals['_TIER']._serialized_end=1549
   _globals['_SNAPSHOTHEADER']._serialized_start=64
   _globals['_SNAPSHOTHEADER']._serialized_end=311
   _globals['_CHUNK']._serialized_start=313
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTSNAPSHOTRESPONSE']._serialized_start=481
   _globals['_PUTSNAPSHOTRESPONSE']._serialized_end=542
   _globals['_GETSNAPSHOTREQUEST']._serialized_start=544
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=606
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=608
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=719
-  _globals['_DELETESNAPSHOTREQUEST']._serialized_start=721
-  _globals['_DELETESNAPSHOTREQUEST']._serialized_end=765
-  _globals['_DELETESNAPSHOTRESPONSE']._serialized_start=767
-  _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=791
-  _globals['_STATSNAPSHOTREQUEST']._serialized_start=793
-  _globals['_STATSNAPSHOTREQUEST']._serialized_end=835
-  _globals['_SNAPSHOTINFO']._serialized_start=837
-  _globals['_SNAPSHOTINFO']._serialized_end=947
-  _globals['_CACHESTATS']._serialized_start=950
-  _globals['_CACHESTATS']._serialized_end=1359
-  _globals['_KVCACHE']._serialized_start=1513
-  _globals['_KVCACHE']._serialized_end=1915
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=623
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=625
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=736
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_start=738
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_end=782
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_start=784
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=808
+  _globals['_STATSNAPSHOTREQUEST']._serialized_start=810
+  _globals['_STATSNAPSHOTREQUEST']._serialized_end=852
+  _globals['_SNAPSHOTINFO']._serialized_start=854
+  _globals['_SNAPSHOTINFO']._serialized_end=964
+  _globals['_CACHESTATS']._serialized_start=967
+  _globals['_CACHESTATS']._serialized_end=1398
+  _globals['_KVCACHE']._serialized_start=1552
+  _globals['_KVCACHE']._serialized_end=1954
 # @@protoc_insertion_point(module_scope)

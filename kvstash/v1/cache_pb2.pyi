@@ -182,18 +182,28 @@ class GetSnapshotRequest(_message.Message):
 
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     START_CHUNK_FIELD_NUMBER: _builtins.int
+    CONSUME_FIELD_NUMBER: _builtins.int
     snapshot_id: _builtins.str
     start_chunk: _builtins.int
     """resume an interrupted read"""
+    consume: _builtins.bool
+    """Read once: the cache deletes the snapshot (pinned or not, from either
+    tier) once its last chunk has been sent, and it stops counting against
+    the budgets. A read that ends early (the client cancels, its deadline
+    passes, a chunk fails) leaves the snapshot in place. Other reads of it
+    already running finish; later ones get NOT_FOUND. A client that rejects
+    the last chunk after it was sent (a checksum mismatch) has lost it.
+    """
     def __init__(
         self,
         *,
         snapshot_id: _builtins.str = ...,
         start_chunk: _builtins.int = ...,
+        consume: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot_id", b"snapshot_id", "start_chunk", b"start_chunk"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consume", b"consume", "snapshot_id", b"snapshot_id", "start_chunk", b"start_chunk"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -326,6 +336,7 @@ class CacheStats(_message.Message):
     BYTES_IN_FIELD_NUMBER: _builtins.int
     BYTES_OUT_FIELD_NUMBER: _builtins.int
     FREE_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_CONSUMED_FIELD_NUMBER: _builtins.int
     memory_bytes: _builtins.int
     memory_budget_bytes: _builtins.int
     memory_snapshots: _builtins.int
@@ -348,6 +359,8 @@ class CacheStats(_message.Message):
     bytes_out: _builtins.int
     free_bytes: _builtins.int
     """what a new put can still reserve, both tiers"""
+    num_consumed: _builtins.int
+    """snapshots deleted by a get with consume set"""
     def __init__(
         self,
         *,
@@ -369,10 +382,11 @@ class CacheStats(_message.Message):
         bytes_in: _builtins.int = ...,
         bytes_out: _builtins.int = ...,
         free_bytes: _builtins.int = ...,
+        num_consumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "disk_budget_bytes", b"disk_budget_bytes", "disk_bytes", b"disk_bytes", "disk_snapshots", b"disk_snapshots", "free_bytes", b"free_bytes", "memory_budget_bytes", b"memory_budget_bytes", "memory_bytes", b"memory_bytes", "memory_snapshots", b"memory_snapshots", "num_evictions", b"num_evictions", "num_expired", b"num_expired", "num_failed_puts", b"num_failed_puts", "num_gets", b"num_gets", "num_puts", b"num_puts", "num_refused", b"num_refused", "num_spills", b"num_spills", "pinned_bytes", b"pinned_bytes", "reserved_bytes", b"reserved_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "disk_budget_bytes", b"disk_budget_bytes", "disk_bytes", b"disk_bytes", "disk_snapshots", b"disk_snapshots", "free_bytes", b"free_bytes", "memory_budget_bytes", b"memory_budget_bytes", "memory_bytes", b"memory_bytes", "memory_snapshots", b"memory_snapshots", "num_consumed", b"num_consumed", "num_evictions", b"num_evictions", "num_expired", b"num_expired", "num_failed_puts", b"num_failed_puts", "num_gets", b"num_gets", "num_puts", b"num_puts", "num_refused", b"num_refused", "num_spills", b"num_spills", "pinned_bytes", b"pinned_bytes", "reserved_bytes", b"reserved_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

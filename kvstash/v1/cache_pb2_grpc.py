@@ -92,7 +92,9 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSnapshot(self, request, context):
-        """The header, then chunks from start_chunk on, paced by the reader.
+        """The header, then chunks from start_chunk on, paced by the reader. With
+        consume set, the snapshot is deleted once its last chunk has been sent
+        (see GetSnapshotRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,7 +55,10 @@ class KVCacheStub:
     client still sends for a few seconds, then ends the call.
     """
     GetSnapshot: _grpc.UnaryStreamMultiCallable[_cache_pb2.GetSnapshotRequest, _cache_pb2.GetSnapshotResponse]
-    """The header, then chunks from start_chunk on, paced by the reader."""
+    """The header, then chunks from start_chunk on, paced by the reader. With
+    consume set, the snapshot is deleted once its last chunk has been sent
+    (see GetSnapshotRequest).
+    """
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_cache_pb2.DeleteSnapshotRequest, _cache_pb2.DeleteSnapshotResponse]
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _grpc.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]
@@ -87,7 +90,10 @@ class KVCacheAsyncStub(KVCacheStub):
     client still sends for a few seconds, then ends the call.
     """
     GetSnapshot: _aio.UnaryStreamMultiCallable[_cache_pb2.GetSnapshotRequest, _cache_pb2.GetSnapshotResponse]  # type: ignore[assignment]
-    """The header, then chunks from start_chunk on, paced by the reader."""
+    """The header, then chunks from start_chunk on, paced by the reader. With
+    consume set, the snapshot is deleted once its last chunk has been sent
+    (see GetSnapshotRequest).
+    """
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_cache_pb2.DeleteSnapshotRequest, _cache_pb2.DeleteSnapshotResponse]  # type: ignore[assignment]
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _aio.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]  # type: ignore[assignment]
@@ -128,7 +134,10 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         request: _cache_pb2.GetSnapshotRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_cache_pb2.GetSnapshotResponse], _abc.AsyncIterator[_cache_pb2.GetSnapshotResponse]]:
-        """The header, then chunks from start_chunk on, paced by the reader."""
+        """The header, then chunks from start_chunk on, paced by the reader. With
+        consume set, the snapshot is deleted once its last chunk has been sent
+        (see GetSnapshotRequest).
+        """
 
     @_abc_1.abstractmethod
     def DeleteSnapshot(

@@ -262,6 +262,12 @@ Global___OffloadResponse: _TypeAlias = OffloadResponse  # noqa: Y015
 
 @_typing.final
 class RestoreRequest(_message.Message):
+    """The snapshot is always read with consume set (cache.proto
+    GetSnapshotRequest): once the cache has sent its last chunk it is gone from
+    the cache, even if the restore then fails (its layout or size does not
+    match this request). A restore that ends before that leaves it there.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int

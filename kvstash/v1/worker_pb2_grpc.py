@@ -27,6 +27,8 @@ if _version_not_supported:
 
 class WorkerStub:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
     """
 
     def __init__(self, channel):
@@ -59,6 +61,8 @@ class WorkerStub:
 
 class WorkerServicer:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
     """
 
     def GetInfo(self, request, context):
@@ -86,6 +90,7 @@ class WorkerServicer:
 
     def Restore(self, request, context):
         """Reads a snapshot from the cache service into the given (fresh) blocks.
+        The read consumes it: the cache deletes it once it has sent it all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +129,8 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
     """
 
     @staticmethod

@@ -27,7 +27,10 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class WorkerStub:
-    """Owns the model and the paged KV-cache tensor. Driven by one scheduler."""
+    """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -43,11 +46,16 @@ class WorkerStub:
     caller must not reuse the blocks.
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]
-    """Reads a snapshot from the cache service into the given (fresh) blocks."""
+    """Reads a snapshot from the cache service into the given (fresh) blocks.
+    The read consumes it: the cache deletes it once it has sent it all.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
-    """Owns the model and the paged KV-cache tensor. Driven by one scheduler."""
+    """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetInfoRequest, _worker_pb2.WorkerInfo]  # type: ignore[assignment]
@@ -60,10 +68,15 @@ class WorkerAsyncStub(WorkerStub):
     caller must not reuse the blocks.
     """
     Restore: _aio.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]  # type: ignore[assignment]
-    """Reads a snapshot from the cache service into the given (fresh) blocks."""
+    """Reads a snapshot from the cache service into the given (fresh) blocks.
+    The read consumes it: the cache deletes it once it has sent it all.
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
-    """Owns the model and the paged KV-cache tensor. Driven by one scheduler."""
+    """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
+    Offload and Restore bound their cache calls by the call's own deadline; a
+    call sent without one gets the worker's --cache-timeout-s instead.
+    """
 
     @_abc_1.abstractmethod
     def GetInfo(
@@ -98,6 +111,8 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.RestoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.RestoreResponse, _abc.Awaitable[_worker_pb2.RestoreResponse]]:
-        """Reads a snapshot from the cache service into the given (fresh) blocks."""
+        """Reads a snapshot from the cache service into the given (fresh) blocks.
+        The read consumes it: the cache deletes it once it has sent it all.
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import xxhash
 
+from kvstash import chunk_codec
 from kvstash.layout import Layout
+from kvstash.units import MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
-MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -68,7 +68,7 @@ def make_header(
 def chunk_msg(index: int, data: bytes, checksum: int | None = None) -> cache_pb2.PutSnapshotRequest:
     return cache_pb2.PutSnapshotRequest(chunk=cache_pb2.Chunk(
         index=index, data=data,
-        checksum=xxhash.xxh3_64_intdigest(data) if checksum is None else checksum,
+        checksum=chunk_codec.checksum(data) if checksum is None else checksum,
     ))
 
 

@@ -14,13 +14,12 @@ from cache_svc.config import CacheConfig
 from cache_svc.server import CacheServer, create_cache_server
 from kvstash.cache_client import CacheClient
 from kvstash.rpc import insecure_channel
+from kvstash.units import MIB
 from kvstash.v1 import cache_pb2_grpc
 
 # The test modules import `cache_helpers` from this folder; tests/ is not a
 # package (a tests/cache_svc package would shadow the real cache_svc).
 sys.path.insert(0, str(Path(__file__).parent))
-
-MIB = 1 << 20
 
 
 @dataclass

@@ -10,7 +10,6 @@ import contextlib
 
 import grpc
 import pytest
-import xxhash
 from cache_helpers import (
     MIB,
     RssSampler,
@@ -23,7 +22,7 @@ from cache_helpers import (
 from cache_svc.config import CacheConfig
 from kvstash import errors
 from kvstash.cache_client import CacheClient
-from kvstash.chunk_codec import encode_chunk
+from kvstash.chunk_codec import checksum, encode_chunk
 from kvstash.v1 import cache_pb2, common_pb2
 
 BUDGET = 256 * MIB
@@ -62,7 +61,7 @@ async def test_puts_that_do_not_wait_for_admission_stay_within_the_bound(
     baseline = process.rss_bytes()
     limit = baseline + BUDGET + CacheConfig(memory_budget_bytes=BUDGET).overhead_bytes(NUM_PUTS)
     payload = bytes(range(256)) * (CHUNK // 256)
-    digest = xxhash.xxh3_64_intdigest(payload)
+    digest = checksum(payload)
     chunks = [encode_chunk(i, payload, digest) for i in range(CHUNKS)]  # shared by all puts
     channels = [grpc.aio.insecure_channel(process.address) for _ in range(NUM_CONNECTIONS)]
     try:

@@ -1,5 +1,6 @@
 """kvstash.chunk_codec writes exactly protobuf's bytes for a Chunk and reads
-back whatever protobuf writes; the server gets it without the client."""
+back whatever protobuf writes; the server gets it without the client, and
+both sides hold chunks to its one set of rules."""
 
 from __future__ import annotations
 
@@ -7,18 +8,27 @@ import subprocess
 import sys
 
 import pytest
-from cache_helpers import REPO, make_header, make_layout
+import xxhash
+from cache_helpers import MIB, REPO, make_header, make_layout
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_svc.snapshot import SnapshotMeta
+from kvstash import errors
+from kvstash.cache_client import CacheClient
 from kvstash.chunk_codec import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
     RawChunk,
+    checksum,
     decode_get_response,
     decode_put_request,
     encode_chunk,
     encode_message,
 )
+from kvstash.layout import Layout
 from kvstash.v1 import cache_pb2
 
 CASES = [(0, b"", 0), (1, b"x" * 300, 2**64 - 1), (2**32 - 1, bytes(range(256)) * 8, 12345)]
@@ -75,3 +85,35 @@ def test_server_does_not_import_the_client() -> None:
     code = ("import sys, cache_svc.server; "
             "sys.exit('kvstash.cache_client' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_the_codec_imports_neither_grpc_nor_torch() -> None:
+    code = ("import sys, kvstash.chunk_codec; "
+            "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_checksum_is_xxh3_64_with_seed_0() -> None:
+    # What cache.proto promises for CHECKSUM_ALGORITHM_XXH3_64; both sides use it.
+    assert checksum(b"") == 0x2D06800538D394C2
+    assert checksum(memoryview(b"kvstash")) == xxhash.xxh3_64_intdigest(b"kvstash", seed=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [MIN_CHUNK_BYTES - 1, MIN_CHUNK_BYTES,
+                                         DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES,
+                                         MAX_CHUNK_BYTES + 1])
+async def test_client_and_server_accept_the_same_chunk_sizes(chunk_bytes: int) -> None:
+    layout = Layout(1, 16, 1, 64, "float16")  # 4 KiB blocks
+    try:
+        SnapshotMeta("s", layout, 1024, 0, 4 * MIB, chunk_bytes, pinned=True, ttl_s=60)
+        server = "ok"
+    except errors.InvalidArgument as exc:
+        server = str(exc)
+    try:
+        client = CacheClient("127.0.0.1:1", chunk_bytes=chunk_bytes)
+    except errors.InvalidArgument as exc:
+        assert str(exc) == server
+    else:
+        await client.close()
+        assert server == "ok"
+    assert (server == "ok") == (MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES)

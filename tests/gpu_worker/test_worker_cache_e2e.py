@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -12,29 +15,40 @@ from cache_svc.server import create_cache_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import SeqWork
 from gpu_worker.server import create_worker_server
-from kvstash.rpc import MIB, insecure_channel
-from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from kvstash import errors, rpc
+from kvstash.cache_client import CacheClient
+from kvstash.rpc import insecure_channel
+from kvstash.units import MIB
+from kvstash.v1 import cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_server import run_steps
 from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_runner, prompt
 
 
+@dataclass
+class Services:
+    stub: worker_pb2_grpc.WorkerStub
+    cache: CacheClient  # straight to the cache service, to look at what the worker left
+
+
 @pytest.fixture
-async def stub() -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
+async def services() -> AsyncIterator[Services]:
     _, cache_port, cache = await create_cache_server(
         CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0")
     config = WorkerConfig(block_size=4, num_blocks=64, cache_address=f"127.0.0.1:{cache_port}",
                           cache_timeout_s=10.0)
     worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
     channel = insecure_channel(f"127.0.0.1:{worker.port}")
-    yield worker_pb2_grpc.WorkerStub(channel)
+    client = CacheClient(f"127.0.0.1:{cache_port}")
+    yield Services(worker_pb2_grpc.WorkerStub(channel), client)
+    await client.close()
     await channel.close()
     await worker.server.stop(None)
     await worker.servicer.close()
     await cache.stop(None)
 
 
-async def test_offloaded_request_resumes_with_identical_tokens(
-        stub: worker_pb2_grpc.WorkerStub) -> None:
+async def test_offloaded_request_resumes_with_identical_tokens(services: Services) -> None:
+    stub = services.stub
     ids = prompt("Preempt me after a few tokens, please.")
     expected = greedy_generate(make_runner(), ids, 16, blocks_for(len(ids) + 16))
     old, new = blocks_for(len(ids) + 16, 0), blocks_for(len(ids) + 16, 20)[::-1]
@@ -54,22 +68,69 @@ async def test_offloaded_request_resumes_with_identical_tokens(
     restored = await stub.Restore(worker_pb2.RestoreRequest(
         request_id="a", snapshot_id="req-a", block_ids=new[: len(used)]))
     assert restored.num_bytes == off.num_bytes
+    # The restore consumed the snapshot: gone, and its memory given back.
+    with pytest.raises(errors.NotFound):
+        await services.cache.stat("req-a")
+    stats = await services.cache.stats()
+    assert (stats.num_consumed, stats.memory_bytes, stats.pinned_bytes) == (1, 0, 0)
     while len(out) < 16:
         pos = len(ids) + len(out) - 1
         out.append((await run_steps(stub, [[SeqWork("a", [out[-1]], pos, new, True)]]))[0][0][1])
     assert out == expected
 
 
-async def test_cache_side_errors_keep_their_codes(stub: worker_pb2_grpc.WorkerStub) -> None:
-    request = worker_pb2.OffloadRequest(snapshot_id="dup", block_ids=[0, 1], num_tokens=8)
+async def test_cache_side_errors_keep_their_codes(services: Services) -> None:
+    stub = services.stub
+    request = worker_pb2.OffloadRequest(request_id="r", snapshot_id="dup", block_ids=[0, 1],
+                                        num_tokens=8)
     await stub.Offload(request)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Offload(request)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Restore(worker_pb2.RestoreRequest(snapshot_id="missing", block_ids=[3]))
+        await stub.Restore(worker_pb2.RestoreRequest(request_id="r", snapshot_id="missing",
+                                                     block_ids=[3]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Offload(worker_pb2.OffloadRequest(snapshot_id="../etc", block_ids=[0],
-                                                     num_tokens=1))
+        await stub.Offload(worker_pb2.OffloadRequest(request_id="r", snapshot_id="../etc",
+                                                     block_ids=[0], num_tokens=1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class StalledCache(cache_pb2_grpc.KVCacheServicer):
+    """Takes puts and never answers them; records the deadline each one had."""
+
+    def __init__(self) -> None:
+        self.time_remaining: list[float | None] = []
+
+    async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.time_remaining.append(context.time_remaining())
+        await asyncio.sleep(3600)
+
+
+async def test_a_stalled_cache_fails_the_offload_at_the_callers_deadline() -> None:
+    stalled = StalledCache()
+    cache_server, cache_port, _ = await rpc.create_server(
+        "127.0.0.1:0", [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(stalled, s)], [])
+    config = WorkerConfig(block_size=4, num_blocks=64, cache_address=f"127.0.0.1:{cache_port}",
+                          cache_timeout_s=30.0)
+    worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
+    loop = asyncio.get_running_loop()
+    try:
+        async with insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            started = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Offload(worker_pb2.OffloadRequest(
+                    request_id="r", snapshot_id="s", block_ids=[0], num_tokens=1), timeout=1.0)
+            elapsed = loop.time() - started
+        assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     grpc.StatusCode.UNAVAILABLE)
+        assert elapsed < 5.0
+        # The cache was told the caller's deadline, not the worker's 30 s.
+        [remaining] = stalled.time_remaining
+        assert remaining is not None and remaining < 1.5
+    finally:
+        await worker.server.stop(None)
+        await worker.servicer.close()
+        await cache_server.stop(None)

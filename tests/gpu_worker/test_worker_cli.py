@@ -28,11 +28,22 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"cache_timeout_s": 0}, "cache_timeout_s must be > 0, got 0"),
         ({"metrics_port": 70000}, r"metrics_port must be in \[0, 65535\], got 70000"),
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
+        ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),
+        ({"host_pool_bytes": -1}, "host_pool_bytes must be >= 0, got -1"),
     ],
 )
 def test_config_names_the_bad_value(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         WorkerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_step_and_buffer_flags_reach_the_config() -> None:
+    _, config = parse_args([])
+    assert config == WorkerConfig()  # every default comes from the dataclass
+    assert config.batch_invariant and config.row_tile is None
+    _, config = parse_args(["--no-batch-invariant", "--row-tile", "32", "--host-pool", "1GiB"])
+    assert (config.batch_invariant, config.row_tile, config.host_pool_bytes) == (
+        False, 32, 1 << 30)
 
 
 def test_help_works() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.runner import SeqWork
-from gpu_worker.sampling import SamplingParams
+from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import byte_view
 from tests.gpu_worker.worker_factories import (
     BLOCK_SIZE,
@@ -29,42 +29,46 @@ def test_paged_prefill_and_decode_match_reference() -> None:
     ref = tiny_model(torch.float32).reference_forward(full)
     paged = runner.forward(SeqWork("r", list(full[:-1]), 0, table), all_logits=True)
     torch.testing.assert_close(paged, ref[:-1], atol=1e-4, rtol=1e-4)
+    batched = runner.logits([SeqWork("r", PROMPT, 0, table)])  # the batched path, too
+    torch.testing.assert_close(batched[0], ref[len(PROMPT) - 1], atol=1e-4, rtol=1e-4)
     ref_greedy = ref[len(PROMPT) - 1:-1].argmax(-1).tolist()
     assert ref_greedy == out
     assert len(set(out)) > 3, f"tiny model output is degenerate: {out}"
 
 
 def test_decode_is_bitwise_batch_invariant() -> None:
+    """Each request's twin runs alone on another runner; in the batched runner the
+    three share every step, in changing order. Logits and draws (greedy and
+    seeded) agree bit for bit."""
     alone, batched = make_runner(), make_runner()
     requests = {"a": PROMPT, "b": prompt("kvstash stashes KV"), "c": prompt("x" * 29)}
     tables = {"a": blocks_for(64, 0), "b": blocks_for(64, 20), "c": blocks_for(64, 40)}
-    params = {"a": SamplingParams(), "b": SamplingParams(temperature=0.8, seed=7),
-              "c": SamplingParams(temperature=1.0, top_k=20, seed=3)}
+    params = {"a": GREEDY, "b": SamplingParams(max_tokens=16, temperature=0.8, seed=7),
+              "c": SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=3)}
     last: dict[str, int] = {}
     for rid, ids in requests.items():
         seq = SeqWork(rid, ids, 0, tables[rid], True, params[rid])
         [last[rid]] = batched.execute([seq])
-        if rid == "a":
-            assert alone.execute([seq]) == [last["a"]]
+        assert alone.execute([seq]) == [last[rid]]
     pos = {rid: len(ids) for rid, ids in requests.items()}
     for step in range(12):
         seqs = {rid: SeqWork(rid, [last[rid]], pos[rid], tables[rid], True, params[rid])
                 for rid in requests}
-        logits_alone = alone.forward(seqs["a"])
         order = ["b", "a", "c"] if step % 2 else ["c", "b", "a"]
-        batched_tokens = dict(zip(order, batched.execute([seqs[r] for r in order]), strict=True))
         # Recomputing a position rewrites its KV with identical values, so the
-        # extra forward calls here change nothing for the steps that follow.
-        assert torch.equal(logits_alone, batched.forward(seqs["a"]))
-        [token_alone] = alone.execute([seqs["a"]])
-        assert token_alone == batched_tokens["a"]
+        # extra logits() calls here change nothing for the steps that follow.
+        batched_logits = dict(zip(order, batched.logits([seqs[r] for r in order]), strict=True))
+        batched_tokens = dict(zip(order, batched.execute([seqs[r] for r in order]), strict=True))
         for rid in requests:
-            token = batched_tokens[rid]
-            assert token is not None
-            last[rid] = token
+            assert torch.equal(alone.logits([seqs[rid]])[0], batched_logits[rid])
+            [token_alone] = alone.execute([seqs[rid]])
+            assert token_alone == batched_tokens[rid]
+            assert token_alone is not None
+            last[rid] = token_alone
             pos[rid] += 1
-    a_blocks = torch.tensor(tables["a"])
-    assert torch.equal(alone.kv_cache[:, :, a_blocks], batched.kv_cache[:, :, a_blocks])
+    for rid in requests:
+        blocks = torch.tensor(tables[rid])
+        assert torch.equal(alone.kv_cache[:, :, blocks], batched.kv_cache[:, :, blocks])
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 1])

@@ -16,7 +16,8 @@ from cache_svc.server import create_cache_server
 from gpu_worker import server as worker_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
-from kvstash.rpc import MIB, insecure_channel
+from kvstash.rpc import insecure_channel
+from kvstash.units import MIB
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_server import run_steps
 from tests.gpu_worker.worker_factories import make_runner, worker_process
@@ -51,8 +52,8 @@ async def test_not_serving_until_the_model_is_loaded(monkeypatch: pytest.MonkeyP
             pending_info = asyncio.ensure_future(
                 stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30))
             calls: list[Callable[[], object]] = [
-                lambda: stub.Offload(worker_pb2.OffloadRequest(snapshot_id="s", block_ids=[0],
-                                                               num_tokens=1)),
+                lambda: stub.Offload(worker_pb2.OffloadRequest(
+                    request_id="a", snapshot_id="s", block_ids=[0], num_tokens=1)),
                 lambda: stub.Execute(iter([worker_pb2.StepPlan()])).read(),
             ]
             for call in calls:
@@ -107,9 +108,10 @@ async def test_real_worker_is_serving_once_ready_and_exports_metrics() -> None:
                            SeqWork("b", [66], len(b) + i, [8, 9, 10], True)] for i in range(3)]
                 await run_steps(stub, steps)
                 off = await stub.Offload(worker_pb2.OffloadRequest(
-                    snapshot_id="snap-a", block_ids=[0, 1, 2, 3], num_tokens=13, pinned=True))
-                back = await stub.Restore(worker_pb2.RestoreRequest(snapshot_id="snap-a",
-                                                                    block_ids=[20, 21, 22, 23]))
+                    request_id="a", snapshot_id="snap-a", block_ids=[0, 1, 2, 3], num_tokens=13,
+                    pinned=True))
+                back = await stub.Restore(worker_pb2.RestoreRequest(
+                    request_id="a", snapshot_id="snap-a", block_ids=[20, 21, 22, 23]))
             m = await asyncio.to_thread(scrape, metrics_port)
             assert m["kvstash_worker_step_seconds_count"] == 4
             assert 0 < m["kvstash_worker_step_seconds_sum"] < 60

@@ -12,78 +12,52 @@ import pytest
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
-from gpu_worker.sampling import SamplingParams
 from gpu_worker.server import WorkerServer, create_worker_server
 from kvstash import errors
 from kvstash.rpc import insecure_channel
+from kvstash.sampling import SamplingParams
 from kvstash.v1 import cache_pb2, common_pb2, worker_pb2, worker_pb2_grpc
-from tests.gpu_worker.worker_factories import blocks_for, make_runner, prompt
-
-
-class MemoryStore:
-    """Keeps snapshots in a dict; mimics CacheClient's put/get_into contract."""
-
-    def __init__(self, hang: bool = False) -> None:
-        self.snapshots: dict[str, tuple[cache_pb2.SnapshotHeader, bytes]] = {}
-        self.hang = hang
-        self.closed = False
-
-    async def put(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
-                  num_tokens: int, data: memoryview, pinned: bool = True, ttl_s: int = 0) -> int:
-        if self.hang:
-            await asyncio.sleep(3600)
-        header = cache_pb2.SnapshotHeader(snapshot_id=snapshot_id, layout=layout,
-                                          num_blocks=num_blocks, num_tokens=num_tokens,
-                                          total_bytes=len(data), pinned=pinned, ttl_s=ttl_s)
-        self.snapshots[snapshot_id] = (header, bytes(data))
-        return len(data)
-
-    async def get_into(self, snapshot_id: str, out: memoryview) -> cache_pb2.SnapshotHeader:
-        if snapshot_id not in self.snapshots:
-            raise errors.NotFound(f"snapshot {snapshot_id!r} not found")
-        header, data = self.snapshots[snapshot_id]
-        if len(data) != out.nbytes:
-            raise errors.InvalidArgument(f"buffer has {out.nbytes} bytes, snapshot {len(data)}")
-        out[:] = data
-        return header
-
-    async def close(self) -> None:
-        self.closed = True
+from kvstash.wire import sampling_to_proto
+from tests.gpu_worker.worker_factories import MemoryCache, blocks_for, make_runner, prompt
 
 
 @dataclass
 class Harness:
     worker: WorkerServer
     stub: worker_pb2_grpc.WorkerStub
-    store: MemoryStore | None
+    cache: MemoryCache | None
 
 
-async def _start(store: MemoryStore | None, runner: ModelRunner | None = None,
+async def _start(cache: MemoryCache | None, runner: ModelRunner | None = None,
                  timeout_s: float = 5.0) -> tuple[Harness, grpc.aio.Channel]:
     config = WorkerConfig(block_size=4, num_blocks=64, cache_timeout_s=timeout_s)
-    worker = await create_worker_server(config, "127.0.0.1:0", runner or make_runner(), store)
+    worker = await create_worker_server(config, "127.0.0.1:0", runner or make_runner(), cache)
     channel = insecure_channel(f"127.0.0.1:{worker.port}")
-    return Harness(worker, worker_pb2_grpc.WorkerStub(channel), store), channel
+    return Harness(worker, worker_pb2_grpc.WorkerStub(channel), cache), channel
+
+
+async def _stop(h: Harness, channel: grpc.aio.Channel) -> None:
+    await channel.close()
+    await h.worker.server.stop(None)
+    await h.worker.servicer.close()
 
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    h, channel = await _start(MemoryStore())
+    h, channel = await _start(MemoryCache())
     yield h
-    await channel.close()
-    await h.worker.server.stop(None)
-    await h.worker.servicer.close()
-    assert h.store is not None and h.store.closed
+    await _stop(h, channel)
+    assert h.cache is not None and h.cache.closed
 
 
 def seq_proto(seq: SeqWork) -> worker_pb2.SeqWork:
-    p = seq.sampling
-    return worker_pb2.SeqWork(
+    proto = worker_pb2.SeqWork(
         request_id=seq.request_id, token_ids=list(seq.token_ids), start_pos=seq.start_pos,
         block_ids=list(seq.block_ids), sample=seq.sample,
-        sampling=common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k,
-                                           top_p=p.top_p, seed=p.seed),
     )
+    if seq.sample:  # as the scheduler sends it; a chunk that samples nothing has none
+        proto.sampling.CopyFrom(sampling_to_proto(seq.sampling))
+    return proto
 
 
 async def run_steps(stub: worker_pb2_grpc.WorkerStub,
@@ -112,7 +86,7 @@ async def test_get_info(harness: Harness) -> None:
 async def test_execute_matches_runner_and_streams_in_order(harness: Harness) -> None:
     a, b = prompt("Hello there"), prompt("General Kenobi!")
     ta, tb = blocks_for(32, 0), blocks_for(32, 10)
-    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    seeded = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11)
     direct = make_runner()
     remote_steps: list[list[SeqWork]] = []
     last = {"a": 0, "b": 0}
@@ -165,18 +139,52 @@ async def test_bad_plan_is_invalid_argument_and_server_keeps_serving(harness: Ha
     assert ok[0][0][0] == "z"
 
 
-async def test_long_ids_and_undecodable_bytes_are_short_invalid_arguments(
+async def test_bad_sampling_is_invalid_argument_naming_the_value(harness: Harness) -> None:
+    bad = {"top_p": common_pb2.SamplingParams(max_tokens=1, top_p=1.5),
+           "temperature": common_pb2.SamplingParams(max_tokens=1, temperature=-1.0),
+           "max_tokens": common_pb2.SamplingParams(top_k=3)}
+    for name, sampling in bad.items():
+        call = harness.stub.Execute()
+        await call.write(worker_pb2.StepPlan(step_id=0, seqs=[worker_pb2.SeqWork(
+            request_id="x", token_ids=[1, 2], block_ids=[0], sample=True, sampling=sampling)]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{name} must be" in (info.value.details() or "")
+    # A chunk that samples nothing carries no sampling to check.
+    unsampled = worker_pb2.SeqWork(request_id="x", token_ids=[1, 2], block_ids=[0],
+                                   sampling=bad["top_p"])
+    call = harness.stub.Execute()
+    await call.write(worker_pb2.StepPlan(step_id=0, seqs=[unsampled]))
+    assert (await call.read()).sampled == []
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_bad_ids_and_undecodable_bytes_are_short_invalid_arguments(
         harness: Harness) -> None:
     long_id = "s" * 10_000
-    for call in (harness.stub.Offload(worker_pb2.OffloadRequest(
-                     request_id="a", snapshot_id=long_id, block_ids=[0], num_tokens=1)),
-                 harness.stub.Restore(worker_pb2.RestoreRequest(
-                     request_id=long_id, snapshot_id="snap", block_ids=[0]))):
+    cases = [
+        (worker_pb2.OffloadRequest(request_id="a", snapshot_id=long_id, block_ids=[0],
+                                   num_tokens=1), "snapshot id has 10000 chars"),
+        (worker_pb2.OffloadRequest(request_id="a", snapshot_id="../etc", block_ids=[0],
+                                   num_tokens=1), "has characters outside [A-Za-z0-9._-]"),
+        (worker_pb2.OffloadRequest(request_id="", snapshot_id="s", block_ids=[0],
+                                   num_tokens=1), "request_id must be 1-128 chars"),
+        (worker_pb2.RestoreRequest(request_id=long_id, snapshot_id="snap", block_ids=[0]),
+         "request_id must be 1-128 chars"),
+        (worker_pb2.RestoreRequest(request_id="a", snapshot_id=".hidden", block_ids=[0]),
+         "must not start with '.'"),
+    ]
+    for request, text in cases:
+        call = (harness.stub.Offload(request) if isinstance(request, worker_pb2.OffloadRequest)
+                else harness.stub.Restore(request))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "longer than 128 chars" in (info.value.details() or "")
+        assert text in (info.value.details() or "")
         assert len(info.value.details() or "") < 200
+    assert harness.cache is not None and harness.cache.timeouts == []  # refused before the cache
     async with insecure_channel(f"127.0.0.1:{harness.worker.port}") as channel:
         raw = channel.unary_unary("/kvstash.v1.Worker/Offload")
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -194,12 +202,13 @@ async def test_offload_then_restore_into_other_blocks_continues_identically(
     off = await harness.stub.Offload(worker_pb2.OffloadRequest(
         request_id="a", snapshot_id="snap-a", block_ids=used, num_tokens=len(ids), pinned=True))
     assert off.num_bytes == len(used) * 2 * 4 * 4 * 2 * 32 * 4
-    assert harness.store is not None
-    header = harness.store.snapshots["snap-a"][0]
+    assert harness.cache is not None
+    header = harness.cache.snapshots["snap-a"][0]
     assert header.num_blocks == len(used) and header.num_tokens == len(ids) and header.pinned
     restored = await harness.stub.Restore(worker_pb2.RestoreRequest(
         request_id="a", snapshot_id="snap-a", block_ids=new[: len(used)]))
     assert restored.num_bytes == off.num_bytes
+    assert "snap-a" not in harness.cache.snapshots  # the restore consumed it
     steps_new = [[SeqWork("a", [first], len(ids), new, True)]]
     steps_old = [[SeqWork("b", [first], len(ids), old, True)]]
     assert (await run_steps(harness.stub, steps_new))[0][0][1] == (
@@ -207,62 +216,116 @@ async def test_offload_then_restore_into_other_blocks_continues_identically(
 
 
 async def test_restore_checks_the_snapshot(harness: Harness) -> None:
-    assert harness.store is not None
+    assert harness.cache is not None
     await harness.stub.Offload(worker_pb2.OffloadRequest(
-        snapshot_id="two", block_ids=[0, 1], num_tokens=5))
+        request_id="r", snapshot_id="two", block_ids=[0, 1], num_tokens=5))
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await harness.stub.Restore(worker_pb2.RestoreRequest(snapshot_id="two",
+        await harness.stub.Restore(worker_pb2.RestoreRequest(request_id="r", snapshot_id="two",
                                                              block_ids=[5, 6, 7]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'two' into 3 blocks: buffer has 24576 bytes, snapshot 16384" in (
         info.value.details() or "")
-    header, _ = harness.store.snapshots["two"]
+    header, _ = harness.cache.snapshots["two"]
     header.layout.dtype = "float16"
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await harness.stub.Restore(worker_pb2.RestoreRequest(snapshot_id="two", block_ids=[5, 6]))
+        await harness.stub.Restore(worker_pb2.RestoreRequest(request_id="r", snapshot_id="two",
+                                                             block_ids=[5, 6]))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "float16" in (info.value.details() or "")
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await harness.stub.Restore(worker_pb2.RestoreRequest(snapshot_id="nope", block_ids=[5]))
+        await harness.stub.Restore(worker_pb2.RestoreRequest(request_id="r", snapshot_id="nope",
+                                                             block_ids=[5]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await harness.stub.Offload(worker_pb2.OffloadRequest(
-            snapshot_id="big", block_ids=[0, 1], num_tokens=9))
+            request_id="r", snapshot_id="big", block_ids=[0, 1], num_tokens=9))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_tokens 9 must be in 1..8" in (info.value.details() or "")
 
 
-async def test_offload_without_cache_or_with_stuck_cache_fails_cleanly() -> None:
-    for store, code, text in [(None, grpc.StatusCode.FAILED_PRECONDITION, "no cache service"),
-                              (MemoryStore(hang=True), grpc.StatusCode.UNAVAILABLE,
-                               "did not finish within 0.2 s")]:
-        h, channel = await _start(store, timeout_s=0.2)
+async def test_offload_without_cache_or_deadline_uses_cache_timeout() -> None:
+    for cache, code, text in [(None, grpc.StatusCode.FAILED_PRECONDITION, "no cache service"),
+                              (MemoryCache(delay_s=None), grpc.StatusCode.UNAVAILABLE,
+                               "did not finish within 0.2")]:
+        h, channel = await _start(cache, timeout_s=0.2)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await h.stub.Offload(worker_pb2.OffloadRequest(
-                    snapshot_id="s", block_ids=[0], num_tokens=1))
+                    request_id="r", snapshot_id="s", block_ids=[0], num_tokens=1))
             assert info.value.code() == code and text in (info.value.details() or "")
+            if cache is not None:
+                [timeout_s] = cache.timeouts
+                assert timeout_s is not None and 0 < timeout_s <= 0.2
         finally:
-            await channel.close()
-            await h.worker.server.stop(None)
-            await h.worker.servicer.close()
+            await _stop(h, channel)
 
 
-class CorruptStore(MemoryStore):
+async def test_callers_deadline_bounds_the_cache_calls() -> None:
+    # The caller's deadline governs, shorter or longer than cache_timeout_s.
+    stalled = MemoryCache(delay_s=None)
+    h, channel = await _start(stalled, timeout_s=30.0)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="s", block_ids=[0], num_tokens=1), timeout=0.5)
+        assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     grpc.StatusCode.UNAVAILABLE)
+        assert loop.time() - started < 5.0
+        [timeout_s] = stalled.timeouts  # about 0.5 s (grpc's clocks may add a few ms)
+        assert timeout_s is not None and 0 < timeout_s < 0.6
+    finally:
+        await _stop(h, channel)
+    slow = MemoryCache(delay_s=0.5)
+    h, channel = await _start(slow, timeout_s=0.2)
+    try:
+        request = worker_pb2.OffloadRequest(request_id="r", snapshot_id="s", block_ids=[0],
+                                            num_tokens=1)
+        assert (await h.stub.Offload(request, timeout=20)).num_bytes > 0
+        restore = worker_pb2.RestoreRequest(request_id="r", snapshot_id="s", block_ids=[1])
+        assert (await h.stub.Restore(restore, timeout=20)).num_bytes > 0
+        assert all(t is not None and 0.2 < t < 21 for t in slow.timeouts)
+    finally:
+        await _stop(h, channel)
+
+
+class CorruptCache(MemoryCache):
     """Every read fails its checksum, as CacheClient reports it."""
 
-    async def get_into(self, snapshot_id: str, out: memoryview) -> cache_pb2.SnapshotHeader:
+    async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
+                       consume: bool = False,
+                       timeout_s: float | None = None) -> cache_pb2.SnapshotHeader:
         raise errors.DataLoss(f"snapshot {snapshot_id}: chunk 0 checksum 0x1, server sent 0x2")
 
 
 async def test_corrupt_snapshot_is_data_loss() -> None:
-    h, channel = await _start(CorruptStore())
+    h, channel = await _start(CorruptCache())
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await h.stub.Restore(worker_pb2.RestoreRequest(snapshot_id="s", block_ids=[0]))
+            await h.stub.Restore(worker_pb2.RestoreRequest(request_id="r", snapshot_id="s",
+                                                           block_ids=[0]))
         assert info.value.code() == grpc.StatusCode.DATA_LOSS
         assert "chunk 0 checksum 0x1" in (info.value.details() or "")
     finally:
-        await channel.close()
-        await h.worker.server.stop(None)
-        await h.worker.servicer.close()
+        await _stop(h, channel)
+
+
+async def test_copies_borrow_pooled_host_buffers_and_give_them_back() -> None:
+    """No host allocation per copy: buffers come from the runner's pool (pinned on
+    CUDA, where a new one costs ~0.5 s per GiB) and return to it, even on failure."""
+    runner = make_runner()
+    h, channel = await _start(MemoryCache(), runner)
+    try:
+        pool = runner.host_pool
+        for i in range(4):
+            await h.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id=f"s{i}", block_ids=[0, 1, 2], num_tokens=9))
+            await h.stub.Restore(worker_pb2.RestoreRequest(
+                request_id="r", snapshot_id=f"s{i}", block_ids=[8, 9, 10]))
+        with pytest.raises(grpc.aio.AioRpcError):  # a failed copy returns its loan too
+            await h.stub.Restore(worker_pb2.RestoreRequest(
+                request_id="r", snapshot_id="gone", block_ids=[8, 9, 10]))
+        assert pool.num_allocations == 1 and pool.num_lent == 0
+    finally:
+        await _stop(h, channel)

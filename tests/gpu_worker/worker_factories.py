@@ -1,5 +1,5 @@
 """Factories shared by the worker tests: tiny runners, a minimal greedy loop,
-and a real worker process."""
+an in-memory cache service, and a real worker process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +16,9 @@ import torch
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
-from gpu_worker.sampling import GREEDY, SamplingParams
+from kvstash import errors
+from kvstash.sampling import GREEDY, SamplingParams
+from kvstash.v1 import cache_pb2, common_pb2
 
 BLOCK_SIZE = 4
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +63,50 @@ def greedy_generate(runner: ModelRunner, prompt_ids: Sequence[int], num_tokens: 
         assert token is not None
         out.append(token)
     return out
+
+
+@dataclass
+class MemoryCache:
+    """A `gpu_worker.transfer.SnapshotClient` keeping snapshots in a dict, with
+    CacheClient's put/get_into contract (a get with `consume` deletes what it
+    read). Each call takes `delay_s` (None = forever) and records the deadline
+    it was given in `timeouts`."""
+
+    delay_s: float | None = 0.0
+    snapshots: dict[str, tuple[cache_pb2.SnapshotHeader, bytes]] = field(default_factory=dict)
+    timeouts: list[float | None] = field(default_factory=list)
+    closed: bool = False
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        self.timeouts.append(timeout_s)
+        await asyncio.sleep(3600 if self.delay_s is None else self.delay_s)
+
+    async def put(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
+                  num_tokens: int, data: memoryview, pinned: bool = True, ttl_s: int = 0,
+                  timeout_s: float | None = None) -> int:
+        await self._wait(timeout_s)
+        header = cache_pb2.SnapshotHeader(snapshot_id=snapshot_id, layout=layout,
+                                          num_blocks=num_blocks, num_tokens=num_tokens,
+                                          total_bytes=len(data), pinned=pinned, ttl_s=ttl_s)
+        self.snapshots[snapshot_id] = (header, bytes(data))
+        return len(data)
+
+    async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
+                       consume: bool = False,
+                       timeout_s: float | None = None) -> cache_pb2.SnapshotHeader:
+        await self._wait(timeout_s)
+        if snapshot_id not in self.snapshots:
+            raise errors.NotFound(f"snapshot {snapshot_id!r} not found")
+        header, data = self.snapshots[snapshot_id]
+        if len(data) != out.nbytes:
+            raise errors.InvalidArgument(f"buffer has {out.nbytes} bytes, snapshot {len(data)}")
+        out[:] = data
+        if consume:
+            del self.snapshots[snapshot_id]
+        return header
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 @dataclass(slots=True)

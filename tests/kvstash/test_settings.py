@@ -9,6 +9,7 @@ import pytest
 
 from kvstash import settings
 from kvstash.stack import start_service
+from kvstash.units import MIB
 from tests.integration.workload import cache_stats
 
 
@@ -50,4 +51,4 @@ async def test_a_service_takes_its_settings_from_the_environment(
         stats = await cache_stats(cache.address)
     finally:
         cache.stop()
-    assert stats.memory_budget_bytes == 48 << 20
+    assert stats.memory_budget_bytes == 48 * MIB

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.outputs import RequestUpdate, SchedulerOutput
-from scheduler_svc.request import SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.outputs import (
+    OffloadCommand,
+    RequestUpdate,
+    RestoreCommand,
+    SchedulerOutput,
+)
+from scheduler_svc.core.scheduler import Scheduler
 
 EOS = 0
+
+# The latest copy command each scheduler issued per request, recorded by step().
+_COPIES: weakref.WeakKeyDictionary[Scheduler, dict[str, OffloadCommand | RestoreCommand]] = (
+    weakref.WeakKeyDictionary())
 
 
 def make_config(**overrides: object) -> SchedulerConfig:
@@ -52,9 +62,27 @@ def step(
         for seq in output.seqs
         if seq.sample
     }
+    copies = _COPIES.setdefault(scheduler, {})
+    commands: list[OffloadCommand | RestoreCommand] = [*output.offloads, *output.restores]
+    for command in commands:
+        copies[command.request_id] = command
     updates = scheduler.update(output, sampled)
     scheduler.check_integrity()
     return output, updates
+
+
+def finish_offload(scheduler: Scheduler, request_id: str, num_bytes: int | None) -> None:
+    """Lands the offload step() saw issued for request_id."""
+    command = _COPIES[scheduler][request_id]
+    assert isinstance(command, OffloadCommand)
+    scheduler.finish_offload(command, num_bytes)
+
+
+def finish_restore(scheduler: Scheduler, request_id: str, num_bytes: int | None) -> None:
+    """Lands the restore step() saw issued for request_id."""
+    command = _COPIES[scheduler][request_id]
+    assert isinstance(command, RestoreCommand)
+    scheduler.finish_restore(command, num_bytes)
 
 
 def ids(seqs: Sequence[object]) -> list[str]:

@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_svc.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
-from scheduler_svc.request import SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+from scheduler_svc.core.scheduler import Scheduler
 
 
 def next_token(token_ids: Sequence[int], vocab_size: int) -> int:
@@ -88,13 +88,16 @@ class _Copy:
 
 @dataclass
 class FakeTransport:
-    """Offload/restore copies that land (or fail) after random delays."""
+    """Offload/restore copies that land (or fail) after random delays, into a
+    cache that refuses puts beyond `capacity_bytes` (None: it is down) and
+    deletes a snapshot once it is restored."""
 
     worker: FakeWorker
     rng: random.Random
     bytes_per_block: int
     fail_rate: float = 0.0
     max_delay: int = 3
+    capacity_bytes: int | None = 10**12
     snapshots: dict[str, list[int | None]] = field(default_factory=dict)
     in_flight: list[_Copy] = field(default_factory=list)
     # Blocks offloads read from (shared prefix blocks may be read by several).
@@ -136,8 +139,9 @@ class FakeTransport:
             if isinstance(command, OffloadCommand):
                 self.reading.subtract(command.block_ids)
                 self.reading = +self.reading
-                if copy.fails:
-                    scheduler.finish_offload(command.request_id, None)
+                num_bytes = len(command.block_ids) * self.bytes_per_block
+                if copy.fails or not self._fits(num_bytes):
+                    scheduler.finish_offload(command, None)
                     continue
                 tokens = self.worker.read(command.block_ids, command.num_tokens)
                 expected = truth[command.request_id][: command.num_tokens]
@@ -145,21 +149,27 @@ class FakeTransport:
                 assert command.snapshot_id not in self.snapshots
                 self.snapshots[command.snapshot_id] = tokens
                 self.num_offloads += 1
-                scheduler.finish_offload(
-                    command.request_id, len(command.block_ids) * self.bytes_per_block
-                )
+                scheduler.finish_offload(command, num_bytes)
             else:
                 self.writing.difference_update(command.block_ids)
                 if copy.fails:
                     # A half-finished copy leaves garbage behind.
                     for block_id in command.block_ids:
                         self.worker.kv[block_id] = [None] * self.worker.block_size
-                    scheduler.finish_restore(command.request_id, False)
+                    scheduler.finish_restore(command, None)
                     continue
-                tokens = self.snapshots[command.snapshot_id]
+                tokens = self.snapshots.pop(command.snapshot_id)  # a restore consumes it
                 self.worker.write(command.block_ids, 0, [t for t in tokens if t is not None])
                 self.num_restores += 1
-                scheduler.finish_restore(command.request_id, True)
+                scheduler.finish_restore(command, len(command.block_ids) * self.bytes_per_block)
+
+    def _fits(self, num_bytes: int) -> bool:
+        """The cache's own admission: the one capacity answer."""
+        if self.capacity_bytes is None:
+            return False
+        size = self.worker.block_size
+        num_blocks = sum(-(-len(tokens) // size) for tokens in self.snapshots.values())
+        return num_blocks * self.bytes_per_block + num_bytes <= self.capacity_bytes
 
     def delete(self, snapshot_ids: Sequence[str]) -> None:
         for snapshot_id in snapshot_ids:

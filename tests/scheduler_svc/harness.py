@@ -6,9 +6,10 @@ import random
 from dataclasses import dataclass, field
 
 from kvstash.errors import NotFound
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import RequestStatus, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
 from tests.scheduler_svc.fakes import FakeTransport, FakeWorker, reference_output
 
 
@@ -55,7 +56,10 @@ class Harness:
         self.transport = FakeTransport(
             self.worker, self.rng, max(config.bytes_per_block, 1), fail_rate, max_delay
         )
+        # Bytes the fake cache accepts, None = down; re-drawn now and then.
         self.capacity_choices = capacity_choices
+        self.transport.capacity_bytes = capacity_choices[0]
+        self.scheduler.set_cache_available(capacity_choices[0] is not None)
         # Each step, each request in one of these states is aborted with this chance.
         self.abort_statuses = abort_statuses
         self.abort_rate = abort_rate
@@ -113,7 +117,9 @@ class Harness:
                 self.outcome.finish_statuses[update.request_id] = update.finish_status
         self.transport.tick(sched, step, self.truth)
         if self.rng.random() < 0.2:
-            sched.set_offload_capacity(self.rng.choice(self.capacity_choices))
+            capacity = self.rng.choice(self.capacity_choices)
+            self.transport.capacity_bytes = capacity
+            sched.set_cache_available(capacity is not None)
         self.transport.delete(sched.take_snapshots_to_delete())
         sched.check_integrity()
         for rid in self.unfinished:

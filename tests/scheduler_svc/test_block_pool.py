@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvstash.errors import InvalidArgument
-from scheduler_svc.block_pool import BlockPool, IntegrityError
+from scheduler_svc.core.block_pool import BlockPool, IntegrityError
 
 
 def test_allocate_and_free_keep_the_invariant() -> None:

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from tests.scheduler_svc.factories import make_config
 
 

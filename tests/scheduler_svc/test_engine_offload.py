@@ -14,11 +14,15 @@ import pytest
 from kvstash import rpc
 from kvstash.cache_client import CacheClient
 from kvstash.layout import Layout
+from kvstash.sampling import SamplingParams
 from kvstash.stack import Service, start_service
-from scheduler_svc.config import PreemptionMode, SchedulerConfig
-from scheduler_svc.engine import Engine, RequestStream
-from scheduler_svc.request import RequestStatus, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.cache_link import CacheLink
+from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.engine import Engine
+from scheduler_svc.streams import RequestStream
+from scheduler_svc.worker_link import WorkerLink
 from tests.integration.reference import reference_greedy
 
 NUM_BLOCKS = 16
@@ -64,7 +68,7 @@ async def harness(services: tuple[Service, Service]) -> AsyncIterator[Harness]:
     ))
     channel = rpc.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
-    engine = Engine(core, channel, cache)
+    engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache))
     await engine.start()
     try:
         yield Harness(engine, core, cache)

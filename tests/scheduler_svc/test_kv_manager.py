@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from scheduler_svc.kv_manager import KVCacheManager
-from scheduler_svc.request import Request, SamplingParams
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.request import Request
 
 
 def make_request(request_id: str, prompt: list[int]) -> Request:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.config import PreemptionMode, ReservationPolicy
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.scheduler import Scheduler
-from tests.scheduler_svc.factories import add, ids, make_scheduler, step
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
+from tests.scheduler_svc.factories import (
+    add,
+    finish_offload,
+    finish_restore,
+    ids,
+    make_scheduler,
+    run_to_end,
+    step,
+)
 
 S = RequestStatus
 
@@ -104,7 +112,7 @@ def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
     assert scheduler.kv.pool.ref_cnt(1) == 1  # still allocated: a copy is in flight
     step(scheduler)
     assert scheduler.stats().num_offloaded == 1
-    scheduler.finish_offload("b", 4096)
+    finish_offload(scheduler, "b", 4096)
     assert b.status is S.OFFLOADED and b.block_ids == [] and b.bytes_offloaded == 4096
     while b.status is S.OFFLOADED:
         output, _ = step(scheduler, token_id=8)
@@ -114,8 +122,8 @@ def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
     assert b.status is S.RESUMING and b.block_ids == restore.block_ids
     output, _ = step(scheduler)
     assert "b" not in ids(output.seqs)  # not scheduled before the restore is acknowledged
-    scheduler.finish_restore("b", ok=True)
-    assert scheduler.take_snapshots_to_delete() == [snapshot_id]
+    finish_restore(scheduler, "b", 4096)
+    assert scheduler.take_snapshots_to_delete() == []  # the restore consumed it
     output, _ = step(scheduler, token_id=9)
     [b_seq] = [s for s in output.seqs if s.request_id == "b"]
     # Continues from the next token: KV of positions 0..3 came back, no recompute.
@@ -127,7 +135,7 @@ def test_offload_holds_blocks_until_the_copy_lands_then_resumes() -> None:
 
 def test_offload_failure_falls_back_to_recompute() -> None:
     scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
-    scheduler.finish_offload("b", None)
+    finish_offload(scheduler, "b", None)
     b = scheduler.get_request("b")
     assert b is not None and b.status is S.WAITING and b.snapshot_id is None
     assert scheduler.take_snapshots_to_delete() == []  # a failed put stores nothing
@@ -136,46 +144,44 @@ def test_offload_failure_falls_back_to_recompute() -> None:
 
 def test_restore_failure_frees_blocks_and_recomputes() -> None:
     scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
-    scheduler.finish_offload("b", 10)
+    finish_offload(scheduler, "b", 10)
     b = scheduler.get_request("b")
     assert b is not None
     while b.status is not S.RESUMING:
         step(scheduler)
-    scheduler.finish_restore("b", ok=False)
+    finish_restore(scheduler, "b", None)
     assert b.status is S.WAITING and b.block_ids == []
     assert scheduler.take_snapshots_to_delete() == [first_snapshot_of_b(scheduler)]
     scheduler.check_integrity()
 
 
-@pytest.mark.parametrize(
-    ("capacity", "expected"),
-    [(None, S.WAITING), (199, S.WAITING), (200, S.OFFLOADING)],
-)
-def test_auto_offloads_only_when_the_snapshot_fits(capacity: int | None, expected: S) -> None:
+@pytest.mark.parametrize(("available", "expected"), [(False, S.WAITING), (True, S.OFFLOADING)])
+def test_auto_offloads_only_while_the_cache_answers(available: bool, expected: S) -> None:
     scheduler = tight_scheduler(4, PreemptionMode.AUTO)
-    scheduler.set_offload_capacity(capacity)
+    scheduler.set_cache_available(available)
     add(scheduler, "a", prompt_len=2, max_tokens=6, ignore_eos=True)
     add(scheduler, "b", prompt_len=4, max_tokens=4, ignore_eos=True, first_token=40)
     step(scheduler)
     step(scheduler)
-    assert status(scheduler, "b") is expected  # 2 blocks * 100 bytes
+    assert status(scheduler, "b") is expected
 
 
-def test_auto_subtracts_snapshots_in_flight() -> None:
-    scheduler = tight_scheduler(6, PreemptionMode.AUTO)
-    scheduler.set_offload_capacity(300)
-    for i, name in enumerate("abc"):
-        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
+def test_auto_put_refused_by_the_cache_falls_back_to_recompute() -> None:
+    """No shadow account of the cache's bytes: its refusal is the capacity answer."""
+    scheduler = tight_scheduler(4, PreemptionMode.AUTO)
+    scheduler.set_cache_available(True)
+    add(scheduler, "a", prompt_len=2, max_tokens=6, ignore_eos=True)
+    add(scheduler, "b", prompt_len=4, max_tokens=4, ignore_eos=True, first_token=40)
     step(scheduler)
     step(scheduler)
-    step(scheduler)
-    output, _ = step(scheduler)  # all three need a third block; none is free
-    assert len(output.offloads) == 1
-    scheduler.finish_offload(output.offloads[0].request_id, 200)
-    # 300 - 200 committed since the report: the next 200-byte snapshot does not fit.
-    assert scheduler._preemption.can_offload(200) is False
-    scheduler.set_offload_capacity(1000)
-    assert scheduler._preemption.can_offload(200) is True
+    finish_offload(scheduler, "b", None)  # RESOURCE_EXHAUSTED
+    assert status(scheduler, "b") is S.WAITING
+    stats = scheduler.stats()
+    assert (stats.num_preemptions_offload, stats.num_offload_failures) == (1, 1)
+    assert scheduler.take_snapshots_to_delete() == []
+    scheduler.set_cache_available(False)  # later preemptions recompute: nobody lands copies
+    run_to_end(scheduler)
+    assert scheduler.stats().num_recomputed_tokens > 0
 
 
 def test_blocks_being_offloaded_count_as_soon_free() -> None:
@@ -188,7 +194,7 @@ def test_blocks_being_offloaded_count_as_soon_free() -> None:
     assert ids(output.offloads) == ["a"] and ids(output.seqs) == []
     output, _ = step(scheduler)  # still in flight: wait for it, preempt nobody else
     assert output.offloads == [] and status(scheduler, "b") is S.RUNNING_DECODE
-    scheduler.finish_offload("a", 1)
+    finish_offload(scheduler, "a", 1)
     output, _ = step(scheduler)
     assert ids(output.seqs) == ["b", "c"]
 
@@ -200,7 +206,7 @@ def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
     for _ in range(3):
         step(scheduler)
     step(scheduler)
-    scheduler.finish_offload("a", 1)
+    finish_offload(scheduler, "a", 1)
     add(scheduler, "new", prompt_len=2, max_tokens=2, first_token=80)
     resumed = []
     while status(scheduler, "a") is S.OFFLOADED:
@@ -208,7 +214,7 @@ def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
         assert "new" not in ids(output.seqs)
         resumed += ids(output.restores)
         for offload in output.offloads:
-            scheduler.finish_offload(offload.request_id, 1)
+            finish_offload(scheduler, offload.request_id, 1)
     assert resumed == ["a"]
 
 
@@ -217,7 +223,7 @@ def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
 def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: bool) -> None:
     scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
     if state is not S.OFFLOADING:
-        scheduler.finish_offload("b", 10)
+        finish_offload(scheduler, "b", 10)
     if state is S.RESUMING:
         while status(scheduler, "b") is not S.RESUMING:
             step(scheduler)
@@ -226,23 +232,24 @@ def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: b
     held = list(b.block_ids)
     scheduler.abort("b")
     scheduler.check_integrity()
+    assert scheduler.get_request("b") is None  # it leaves at once; its copy lands later
     if state is S.OFFLOADED:
         assert scheduler.take_snapshots_to_delete() == [first_snapshot_of_b(scheduler)]
-        assert scheduler.get_request("b") is None
         return
     # A copy is in flight: its blocks stay allocated until it lands.
     assert all(scheduler.kv.pool.ref_cnt(block) == 1 for block in held)
     assert scheduler.stats().num_offloaded == 0
     step(scheduler)
     if state is S.OFFLOADING:
-        scheduler.finish_offload("b", 10 if copy_ok else None)
+        finish_offload(scheduler, "b", 10 if copy_ok else None)
     else:
-        scheduler.finish_restore("b", copy_ok)
+        finish_restore(scheduler, "b", 10 if copy_ok else None)
     assert all(scheduler.kv.pool.ref_cnt(block) == 0 for block in held)
-    expect_delete = copy_ok or state is S.RESUMING
+    # A committed put is deleted; a successful restore consumed the snapshot;
+    # a failed restore may have left it.
+    expect_delete = copy_ok if state is S.OFFLOADING else not copy_ok
     expected = [first_snapshot_of_b(scheduler)] if expect_delete else []
     assert scheduler.take_snapshots_to_delete() == expected
-    assert scheduler.get_request("b") is None
     scheduler.check_integrity()
     while scheduler.has_unfinished_requests:
         step(scheduler)
@@ -262,5 +269,5 @@ def test_recompute_victims_keep_arrival_order_at_the_front() -> None:
         add(scheduler, f"r{i}", prompt_len=7 - i, max_tokens=20)
     while scheduler.stats().num_preemptions_recompute < 2:
         step(scheduler)
-    waiting = [r.request_id for r in scheduler._waiting]
+    waiting = [r.request_id for r in scheduler.life.waiting]
     assert waiting == sorted(waiting)

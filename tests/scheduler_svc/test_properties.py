@@ -6,8 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.config import PreemptionMode, ReservationPolicy, SchedulerConfig
-from scheduler_svc.request import RequestStatus, SamplingParams
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.request import RequestStatus
 from tests.scheduler_svc.conftest import PROFILE
 from tests.scheduler_svc.harness import AbortPlan, Arrival, Harness
 

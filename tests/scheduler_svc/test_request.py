@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.request import Request, RequestStatus, SamplingParams
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.request import Request, RequestStatus
 from tests.scheduler_svc.factories import make_scheduler, step
 
 

@@ -2,10 +2,19 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.config import PreemptionMode, ReservationPolicy
-from scheduler_svc.request import Request, RequestStatus, SamplingParams
-from scheduler_svc.reservation import Reservation
-from tests.scheduler_svc.factories import add, make_config, make_scheduler, run_to_end, step
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.reservation import Reservation
+from tests.scheduler_svc.factories import (
+    add,
+    finish_offload,
+    finish_restore,
+    make_config,
+    make_scheduler,
+    run_to_end,
+    step,
+)
 
 
 def make_request(max_tokens: int, num_output: int = 0) -> Request:
@@ -110,7 +119,7 @@ def test_admission_reserves_for_resuming_requests() -> None:
     while not output.offloads:
         output, _ = step(scheduler)
     [offload] = output.offloads
-    scheduler.finish_offload(offload.request_id, 1)
+    finish_offload(scheduler, offload.request_id, 1)
     while not output.restores:
         output, _ = step(scheduler)
     resuming = scheduler.get_request(offload.request_id)
@@ -120,6 +129,6 @@ def test_admission_reserves_for_resuming_requests() -> None:
     add(scheduler, "late", prompt_len=12, max_tokens=1)  # 3 of the 4: leaves 1 < 2
     output, _ = step(scheduler)
     assert "late" not in [s.request_id for s in output.seqs]
-    scheduler.finish_restore(offload.request_id, ok=True)
+    finish_restore(scheduler, offload.request_id, 1)
     run_to_end(scheduler)
     assert scheduler.get_request("late") is None  # finished, all the same

@@ -7,6 +7,7 @@ request); health stays NOT_SERVING until an engine reports its worker up."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,9 +17,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstash import rpc
 from kvstash.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.server import SERVICE_NAME, SchedulerServer, create_scheduler_server
+from scheduler_svc.server import (
+    SERVICE_NAME,
+    SchedulerServer,
+    create_scheduler_server,
+    stats_to_proto,
+)
+from scheduler_svc.worker_link import WorkerLink
 from tests.scheduler_svc.factories import make_scheduler
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -47,7 +55,7 @@ async def channel(server: SchedulerServer) -> AsyncIterator[grpc.aio.Channel]:
 async def attached(server: SchedulerServer) -> AsyncIterator[SchedulerServer]:
     core = make_scheduler(vocab_size=258)
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:
-        engine = Engine(core, nowhere, None)
+        engine = Engine(core, WorkerLink(nowhere), None)
         server.servicer.attach(engine, ByteTokenizer(),
                                SchedulerMetrics(core, asyncio.get_running_loop()))
         yield server
@@ -128,3 +136,13 @@ async def test_raw_stats_request_decodes(
     raw = await channel.unary_unary(f"/{SERVICE_NAME}/GetStats")(b"")
     stats = scheduler_pb2.SchedulerStats.FromString(raw)
     assert stats.num_total_blocks == 64 and not stats.cache_available
+
+
+def test_stats_proto_and_core_stats_have_the_same_fields() -> None:
+    """GetStats converts field by field by name: neither side may have one the
+    other lacks (a proto field the core never fills would read 0 forever)."""
+    core_fields = {f.name for f in dataclasses.fields(SchedulerStats)}
+    proto_fields = {f.name for f in scheduler_pb2.SchedulerStats.DESCRIPTOR.fields}
+    assert core_fields == proto_fields
+    stats = make_scheduler().stats()
+    assert stats_to_proto(stats).num_total_blocks == stats.num_total_blocks == 64

@@ -7,33 +7,53 @@ what it may hold:
     waiting     WAITING                      none                     none
     prefilling  RUNNING_PREFILL              all of prompt + output   none
     decoding    RUNNING_DECODE               covers num_computed(+1)  none
-    offloading  OFFLOADING / aborted         held until copy lands    yes
+    offloading  OFFLOADING                   held until copy lands    yes
     offloaded   OFFLOADED                    none                     yes
-    resuming    RESUMING / aborted           snapshot's block count   yes
+    resuming    RESUMING                     snapshot's block count   yes
+
+and every copy in flight belongs to a request in offloading or resuming, or
+to an aborted request that is in no queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
-from scheduler_svc.block_pool import IntegrityError
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.lifecycle import Lifecycle
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.reservation import Reservation
 
 _ALLOWED = {
     "waiting": {RequestStatus.WAITING},
     "prefilling": {RequestStatus.RUNNING_PREFILL},
     "decoding": {RequestStatus.RUNNING_DECODE},
-    "offloading": {RequestStatus.OFFLOADING, RequestStatus.FINISHED_ABORTED},
+    "offloading": {RequestStatus.OFFLOADING},
     "offloaded": {RequestStatus.OFFLOADED},
-    "resuming": {RequestStatus.RESUMING, RequestStatus.FINISHED_ABORTED},
+    "resuming": {RequestStatus.RESUMING},
 }
+
+
+def check_scheduler(config: SchedulerConfig, life: Lifecycle, reservation: Reservation) -> None:
+    """Every invariant of a scheduler's state; raises IntegrityError naming the first broken."""
+    check_requests(config, life.queues(), life.requests, life.copies)
+    holders = chain(life.prefilling.values(), life.decoding.values(), life.copies.values())
+    life.kv.pool.check_integrity(r.block_ids for r in holders)
+    ratio = reservation.new_token_ratio
+    if not 0 <= ratio <= config.init_new_token_ratio:
+        raise IntegrityError(f"new_token_ratio {ratio} outside [0, init]")
+    if life.num_running > config.max_num_seqs:
+        raise IntegrityError(
+            f"{life.num_running} requests running, max_num_seqs is {config.max_num_seqs}")
 
 
 def check_requests(
     config: SchedulerConfig,
     queues: Mapping[str, Sequence[Request]],
     requests: Mapping[str, Request],
+    copies: Mapping[str, Request],
 ) -> None:
     seen: dict[str, str] = {}
     for name, reqs in queues.items():
@@ -50,6 +70,20 @@ def check_requests(
     lost = set(requests) - set(seen)
     if lost:
         raise IntegrityError(f"requests {sorted(lost)} are in no queue")
+    for snapshot_id, req in copies.items():
+        live = seen.get(req.request_id) in ("offloading", "resuming") and (
+            requests.get(req.request_id) is req)
+        if not live and req.status is not RequestStatus.FINISHED_ABORTED:
+            raise IntegrityError(f"copy {snapshot_id} belongs to request {req.request_id} "
+                                 f"with status {req.status.value}")
+        if live and req.snapshot_id != snapshot_id:
+            raise IntegrityError(f"copy {snapshot_id} belongs to request {req.request_id} "
+                                 f"whose snapshot is {req.snapshot_id}")
+    num_live_copies = sum(1 for r in copies.values() if not r.status.is_finished)
+    if num_live_copies != len(queues["offloading"]) + len(queues["resuming"]):
+        raise IntegrityError(f"{num_live_copies} live copies in flight, "
+                             f"{len(queues['offloading']) + len(queues['resuming'])} "
+                             "requests offloading or resuming")
 
 
 def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:

@@ -7,15 +7,16 @@ Nothing here reads the environment; the service's entry point builds a
 from __future__ import annotations
 
 import enum
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvstash.errors import InvalidArgument
+from kvstash.ids import check_snapshot_id
+
 E = TypeVar("E", bound=enum.Enum)
 
-
-_SNAPSHOT_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_MAX_PREFIX_CHARS = 32
 
 
 class ReservationPolicy(enum.Enum):
@@ -28,7 +29,7 @@ class ReservationPolicy(enum.Enum):
 class PreemptionMode(enum.Enum):
     """What happens to a preempted decode request's KV blocks."""
 
-    AUTO = "auto"  # offload when the snapshot fits the cache's reported capacity
+    AUTO = "auto"  # offload while the cache service answers; a refusal means recompute
     OFFLOAD = "offload"  # always try to offload; failures fall back to recompute
     RECOMPUTE = "recompute"  # drop the blocks; prefill prompt + output again later
 
@@ -102,9 +103,7 @@ class SchedulerConfig:
             _check_int(name, getattr(self, name), 0)
         _check_float("init_new_token_ratio", self.init_new_token_ratio, 1e-9, 1.0)
         _check_float("min_new_token_ratio_factor", self.min_new_token_ratio_factor, 0.0, 1.0)
-        if not _SNAPSHOT_PREFIX.fullmatch(self.snapshot_id_prefix):
-            raise ValueError("snapshot_id_prefix must be 1-32 chars of [A-Za-z0-9_-], got "
-                             f"{self.snapshot_id_prefix!r}")
+        _check_snapshot_prefix(self.snapshot_id_prefix)
         eos = tuple(self.eos_token_ids)
         for token_id in eos:
             _check_int("eos_token_ids entry", token_id, 0)
@@ -126,6 +125,17 @@ class SchedulerConfig:
         return (self.init_new_token_ratio - self.min_new_token_ratio) / (
             self.new_token_ratio_decay_steps
         )
+
+
+def _check_snapshot_prefix(prefix: str) -> None:
+    """The prefix starts snapshot ids, whose parts "." separates."""
+    try:
+        check_snapshot_id(prefix)
+    except InvalidArgument as exc:
+        raise ValueError(f"snapshot_id_prefix: {exc}") from None
+    if "." in prefix or len(prefix) > _MAX_PREFIX_CHARS:
+        raise ValueError(f"snapshot_id_prefix must be 1-{_MAX_PREFIX_CHARS} chars without "
+                         f"'.', got {prefix!r}")
 
 
 def _coerce(enum_type: type[E], name: str, value: object) -> E:

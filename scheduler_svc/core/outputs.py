@@ -4,33 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import RequestStatus, SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's work in a step.
-
-    Prefill chunk of prompt (+ output, after a recompute):
-        token_ids = tokens[start_pos : start_pos + n], sample on the last chunk only
-    Decode:
-        token_ids = [output[-1]], start_pos = len(prompt) + len(output) - 1, sample
-    """
-
-    # The request this work belongs to.
-    request_id: str
-    # Tokens whose KV this step computes, at positions start_pos, start_pos + 1, ...
-    token_ids: list[int]
-    # Position of token_ids[0].
-    start_pos: int
-    # The request's whole block table; the scheduler's own list, read-only for
-    # the engine and valid until the next schedule().
-    block_ids: list[int]
-    # Whether this step samples a token for the request (decode, or the chunk
-    # that completes the prefill).
-    sample: bool
-    # How to sample it.
-    sampling: SamplingParams
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.core.seq import ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -55,8 +30,8 @@ class OffloadCommand:
 class RestoreCommand:
     """Copy a snapshot back into freshly allocated blocks.
 
-    Answered with `Scheduler.finish_restore`; the request is not scheduled
-    until then.
+    Answered with `Scheduler.finish_restore(command, ...)`; the request is
+    not scheduled until then. A successful restore consumes the snapshot.
     """
 
     # The request being resumed.
@@ -92,7 +67,25 @@ class RequestUpdate:
     # Tokens appended to its output this step (the stop token included).
     new_token_ids: list[int]
     # FINISHED_STOPPED / FINISHED_LENGTH when it finished now, else None.
-    finish_status: RequestStatus | None
+    finish_status: RequestStatus | None = None
+    # Its figures, with finish_status.
+    usage: RequestUsage | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    """The scheduler's cumulative figures, reported in SchedulerStats (see its fields)."""
+
+    num_preemptions_offload: int = 0
+    num_preemptions_recompute: int = 0
+    num_offload_failures: int = 0
+    num_restore_failures: int = 0
+    num_recomputed_tokens: int = 0
+    num_finished: int = 0
+    bytes_offloaded: int = 0
+    bytes_restored: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -135,8 +128,8 @@ class SchedulerStats:
     bytes_restored: int
     # schedule() calls.
     num_steps: int
-    # The cache service reported its capacity at the latest poll; False when
-    # none is configured or it is unreachable (preemptions then recompute).
+    # The cache service answered at the latest probe; False when none is
+    # configured or it is unreachable (AUTO preemptions then recompute).
     cache_available: bool
     # Prompt tokens of requests whose prefill completed (once per request).
     num_prompt_tokens: int

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.request import Request
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.request import Request
 
 _ROOT_HASH = 0
 

@@ -6,29 +6,18 @@ pool), so no request ever fails later because memory ran short.
 
 from __future__ import annotations
 
-import math
-
 from kvstash.errors import InvalidArgument
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import SamplingParams
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.config import SchedulerConfig
 
 
 def check_new_request(
     config: SchedulerConfig, request_id: str, prompt: tuple[int, ...], sampling: SamplingParams
 ) -> None:
-    """Raises InvalidArgument naming the bad value; returns None when the request fits."""
+    """Raises InvalidArgument naming the bad value; returns None when the request fits.
+    (Sampling values were checked when `sampling` was built.)"""
     if not prompt:
         raise InvalidArgument(f"request {request_id}: prompt is empty")
-    if sampling.max_tokens <= 0:
-        raise InvalidArgument(
-            f"request {request_id}: max_tokens must be positive, got {sampling.max_tokens}"
-        )
-    temperature_ok = math.isfinite(sampling.temperature) and sampling.temperature >= 0
-    if not temperature_ok or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-        raise InvalidArgument(
-            f"request {request_id}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-            f"{sampling.temperature}, {sampling.top_p}, {sampling.top_k}"
-        )
     vocab_size = config.vocab_size
     for pos, token_id in enumerate(prompt):
         if not (isinstance(token_id, int) and 0 <= token_id < vocab_size):

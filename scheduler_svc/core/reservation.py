@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from scheduler_svc.config import ReservationPolicy, SchedulerConfig
-from scheduler_svc.request import Request
+from scheduler_svc.core.config import ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.request import Request
 
 
 class Reservation:

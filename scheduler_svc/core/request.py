@@ -16,10 +16,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler_svc.outputs import ScheduledSeq
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.seq import ScheduledSeq
 
 
 class RequestStatus(enum.Enum):
@@ -31,7 +30,7 @@ class RequestStatus(enum.Enum):
     RESUMING = "resuming"  # snapshot being copied back into fresh blocks
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
     FINISHED_LENGTH = "finished_length"  # max_tokens reached
-    FINISHED_ABORTED = "finished_aborted"  # aborted by the client
+    FINISHED_ABORTED = "finished_aborted"  # aborted by the client (or its worker was lost)
 
     @property
     def is_finished(self) -> bool:
@@ -44,21 +43,21 @@ _FINISHED = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    # Most output tokens to generate (>= 1).
-    max_tokens: int
-    # 0 = greedy.
-    temperature: float = 0.0
-    # Nucleus mass; 1.0 = off.
-    top_p: float = 1.0
-    # 0 = off.
-    top_k: int = 0
-    # Seed for a per-request generator; None = unseeded.
-    seed: int | None = None
-    # Tokens that finish the request (the token is kept in the output).
-    stop_token_ids: tuple[int, ...] = ()
-    # Keep going past EOS (stop_token_ids still apply).
-    ignore_eos: bool = False
+class RequestUsage:
+    """A request's figures when it finishes: a copy, for its stream and the metrics."""
+
+    # Tokens in its prompt.
+    num_prompt_tokens: int
+    # Tokens it generated.
+    num_output_tokens: int
+    # Times it was preempted (either mode).
+    num_preemptions: int
+    # Tokens prefilled again after recompute preemptions.
+    num_recomputed_tokens: int
+    # KV bytes stashed in the cache service over its life.
+    bytes_offloaded: int
+    # Clock time from arrival to first admission; None if never admitted.
+    queue_time_s: float | None
 
 
 @dataclass(slots=True)
@@ -113,8 +112,9 @@ class Request:
     first_scheduled_time: float | None = None
     # Clock value when the first output token arrived.
     first_token_time: float | None = None
-    # This request's decode work item, refreshed in place by every schedule()
-    # that decodes it rather than rebuilt (the per-step hot path).
+    # Its decode work item, refreshed in place by every schedule() that decodes
+    # it rather than rebuilt: rebuilding more than doubles schedule() at 1024
+    # decodes (0.16 -> 0.38 ms on the 2-core machine, bench/scheduler_bench.py).
     decode_seq: ScheduledSeq | None = None
 
     @classmethod
@@ -161,6 +161,14 @@ class Request:
     def num_remaining_tokens(self) -> int:
         """Output tokens still allowed by max_tokens."""
         return self.sampling.max_tokens - len(self.output_token_ids)
+
+    def usage(self) -> RequestUsage:
+        queue_time_s = (None if self.first_scheduled_time is None
+                        else self.first_scheduled_time - self.arrival_time)
+        return RequestUsage(
+            self.num_prompt_tokens, len(self.output_token_ids), self.num_preemptions,
+            self.num_recomputed_tokens, self.bytes_offloaded, queue_time_s,
+        )
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""

@@ -1,0 +1,259 @@
+"""Worker step throughput: the per-sequence path vs the batched one, side by side.
+
+For each batch size: decode tokens/s (every sequence one token per step, with
+`--context` tokens already cached) and prefill tokens/s (every sequence's
+`--prompt-len` prompt, packed into steps of at most `--max-step-tokens`).
+Modes: `per-seq` (one forward and one sync per sequence, the old path),
+`batched` (one forward per step, batch-invariant), `batched-fast` (one forward,
+no row tiles: not invariant). Also the prefill FLOP/s of a plain batched torch
+forward of the same shapes (dense, no paging) and, on CUDA, the share of decode
+step wall time the GPU is busy.
+
+Models are random-weight checkpoints written by `write_checkpoint` (nothing is
+downloaded) and loaded through the worker's own loader: `llama-1b` has
+Llama-3.2-1B's shapes, `llama-small` a shape a 2-core CPU runs in seconds, and
+`tiny` is the built-in model.
+Run: python -m bench.worker_bench [--model tiny] [--device auto] [--batches 1,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models
+
+from gpu_worker.checkpoint import load_checkpoint, resolve_device
+from gpu_worker.config import tiny_model_config
+from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
+from gpu_worker.runner import ModelRunner, SeqWork
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                 "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                 "rope_theta": 500000.0,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}},
+    "llama-small": {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
+                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                    "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+                    "rope_theta": 500000.0},
+}
+MODES = ("per-seq", "batched", "batched-fast")
+
+
+def write_checkpoint(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -> None:
+    """config.json, model.safetensors (fixed-seed random weights) and a stub
+    tokenizer.json, as a Hugging Face Llama export lays them out."""
+    from gpu_worker.hf_config import parse_model_config
+
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+           "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "dtype": dtype,
+           **SHAPES[shape]}
+    model = CausalLM(parse_model_config(raw), getattr(torch, dtype), "cpu")
+    fill_random(model, seed, std=0.02)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({n: p.contiguous() for n, p in model.named_parameters()},
+              str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(raw, indent=1))
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    (directory / "tokenizer.json").write_text(tokenizer.to_str())
+
+
+def load(model: str, dtype: torch.dtype, device: torch.device, workdir: Path) -> CausalLM:
+    if model == "tiny":
+        return build_tiny_model(tiny_model_config(), 0, dtype, device)
+    write_checkpoint(workdir / model, model, str(dtype).removeprefix("torch."))
+    return load_checkpoint(workdir / model, dtype, device).model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: torch.device, fn: Callable[[], object], repeat: int = 1) -> float:
+    """Best of `repeat` runs: on a shared machine the best is the least disturbed."""
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(i * 7919 + j * 104729 + 3) % vocab for j in range(length)] for i in range(batch)]
+
+
+def make_runner(model: CausalLM, mode: str, batch: int, tokens: int,
+                row_tile: int | None = None) -> ModelRunner:
+    per_seq = -(-tokens // 16)
+    return ModelRunner(model, block_size=16, num_blocks=batch * per_seq + 1,
+                       batch_invariant=mode != "batched-fast", row_tile=row_tile)
+
+
+def tables(batch: int, tokens: int) -> list[list[int]]:
+    per_seq = -(-tokens // 16)
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+
+
+def prefill(runner: ModelRunner, ids: list[list[int]], blocks: list[list[int]],
+            max_step_tokens: int, batched: bool) -> None:
+    """Whole prompts, as many per step as fit (one prompt may fill a step alone)."""
+    step: list[SeqWork] = []
+    for i, prompt in enumerate(ids):
+        if step and sum(len(s.token_ids) for s in step) + len(prompt) > max_step_tokens:
+            runner.execute(step, batched=batched)
+            step = []
+        step.append(SeqWork(f"r{i}", prompt, 0, blocks[i], True))
+    runner.execute(step, batched=batched)
+
+
+def decode(runner: ModelRunner, batch: int, context: int, blocks: list[list[int]],
+           steps: int, batched: bool) -> None:
+    last = [1] * batch
+    for s in range(steps):
+        seqs = [SeqWork(f"r{i}", [last[i]], context + s, blocks[i], True) for i in range(batch)]
+        last = [t or 1 for t in runner.execute(seqs, batched=batched)]
+
+
+def dense_forward(model: CausalLM, ids: list[list[int]]) -> None:
+    """The plain batched torch forward of the same shapes: every linear over all
+    tokens at once, SDPA over [batch, heads, length], no paging, no tiles."""
+    cfg = model.config
+    tokens = torch.tensor(ids, device=model.device)
+    batch, length = tokens.shape
+    positions = torch.arange(length, device=model.device).repeat(batch)
+    cos, sin = model.rotary(positions)
+
+    def heads(t: torch.Tensor, n: int, rotate: bool) -> torch.Tensor:
+        t = t.view(batch * length, n, cfg.head_dim)
+        t = apply_rotary(t, cos, sin) if rotate else t
+        return t.view(batch, length, n, cfg.head_dim).transpose(1, 2)
+
+    with torch.inference_mode():
+        x = model.model.embed_tokens(tokens.view(-1))
+        for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q = heads(attn.q_proj(h), cfg.num_heads, True)
+            k = heads(attn.k_proj(h), cfg.num_kv_heads, True)
+            v = heads(attn.v_proj(h), cfg.num_kv_heads, False)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        model.lm_head(model.model.norm(x.view(batch, length, -1)[:, -1]))
+
+
+def prefill_flops(model: CausalLM, batch: int, length: int) -> float:
+    """Matmul FLOPs of a prefill: 2 per weight per token, causal attention
+    (QK and PV, half the square), the output head on the last token only."""
+    cfg = model.config
+    per_layer = (2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                 + 2 * cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                 + 6 * cfg.hidden_size * cfg.intermediate_size)
+    attention = 2 * 2 * cfg.num_heads * cfg.head_dim * length * (length + 1) / 2
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    return batch * (cfg.num_layers * (per_layer * length + attention) + head)
+
+
+def gpu_busy(device: torch.device, fn: Callable[[], object]) -> float | None:
+    """Kernel time over wall time while `fn` runs (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = timed(device, fn)
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return busy_us / 1e6 / wall
+
+
+def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
+                ) -> dict[str, float | None]:
+    device, batched = model.device, mode != "per-seq"
+    total = max(args.prompt_len, args.context) + args.steps + 1
+    runner = make_runner(model, mode, batch, total, args.row_tile)
+    blocks = tables(batch, total)
+    ids = prompts(batch, args.prompt_len, model.config.vocab_size)
+    prefill(runner, ids, blocks, args.max_step_tokens, batched)  # warm-up
+    prefill_s = timed(device, lambda: prefill(runner, ids, blocks, args.max_step_tokens, batched),
+                      args.repeat)
+    ctx_ids = prompts(batch, args.context, model.config.vocab_size)
+    prefill(runner, ctx_ids, blocks, args.max_step_tokens, True)
+    decode(runner, batch, args.context, blocks, 1, batched)  # warm-up
+    decode_s = timed(device, lambda: decode(runner, batch, args.context, blocks, args.steps,
+                                            batched), args.repeat)
+    busy = gpu_busy(device, lambda: decode(runner, batch, args.context, blocks, 2, batched))
+    return {"decode": batch * args.steps / decode_s, "prefill": batch * args.prompt_len / prefill_s,
+            "prefill_tflops": prefill_flops(model, batch, args.prompt_len) / prefill_s / 1e12,
+            "busy": busy}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", *SHAPES], default="tiny")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 (tiny: float32)")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps")
+    parser.add_argument("--max-step-tokens", type=int, default=8192)
+    parser.add_argument("--row-tile", type=int, default=None,
+                        help="rows per tile in batched mode (default: the device's)")
+    parser.add_argument("--repeat", type=int, default=3, help="timings keep the best of these")
+    parser.add_argument("--write-checkpoint", type=Path, default=None,
+                        help="only write the --model checkpoint into this directory")
+    args = parser.parse_args(argv)
+    if args.write_checkpoint is not None:
+        write_checkpoint(args.write_checkpoint, args.model, args.dtype or "bfloat16")
+        return
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if args.model == "tiny" else "bfloat16"))
+    with tempfile.TemporaryDirectory() as workdir:
+        model = load(args.model, dtype, device, Path(workdir))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{args.model} {str(dtype).removeprefix('torch.')} on {name} "
+          f"({torch.get_num_threads()} threads); prompt {args.prompt_len}, decode at context "
+          f"{args.context}, {args.steps} timed decode steps")
+    print(f"{'batch':>5} {'mode':<13} {'decode tok/s':>13} {'prefill tok/s':>14} "
+          f"{'prefill TFLOP/s':>16} {'vs dense':>9} {'GPU busy':>9}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids = prompts(batch, args.prompt_len, model.config.vocab_size)
+        per_step = max(1, args.max_step_tokens // args.prompt_len)
+        groups = [ids[i:i + per_step] for i in range(0, batch, per_step)]
+
+        def dense(groups: list[list[list[int]]] = groups) -> None:
+            for group in groups:
+                dense_forward(model, group)
+
+        dense()
+        dense_tflops = (prefill_flops(model, batch, args.prompt_len)
+                        / timed(device, dense, args.repeat) / 1e12)
+        print(f"{batch:>5} {'dense torch':<13} {'':>13} {'':>14} {dense_tflops:>16.3f}")
+        for mode in args.modes.split(","):
+            r = bench_batch(model, mode, batch, args)
+            busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
+            ratio = (r["prefill_tflops"] or 0.0) / dense_tflops
+            print(f"{batch:>5} {mode:<13} {r['decode']:>13.1f} {r['prefill']:>14.1f} "
+                  f"{r['prefill_tflops']:>16.3f} {ratio:>9.0%} {busy:>9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Rules for ids that cross service boundaries: request ids and snapshot ids.
+
+Both may reach logs and (snapshot ids) file names, so each is a short string
+of a safe alphabet. Errors echo at most a short prefix of what was sent.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvstash.errors import MAX_ID_CHARS, InvalidArgument, preview
+
+REQUEST_ID_CHARS = "A-Za-z0-9._:-"
+SNAPSHOT_ID_CHARS = "A-Za-z0-9._-"
+_REQUEST_ID = re.compile(f"[{REQUEST_ID_CHARS}]+")
+_SNAPSHOT_ID = re.compile(f"[{SNAPSHOT_ID_CHARS}]+")
+_NOT_SNAPSHOT_CHAR = re.compile(f"[^{SNAPSHOT_ID_CHARS}]")
+# Longest piece of a request id kept inside a snapshot id.
+_SNAPSHOT_REQUEST_PART = 64
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidArgument(
+            f"request_id must be 1-{MAX_ID_CHARS} chars of [{REQUEST_ID_CHARS}], "
+            f"got {preview(request_id)}")
+
+
+def check_snapshot_id(snapshot_id: str) -> str:
+    """Returns the id unchanged; it never starts with "." (no hidden files on disk)."""
+    if not snapshot_id:
+        raise InvalidArgument(
+            f"snapshot id is empty; need 1-{MAX_ID_CHARS} chars of [{SNAPSHOT_ID_CHARS}]")
+    if len(snapshot_id) > MAX_ID_CHARS:
+        raise InvalidArgument(
+            f"snapshot id has {len(snapshot_id)} chars, at most {MAX_ID_CHARS} allowed")
+    if not _SNAPSHOT_ID.fullmatch(snapshot_id):
+        raise InvalidArgument(
+            f"snapshot id {preview(snapshot_id)} has characters outside [{SNAPSHOT_ID_CHARS}]")
+    if snapshot_id.startswith("."):
+        raise InvalidArgument(f"snapshot id {preview(snapshot_id)} must not start with '.'")
+    return snapshot_id
+
+
+def snapshot_id_for(prefix: str, request_id: str, serial: int) -> str:
+    """`prefix.request.serial`: unique per (prefix, serial), readable in the cache's
+    listings and on disk, and always a valid snapshot id."""
+    part = _NOT_SNAPSHOT_CHAR.sub("_", request_id)[:_SNAPSHOT_REQUEST_PART]
+    return check_snapshot_id(f"{prefix}.{part}.{serial}")

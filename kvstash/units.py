@@ -1,0 +1,36 @@
+"""Byte and time units, and the parsers for sizes and durations given as text.
+
+Imports neither grpc nor torch, so configs, CLIs and wire codecs can all use it.
+"""
+
+from __future__ import annotations
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+_BYTES_PER_UNIT = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1 << 40}
+_SECONDS_PER_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_bytes(text: str) -> int:
+    """"8GiB", "512MiB", "1.5G", "4096" -> bytes. Raises ValueError naming the input."""
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num, unit = (s[:-1], s[-1]) if s and s[-1] in "kmgt" else (s, "")
+    try:
+        value = float(num) * _BYTES_PER_UNIT[unit]
+    except ValueError:
+        raise ValueError(f"not a byte size: {text!r} (try 512MiB, 8GiB)") from None
+    if value < 0:
+        raise ValueError(f"byte size must not be negative: {text!r}")
+    return int(value)
+
+
+def parse_duration(text: str) -> float:
+    """"90", "90s", "30m", "1h", "1d" -> seconds. Raises ValueError naming the input."""
+    s = text.strip().lower()
+    unit = s[-1] if s and s[-1] in _SECONDS_PER_UNIT else "s"
+    try:
+        return float(s.rstrip("smhd")) * _SECONDS_PER_UNIT[unit]
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (try 90s, 30m, 1h)") from None

@@ -1,0 +1,51 @@
+"""Proto <-> domain conversions shared by every service: sampling and KV layout.
+
+Proto3 reads an unset scalar as 0, so `top_p` 0 means "unset" (1.0, off);
+that rule lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvstash.layout import Layout, LayoutFields
+from kvstash.sampling import SamplingParams
+from kvstash.v1 import common_pb2
+
+
+def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidArgument naming a bad value."""
+    return SamplingParams(
+        max_tokens=proto.max_tokens,
+        temperature=proto.temperature,
+        top_p=proto.top_p or 1.0,
+        top_k=proto.top_k,
+        seed=proto.seed if proto.HasField("seed") else None,
+        stop_token_ids=tuple(proto.stop_token_ids),
+        ignore_eos=proto.ignore_eos,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Built once per distinct setting, not once per sequence per step; callers
+    copy it into their messages and never mutate it."""
+    proto = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        proto.seed = params.seed
+    return proto
+
+
+def layout_to_proto(layout: LayoutFields) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers, block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+    )
+
+
+def layout_from_proto(proto: common_pb2.KvLayout) -> Layout:
+    """Raises InvalidArgument naming a bad field."""
+    return Layout.of(proto)

@@ -1,0 +1,58 @@
+"""The scheduler's link to the cache service: is it there, and snapshot deletes.
+
+The scheduler keeps no account of the cache's bytes: the cache's own
+admission (RESOURCE_EXHAUSTED on a put) is the one capacity answer. What the
+scheduler needs is whether the cache answers at all, so that AUTO preemption
+recomputes at once while it is down instead of trying every offload.
+Snapshots are moved and consumed by the worker; the scheduler only deletes
+the ones nobody will restore (aborted requests, failed copies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from kvstash import errors
+from kvstash.cache_client import CacheClient
+
+log = logging.getLogger(__name__)
+
+
+class CacheLink:
+    def __init__(self, client: CacheClient, probe_s: float = 0.5, timeout_s: float = 10.0) -> None:
+        """Probes every `probe_s`; a call that takes over `timeout_s` counts as failed."""
+        self._client = client
+        self._probe_s = probe_s
+        self._timeout_s = timeout_s
+
+    async def watch(self, on_change: Callable[[bool], None]) -> None:
+        """Probes the cache every `probe_s` and calls `on_change(available)`
+        on every change (first with the first answer). Logs changes, not
+        probes. Runs until cancelled."""
+        available: bool | None = None
+        address = self._client.address
+        while True:
+            try:
+                await self._client.stats(timeout_s=self._timeout_s)
+                now = True
+            except errors.KvstashError as exc:
+                now = False
+                if available is not False:
+                    log.warning("cache service %s unreachable (%s); preemptions recompute "
+                                "until it is back", address, exc)
+            if now != available:
+                if now:
+                    log.info("cache service %s available", address)
+                available = now
+                on_change(now)
+            await asyncio.sleep(self._probe_s)
+
+    async def delete(self, snapshot_ids: list[str]) -> None:
+        """Best effort: a snapshot gone already is fine, and one the cache could
+        not be reached for expires by its TTL."""
+        for snapshot_id in snapshot_ids:
+            with contextlib.suppress(errors.KvstashError):
+                await self._client.delete(snapshot_id, timeout_s=self._timeout_s)

@@ -1,0 +1,13 @@
+"""The scheduler's core: requests, blocks, preemption and admission as plain
+synchronous Python. It never imports grpc, asyncio, opentelemetry or the
+generated protos (tests/scheduler_svc/test_core_imports.py enforces it): the
+engine drives it, and the gRPC edges convert to and from its dataclasses.
+
+    scheduler.py   one step: preempt -> decode -> resume -> prefill; update()
+    lifecycle.py   every request's status, queue, blocks and snapshot
+    preemption.py  victims, offload or recompute, resume order (policy)
+    admission.py   chunked prefill and admission under budget and reservation
+    reservation.py blocks kept back for running decodes (new_token_ratio)
+    kv_manager.py  per-request block tables, prefix caching
+    block_pool.py  block ids, refcounts, hashes
+"""

@@ -1,0 +1,97 @@
+"""Prefill: chunks of running prefills, then admissions from WAITING.
+
+    budget   max_num_batched_tokens, minus one token per decode this step
+    chunks   running prefills first, in admission order; a long prompt (or a
+             recomputed prompt + output) takes as many steps as its tokens
+             need under the budget
+    admit    WAITING requests from the front while the budget, seats
+             (max_num_seqs) and blocks last; each takes every block of its
+             prefill at once (a prefix-cache hit shares the cached blocks),
+             keeping back the reservation of the requests about to decode:
+
+               reserved = reserved_blocks(running decodes)
+                        + reserved_blocks(prefills whose next chunk is their last)
+                        + reserved_blocks(requests resuming)
+
+A request admitted this way never needs another block before it decodes, so
+a prefill is never a preemption victim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.lifecycle import RUNNING_PREFILL, Lifecycle
+from scheduler_svc.core.outputs import ScheduledSeq
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.reservation import Reservation
+
+
+class Admission:
+    def __init__(
+        self, config: SchedulerConfig, life: Lifecycle, reservation: Reservation,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.life = life
+        self.reservation = reservation
+        self._clock = clock
+
+    def schedule_prefills(
+        self, budget: int, seqs: list[ScheduledSeq], admit: bool
+    ) -> tuple[list[Request], int]:
+        """Appends prefill chunks to `seqs` (running prefills, then admissions
+        if `admit`); returns the requests scheduled, in order, and the budget left."""
+        scheduled: list[Request] = []
+        for req in self.life.prefilling.values():
+            if budget == 0:
+                break
+            budget -= self._chunk(req, budget, seqs)
+            scheduled.append(req)
+        if admit and budget:
+            budget = self._admit(budget, seqs, scheduled)
+        return scheduled, budget
+
+    def _chunk(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> int:
+        start = req.num_computed_tokens
+        end = min(req.num_tokens, start + budget)
+        seqs.append(ScheduledSeq(
+            req.request_id, req.token_ids(start, end), start, req.block_ids,
+            end == req.num_tokens, req.sampling,
+        ))
+        return end - start
+
+    def _admit(self, budget: int, seqs: list[ScheduledSeq], scheduled: list[Request]) -> int:
+        life = self.life
+        waiting = life.waiting
+        if not waiting:
+            return budget
+        config = self.config
+        kv = life.kv
+        reserved_blocks = self.reservation.reserved_blocks
+        chunk_limit = config.max_num_batched_tokens
+        # A prefill whose next chunk completes its prompt is about to decode,
+        # and a resuming request decodes as soon as its restore lands.
+        reserved = (
+            self.reservation.total_reserved_blocks(life.decoding.values())
+            + sum(reserved_blocks(r) for r in life.prefilling.values()
+                  if r.num_tokens - r.num_computed_tokens <= chunk_limit)
+            + sum(reserved_blocks(r) for r in life.resuming.values())
+        )
+        num_running = life.num_running
+        while waiting and budget > 0 and num_running < config.max_num_seqs:
+            req = waiting[0]
+            prefix_block_ids = kv.find_prefix(req)
+            num_new_tokens = req.num_tokens - len(prefix_block_ids) * config.block_size
+            if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved) is None:
+                break
+            life.move(req, RUNNING_PREFILL)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self._clock()
+            num_running += 1
+            if req.num_tokens - req.num_computed_tokens <= chunk_limit:
+                reserved += reserved_blocks(req)
+            budget -= self._chunk(req, budget, seqs)
+            scheduled.append(req)
+        return budget

@@ -1,0 +1,275 @@
+"""Lifecycle: the one owner of every request's status, queue, blocks and snapshot.
+
+    WAITING ──admit──▶ RUNNING_PREFILL ──last chunk──▶ RUNNING_DECODE ──stop/length──▶ FINISHED
+       ▲                                                 │     ▲
+       │◀────────── recompute (KV dropped) ──────────────┤     │ restored
+       │                                                 │     │
+       │◀── copy failed ── OFFLOADING ◀──── offload ─────┘   RESUMING
+       │                       │ committed                     ▲  │
+       │                       ▼                               │  │
+       │                   OFFLOADED ──────── resume ──────────┘  │
+       │◀──────────────────────────────────── restore failed ─────┘
+
+    any live status ──abort──▶ FINISHED_ABORTED
+
+`move(req, to)` is the only writer of a request's status: it checks the
+transition against the picture and keeps the request in the one queue its
+status names. What a status may hold:
+
+    status           queue        blocks                           snapshot
+    WAITING          waiting      none                             none
+    RUNNING_PREFILL  prefilling   all of prompt + output           none
+    RUNNING_DECODE   decoding     cover num_computed (+1)          none
+    OFFLOADING       offloading   pinned by its copy               being written
+    OFFLOADED        offloaded    none                             yes
+    RESUMING         resuming     pinned by its copy               being read
+
+A copy in flight is keyed by its snapshot id and owns the blocks it pins: an
+aborted request leaves every queue at once (its id can be reused), and its
+copy frees the blocks when it lands.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from kvstash.errors import FailedPrecondition, NotFound
+from kvstash.ids import snapshot_id_for
+from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.outputs import Counters, OffloadCommand, RestoreCommand
+from scheduler_svc.core.request import Request, RequestStatus, Snapshot
+
+WAITING = RequestStatus.WAITING
+RUNNING_PREFILL = RequestStatus.RUNNING_PREFILL
+RUNNING_DECODE = RequestStatus.RUNNING_DECODE
+OFFLOADING = RequestStatus.OFFLOADING
+OFFLOADED = RequestStatus.OFFLOADED
+RESUMING = RequestStatus.RESUMING
+FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
+FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
+
+_DONE = {FINISHED_STOPPED, FINISHED_LENGTH, FINISHED_ABORTED}
+# The picture above, as data.
+_NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
+    WAITING: frozenset({RUNNING_PREFILL, FINISHED_ABORTED}),
+    RUNNING_PREFILL: frozenset({RUNNING_DECODE, *_DONE}),
+    RUNNING_DECODE: frozenset({WAITING, OFFLOADING, *_DONE}),
+    OFFLOADING: frozenset({WAITING, OFFLOADED, FINISHED_ABORTED}),
+    OFFLOADED: frozenset({RESUMING, FINISHED_ABORTED}),
+    RESUMING: frozenset({WAITING, RUNNING_DECODE, FINISHED_ABORTED}),
+}
+
+
+class Lifecycle:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, counters: Counters) -> None:
+        self.config = config
+        self.kv = kv
+        self.counters = counters  # finishes and copies are counted here
+        # Every live request, by id.
+        self.requests: dict[str, Request] = {}
+        # Queues by status; dicts keep arrival order and remove in O(1).
+        self.waiting: deque[Request] = deque()
+        self.prefilling: dict[str, Request] = {}
+        self.decoding: dict[str, Request] = {}
+        self.offloading: dict[str, Request] = {}
+        self.offloaded: list[Request] = []  # by arrival: older ones resume first
+        self.resuming: dict[str, Request] = {}
+        # Copies in flight by snapshot id, with the request whose blocks they pin
+        # (aborted requests included).
+        self.copies: dict[str, Request] = {}
+        self._snapshots_to_delete: list[str] = []
+        self._num_snapshots = 0
+        self._queues: dict[RequestStatus, dict[str, Request]] = {
+            RUNNING_PREFILL: self.prefilling, RUNNING_DECODE: self.decoding,
+            OFFLOADING: self.offloading, RESUMING: self.resuming,
+        }
+
+    # ------------------------------------------------------------- moves
+
+    def add(self, req: Request) -> None:
+        """A new request: WAITING, behind everything queued."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def move(self, req: Request, to: RequestStatus) -> None:
+        """The only status writer: leaves the old queue, joins the new one."""
+        status = req.status
+        if to not in _NEXT.get(status, ()):
+            raise IntegrityError(
+                f"request {req.request_id}: {status.value} -> {to.value} is no transition")
+        rid = req.request_id
+        if status is WAITING:
+            if self.waiting[0] is req:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+        elif status is OFFLOADED:
+            self.offloaded.remove(req)
+        else:
+            del self._queues[status][rid]
+        req.status = to
+        if to is WAITING:
+            self._requeue(req)
+        elif to is OFFLOADED:
+            keys = [r.arrival_seq for r in self.offloaded]
+            self.offloaded.insert(bisect.bisect(keys, req.arrival_seq), req)
+        elif to in _DONE:
+            del self.requests[rid]
+            self.counters.num_finished += 1
+        else:
+            self._queues[to][rid] = req
+
+    def _requeue(self, req: Request) -> None:
+        """Back to WAITING to be recomputed: ahead of every new arrival, behind
+        preempted requests that arrived before it (they keep their places)."""
+        waiting = self.waiting
+        i = 0
+        while (i < len(waiting) and waiting[i].output_token_ids
+               and waiting[i].arrival_seq < req.arrival_seq):
+            i += 1
+        waiting.insert(i, req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """A running request is done (stop token or max_tokens): its blocks go back."""
+        self.kv.free(req)
+        self.move(req, status)
+
+    def abort(self, request_id: str) -> Request:
+        """Ends a live request in any status. A copy in flight keeps pinning its
+        blocks (it frees them when it lands); a stashed snapshot is deleted."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise NotFound(f"request {request_id} is unknown or already finished")
+        status = req.status
+        if status is RUNNING_PREFILL or status is RUNNING_DECODE:
+            self.kv.free(req)
+        elif status is OFFLOADED:
+            self._drop_snapshot(req)
+        self.move(req, FINISHED_ABORTED)
+        return req
+
+    def recompute(self, req: Request) -> None:
+        """Drops req's KV (and snapshot): WAITING, its output kept, to be prefilled again."""
+        if req.block_ids:
+            self.kv.free(req)
+        req.recompute_until = max(req.recompute_until, req.num_computed_tokens)
+        req.num_computed_tokens = 0
+        req.snapshot = None
+        self.move(req, WAITING)
+
+    # ----------------------------------------------------------- copies
+
+    def start_offload(self, req: Request) -> OffloadCommand:
+        """OFFLOADING: its blocks stay allocated until `finish_offload`."""
+        num_tokens = req.num_computed_tokens
+        num_blocks = self.kv.num_blocks_for(num_tokens)
+        snapshot_id = snapshot_id_for(
+            self.config.snapshot_id_prefix, req.request_id, self._num_snapshots)
+        self._num_snapshots += 1
+        req.snapshot = Snapshot(snapshot_id, num_tokens, num_blocks)
+        self.move(req, OFFLOADING)
+        self.copies[snapshot_id] = req
+        return OffloadCommand(req.request_id, snapshot_id, req.block_ids[:num_blocks], num_tokens)
+
+    def finish_offload(self, cmd: OffloadCommand, num_bytes: int | None) -> Request:
+        """The snapshot is committed (num_bytes) or the copy failed (None):
+        OFFLOADED, or WAITING to recompute; an aborted request just lets go."""
+        req = self._take_copy(cmd.snapshot_id, OFFLOADING)
+        self.kv.free(req)
+        snapshot = req.snapshot
+        assert snapshot is not None
+        if req.status is FINISHED_ABORTED:
+            if num_bytes is not None:
+                self._drop_snapshot(req)
+            req.snapshot = None
+        elif num_bytes is None:
+            self.counters.num_offload_failures += 1
+            self.recompute(req)
+        else:
+            snapshot.num_bytes = num_bytes
+            req.bytes_offloaded += num_bytes
+            self.counters.bytes_offloaded += num_bytes
+            self.move(req, OFFLOADED)
+        return req
+
+    def start_restore(self, req: Request) -> RestoreCommand | None:
+        """RESUMING into fresh blocks; None (nothing changed) if they are not free."""
+        snapshot = req.snapshot
+        assert snapshot is not None
+        block_ids = self.kv.allocate_fresh(req, snapshot.num_blocks)
+        if block_ids is None:
+            return None
+        self.move(req, RESUMING)
+        self.copies[snapshot.snapshot_id] = req
+        return RestoreCommand(req.request_id, snapshot.snapshot_id, list(block_ids))
+
+    def finish_restore(self, cmd: RestoreCommand, num_bytes: int | None) -> Request:
+        """The snapshot's num_bytes are back in req's blocks, the snapshot
+        consumed: RUNNING_DECODE; or the copy failed (None): WAITING to
+        recompute, the snapshot deleted."""
+        req = self._take_copy(cmd.snapshot_id, RESUMING)
+        if num_bytes is None:
+            self._drop_snapshot(req)
+        req.snapshot = None
+        if req.status is FINISHED_ABORTED:
+            self.kv.free(req)
+        elif num_bytes is not None:
+            self.counters.bytes_restored += num_bytes
+            self.move(req, RUNNING_DECODE)
+            self.kv.cache_full_blocks(req)
+        else:
+            self.counters.num_restore_failures += 1
+            self.recompute(req)
+        return req
+
+    def _take_copy(self, snapshot_id: str, status: RequestStatus) -> Request:
+        """The request whose copy (its status says which kind) just landed."""
+        req = self.copies.get(snapshot_id)
+        if req is None or req.status not in (status, FINISHED_ABORTED):
+            raise FailedPrecondition(
+                f"no copy of snapshot {snapshot_id} is in flight for a {status.value} request")
+        del self.copies[snapshot_id]
+        return req
+
+    def _drop_snapshot(self, req: Request) -> None:
+        if req.snapshot is not None:
+            self._snapshots_to_delete.append(req.snapshot.snapshot_id)
+            req.snapshot = None
+
+    def take_snapshots_to_delete(self) -> list[str]:
+        snapshot_ids = self._snapshots_to_delete
+        self._snapshots_to_delete = []
+        return snapshot_ids
+
+    # ---------------------------------------------------------- counts
+
+    @property
+    def num_running(self) -> int:
+        """Requests that count against max_num_seqs."""
+        return len(self.prefilling) + len(self.decoding) + len(self.resuming)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.offloading) + len(self.offloaded) + len(self.resuming)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def is_idle(self) -> bool:
+        """No request held, no copy in flight, no snapshot left to delete."""
+        return not self.requests and not self.copies and not self._snapshots_to_delete
+
+    def queues(self) -> dict[str, list[Request]]:
+        """Every queue by name, for the invariants."""
+        return {
+            "waiting": list(self.waiting), "prefilling": list(self.prefilling.values()),
+            "decoding": list(self.decoding.values()),
+            "offloading": list(self.offloading.values()), "offloaded": list(self.offloaded),
+            "resuming": list(self.resuming.values()),
+        }

@@ -1,0 +1,102 @@
+"""Preemption policy: which decodes give up their blocks, how, and who comes back.
+
+    victims   when the running decodes need more new blocks than are
+              allocatable (counting blocks of offloads in flight as soon
+              free): shortest output first, then longest prompt; one decode
+              always keeps running. A prefill is never a victim (admission
+              gave it all its blocks).
+    how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
+              AUTO: offload while the cache service answers; the cache's own
+              admission is the only capacity check (a refused put falls back
+              to recompute when it lands).
+    resume    OFFLOADED requests, oldest arrival first, while free blocks
+              cover the snapshot plus headroom for the running decodes (their
+              reservation and `resume_headroom` blocks each) and seats last.
+
+Policy only: every status change goes through `Lifecycle`.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.core.lifecycle import Lifecycle
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.reservation import Reservation
+
+
+class Preemption:
+    def __init__(
+        self, config: SchedulerConfig, life: Lifecycle, reservation: Reservation
+    ) -> None:
+        self.config = config
+        self.life = life
+        self.reservation = reservation
+        # The cache service answered its latest probe (the engine reports it).
+        self.cache_available = False
+
+    def preempt_for_decodes(self) -> tuple[list[Request], list[OffloadCommand]]:
+        """Preempts decodes until every other one can get its next block. Returns
+        the victims (now OFFLOADING or WAITING) and the copies to make."""
+        life = self.life
+        kv = life.kv
+        pool = kv.pool
+        decoding = life.decoding
+        victims: list[Request] = []
+        offloads: list[OffloadCommand] = []
+        if pool.num_allocatable_blocks >= len(decoding):
+            return victims, offloads
+        block_size = self.config.block_size
+        num_needed = sum(
+            1 for r in decoding.values() if r.num_computed_tokens >= len(r.block_ids) * block_size
+        )
+        num_soon_free = sum(kv.num_exclusive_blocks(r) for r in life.offloading.values())
+        if num_needed <= pool.num_allocatable_blocks + num_soon_free:
+            return victims, offloads
+        by_progress = sorted(
+            decoding.values(), key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
+        )
+        offload = self.offloads()
+        for victim in by_progress[:-1]:
+            if num_needed <= pool.num_allocatable_blocks + num_soon_free:
+                break
+            if victim.num_computed_tokens >= len(victim.block_ids) * block_size:
+                num_needed -= 1
+            victim.num_preemptions += 1
+            victims.append(victim)
+            if offload:
+                offloads.append(life.start_offload(victim))
+                num_soon_free += kv.num_exclusive_blocks(victim)
+            else:
+                life.recompute(victim)
+        if victims:
+            self.reservation.on_preemption(decoding.values())
+        return victims, offloads
+
+    def offloads(self) -> bool:
+        """Whether a victim chosen now is offloaded (else recomputed)."""
+        mode = self.config.preemption_mode
+        return mode is PreemptionMode.OFFLOAD or (
+            mode is PreemptionMode.AUTO and self.cache_available)
+
+    def resume(self, num_seats: int) -> list[RestoreCommand]:
+        """Restores OFFLOADED requests, oldest first, while blocks and seats last."""
+        life = self.life
+        pool = life.kv.pool
+        offloaded = life.offloaded
+        reservation = self.reservation
+        headroom_per_decode = self.config.resume_headroom
+        decoding = life.decoding.values()
+        headroom = reservation.total_reserved_blocks(decoding) + headroom_per_decode * len(decoding)
+        commands: list[RestoreCommand] = []
+        while offloaded and len(commands) < num_seats:
+            req = offloaded[0]
+            snapshot = req.snapshot
+            assert snapshot is not None
+            if pool.num_allocatable_blocks < snapshot.num_blocks + headroom:
+                break
+            command = life.start_restore(req)
+            assert command is not None  # the pool covers the snapshot
+            commands.append(command)
+            headroom += reservation.reserved_blocks(req) + headroom_per_decode
+        return commands

@@ -1,0 +1,286 @@
+"""Scheduler: one step's decisions, and the bookkeeping of its results.
+
+`schedule()`, in order:
+
+    1. preempt   if the running decodes need more blocks than are free
+                 (preemption.py: victims, offload or recompute)
+    2. decode    every RUNNING_DECODE request: one token, a block if it needs one
+    3. resume    OFFLOADED requests back into fresh blocks (preemption.py)
+    4. prefill   running chunks, then admissions from WAITING (admission.py);
+                 nothing new is admitted while a preempted request waits
+
+`update()` records what the worker computed: progress, tokens, finishes.
+An output never updated changes nothing but the blocks it allocated. Every
+status change goes through `Lifecycle.move` (lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain, islice
+
+from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvstash.sampling import SamplingParams
+from scheduler_svc.core.admission import Admission
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.intake import check_new_request
+from scheduler_svc.core.invariants import check_scheduler
+from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.lifecycle import (
+    FINISHED_LENGTH,
+    FINISHED_STOPPED,
+    RUNNING_DECODE,
+    RUNNING_PREFILL,
+    Lifecycle,
+)
+from scheduler_svc.core.outputs import (
+    Counters,
+    OffloadCommand,
+    RequestUpdate,
+    RestoreCommand,
+    ScheduledSeq,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from scheduler_svc.core.preemption import Preemption
+from scheduler_svc.core.request import Request, RequestUsage
+from scheduler_svc.core.reservation import Reservation
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.reservation = Reservation(config)
+        self._counters = Counters()
+        self.life = Lifecycle(config, self.kv, self._counters)
+        self.preemption = Preemption(config, self.life, self.reservation)
+        self.admission = Admission(config, self.life, self.reservation, clock)
+        self._clock = clock
+        self._num_arrivals = 0
+        self._step_id = 0
+        self._updated_step_id = 0
+        # The requests behind the latest output's seqs: its decodes, then its prefills.
+        self._scheduled_decodes: list[Request] = []
+        self._scheduled_prefills: list[Request] = []
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> Request:
+        prompt = tuple(prompt_token_ids)
+        check_new_request(self.config, request_id, prompt, sampling)
+        if request_id in self.life.requests:
+            raise AlreadyExists(f"request {request_id} already exists")
+        req = Request.create(
+            request_id, prompt, sampling, arrival_time=self._clock(),
+            arrival_seq=self._num_arrivals, eos_token_ids=self.config.eos_token_ids,
+        )
+        self._num_arrivals += 1
+        self.life.add(req)
+        return req
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.life.requests.get(request_id)
+
+    # --------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        config = self.config
+        life = self.life
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id)
+        self.reservation.on_step(idle=not life.requests)
+        victims, out.offloads = self.preemption.preempt_for_decodes()
+        counters = self._counters
+        counters.num_preemptions_offload += len(out.offloads)
+        counters.num_preemptions_recompute += len(victims) - len(out.offloads)
+        seqs = out.seqs
+        self._schedule_decodes(seqs)
+        if not victims and life.offloaded:
+            out.restores = self.preemption.resume(config.max_num_seqs - life.num_running)
+        # Preempted requests come back before anything new is admitted.
+        admit = not victims and not life.offloaded and not life.offloading
+        self._scheduled_prefills, budget = self.admission.schedule_prefills(
+            config.max_num_batched_tokens - len(seqs), seqs, admit)
+        out.num_scheduled_tokens = config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_decodes(self, seqs: list[ScheduledSeq]) -> None:
+        """One token for every decode request; a new block for each that filled its last."""
+        block_size = self.config.block_size
+        append_block = self.kv.append_block
+        add_seq = seqs.append
+        decoding = self.life.decoding.values()
+        stalled: list[Request] = []
+        for req in decoding:
+            num_computed = req.num_computed_tokens
+            block_ids = req.block_ids
+            if num_computed >= len(block_ids) * block_size and not append_block(req):
+                stalled.append(req)  # its block comes from a snapshot copy still in flight
+                continue
+            seq = req.decode_seq
+            if seq is None:
+                seq = req.decode_seq = ScheduledSeq(
+                    req.request_id, [req.output_token_ids[-1]], num_computed, block_ids, True,
+                    req.sampling)
+            else:
+                seq.token_ids = [req.output_token_ids[-1]]
+                seq.start_pos = num_computed
+                seq.block_ids = block_ids
+            add_seq(seq)
+        # A copy: abort() may change the queue before update().
+        self._scheduled_decodes = [r for r in decoding if r not in stalled] if stalled else (
+            list(decoding))
+
+    # ----------------------------------------------------------------- update
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[RequestUpdate]:
+        """Records a step's results; ignores requests aborted since schedule()."""
+        seqs = output.seqs
+        decodes = self._scheduled_decodes
+        prefills = self._scheduled_prefills
+        if output.step_id != self._step_id or self._updated_step_id == output.step_id:
+            raise FailedPrecondition(
+                f"output of step {output.step_id} is stale or already applied "
+                f"(latest step {self._step_id})"
+            )
+        if len(seqs) != len(decodes) + len(prefills):
+            raise InvalidArgument(
+                f"output of step {output.step_id} has {len(seqs)} seqs, "
+                f"{len(decodes) + len(prefills)} were scheduled"
+            )
+        self._updated_step_id = output.step_id
+        block_size = self.config.block_size
+        cache_full_blocks = self.kv.cache_full_blocks
+        for req in decodes:
+            if req.status is RUNNING_DECODE:  # else aborted since schedule()
+                num_computed = req.num_computed_tokens + 1
+                req.num_computed_tokens = num_computed
+                if not num_computed % block_size:
+                    cache_full_blocks(req)
+        completed: list[Request] = []  # prefills that sampled their first token
+        for seq, req in zip(islice(seqs, len(decodes), None), prefills, strict=True):
+            if req.status is not RUNNING_PREFILL or req.num_computed_tokens != seq.start_pos:
+                continue  # aborted (and maybe re-added) since schedule()
+            self._record_chunk(req, seq)
+            if not seq.sample:
+                continue
+            req.recompute_until = 0
+            self.life.move(req, RUNNING_DECODE)
+            if req.first_token_time is None:
+                req.first_token_time = self._clock()
+                self._counters.num_prompt_tokens += req.num_prompt_tokens
+            completed.append(req)
+        updates: list[RequestUpdate] = []
+        add_update = updates.append
+        for req in chain(decodes, completed):
+            if req.status is not RUNNING_DECODE:
+                continue  # aborted since schedule()
+            request_id = req.request_id
+            try:
+                token_id = sampled_token_ids[request_id]
+            except KeyError:
+                raise InvalidArgument(f"no sampled token for request {request_id}") from None
+            output_ids = req.output_token_ids
+            output_ids.append(token_id)
+            if token_id in req.stop_ids or len(output_ids) >= req.sampling.max_tokens:
+                add_update(self._finish(req, token_id))
+            else:
+                add_update(RequestUpdate(request_id, [token_id]))
+        self._counters.num_generation_tokens += len(updates)  # one new token each
+        return updates
+
+    def _finish(self, req: Request, token_id: int) -> RequestUpdate:
+        """token_id, just appended, ends req (a stop token, or max_tokens reached)."""
+        status = FINISHED_STOPPED if token_id in req.stop_ids else FINISHED_LENGTH
+        self.life.finish(req, status)
+        return RequestUpdate(req.request_id, [token_id], status, req.usage())
+
+    def _record_chunk(self, req: Request, seq: ScheduledSeq) -> None:
+        start = seq.start_pos
+        end = start + len(seq.token_ids)
+        if start < req.recompute_until:
+            num_recomputed = min(end, req.recompute_until) - start
+            req.num_recomputed_tokens += num_recomputed
+            self._counters.num_recomputed_tokens += num_recomputed
+        req.num_computed_tokens = end
+        self.kv.cache_full_blocks(req)
+
+    # ------------------------------------------------------- engine callbacks
+
+    def abort(self, request_id: str) -> RequestUsage:
+        """Finishes a live request in any state (NotFound otherwise); returns its
+        figures. A copy in flight keeps its blocks until it lands."""
+        return self.life.abort(request_id).usage()
+
+    def finish_offload(self, cmd: OffloadCommand, num_bytes: int | None) -> None:
+        """The snapshot is committed (num_bytes) or the copy failed (None)."""
+        self.life.finish_offload(cmd, num_bytes)
+
+    def finish_restore(self, cmd: RestoreCommand, num_bytes: int | None) -> None:
+        """The snapshot's num_bytes are back in the request's blocks, or the copy
+        failed (None)."""
+        self.life.finish_restore(cmd, num_bytes)
+
+    def set_cache_available(self, available: bool) -> None:
+        """Whether the cache service answers: AUTO offloads only while it does."""
+        self.preemption.cache_available = available
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix: the worker's KV tensor was lost (it
+        restarted), so no cached block holds what its hash says. Returns the
+        blocks freed."""
+        return self.kv.pool.reset_prefix_cache()
+
+    def take_snapshots_to_delete(self) -> list[str]:
+        return self.life.take_snapshots_to_delete()
+
+    # ------------------------------------------------------------ inspection
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.life.has_unfinished_requests
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing to schedule and nothing in flight: no request of any kind held."""
+        return self.life.is_idle
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        life = self.life
+        c = self._counters
+        return SchedulerStats(
+            num_total_blocks=pool.num_blocks,
+            block_size=self.config.block_size,
+            num_free_blocks=pool.num_free_blocks,
+            num_evictable_blocks=pool.num_evictable_blocks,
+            num_running_prefill=len(life.prefilling),
+            num_running_decode=len(life.decoding),
+            num_waiting=len(life.waiting),
+            num_offloaded=life.num_preempted,
+            new_token_ratio=self.reservation.new_token_ratio,
+            num_preemptions_offload=c.num_preemptions_offload,
+            num_preemptions_recompute=c.num_preemptions_recompute,
+            num_offload_failures=c.num_offload_failures,
+            num_restore_failures=c.num_restore_failures,
+            num_recomputed_tokens=c.num_recomputed_tokens,
+            num_finished=c.num_finished,
+            bytes_offloaded=c.bytes_offloaded,
+            bytes_restored=c.bytes_restored,
+            num_steps=self._step_id,
+            cache_available=self.preemption.cache_available,
+            num_prompt_tokens=c.num_prompt_tokens,
+            num_generation_tokens=c.num_generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError naming the first broken invariant (invariants.py).
+
+        O(pool + requests): call it in tests and when idle, not every step."""
+        check_scheduler(self.config, self.life, self.reservation)

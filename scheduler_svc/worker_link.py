@@ -1,0 +1,158 @@
+"""The scheduler's link to its worker: the Execute stream and the KV copies.
+
+Converts the core's commands to worker protos and the worker's answers (and
+gRPC status codes) back to plain outcomes, so the engine never handles a
+proto or a status code.
+
+    wait_ready()   GetInfo until the worker answers with the model and KV
+                   layout the core was built for
+    open()         an Execute stream, proven by an empty handshake step
+    StepStream.step(output) -> sampled token per request
+    offload(cmd) / restore(cmd) -> CopyOutcome (never raises)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvstash import errors, wire
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+# Offload failures after which the snapshot certainly does not exist.
+_NOT_STORED = frozenset({
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DATA_LOSS,
+})
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOutcome:
+    """How one offload or restore ended."""
+
+    # Bytes copied; None when the copy failed.
+    num_bytes: int | None
+    # Why it failed ("CODE: details"); empty on success.
+    error: str = ""
+    # A failed offload whose snapshot may have been stored after all (the
+    # call broke after the put started): delete it.
+    maybe_stored: bool = False
+
+
+def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
+    to_proto = wire.sampling_to_proto
+    return worker_pb2.StepPlan(step_id=output.step_id, seqs=[
+        worker_pb2.SeqWork(
+            request_id=seq.request_id, token_ids=seq.token_ids, start_pos=seq.start_pos,
+            block_ids=seq.block_ids, sample=seq.sample, sampling=to_proto(seq.sampling),
+        )
+        for seq in output.seqs
+    ])
+
+
+def changed_fields(before: worker_pb2.WorkerInfo, after: worker_pb2.WorkerInfo) -> list[str]:
+    """WorkerInfo fields that differ; the device may change, nothing else."""
+    return [f.name for f in worker_pb2.WorkerInfo.DESCRIPTOR.fields
+            if f.name != "device" and getattr(before, f.name) != getattr(after, f.name)]
+
+
+class StepStream:
+    """One open Execute stream: a plan out, its sampled tokens back."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def add_done_callback(self, callback: Callable[[], object]) -> None:
+        """Calls `callback()` once the stream ends, however it ends."""
+        self._call.add_done_callback(lambda _: callback())
+
+    async def step(self, output: SchedulerOutput) -> dict[str, int]:
+        """Raises errors.Unavailable (or the call's AioRpcError) when the stream broke."""
+        await self._call.write(plan_to_proto(output))
+        result = await self._call.read()
+        if result is grpc.aio.EOF:
+            raise errors.Unavailable("worker closed the Execute stream")
+        return {t.request_id: t.token_id for t in result.sampled}
+
+
+class WorkerLink:
+    def __init__(
+        self, channel: grpc.aio.Channel, info: worker_pb2.WorkerInfo | None = None, *,
+        retry_s: float = 1.0, probe_s: float = 10.0,
+    ) -> None:
+        """`info`: what the core was built for (None: accept any worker).
+        `retry_s`: pause between GetInfo probes, and before reopening a broken
+        stream; `probe_s`: bound on one probe."""
+        self._stub = worker_pb2_grpc.WorkerStub(channel)
+        self._info = info
+        self.retry_s = retry_s
+        self._probe_s = probe_s
+
+    async def wait_ready(self) -> None:
+        """Returns once the worker answers GetInfo: reachable, its model loaded,
+        and the model and KV layout the core was built for."""
+        reported: list[str] = []
+        while True:
+            try:
+                info = await self._stub.GetInfo(worker_pb2.GetInfoRequest(), wait_for_ready=True,
+                                                timeout=self._probe_s)
+                changed = [] if self._info is None else changed_fields(self._info, info)
+                if not changed:
+                    return
+                if changed != reported:
+                    log.error("the worker came back with another %s; not using it "
+                              "(restart the scheduler to adopt it)", ", ".join(changed))
+                    reported = changed
+            except grpc.aio.AioRpcError as exc:
+                log.debug("worker not ready (%s: %s)", exc.code().name, exc.details())
+            await asyncio.sleep(self.retry_s)
+
+    async def open(self) -> StepStream:
+        """An Execute stream the worker accepted: an empty step is answered only
+        then (it refuses a second scheduler), so opening a call proves nothing."""
+        call = self._stub.Execute()
+        try:
+            await call.write(worker_pb2.StepPlan())
+            if await call.read() is grpc.aio.EOF:
+                raise errors.Unavailable("worker closed the Execute stream")
+        except BaseException:
+            call.cancel()
+            raise
+        return StepStream(call)
+
+    async def offload(self, cmd: OffloadCommand, ttl_s: int, timeout_s: float) -> CopyOutcome:
+        request = worker_pb2.OffloadRequest(
+            request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids,
+            num_tokens=cmd.num_tokens, pinned=True, ttl_s=ttl_s)
+        try:
+            response = await self._stub.Offload(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return CopyOutcome(None, _describe(exc), exc.code() not in _NOT_STORED)
+        return CopyOutcome(response.num_bytes)
+
+    async def restore(self, cmd: RestoreCommand, timeout_s: float) -> CopyOutcome:
+        request = worker_pb2.RestoreRequest(
+            request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids)
+        try:
+            response = await self._stub.Restore(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return CopyOutcome(None, _describe(exc))
+        return CopyOutcome(response.num_bytes)
+
+
+def _describe(exc: grpc.aio.AioRpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"

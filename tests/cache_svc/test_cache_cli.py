@@ -1,0 +1,41 @@
+"""`python -m cache_svc` flags: every default is CacheConfig's, and sizes and
+durations are read with their units."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cache_svc.__main__ import build_parser, config_from_args
+from cache_svc.config import CacheConfig
+from kvstash.units import GIB, MIB
+
+
+def test_no_flags_give_the_config_defaults() -> None:
+    assert config_from_args(build_parser().parse_args([])) == CacheConfig()
+
+
+def test_flags_with_units_reach_the_config(tmp_path: Path) -> None:
+    args = build_parser().parse_args([
+        "--memory-budget", "8GiB", "--disk-dir", str(tmp_path), "--disk-budget", "100GiB",
+        "--default-ttl", "2h", "--reserve-wait", "30s", "--max-inflight", "64MiB",
+        "--buffer-pool-idle", "5m",
+    ])
+    config = config_from_args(args)
+    assert (config.memory_budget_bytes, config.disk_budget_bytes) == (8 * GIB, 100 * GIB)
+    assert (config.default_ttl_s, config.reserve_wait_s) == (7200, 30.0)
+    assert (config.max_inflight_bytes, config.buffer_pool_idle_s) == (64 * MIB, 300.0)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--memory-budget", "lots"], "not a byte size: 'lots'"),
+    (["--default-ttl", "soon"], "not a duration: 'soon'"),
+])
+def test_bad_units_name_the_flag_and_value(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(flags)
+    err = capsys.readouterr().err
+    assert flags[0] in err and message in err

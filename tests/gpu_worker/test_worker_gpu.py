@@ -1,0 +1,112 @@
+"""The batched step's guarantees on CUDA, in bf16: the same checks as the CPU
+tests (rows alone vs batched, the preemption oracle, sampling), plus what only
+a GPU can show (flash vs torch attention, one host sync per step, pinned
+pooled buffers). `make test-gpu` runs these; without CUDA they are skipped."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.config import tiny_model_config
+from gpu_worker.model import build_tiny_model
+from gpu_worker.runner import ModelRunner, SeqWork
+from gpu_worker.sampling import SamplingBatch, SamplingParams, sample_rows, to_device
+from tests.gpu_worker.test_worker_batched import PROMPTS, Request, run, tables
+from tests.gpu_worker.worker_factories import BLOCK_SIZE
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch sees none); run with make test-gpu"),
+]
+
+
+def cuda_runner(attention: AttentionBackend | None = None, dtype: torch.dtype = torch.bfloat16,
+                batch_invariant: bool = True) -> ModelRunner:
+    model = build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cuda")
+    return ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=512, attention=attention,
+                       batch_invariant=batch_invariant)
+
+
+@pytest.mark.parametrize("attention", list(AttentionBackend))
+def test_batched_rows_equal_each_sequence_alone(attention: AttentionBackend) -> None:
+    rng = random.Random(1)
+    alone, batched = cuda_runner(attention), cuda_runner(attention)
+    table = tables()
+    together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
+    last = {}
+    for row, (rid, ids) in zip(together, PROMPTS.items(), strict=True):
+        assert torch.equal(row, alone.logits([SeqWork(rid, ids, 0, table[rid])])[0]), rid
+        last[rid] = (int(row.argmax()), len(ids))
+    for _ in range(24):
+        rids = [r for r in PROMPTS if rng.random() < 0.6] or ["r0"]
+        rng.shuffle(rids)
+        seqs = [SeqWork(r, [last[r][0]], last[r][1], table[r]) for r in rids]
+        for seq, row in zip(seqs, batched.logits(seqs), strict=True):
+            assert torch.equal(row, alone.logits([seq])[0]), seq.request_id
+            last[seq.request_id] = (int(row.argmax()), seq.start_pos + 1)
+
+
+def test_greedy_outputs_survive_offload_and_recompute_in_bf16() -> None:
+    alone = {rid: run(cuda_runner(), [Request(rid, ids, [])], 16, chunk=8)[rid]
+             for rid, ids in PROMPTS.items()}
+    preempt = {6: ("r1", "offload"), 8: ("r3", "recompute"), 11: ("r0", "recompute"),
+               13: ("r5", "offload"), 15: ("r1", "recompute")}
+    together = run(cuda_runner(), [Request(rid, ids, []) for rid, ids in PROMPTS.items()], 16,
+                   chunk=5, preempt=preempt)
+    for rid, (output, logits) in alone.items():
+        assert together[rid][0] == output, rid
+        assert torch.equal(together[rid][1], logits), rid
+
+
+def test_flash_and_torch_attention_agree() -> None:
+    flash, plain = cuda_runner(AttentionBackend.FLASH), cuda_runner(AttentionBackend.TORCH)
+    table = tables()
+    seqs = [SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()]
+    torch.testing.assert_close(flash.logits(seqs).float(), plain.logits(seqs).float(),
+                               atol=0.05, rtol=0.05)
+
+
+def test_sampling_on_the_device_draws_what_the_host_draws() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(64, 5000, generator=gen).to(torch.bfloat16)
+    settings = [SamplingParams(max_tokens=4, temperature=0.5 + i % 3, top_k=i % 5 * 7,
+                               top_p=1.0 if i % 2 else 0.8, seed=i) for i in range(64)]
+    batch = SamplingBatch.build(settings, list(range(64)), torch.Generator())
+    on_cpu = sample_rows(logits, to_device(batch, torch.device("cpu")), 16).tolist()
+    on_gpu = sample_rows(logits.cuda(), to_device(batch, torch.device("cuda")), 16).tolist()
+    assert on_gpu == on_cpu
+
+
+def test_a_step_syncs_with_the_host_once() -> None:
+    runner = cuda_runner()
+    table = tables()
+    seqs = [SeqWork(r, ids, 0, table[r], True,
+                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1))
+            for r, ids in PROMPTS.items()]
+    runner.execute(seqs)  # warm-up: allocations and kernel loading
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.execute([SeqWork(s.request_id, [1], len(s.token_ids), s.block_ids, True,
+                                    s.sampling) for s in seqs])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_pooled_host_buffers_are_pinned_and_round_trip() -> None:
+    runner = cuda_runner()
+    runner.execute([SeqWork("r", PROMPTS["r2"], 0, [1, 2, 3, 4, 5, 6])])
+    with runner.lend_host_blocks(6) as host:
+        assert host.is_pinned()
+        runner.gather_blocks_into([1, 2, 3, 4, 5, 6], host)
+        runner.scatter_blocks([11, 12, 13, 14, 15, 16], host)
+    assert torch.equal(runner.kv_cache[:, :, 11:17], runner.kv_cache[:, :, 1:7])

@@ -1,0 +1,50 @@
+"""kvstash.units: the one definition of byte units, and the size and duration
+parsers every CLI uses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstash import units
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4096", 4096), ("8GiB", 8 * units.GIB), ("512MiB", 512 * units.MIB), ("1.5G", 3 << 29),
+    ("2k", 2 * units.KIB), (" 3 mb ", 3 * units.MIB), ("0", 0),
+])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert units.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("lots", "not a byte size: 'lots'"), ("", "not a byte size"),
+    ("-1MiB", "must not be negative: '-1MiB'"),
+])
+def test_parse_bytes_names_bad_input(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        units.parse_bytes(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("90", 90.0), ("90s", 90.0), ("30m", 1800.0), ("1h", 3600.0), ("2d", 172800.0),
+    ("0.5s", 0.5),
+])
+def test_parse_duration(text: str, expected: float) -> None:
+    assert units.parse_duration(text) == expected
+
+
+def test_parse_duration_names_bad_input() -> None:
+    with pytest.raises(ValueError, match="not a duration: 'soon'"):
+        units.parse_duration("soon")
+
+
+def test_units_import_neither_grpc_nor_torch() -> None:
+    code = ("import sys, kvstash.units; "
+            "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
