@@ -8,21 +8,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from cache_svc.config import MAX_STREAMS_PER_CONNECTION, STREAM_WINDOW_BYTES, CacheConfig
+from cache_svc.convert import info_to_proto, meta_from_proto, meta_to_proto, stats_to_proto
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import TransferMetrics, serve_metrics
-from cache_svc.model import SnapshotInfo, TierName
+from cache_svc.model import SnapshotInfo
 from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
-from cache_svc.snapshot import SnapshotMeta
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
 from kvstash.chunk_codec import (
-    CHECKSUM_XXH3_64,
     MAX_CHUNK_BYTES,
     RawChunk,
     decode_put_request,
@@ -31,15 +30,11 @@ from kvstash.chunk_codec import (
 )
 from kvstash.metrics import MetricsServer
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from kvstash.wire import layout_from_proto, layout_to_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
-_ALGORITHM_NAMES = {cache_pb2.CHECKSUM_ALGORITHM_XXH3_64: CHECKSUM_XXH3_64}
-_ALGORITHM_CODES = {name: code for code, name in _ALGORITHM_NAMES.items()}
 DRAIN_LIMIT_S = 5.0  # how long a failed put reads out a client still sending
-_TIER_CODES = {TierName.MEMORY: cache_pb2.TIER_MEMORY, TierName.DISK: cache_pb2.TIER_DISK}
 # The largest request message: a chunk and its framing (headers are far smaller).
 MAX_REQUEST_BYTES = MAX_CHUNK_BYTES + 4096
 # gRPC receive settings that keep CacheConfig's memory bound whatever a
@@ -57,46 +52,6 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     # Without BDP probing frames stay 16 KiB; a chunk in one frame is cheaper.
     ("grpc.http2.max_frame_size", MAX_REQUEST_BYTES),
 ]
-
-
-def meta_from_proto(header: cache_pb2.SnapshotHeader, default_ttl_s: int) -> SnapshotMeta:
-    if header.checksum_algorithm not in _ALGORITHM_NAMES:
-        raise errors.InvalidArgument(
-            f"checksum algorithm {header.checksum_algorithm} unsupported; "
-            f"use CHECKSUM_ALGORITHM_XXH3_64 ({cache_pb2.CHECKSUM_ALGORITHM_XXH3_64})"
-        )
-    return SnapshotMeta(
-        snapshot_id=header.snapshot_id,
-        layout=layout_from_proto(header.layout),
-        num_blocks=header.num_blocks,
-        num_tokens=header.num_tokens,
-        total_bytes=header.total_bytes,
-        chunk_bytes=header.chunk_bytes,
-        pinned=header.pinned,
-        ttl_s=header.ttl_s or default_ttl_s,
-        checksum_algorithm=_ALGORITHM_NAMES[header.checksum_algorithm],
-    )
-
-
-def meta_to_proto(meta: SnapshotMeta) -> cache_pb2.SnapshotHeader:
-    return cache_pb2.SnapshotHeader(
-        snapshot_id=meta.snapshot_id,
-        layout=layout_to_proto(meta.layout),
-        num_blocks=meta.num_blocks,
-        num_tokens=meta.num_tokens,
-        total_bytes=meta.total_bytes,
-        chunk_bytes=meta.chunk_bytes,
-        checksum_algorithm=_ALGORITHM_CODES[meta.checksum_algorithm],
-        pinned=meta.pinned,
-        ttl_s=meta.ttl_s,
-    )
-
-
-def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
-    return cache_pb2.SnapshotInfo(
-        header=meta_to_proto(info.meta), tier=_TIER_CODES[info.tier],
-        num_chunks=info.meta.num_chunks,
-    )
 
 
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
@@ -236,7 +191,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         return info_to_proto(self._store.stat(request.snapshot_id))
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return cache_pb2.CacheStats(**asdict(self._store.stats()))
+        return stats_to_proto(self._store.stats())
 
 
 def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:

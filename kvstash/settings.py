@@ -13,6 +13,9 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
 
 def env_name(service: str, option: str) -> str:
     """("worker", "--num-blocks") -> "KVSTASH_WORKER_NUM_BLOCKS"."""
@@ -35,18 +38,21 @@ def parse_args(
         long_options = [o for o in action.option_strings if o.startswith("--")]
         if not long_options or action.dest == "help":
             continue
-        value = environ.get(env_name(service, long_options[0]))
+        name = env_name(service, long_options[0])
+        value = environ.get(name)
         if value is None:
             continue
-        if action.nargs == 0:  # store_true / store_false
-            defaults[action.dest] = value.lower() in ("1", "true", "yes", "on")
+        if action.nargs == 0:  # a switch: store_true / store_false / --x/--no-x
+            if value.lower() not in (*_TRUE, *_FALSE):
+                parser.error(f"{name}={value!r}: use one of {', '.join(_TRUE + _FALSE)}")
+            defaults[action.dest] = value.lower() in _TRUE
         else:
             try:
                 defaults[action.dest] = action.type(value) if action.type else value  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
-                parser.error(f"{env_name(service, long_options[0])}={value!r}: {exc}")
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{name}={value!r}: {exc}")
             if action.choices is not None and defaults[action.dest] not in action.choices:
-                parser.error(f"{env_name(service, long_options[0])}={value!r}: choose from "
+                parser.error(f"{name}={value!r}: choose from "
                              f"{', '.join(map(str, action.choices))}")
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=0,
                    help="use at most this many of the worker's KV blocks (0 = all)")
     p.add_argument("--max-num-seqs", type=int, default=_CORE["max_num_seqs"])
+    p.add_argument("--max-num-waiting", type=int, default=_CORE["max_num_waiting"],
+                   help="requests queued for admission at most; beyond, RESOURCE_EXHAUSTED")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=_CORE["max_num_batched_tokens"])
     p.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode],
@@ -114,6 +116,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         vocab_size=info.vocab_size,
         eos_token_ids=tuple(info.eos_token_ids),
         max_num_seqs=args.max_num_seqs,
+        max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=PreemptionMode(args.preemption_mode),
         reservation_policy=ReservationPolicy(args.reservation),

@@ -63,6 +63,10 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Most requests running (prefill, decode or resuming) at once.
     max_num_seqs: int = 64
+    # Most requests waiting for admission; one more is refused (RESOURCE_EXHAUSTED)
+    # instead of growing the queue without bound. Requeued preempted requests
+    # always get back in.
+    max_num_waiting: int = 1024
     # Per-step token budget shared by decodes (1 each) and prefill chunks;
     # a long prompt is split into chunks by this budget.
     max_num_batched_tokens: int = 512
@@ -93,7 +97,8 @@ class SchedulerConfig:
     snapshot_id_prefix: str = field(default_factory=lambda: secrets.token_hex(6))
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs"):
+        for name in ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs",
+                     "max_num_waiting"):
             _check_int(name, getattr(self, name), 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
         _check_int("new_token_ratio_decay_steps", self.new_token_ratio_decay_steps, 1)

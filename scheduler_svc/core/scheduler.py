@@ -20,7 +20,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, islice
 
-from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvstash.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.config import SchedulerConfig
@@ -74,6 +79,10 @@ class Scheduler:
         check_new_request(self.config, request_id, prompt, sampling)
         if request_id in self.life.requests:
             raise AlreadyExists(f"request {request_id} already exists")
+        if len(self.life.waiting) >= self.config.max_num_waiting:
+            raise ResourceExhausted(
+                f"request {request_id}: the waiting queue is full ({len(self.life.waiting)} "
+                f"requests, max_num_waiting {self.config.max_num_waiting}); retry later")
         req = Request.create(
             request_id, prompt, sampling, arrival_time=self._clock(),
             arrival_seq=self._num_arrivals, eos_token_ids=self.config.eos_token_ids,

@@ -18,7 +18,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=8)
     p.add_argument("--mode", choices=["auto", "offload"], default="auto")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--budget", type=_size, default=0)
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
     return p
+
+
+def _size(text: str) -> int:
+    """A flag type that fails the argparse way (ArgumentTypeError)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(text)
 
 
 def test_variable_sets_default_and_flag_wins() -> None:
@@ -30,9 +39,18 @@ def test_variable_sets_default_and_flag_wins() -> None:
     assert args.num_blocks == 3
 
 
+def test_switch_variables_set_either_way() -> None:
+    env = {"KVSTASH_WORKER_FAST": "off", "KVSTASH_WORKER_VERBOSE": "1"}
+    args = settings.parse_args(make_parser(), "worker", [], env)
+    assert (args.fast, args.verbose) == (False, True)
+    assert settings.parse_args(make_parser(), "worker", ["--fast"], env).fast
+
+
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("KVSTASH_WORKER_NUM_BLOCKS", "many", "KVSTASH_WORKER_NUM_BLOCKS='many'"),
     ("KVSTASH_WORKER_MODE", "sometimes", "choose from auto, offload"),
+    ("KVSTASH_WORKER_BUDGET", "lots", "KVSTASH_WORKER_BUDGET='lots': not a size: 'lots'"),
+    ("KVSTASH_WORKER_VERBOSE", "maybe", "KVSTASH_WORKER_VERBOSE='maybe': use one of 1, true"),
 ])
 def test_bad_variable_fails_at_start_naming_it(
     name: str, value: str, message: str, capsys: pytest.CaptureFixture[str]

@@ -2,9 +2,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvstash.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from tests.scheduler_svc.factories import (
@@ -56,6 +63,26 @@ def test_bad_sampling_values_are_refused_naming_the_value(
     with pytest.raises(InvalidArgument) as excinfo:
         SamplingParams(max_tokens=4, **sampling)  # type: ignore[arg-type]
     assert message in str(excinfo.value)
+
+
+def test_waiting_queue_is_bounded_but_preempted_requests_always_requeue() -> None:
+    scheduler = make_scheduler(max_num_waiting=2, num_blocks=4, block_size=2,
+                               preemption_mode=PreemptionMode.RECOMPUTE,
+                               reservation_policy=ReservationPolicy.FIXED_BLOCKS,
+                               fixed_blocks_per_decode=0)
+    add(scheduler, "a", prompt_len=2, max_tokens=6, ignore_eos=True)
+    add(scheduler, "b", prompt_len=4, max_tokens=4, ignore_eos=True, first_token=40)
+    step(scheduler)  # both admitted
+    add(scheduler, "c", prompt_len=2, max_tokens=2, first_token=60)
+    add(scheduler, "d", prompt_len=2, max_tokens=2, first_token=70)
+    with pytest.raises(ResourceExhausted, match=r"queue is full \(2 requests, max_num_waiting 2"):
+        add(scheduler, "e", prompt_len=2, max_tokens=2)
+    assert scheduler.get_request("e") is None
+    step(scheduler)  # the pool runs short: "b" goes back to the full queue
+    assert scheduler.stats().num_preemptions_recompute == 1
+    assert scheduler.stats().num_waiting == 3
+    run_to_end(scheduler)
+    assert scheduler.stats().num_finished == 4
 
 
 def test_duplicate_live_id_is_refused_and_finished_ids_are_reusable() -> None:

@@ -53,7 +53,7 @@ async def channel(server: SchedulerServer) -> AsyncIterator[grpc.aio.Channel]:
 
 @pytest.fixture
 async def attached(server: SchedulerServer) -> AsyncIterator[SchedulerServer]:
-    core = make_scheduler(vocab_size=258)
+    core = make_scheduler(vocab_size=258, max_num_waiting=2)
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:
         engine = Engine(core, WorkerLink(nowhere), None)
         server.servicer.attach(engine, ByteTokenizer(),
@@ -104,6 +104,26 @@ async def test_bad_request_id_is_a_short_invalid_argument(
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = error.details() or ""
     assert "request_id" in details and len(details) < 200
+
+
+async def test_a_full_waiting_queue_is_resource_exhausted_and_nothing_is_lost(
+    attached: SchedulerServer, channel: grpc.aio.Channel
+) -> None:
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    waiting = [stub.Generate(generate_request(f"w{i}")) for i in range(2)]
+    core = attached.servicer._attached().engine.core
+    async with asyncio.timeout(10):  # the engine never runs: both stay queued
+        while core.stats().num_waiting < 2:
+            await asyncio.sleep(0.01)
+    error = await rpc_error(stub.Generate(generate_request("one-too-many")))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waiting queue is full (2 requests, max_num_waiting 2)" in (error.details() or "")
+    assert core.stats().num_waiting == 2 and core.get_request("one-too-many") is None
+    for call in waiting:
+        call.cancel()
+    async with asyncio.timeout(10):  # the clients left: their places are free again
+        while core.stats().num_waiting:
+            await asyncio.sleep(0.01)
 
 
 async def test_abort_of_an_unknown_request_is_not_found(
