@@ -69,7 +69,8 @@ class HostBlockPool:
         with self._lock:
             found = next((i for i, b in enumerate(self._idle) if b.capacity >= num_blocks), None)
             loan = self._idle.pop(found) if found is not None else None
-            self.num_lent += 1
+            if loan is not None:
+                self.num_lent += 1
         if loan is None:
             # Outside the lock: a slow pinned allocation must not hold up returns.
             capacity = 1 << (num_blocks - 1).bit_length()
@@ -77,6 +78,7 @@ class HostBlockPool:
                                  pin_memory=self.pinned)
             with self._lock:
                 self.num_allocations += 1
+                self.num_lent += 1
             loan = HostBlocks(buffer, buffer, capacity)
         layers, kv, block_size, heads, dim = self.block_shape
         view = loan.buffer[:num_blocks * self.block_numel].view(

@@ -19,6 +19,7 @@ The host block pool (`lend_host_blocks`) is the exception: it is thread-safe.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -232,12 +233,19 @@ class ModelRunner:
         with self.host_pool.lend(num_blocks) as blocks:
             yield blocks
 
-    def _index(self, block_ids: Sequence[int], what: str) -> torch.Tensor:
+    def check_copy_blocks(self, block_ids: Sequence[int], what: str) -> None:
+        """The blocks of a gather or scatter: at least one, each in range, none
+        twice (so never more than the cache holds). Checked before any host
+        buffer is sized by them."""
         if not block_ids:
             raise InvalidArgument(f"{what}: no block ids given")
         self.check_block_ids(block_ids, what)
         if len(set(block_ids)) != len(block_ids):
-            raise InvalidArgument(f"{what}: block ids {list(block_ids)} repeat")
+            repeats = [b for b, n in Counter(block_ids).items() if n > 1]
+            raise InvalidArgument(f"{what}: block ids {repeats[:8]} repeat")
+
+    def _index(self, block_ids: Sequence[int], what: str) -> torch.Tensor:
+        self.check_copy_blocks(block_ids, what)
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def _check_host(self, host: torch.Tensor, num_blocks: int, what: str) -> None:

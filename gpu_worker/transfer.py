@@ -94,6 +94,7 @@ class KvTransfer:
                 f"{what}: num_tokens {num_tokens} must be in 1..{capacity} "
                 f"({len(block_ids)} blocks of {self.runner.block_size})"
             )
+        self.runner.check_copy_blocks(block_ids, what)  # before a buffer is sized by them
         layout = layout_to_proto(self.runner.layout)
         pool = self.runner.host_pool
         # Borrowed (and, the first time, allocated) on the compute thread: a new
@@ -116,9 +117,8 @@ class KvTransfer:
         `deadline` (event-loop time)."""
         what = f"restore of snapshot {errors.preview(snapshot_id)} into {len(block_ids)} blocks"
         cache = self._cache(what)
-        if not block_ids:
-            raise errors.InvalidArgument(f"{what}: no destination block ids")
-        self.runner.check_block_ids(block_ids, what)
+        # Before the consuming read and before a buffer is sized by them.
+        self.runner.check_copy_blocks(block_ids, what)
         pool = self.runner.host_pool
         loan = await self._on_compute(pool.acquire, len(block_ids))
         host = loan.blocks

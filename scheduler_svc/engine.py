@@ -104,8 +104,8 @@ class Engine:
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> RequestStream:
-        """Admits a request (raises InvalidArgument / AlreadyExists) and returns
-        the stream its tokens arrive on."""
+        """Admits a request (raises InvalidArgument / AlreadyExists /
+        ResourceExhausted) and returns the stream its tokens arrive on."""
         self._core.add_request(request_id, prompt_token_ids, sampling)
         stream = RequestStream()
         if self._config.tracing:
@@ -154,6 +154,7 @@ class Engine:
             await self._set_worker_up(False)
             log.error("worker stream broke (%s); failing in-flight requests", reason)
             self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
+            self._delete_snapshots(self._core.take_snapshots_to_delete())  # not when it is back
             # The next stream may reach a restarted worker with an empty KV
             # tensor: no cached prefix can be trusted any more.
             self._core.reset_prefix_cache()
@@ -240,6 +241,7 @@ class Engine:
                 if outcome.maybe_stored:
                     self._delete_snapshots([cmd.snapshot_id])
                 self._core.finish_offload(cmd, outcome.num_bytes)
+                self._delete_snapshots(self._core.take_snapshots_to_delete())
                 self._wake.set()
 
     async def _restore(self, cmd: RestoreCommand) -> None:
@@ -253,6 +255,7 @@ class Engine:
                 metric = None if self._metrics is None else self._metrics.restore_s
                 self._copy_done(cmd, outcome, span, metric, started)
                 self._core.finish_restore(cmd, outcome.num_bytes)
+                self._delete_snapshots(self._core.take_snapshots_to_delete())
                 self._wake.set()
 
     @staticmethod

@@ -83,9 +83,10 @@ class SchedulerMetrics:
         self, status: RequestStatus | None, usage: RequestUsage | None, arrival: float,
         ttft_s: float,
     ) -> None:
-        """A Generate call ended: `arrival` and `ttft_s` are the edge's, on
-        time.monotonic(); the queue time is the core's. Without `usage` the
-        request never got into the core (it was refused)."""
+        """A Generate call the core accepted ended: `arrival` and `ttft_s` are
+        the edge's, on time.monotonic(); the queue time is the core's. `usage`
+        is None only for a request its worker's failure ended after the core
+        had already let it go."""
         if status is not None and (counter := self._finished.get(status)) is not None:
             counter.inc()
         self.e2e_s.observe(time.monotonic() - arrival)

@@ -8,7 +8,7 @@ proto or a status code.
                    layout the core was built for
     open()         an Execute stream, proven by an empty handshake step
     StepStream.step(output) -> sampled token per request
-    offload(cmd) / restore(cmd) -> CopyOutcome (never raises)
+    offload(cmd) / restore(cmd) -> CopyOutcome (raises only when cancelled)
 """
 
 from __future__ import annotations
@@ -142,6 +142,8 @@ class WorkerLink:
             response = await self._stub.Offload(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return CopyOutcome(None, _describe(exc), exc.code() not in _NOT_STORED)
+        except Exception as exc:  # a closed channel, ...: the put may have started
+            return CopyOutcome(None, repr(exc), maybe_stored=True)
         return CopyOutcome(response.num_bytes)
 
     async def restore(self, cmd: RestoreCommand, timeout_s: float) -> CopyOutcome:
@@ -151,6 +153,8 @@ class WorkerLink:
             response = await self._stub.Restore(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return CopyOutcome(None, _describe(exc))
+        except Exception as exc:  # a closed channel, ...
+            return CopyOutcome(None, repr(exc))
         return CopyOutcome(response.num_bytes)
 
 

@@ -66,7 +66,8 @@ class RequestUpdate:
     request_id: str
     # Tokens appended to its output this step (the stop token included).
     new_token_ids: list[int]
-    # FINISHED_STOPPED / FINISHED_LENGTH when it finished now, else None.
+    # FINISHED_STOPPED / FINISHED_LENGTH when it finished now (FINISHED_ABORTED
+    # on the update that ends an aborted request's stream), else None.
     finish_status: RequestStatus | None = None
     # Its figures, with finish_status.
     usage: RequestUsage | None = None

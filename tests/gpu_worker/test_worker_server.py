@@ -329,3 +329,32 @@ async def test_copies_borrow_pooled_host_buffers_and_give_them_back() -> None:
         assert pool.num_allocations == 1 and pool.num_lent == 0
     finally:
         await _stop(h, channel)
+
+
+async def test_block_ids_are_checked_before_a_buffer_is_sized_or_a_snapshot_read() -> None:
+    """100k block ids must not size a host buffer (or reach UNKNOWN), and a
+    restore into repeated blocks must not consume the snapshot it would read."""
+    runner = make_runner()
+    h, channel = await _start(MemoryCache(), runner)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="huge", block_ids=list(range(100_000)),
+                num_tokens=4))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(info.value.details() or "") < 300
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="twice", block_ids=[3, 3], num_tokens=4))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block ids [3] repeat" in (info.value.details() or "")
+        await h.stub.Offload(worker_pb2.OffloadRequest(
+            request_id="r", snapshot_id="kept", block_ids=[0, 1], num_tokens=5))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.stub.Restore(worker_pb2.RestoreRequest(
+                request_id="r", snapshot_id="kept", block_ids=[9, 9]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert h.cache is not None and "kept" in h.cache.snapshots  # not consumed
+        assert runner.host_pool.num_allocations == 1 and runner.host_pool.num_lent == 0
+    finally:
+        await _stop(h, channel)
