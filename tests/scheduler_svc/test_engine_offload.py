@@ -6,8 +6,10 @@ request's state while the transfers are in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -31,9 +33,7 @@ PROMPTS = {f"r{i}": [(i * 31 + j * 7 + 3) % 256 for j in range(10 + (i * 13) % 5
            for i in range(12)}
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
-    logs = tmp_path_factory.mktemp("engine-logs")
+def start_services(logs: Path) -> tuple[Service, Service]:
     # 1 MiB/s: a snapshot of a few 64 KiB blocks takes a good fraction of a second.
     cache = start_service("cache", "cache_svc", [
         "--listen", "127.0.0.1:0", "--memory-budget", "256MiB", "--bandwidth-limit", "1MiB",
@@ -46,6 +46,21 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service
     except BaseException:
         cache.stop()
         raise
+    return cache, worker
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
+    cache, worker = start_services(tmp_path_factory.mktemp("engine-logs"))
+    yield cache, worker
+    worker.stop()
+    cache.stop()
+
+
+@pytest.fixture
+def own_services(tmp_path: Path) -> Iterator[tuple[Service, Service]]:
+    """A pair for a test that kills one of them."""
+    cache, worker = start_services(tmp_path)
     yield cache, worker
     worker.stop()
     cache.stop()
@@ -60,7 +75,12 @@ class Harness:
 
 @pytest.fixture
 async def harness(services: tuple[Service, Service]) -> AsyncIterator[Harness]:
-    cache_service, worker = services
+    async with running_engine(*services) as h:
+        yield h
+
+
+@contextlib.asynccontextmanager
+async def running_engine(cache_service: Service, worker: Service) -> AsyncIterator[Harness]:
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
         eos_token_ids=(257,), preemption_mode=PreemptionMode.OFFLOAD,
@@ -160,3 +180,29 @@ async def test_steps_continue_while_an_offload_is_slow(harness: Harness) -> None
         assert status is RequestStatus.FINISHED_LENGTH
         assert tokens == reference_greedy(PROMPTS[rid], MAX_TOKENS)
     await assert_nothing_left(harness)
+
+
+async def test_snapshots_of_requests_failed_with_their_worker_are_deleted_at_once(
+    own_services: tuple[Service, Service]
+) -> None:
+    """The worker dies while requests are offloaded: their requests fail, and
+    their snapshots leave the cache now, not once a worker answers again."""
+    cache_service, worker = own_services
+    async with running_engine(cache_service, worker) as h:
+        streams = submit_all(h.engine)
+        await wait_for_state(h.core, RequestStatus.OFFLOADED)
+        assert (await h.cache.stats()).memory_snapshots > 0
+        worker.kill()
+        for stream in streams.values():  # each ends: the worker's error, or done before it
+            while True:
+                event = await asyncio.wait_for(stream.events.get(), 30)
+                if isinstance(event, Exception) or event.finish_status is not None:
+                    break
+        async with asyncio.timeout(30):
+            while not h.core.is_idle:  # copies to the dead worker fail too
+                await asyncio.sleep(0.02)
+            while (await h.cache.stats()).memory_snapshots:
+                await asyncio.sleep(0.02)
+        assert not h.engine.worker_up
+        stats = h.core.stats()
+        assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
