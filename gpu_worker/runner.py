@@ -13,14 +13,13 @@ sequence), kept to compare against.
 
 Calls are not thread-safe; the server funnels steps, gathers and scatters
 through one thread so that a copy never races a step writing the same blocks.
-The host block pool (`lend_host_blocks`) is the exception: it is thread-safe.
+The host block pool (`host_pool`) is the exception: it is thread-safe.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -222,16 +221,9 @@ class ModelRunner:
     def empty_host_blocks(self, num_blocks: int) -> torch.Tensor:
         """A new host buffer for `num_blocks` blocks, pinned when the cache lives on
         a GPU (so copies are DMA, not staged through pageable memory). Offload and
-        restore should borrow from the pool instead (`lend_host_blocks`)."""
+        restore borrow from the pool instead (`host_pool`)."""
         shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-
-    @contextlib.contextmanager
-    def lend_host_blocks(self, num_blocks: int) -> Iterator[torch.Tensor]:
-        """A pooled host buffer [L, 2, num_blocks, block_size, kv_heads, head_dim]
-        for the `with` block, then back to the pool (thread-safe; see host_buffers)."""
-        with self.host_pool.lend(num_blocks) as blocks:
-            yield blocks
 
     def check_copy_blocks(self, block_ids: Sequence[int], what: str) -> None:
         """The blocks of a gather or scatter: at least one, each in range, none
@@ -263,7 +255,7 @@ class ModelRunner:
         return host
 
     def gather_blocks_into(self, block_ids: Sequence[int], host: torch.Tensor) -> None:
-        """Like gather_blocks, into `host` (e.g. a buffer from lend_host_blocks).
+        """Like gather_blocks, into `host` (e.g. a buffer lent by host_pool).
         Returns once the copy is complete."""
         index = self._index(block_ids, "gather")
         self._check_host(host, len(block_ids), "gather")

@@ -29,7 +29,6 @@ from typing import Any
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from prometheus_client import Histogram
 
 from kvstash import errors
 from kvstash.sampling import SamplingParams
@@ -236,13 +235,11 @@ class Engine:
                 outcome = await self._worker.offload(
                     cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
             finally:
-                metric = None if self._metrics is None else self._metrics.offload_s
-                self._copy_done(cmd, outcome, span, metric, started)
+                self._report(cmd, outcome, span, started)
                 if outcome.maybe_stored:
                     self._delete_snapshots([cmd.snapshot_id])
                 self._core.finish_offload(cmd, outcome.num_bytes)
-                self._delete_snapshots(self._core.take_snapshots_to_delete())
-                self._wake.set()
+                self._landed()
 
     async def _restore(self, cmd: RestoreCommand) -> None:
         outcome = CopyOutcome(None, "cancelled")
@@ -252,26 +249,30 @@ class Engine:
             try:
                 outcome = await self._worker.restore(cmd, self._config.transfer_timeout_s)
             finally:
-                metric = None if self._metrics is None else self._metrics.restore_s
-                self._copy_done(cmd, outcome, span, metric, started)
+                self._report(cmd, outcome, span, started)
                 self._core.finish_restore(cmd, outcome.num_bytes)
-                self._delete_snapshots(self._core.take_snapshots_to_delete())
-                self._wake.set()
+                self._landed()
 
-    @staticmethod
-    def _copy_done(
-        cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome, span: trace.Span,
-        seconds: Histogram | None, started: float,
+    def _report(
+        self, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome, span: trace.Span,
+        started: float,
     ) -> None:
-        what = "offload" if isinstance(cmd, OffloadCommand) else "restore"
+        """A copy's outcome to the log, its span and the duration metric."""
+        offload = isinstance(cmd, OffloadCommand)
         if outcome.num_bytes is None:
             log.warning("%s of %s failed (%s); recomputing instead",
-                        what, cmd.request_id, outcome.error)
+                        "offload" if offload else "restore", cmd.request_id, outcome.error)
             tracing.set_failed(span, outcome.error)
             return
-        if seconds is not None:
+        if self._metrics is not None:
+            seconds = self._metrics.offload_s if offload else self._metrics.restore_s
             seconds.observe(time.monotonic() - started)
         tracing.set_copied(span, outcome.num_bytes)
+
+    def _landed(self) -> None:
+        """After the core heard of a copy: send the deletes it queued, wake the loop."""
+        self._delete_snapshots(self._core.take_snapshots_to_delete())
+        self._wake.set()
 
     def _delete_snapshots(self, snapshot_ids: list[str]) -> None:
         if self._cache is not None and snapshot_ids:

@@ -257,10 +257,6 @@ class Lifecycle:
         return len(self.offloading) + len(self.offloaded) + len(self.resuming)
 
     @property
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
     def is_idle(self) -> bool:
         """No request held, no copy in flight, no snapshot left to delete."""
         return not self.requests and not self.copies and not self._snapshots_to_delete

@@ -253,7 +253,7 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.life.has_unfinished_requests
+        return bool(self.life.requests)
 
     @property
     def is_idle(self) -> bool:

@@ -105,7 +105,7 @@ def test_a_step_syncs_with_the_host_once() -> None:
 def test_pooled_host_buffers_are_pinned_and_round_trip() -> None:
     runner = cuda_runner()
     runner.execute([SeqWork("r", PROMPTS["r2"], 0, [1, 2, 3, 4, 5, 6])])
-    with runner.lend_host_blocks(6) as host:
+    with runner.host_pool.lend(6) as host:
         assert host.is_pinned()
         runner.gather_blocks_into([1, 2, 3, 4, 5, 6], host)
         runner.scatter_blocks([11, 12, 13, 14, 15, 16], host)

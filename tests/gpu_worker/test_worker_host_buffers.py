@@ -79,10 +79,10 @@ def test_bad_requests_are_refused() -> None:
 def test_runner_gathers_into_and_scatters_from_a_lent_buffer() -> None:
     runner = make_runner(num_blocks=16)
     runner.execute([SeqWork("r", prompt("pooled buffers!!"), 0, [3, 7, 1, 2])])
-    with runner.lend_host_blocks(4) as host:
+    with runner.host_pool.lend(4) as host:
         runner.gather_blocks_into([3, 7, 1, 2], host)
         runner.scatter_blocks([8, 9, 10, 11], host)
     assert torch.equal(runner.kv_cache[:, :, [8, 9, 10, 11]], runner.kv_cache[:, :, [3, 7, 1, 2]])
-    with runner.lend_host_blocks(3) as host, pytest.raises(ValueError, match="gather: got"):
+    with runner.host_pool.lend(3) as host, pytest.raises(ValueError, match="gather: got"):
         runner.gather_blocks_into([3, 7], host)
     assert runner.host_pool.num_allocations == 1
