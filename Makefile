@@ -35,13 +35,16 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 # On a CUDA machine: the tests marked gpu (batch invariance, the preemption
-# oracle and sampling on the device, in bf16), then the worker benchmark on a
-# random-weight Llama-3.2-1B-shaped checkpoint. Without CUDA the tests skip.
+# oracle and sampling on the device, in bf16, the arena's pinned DMA), then the
+# worker benchmark on a random-weight Llama-3.2-1B-shaped checkpoint and the KV
+# transfer benchmark (offload + restore through the arena vs raw D2H + H2D, for
+# 1B and 8B KV shapes). Without CUDA the tests skip.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m gpu tests/gpu_worker
 
 bench-gpu: test-gpu
 	$(BIN)/python -m bench.worker_bench --model llama-1b --device cuda
+	$(BIN)/python -m bench.kv_transfer_bench --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

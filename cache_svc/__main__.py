@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "reuse by puts of the same size; 0 = off")
     p.add_argument("--buffer-pool-idle", type=parse_duration, default=d.buffer_pool_idle_s,
                    help="pooled buffers unused this long are unmapped")
+    p.add_argument("--arena-dir", type=Path, default=d.arena_dir,
+                   help="keep the memory tier in a shared-memory arena file here (a tmpfs "
+                        "such as /dev/shm, with room for the whole memory budget), which "
+                        "co-located workers map; omit for private memory")
+    p.add_argument("--shared-lease", type=parse_duration, default=d.shared_lease_s,
+                   help="how long a co-located put or get may hold its arena extent")
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
@@ -99,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         metrics_host=args.metrics_host,
         buffer_pool_bytes=args.buffer_pool,
         buffer_pool_idle_s=args.buffer_pool_idle,
+        arena_dir=args.arena_dir,
+        shared_lease_s=args.shared_lease,
     )
 
 
@@ -122,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2
     with telemetry.tracing_for(telemetry.CACHE_SERVICE):
-        asyncio.run(serve(config, args.listen, args.grace))
+        try:
+            asyncio.run(serve(config, args.listen, args.grace))
+        except OSError as exc:  # the address or the arena
+            print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -75,8 +75,17 @@ class CacheConfig:
     # Freed snapshot buffers kept, within the memory budget, for later puts of
     # the same size (saves them the kernel's page faults and zeroing); 0 = off.
     # They cap how much of the budget stays resident while nothing uses it.
+    # Unused with an arena, which is resident whole.
     buffer_pool_bytes: int = 1 * GIB
     buffer_pool_idle_s: float = 60.0  # pooled buffers unused this long are unmapped
+    # Keep the memory tier in a shared-memory arena file in this directory
+    # (e.g. /dev/shm) that co-located workers map (cache_svc.arena); None =
+    # private memory, reachable only through gRPC streams. The arena is
+    # allocated whole at start: resident memory is then the budget, at once.
+    arena_dir: Path | None = None
+    # How long a co-located put may hold its extent before committing, and a
+    # co-located get may hold a snapshot before it is done reading.
+    shared_lease_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MAX_CHUNK_BYTES:
@@ -118,6 +127,8 @@ class CacheConfig:
             raise ValueError(f"buffer_pool_bytes is {self.buffer_pool_bytes}, must be >= 0")
         if self.buffer_pool_idle_s <= 0:
             raise ValueError(f"buffer_pool_idle_s is {self.buffer_pool_idle_s}, must be > 0")
+        if self.shared_lease_s <= 0:
+            raise ValueError(f"shared_lease_s is {self.shared_lease_s}, must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")

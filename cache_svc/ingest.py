@@ -13,6 +13,7 @@ import ctypes.util
 import mmap
 import threading
 
+from cache_svc.model import Buffer
 from cache_svc.snapshot import SnapshotMeta
 from kvstash.chunk_codec import checksum
 from kvstash.errors import DataLoss, InvalidArgument, preview
@@ -69,7 +70,7 @@ class PutSession:
 
     __slots__ = ("buffer", "checksums", "meta", "num_received", "populating", "stop")
 
-    def __init__(self, meta: SnapshotMeta, buffer: mmap.mmap) -> None:
+    def __init__(self, meta: SnapshotMeta, buffer: Buffer) -> None:
         self.meta = meta
         self.buffer = buffer
         self.num_received = 0  # chunks accepted so far; also the next expected index
@@ -113,6 +114,22 @@ class PutSession:
         self.buffer[start:end] = data
         self.checksums.append(actual)
         self.num_received += 1
+
+    def accept_written(self, checksums: list[int]) -> None:
+        """For a put whose client wrote the whole buffer itself (an arena
+        extent): takes one checksum per chunk, as sent (see cache.proto
+        PutShared for why they are not recomputed here)."""
+        num_chunks = self.meta.num_chunks
+        if self.num_received:
+            raise InvalidArgument(f"{self.num_received} chunks were already sent")
+        if len(checksums) != num_chunks:
+            raise InvalidArgument(
+                f"commit has {len(checksums)} checksums; snapshot "
+                f"{preview(self.meta.snapshot_id)} has {num_chunks} chunks of "
+                f"{self.meta.chunk_bytes} bytes"
+            )
+        self.checksums = list(checksums)
+        self.num_received = num_chunks
 
     def check_complete(self) -> None:
         if self.num_received != self.meta.num_chunks:

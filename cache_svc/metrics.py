@@ -32,6 +32,8 @@ _COUNTERS = {
     "spills": ("num_spills", "Snapshots spilled from memory to disk"),
     "expired": ("num_expired", "Snapshots deleted after their TTL"),
     "consumed": ("num_consumed", "Snapshots deleted by the get that consumed them"),
+    "shared_puts": ("num_shared_puts", "Of the puts, those through the shared-memory arena"),
+    "shared_gets": ("num_shared_gets", "Of the gets, those through the shared-memory arena"),
     "bytes_in": ("bytes_in", "Chunk payload bytes received"),
     "bytes_out": ("bytes_out", "Chunk payload bytes sent"),
 }

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from cache_svc.snapshot import SnapshotMeta
 
+# A snapshot's bytes in memory: a private mapping, or an extent of the arena.
+Buffer = mmap.mmap | memoryview
+
 
 class Residence(enum.Enum):
     MEMORY = "memory"  # only in memory
@@ -34,7 +37,7 @@ class Entry:
     # gets send them instead of hashing what they read: damage at rest is
     # then caught by the client.
     checksums: tuple[int, ...]
-    buffer: mmap.mmap | None = None  # the bytes, while in memory
+    buffer: Buffer | None = None  # the bytes, while in memory
     path: Path | None = None  # the file, once on disk
     num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
 
@@ -76,6 +79,8 @@ class CacheStats:
     bytes_out: int
     free_bytes: int
     num_consumed: int
+    num_shared_puts: int
+    num_shared_gets: int
 
 
 @dataclass(slots=True)
@@ -88,5 +93,7 @@ class Counters:
     num_failed_puts: int = 0
     num_expired: int = 0
     num_consumed: int = 0  # snapshots deleted by the get that consumed them
+    num_shared_puts: int = 0  # puts and gets through the arena
+    num_shared_gets: int = 0
     bytes_in: int = 0
     bytes_out: int = 0

@@ -13,11 +13,12 @@ from typing import Any
 
 import grpc
 
+from cache_svc.arena import Arena
 from cache_svc.config import MAX_STREAMS_PER_CONNECTION, STREAM_WINDOW_BYTES, CacheConfig
 from cache_svc.convert import info_to_proto, meta_from_proto, meta_to_proto, stats_to_proto
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import TransferMetrics, serve_metrics
-from cache_svc.model import SnapshotInfo
+from cache_svc.model import Buffer, SnapshotInfo
 from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
 from cache_svc.store import SnapshotStore
 from kvstash import errors, rpc
@@ -181,6 +182,107 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             store.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)
 
+    # -- the co-located path (see cache.proto and cache_svc.arena) --------------
+
+    async def GetArena(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        arena = self._store.arena
+        if arena is None:
+            return cache_pb2.ArenaInfo()
+        return cache_pb2.ArenaInfo(path=str(arena.path), size_bytes=arena.size,
+                                   arena_id=arena.arena_id)
+
+    async def PutShared(  # type: ignore[override]
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        started = time.perf_counter()
+        store = self._store
+        requests = aiter(request_iterator)
+        try:
+            arena = self._arena()
+            header = await self._expect(requests, "header", "shared put")
+            meta = meta_from_proto(header, store.config.default_ttl_s)
+            await store.reserve_put(meta)
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        try:
+            session = store.begin_put(meta)
+        except BaseException:
+            store.release_put(meta)
+            raise
+        committed = False
+        try:
+            yield cache_pb2.PutSharedResponse(extent=self._extent(arena, session.buffer))
+            commit = await self._expect(requests, "commit",
+                                        f"put of {errors.preview(meta.snapshot_id)}", lease=True)
+            info = store.commit_shared_put(session, list(commit.checksums))
+            committed = True
+            yield cache_pb2.PutSharedResponse(info=info_to_proto(info))
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finally:
+            if not committed:  # the client failed, left, or ran out of lease
+                await store.abort_put(session)
+        self._metrics.put_seconds.observe(time.perf_counter() - started)
+
+    async def GetShared(  # type: ignore[override]
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        started = time.perf_counter()
+        store = self._store
+        requests = aiter(request_iterator)
+        try:
+            arena = self._arena()
+            request = await self._expect(requests, "open", "shared get")
+            if request.start_chunk:
+                raise errors.InvalidArgument("a shared get reads the whole snapshot: "
+                                             f"start_chunk is {request.start_chunk}, must be 0")
+            reader = await store.open_shared_reader(request.snapshot_id, request.consume)
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finished = False
+        try:
+            entry = reader.entry
+            assert entry.buffer is not None
+            yield cache_pb2.GetSharedResponse(header=meta_to_proto(reader.meta),
+                                              extent=self._extent(arena, entry.buffer),
+                                              checksums=entry.checksums)
+            await self._expect(requests, "done",
+                               f"get of {errors.preview(reader.meta.snapshot_id)}", lease=True)
+            finished = True
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finally:
+            store.close_reader(reader, finished)
+        self._metrics.get_seconds.observe(time.perf_counter() - started)
+
+    def _arena(self) -> Arena:
+        arena = self._store.arena
+        if arena is None:
+            raise errors.FailedPrecondition(
+                "this cache has no arena (start it with --arena-dir); use PutSnapshot and "
+                "GetSnapshot")
+        return arena
+
+    async def _expect(self, requests: Any, field: str, what: str, lease: bool = False) -> Any:
+        """The next request, which must be the `field` kind; with `lease`,
+        within the shared lease (the client holds an extent meanwhile)."""
+        step = anext(requests, None)
+        lease_s = self._store.config.shared_lease_s
+        try:
+            async with asyncio.timeout(lease_s if lease else None):
+                request = await step
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"{what}: the client held its extent longer than the {lease_s:g} s lease"
+            ) from None
+        if request is None or not request.HasField(field):
+            raise errors.InvalidArgument(f"{what}: expected a {field} message")
+        return getattr(request, field)
+
+    def _extent(self, arena: Arena, buffer: Buffer) -> cache_pb2.Extent:
+        offset, length = self._store.extent_of(buffer)
+        return cache_pb2.Extent(arena_id=arena.arena_id, offset=offset, length=length)
+
     @rpc.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._store.delete(request.snapshot_id)
@@ -220,6 +322,18 @@ def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats, request_deserializer=common_pb2.GetStatsRequest.FromString,
             response_serializer=cache_pb2.CacheStats.SerializeToString,
+        ),
+        "GetArena": grpc.unary_unary_rpc_method_handler(
+            servicer.GetArena, request_deserializer=cache_pb2.GetArenaRequest.FromString,
+            response_serializer=cache_pb2.ArenaInfo.SerializeToString,
+        ),
+        "PutShared": grpc.stream_stream_rpc_method_handler(
+            servicer.PutShared, request_deserializer=cache_pb2.PutSharedRequest.FromString,
+            response_serializer=cache_pb2.PutSharedResponse.SerializeToString,
+        ),
+        "GetShared": grpc.stream_stream_rpc_method_handler(
+            servicer.GetShared, request_deserializer=cache_pb2.GetSharedRequest.FromString,
+            response_serializer=cache_pb2.GetSharedResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

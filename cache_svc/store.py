@@ -2,10 +2,13 @@
 
 Plain asyncio and no gRPC. A put is `reserve_put` (reserve, or wait for
 spills, or ResourceExhausted), `begin_put` (map the buffer) or `release_put`,
-`PutSession.accept` per chunk, then `commit_put` or `abort_put`. A get is
-`open_reader`, `read_chunk` per chunk, then `close_reader`; disk failures
-during a get are DataLoss or Unavailable naming the snapshot and chunk. A
-consuming get deletes the snapshot when it closes having read every chunk.
+`PutSession.accept` per chunk (or, through the arena, the client writes the
+extent and `PutSession.accept_written` takes its checksums), then
+`commit_put` or `abort_put`. A get is `open_reader`, `read_chunk` per chunk
+(or, through the arena, the client reads `extent_of` itself), then
+`close_reader`; disk failures during a get are DataLoss or Unavailable naming
+the snapshot and chunk. A consuming get deletes the snapshot when it closes
+having read every chunk.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_svc.arena import Arena
 from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
-from cache_svc.model import CacheStats, Counters, Entry, Residence, SnapshotInfo
+from cache_svc.model import Buffer, CacheStats, Counters, Entry, Residence, SnapshotInfo
 from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
 from kvstash.errors import (
     AlreadyExists,
     DataLoss,
+    FailedPrecondition,
     InvalidArgument,
     KvstashError,
     ResourceExhausted,
@@ -63,7 +68,7 @@ class SnapshotStore:
         self._tiers = Tiers(config, clock)
         # Puts between reserve_put and commit/release, with the pooled buffer
         # reserve_put got for them until begin_put takes it.
-        self._pending: dict[str, mmap.mmap | None] = {}
+        self._pending: dict[str, Buffer | None] = {}
         self._counters = Counters()
 
     async def start(self) -> None:
@@ -101,22 +106,33 @@ class SnapshotStore:
             raise
 
     def begin_put(self, meta: SnapshotMeta) -> PutSession:
-        """Maps the reserved buffer, or reuses a pooled one: its old bytes are
-        all overwritten before commit_put lists it (see `PutSession`). A thread
-        faults the pages in meanwhile (at once for a pooled, resident buffer,
-        or one only partly faulted in by a put that failed)."""
+        """Maps the reserved buffer, or reuses a pooled one or the arena's
+        extent: its old bytes are all overwritten before commit_put lists it
+        (see `PutSession`). A thread faults a mapping's pages in meanwhile (at
+        once for a pooled, resident buffer, or one only partly faulted in by a
+        put that failed); the arena is resident from the start."""
         buffer = self._pending[meta.snapshot_id] or allocate(meta.total_bytes)
         self._pending[meta.snapshot_id] = None
         session = PutSession(meta, buffer)
-        tiers = self._tiers
-        session.populating = tiers.spawn(tiers.run_io(populate, session.buffer, session.stop))
+        if isinstance(buffer, mmap.mmap):
+            tiers = self._tiers
+            session.populating = tiers.spawn(tiers.run_io(populate, buffer, session.stop))
         return session
 
-    def release_put(self, meta: SnapshotMeta, buffer: mmap.mmap | None = None) -> None:
+    def release_put(self, meta: SnapshotMeta, buffer: Buffer | None = None) -> None:
         """Gives back a reservation that never became a session (or, with the
         session's `buffer`, one whose put failed; the buffer goes to the pool)."""
         pooled = self._pending.pop(meta.snapshot_id, None)
         self._tiers.unreserve(meta.total_bytes, buffer or pooled)
+
+    def commit_shared_put(self, session: PutSession, checksums: list[int]) -> SnapshotInfo:
+        """Commits a put whose client wrote the extent itself (see
+        `PutSession.accept_written`)."""
+        session.accept_written(checksums)
+        info = self.commit_put(session)
+        self._counters.num_shared_puts += 1
+        self._counters.bytes_in += session.meta.total_bytes
+        return info
 
     def commit_put(self, session: PutSession) -> SnapshotInfo:
         session.check_complete()
@@ -137,12 +153,42 @@ class SnapshotStore:
         # stays in budget. A callback, so it happens even if this is cancelled;
         # registered before wait()'s own, so it has run when this returns.
         populating = session.populating
-        assert populating is not None
+        if populating is None:
+            self.release_put(session.meta, session.buffer)
+            return
         populating.add_done_callback(lambda _: self.release_put(session.meta, session.buffer))
         await asyncio.wait((populating,))
 
     def count_bytes_in(self, num_bytes: int) -> None:
         self._counters.bytes_in += num_bytes
+
+    # -- the arena (co-located clients) ----------------------------------------
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._tiers.arena
+
+    def extent_of(self, buffer: Buffer) -> tuple[int, int]:
+        """(offset, length) in the arena of a put's or a reader's bytes."""
+        arena = self._tiers.arena
+        assert arena is not None and isinstance(buffer, memoryview)
+        return arena.offset_of(buffer), buffer.nbytes
+
+    async def open_shared_reader(self, snapshot_id: str, consume: bool) -> Reader:
+        """`open_reader` for a client that reads the arena itself: the
+        snapshot must be in memory (FailedPrecondition otherwise); it is
+        counted as read out in full."""
+        entry = self._tiers.lookup(check_snapshot_id(snapshot_id))
+        if self._tiers.arena is None or entry.buffer is None:
+            raise FailedPrecondition(
+                f"snapshot {preview(snapshot_id)} is not in the arena "
+                f"({'on disk' if entry.buffer is None else 'this cache has none'}); "
+                "read it with GetSnapshot"
+            )
+        reader = await self.open_reader(snapshot_id, consume=consume)
+        self._counters.bytes_out += entry.size
+        self._counters.num_shared_gets += 1
+        return reader
 
     # -- gets, deletes, stats -------------------------------------------------
 
@@ -298,7 +344,8 @@ class SnapshotStore:
             num_puts=c.num_puts, num_gets=c.num_gets, num_refused=c.num_refused,
             num_failed_puts=c.num_failed_puts, num_evictions=tiers.num_evictions,
             num_spills=tiers.num_spills, num_expired=c.num_expired,
-            num_consumed=c.num_consumed,
+            num_consumed=c.num_consumed, num_shared_puts=c.num_shared_puts,
+            num_shared_gets=c.num_shared_gets,
             bytes_in=c.bytes_in, bytes_out=c.bytes_out,
             free_bytes=tiers.memory_free() + tiers.disk_free(),
         )

@@ -11,6 +11,11 @@ thread pool. Accounting invariants (see `check_integrity`):
                                                      for reuse, which yield to
                                                      any put that needs the room)
     disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
+
+Memory buffers are private mappings, or, with an arena (cache_svc.arena),
+extents of it; there the arena, sized to the budget, decides what fits (a
+put may also have to wait for a contiguous range), and freed extents are its
+free ranges, so the buffer pool stays empty.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cache_svc.arena import Arena
 from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
-from cache_svc.model import Entry, Residence
+from cache_svc.model import Buffer, Entry, Residence
 from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,10 @@ class Tiers:
         self.reserved = 0
         self.disk_used = 0
         self.disk_reserved = 0
-        self.pool = BufferPool(config.buffer_pool_bytes)
+        self.arena = (
+            Arena(config.arena_dir, config.memory_budget_bytes) if config.arena_dir else None
+        )
+        self.pool = BufferPool(0 if self.arena else config.buffer_pool_bytes)
         self.num_evictions = 0
         self.num_spills = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -73,6 +82,8 @@ class Tiers:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._io.shutdown(wait=True)
         self.pool.release(self.pool.num_bytes)
+        if self.arena is not None:
+            self.arena.close()
 
     # -- listing --------------------------------------------------------------
 
@@ -100,12 +111,21 @@ class Tiers:
         self._lru[entry.meta.snapshot_id] = entry
         self.notify()
 
-    def unreserve(self, num_bytes: int, buffer: mmap.mmap | None = None) -> None:
+    def unreserve(self, num_bytes: int, buffer: Buffer | None = None) -> None:
         """Gives back a reservation and, if one was mapped for it, its buffer."""
         self.reserved -= num_bytes
         if buffer is not None:
-            self.pool.give(buffer, self.clock())
+            self._give_back(buffer)
         self.notify()
+
+    def _give_back(self, buffer: Buffer) -> None:
+        """A buffer nobody uses any more: an extent back to the arena, a
+        mapping to the pool (still counted there)."""
+        if isinstance(buffer, mmap.mmap):
+            self.pool.give(buffer, self.clock())
+        else:
+            assert self.arena is not None
+            self.arena.free(buffer)
 
     def drop(self, entry: Entry) -> None:
         """Unlists an entry; its bytes go now or when its last reader leaves."""
@@ -125,7 +145,7 @@ class Tiers:
             return
         buffer, entry.buffer = entry.buffer, None
         self.memory_used -= entry.size
-        self.pool.give(buffer, self.clock())  # still counted, now as pooled
+        self._give_back(buffer)
 
     def lists(self, entry: Entry) -> bool:
         """Whether `entry` is still listed (not dropped since it was looked up)."""
@@ -133,11 +153,12 @@ class Tiers:
 
     # -- making room ----------------------------------------------------------
 
-    async def reserve_memory(self, size: int) -> mmap.mmap | None:
+    async def reserve_memory(self, size: int) -> Buffer | None:
         """Counts `size` bytes as reserved, spilling or evicting to make room
         and waiting up to reserve_wait_s for that, or raises ResourceExhausted.
-        Returns a pooled buffer of exactly `size` bytes if there is one (its
-        bytes, counted as pooled, are now the reservation), else None.
+        Returns the buffer if one is ready: the arena's extent, or a pooled
+        buffer of exactly `size` bytes (its bytes, counted as pooled, are now
+        the reservation); None means the caller maps one.
         The wait is real time (the event loop's), not `clock`, which is for TTLs
         and can be a test's fake."""
         buffer = self.pool.take(size)
@@ -147,14 +168,23 @@ class Tiers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.reserve_wait_s
         while True:
-            if self.memory_free() >= size:
+            if self.arena is not None:
+                extent = self.arena.alloc(size)
+                if extent is not None:
+                    self.reserved += size
+                    return extent
+                # Room may exist but in pieces: count only the largest one.
+                free = self.arena.largest_free()
+            elif self.memory_free() >= size:
                 # Pooled bytes count as free; as many as the put needs go now.
                 self.pool.release(size - (self.memory_free() - self.pool.num_bytes))
                 self.reserved += size
                 return None
+            else:
+                free = self.memory_free()
             changed = self._changed
             spilling = sum(e.size for e in self._lru.values() if e.residence is Residence.SPILLING)
-            shortfall = size - self.memory_free() - spilling
+            shortfall = size - free - spilling
             if shortfall > 0:
                 plan = plan_room(self._lru.values(), shortfall, self.disk_free())
                 if plan is not None:
@@ -166,8 +196,9 @@ class Tiers:
                     continue
             remaining = deadline - loop.time()
             if remaining <= 0 or not self._may_change():
+                pieces = "" if self.arena is None else f", the largest free range {free}"
                 raise ResourceExhausted(
-                    f"need {size} bytes of memory, {self.memory_free()} free of "
+                    f"need {size} bytes of memory, {self.memory_free()} free{pieces} of "
                     f"{self.config.memory_budget_bytes} ({self.reserved} reserved by puts "
                     f"in progress, {self.disk_free()} disk bytes free) and no snapshot "
                     "can be spilled or evicted"
@@ -236,6 +267,8 @@ class Tiers:
         assert (self.memory_used + self.reserved + self.pool.num_bytes
                 <= self.config.memory_budget_bytes)
         self.pool.check_integrity()
+        if self.arena is not None:
+            self.arena.check_integrity(self.memory_used + self.reserved)
         assert self.disk_used + self.disk_reserved <= max(self.config.disk_budget_bytes,
                                                            on_disk)
         assert self.reserved >= 0 and self.disk_reserved >= 0

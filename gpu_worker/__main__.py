@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                    help="KV cache service host:port; empty = offload unavailable")
     p.add_argument("--cache-timeout-s", type=float, default=_DEFAULTS.cache_timeout_s,
                    help="deadline of an offload or restore whose caller sent none")
+    p.add_argument("--cache-arena", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS.cache_arena,
+                   help="move KV through the cache's shared-memory arena when it can be "
+                        "mapped here; --no-cache-arena always streams over gRPC")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="tiny-model weights and unseeded sampling")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
@@ -68,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             num_blocks=args.num_blocks, max_model_len=args.max_model_len,
             cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
+            cache_arena=args.cache_arena,
             seed=args.seed, batch_invariant=args.batch_invariant, row_tile=args.row_tile,
             host_pool_bytes=args.host_pool, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,

@@ -34,6 +34,9 @@ class WorkerConfig:
     # Bound on an offload or restore whose caller sent no deadline (a caller's
     # deadline, e.g. the scheduler's transfer timeout, governs otherwise).
     cache_timeout_s: float = 60.0
+    # Move KV through the cache's shared-memory arena when it can be mapped
+    # here (same host and user); off = always stream over gRPC.
+    cache_arena: bool = True
     seed: int = 0  # tiny-model weights and unseeded sampling
     # A row's numbers do not depend on the rest of its step (gpu_worker/batched.py):
     # greedy outputs stay identical under preemption. Off: faster, not invariant.

@@ -18,6 +18,8 @@ The host block pool (`host_pool`) is the exception: it is thread-safe.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 # Idle pooled host buffers kept for reuse by offload and restore.
 
@@ -94,6 +98,7 @@ class ModelRunner:
         self.batched = BatchedForward(model, block_size, self.max_model_len, self.row_tile,
                                       attention)
         self._staging = StepStaging(self.device)
+        self._pinned_region: object | None = None  # see pin_host_memory
         self.host_pool = HostBlockPool(
             (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype,
             pinned=self.device.type == "cuda", max_idle_bytes=host_pool_bytes)
@@ -218,6 +223,23 @@ class ModelRunner:
 
     # ---- block copies for offload / restore -------------------------------
 
+    def pin_host_memory(self, region: object) -> None:
+        """On CUDA, registers `region` (a host mapping: the cache's arena) as
+        pinned memory, so copies to and from it are DMA; the previous region
+        is unregistered. Nothing on CPU. Compute thread only."""
+        if self.device.type != "cuda" or region is self._pinned_region:
+            return
+        cudart = torch.cuda.cudart()
+        if self._pinned_region is not None:
+            cudart.cudaHostUnregister(_address_of(self._pinned_region))
+            self._pinned_region = None
+        view = memoryview(region)  # type: ignore[arg-type]
+        error = cudart.cudaHostRegister(_address_of(region), view.nbytes, 0)
+        if int(error) != 0:  # copies still work, staged through pageable memory
+            log.warning("pinning %d bytes of host memory failed (%s); KV copies to the "
+                        "cache's arena will be slower", view.nbytes, error)
+        self._pinned_region = region
+
     def empty_host_blocks(self, num_blocks: int) -> torch.Tensor:
         """A new host buffer for `num_blocks` blocks, pinned when the cache lives on
         a GPU (so copies are DMA, not staged through pageable memory). Offload and
@@ -277,3 +299,10 @@ def build_runner(config: WorkerConfig) -> ModelRunner:
                        tokenizer_json=loaded.tokenizer_json,
                        batch_invariant=config.batch_invariant, row_tile=config.row_tile,
                        host_pool_bytes=config.host_pool_bytes)
+
+
+def _address_of(region: object) -> int:
+    anchor = ctypes.c_char.from_buffer(region)  # type: ignore[arg-type]
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address

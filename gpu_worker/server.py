@@ -230,7 +230,7 @@ def connect_cache(config: WorkerConfig) -> SnapshotClient | None:
     Its calls get their deadlines from each Offload and Restore."""
     if not config.cache_address:
         return None
-    return CacheClient(config.cache_address)
+    return CacheClient(config.cache_address, use_arena=config.cache_arena)
 
 
 async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer,

@@ -1,5 +1,14 @@
 """Moving a request's KV blocks between the worker and the KV cache service.
 
+Co-located with the cache (its arena can be mapped here; cache.proto PutShared):
+
+    offload: blocks --gather (compute thread)--> the cache's arena extent, then commit
+    restore: the cache's arena extent, verified --scatter (compute thread)--> blocks
+
+On CUDA the arena is registered as pinned memory once, so those copies are
+the DMA of the device link; nothing else moves the bytes. Otherwise, and for
+snapshots the cache holds only on disk, through a pooled host buffer:
+
     offload: blocks --gather (compute thread)--> host buffer --put--> cache service
     restore: cache service --get_into--> host buffer --scatter (compute thread)--> blocks
 
@@ -41,6 +50,18 @@ class SnapshotClient(Protocol):
     async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
                        consume: bool = False,
                        timeout_s: float | None = None) -> cache_pb2.SnapshotHeader: ...
+
+    async def put_shared(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
+                         num_tokens: int, total_bytes: int,
+                         write: Callable[[memoryview], Awaitable[list[int] | None]],
+                         pinned: bool = True,
+                         ttl_s: int = 0, timeout_s: float | None = None) -> int | None: ...
+
+    async def get_shared(
+        self, snapshot_id: str,
+        read: Callable[[cache_pb2.SnapshotHeader, memoryview, list[int]], Awaitable[None]],
+        consume: bool = False, timeout_s: float | None = None,
+    ) -> cache_pb2.SnapshotHeader | None: ...
 
     async def close(self) -> None: ...
 
@@ -97,6 +118,20 @@ class KvTransfer:
         self.runner.check_copy_blocks(block_ids, what)  # before a buffer is sized by them
         layout = layout_to_proto(self.runner.layout)
         pool = self.runner.host_pool
+        num_blocks = len(block_ids)
+
+        async def gather_into(extent: memoryview) -> None:  # hashed by the client
+            await self._on_compute(lambda: self.runner.gather_blocks_into(
+                list(block_ids), self._pinned_blocks(extent, num_blocks)))
+
+        stored = await self._bounded(
+            lambda timeout_s: cache.put_shared(
+                snapshot_id, layout, num_blocks, num_tokens, num_blocks * pool.block_bytes,
+                gather_into, pinned=pinned, ttl_s=ttl_s, timeout_s=timeout_s),
+            deadline, what,
+        )
+        if stored is not None:
+            return stored
         # Borrowed (and, the first time, allocated) on the compute thread: a new
         # pinned buffer takes about 0.5 s per GiB, which the event loop must not wait.
         loan = await self._on_compute(pool.acquire, len(block_ids))
@@ -120,6 +155,21 @@ class KvTransfer:
         # Before the consuming read and before a buffer is sized by them.
         self.runner.check_copy_blocks(block_ids, what)
         pool = self.runner.host_pool
+        num_blocks = len(block_ids)
+
+        async def scatter_from(header: cache_pb2.SnapshotHeader, extent: memoryview,
+                               checksums: list[int]) -> None:
+            self.check_header(header, num_blocks, what)  # before a byte lands
+            await self._on_compute(lambda: self.runner.scatter_blocks(
+                list(block_ids), self._pinned_blocks(extent, num_blocks)))
+
+        header = await self._bounded(
+            lambda timeout_s: cache.get_shared(snapshot_id, scatter_from, consume=True,
+                                               timeout_s=timeout_s),
+            deadline, what,
+        )
+        if header is not None:
+            return int(header.total_bytes)
         loan = await self._on_compute(pool.acquire, len(block_ids))
         host = loan.blocks
         try:
@@ -136,6 +186,20 @@ class KvTransfer:
         finally:
             pool.release(loan)  # the scatter has read it (or never will)
         return host.numel() * host.element_size()
+
+    def _pinned_blocks(self, extent: memoryview, num_blocks: int) -> torch.Tensor:
+        """The extent as host blocks ([layers, 2, n, block_size, heads, dim]),
+        sharing its memory; on CUDA the whole arena behind it is registered
+        as pinned memory first (once), so copies to and from it are DMA.
+        On the compute thread: a registration takes a while."""
+        pool = self.runner.host_pool
+        if extent.nbytes != num_blocks * pool.block_bytes:
+            raise errors.DataLoss(f"extent has {extent.nbytes} bytes, {num_blocks} blocks "
+                                  f"take {num_blocks * pool.block_bytes}")
+        self.runner.pin_host_memory(extent.obj)
+        layers, kv, block_size, heads, dim = pool.block_shape
+        flat = torch.frombuffer(extent, dtype=torch.uint8).view(pool.dtype)
+        return flat.view(layers, kv, num_blocks, block_size, heads, dim)
 
     def check_header(self, header: cache_pb2.SnapshotHeader, num_blocks: int, what: str) -> None:
         want = layout_to_proto(self.runner.layout)

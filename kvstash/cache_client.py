@@ -12,14 +12,22 @@ Deadlines belong to the caller: every call takes `timeout_s` (seconds for the
 whole call, from the header to the last chunk), so a transfer made on behalf
 of an RPC is bounded by that RPC's remaining time. A call given none gets the
 client's `timeout_s`.
+
+The co-located path: when the cache keeps its memory tier in an arena this
+process can map (same host, same user), `put` and `get_into` move the bytes
+through it (cache.proto PutShared/GetShared; kvstash.shared_arena), and
+`put_shared`/`get_shared` let a caller fill or read the extent itself (the
+worker gathers KV blocks straight into it). Otherwise, and for snapshots
+only on disk, they stream over gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 
@@ -34,8 +42,16 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
+from kvstash.shared_arena import (
+    SharedArena,
+    chunk_checksums,
+    copy_hashed,
+    copy_verified,
+    verify_chunks,
+)
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _PUT_METHOD = "/kvstash.v1.KVCache/PutSnapshot"
 _GET_METHOD = "/kvstash.v1.KVCache/GetSnapshot"
@@ -47,14 +63,19 @@ DEFAULT_TIMEOUT_S = 60.0
 class CacheClient:
     def __init__(
         self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S, use_arena: bool = True,
     ) -> None:
         """`timeout_s`: deadline of a call given none (None = no deadline).
-        Raises InvalidArgument (a ValueError) for a bad `chunk_bytes`."""
+        `use_arena`: take the co-located path when the cache's arena can be
+        mapped. Raises InvalidArgument (a ValueError) for a bad `chunk_bytes`."""
         check_chunk_bytes(chunk_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.use_arena = use_arena
+        self._arena: SharedArena | None = None
+        self._arena_known = False  # asked GetArena since the arena last changed
+        self._arena_lock = asyncio.Lock()
         self._channel = rpc.insecure_channel(address)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
         # Puts and gets move chunks in kvstash.chunk_codec's raw wire format.
@@ -78,6 +99,156 @@ class CacheClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    # -- the co-located path ----------------------------------------------------
+
+    async def arena(self, timeout_s: float | None = None) -> SharedArena | None:
+        """The cache's arena mapped here, or None where it has none or this
+        process cannot map it (then `put`/`get_into` stream). Asked once, and
+        again after a shared call found the arena changed."""
+        if not self.use_arena:
+            return None
+        async with self._arena_lock:  # one GetArena for many concurrent first calls
+            if not self._arena_known:
+                await self._ask_arena(timeout_s)
+        return self._arena
+
+    async def _ask_arena(self, timeout_s: float | None) -> None:
+        try:
+            info = await self._stub.GetArena(cache_pb2.GetArenaRequest(),
+                                             timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise rpc.error_from_rpc(exc, "cache") from None
+            info = cache_pb2.ArenaInfo()  # a cache that predates the arena
+        if self._arena is not None and self._arena.arena_id != info.arena_id:
+            self._arena.close()
+            self._arena = None
+        if info.path and self._arena is None:
+            try:
+                self._arena = await asyncio.to_thread(SharedArena, info)
+            except (OSError, ValueError) as exc:
+                log.info("cache %s: its arena %s cannot be mapped here (%s); streaming over "
+                         "gRPC", self.address, info.path, exc)
+        self._arena_known = True
+
+    async def put_shared(
+        self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, num_tokens: int,
+        total_bytes: int, write: Callable[[memoryview], Awaitable[list[int] | None]],
+        pinned: bool = True, ttl_s: int = 0, timeout_s: float | None = None,
+    ) -> int | None:
+        """Puts through the arena: `write(extent)` must fill all total_bytes
+        of it, and may return the checksums of its chunks of `chunk_bytes`
+        (else they are computed here); then the put is committed. Returns the
+        bytes stored, or None where there is no arena to use (call `put`).
+        The extent is leased to the call, so the call outlives `write`, even
+        when cancelled (see `_to_the_end`)."""
+        arena = await self.arena(timeout_s)
+        if arena is None:
+            return None
+        header = self._header(snapshot_id, layout, num_blocks, num_tokens, total_bytes, pinned,
+                              ttl_s)
+        call = self._stub.PutShared(timeout=self._timeout(timeout_s))
+        try:
+            await call.write(cache_pb2.PutSharedRequest(header=header))
+            extent = arena.view((await self._next(call, snapshot_id)).extent)
+            sums = await _to_the_end(write(extent))
+            if sums is None:
+                sums = await _to_the_end(
+                    asyncio.to_thread(chunk_checksums, extent, self.chunk_bytes))
+            del extent
+            commit = cache_pb2.SharedPutCommit(checksums=sums)
+            await call.write(cache_pb2.PutSharedRequest(commit=commit))
+            response = await self._next(call, snapshot_id)
+            await call.done_writing()
+            await self._finish(call)
+        except errors.Unavailable:
+            self._arena_known = False  # it may have changed: ask again next time
+            call.cancel()
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+        return int(response.info.header.total_bytes)
+
+    async def get_shared(
+        self, snapshot_id: str,
+        read: Callable[[cache_pb2.SnapshotHeader, memoryview, list[int]], Awaitable[None]],
+        consume: bool = False, timeout_s: float | None = None,
+        verified_by_read: bool = False,
+    ) -> cache_pb2.SnapshotHeader | None:
+        """Gets through the arena: every chunk of the extent is verified, then
+        `read(header, extent, checksums)` uses it (the snapshot stays in place
+        until it returns; the call outlives it, as for `put_shared`). With
+        `verified_by_read`, `read` verifies the chunks itself as it copies
+        them. `consume` as for `get_into`, but only a `read` that returned
+        counts. None where there is no arena, or the snapshot is only on disk
+        (call `get_into`)."""
+        arena = await self.arena(timeout_s)
+        if arena is None:
+            return None
+        call = self._stub.GetShared(timeout=self._timeout(timeout_s))
+        try:
+            request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
+            await call.write(cache_pb2.GetSharedRequest(open=request))
+            try:
+                response = await self._next(call, snapshot_id)
+            except errors.FailedPrecondition:  # on disk, or the cache has no arena now
+                self._arena_known = False
+                return None
+            extent = arena.view(response.extent)
+            checksums = list(response.checksums)
+            if not verified_by_read:
+                await _to_the_end(asyncio.to_thread(
+                    verify_chunks, extent, response.header.chunk_bytes, checksums,
+                    f"snapshot {snapshot_id}"))
+            await _to_the_end(read(response.header, extent, checksums))
+            del extent
+            await call.write(cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()))
+            await call.done_writing()
+            await self._finish(call)
+        except errors.Unavailable:
+            self._arena_known = False
+            raise
+        finally:
+            call.cancel()  # no-op once finished
+        return response.header
+
+    @staticmethod
+    async def _next(call: Any, snapshot_id: str) -> Any:
+        """The next response of a shared call; its error status, raised."""
+        try:
+            response = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "cache") from None
+        if response is grpc.aio.EOF:
+            raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
+        return response
+
+    @staticmethod
+    async def _finish(call: Any) -> None:
+        """Waits for a shared call's status; raises it unless OK."""
+        try:
+            extra = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "cache") from None
+        if extra is not grpc.aio.EOF:
+            raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
+
+    def _header(
+        self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, num_tokens: int,
+        total_bytes: int, pinned: bool, ttl_s: int,
+    ) -> cache_pb2.SnapshotHeader:
+        return cache_pb2.SnapshotHeader(
+            snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
+            num_tokens=num_tokens, total_bytes=total_bytes, chunk_bytes=self.chunk_bytes,
+            checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
+        )
+
+    # -- puts and gets, through the arena or streamed ---------------------------
 
     async def put(
         self,
@@ -90,15 +261,21 @@ class CacheClient:
         ttl_s: int = 0,
         timeout_s: float | None = None,
     ) -> int:
-        """Streams the snapshot; returns the bytes stored. `data` is any
-        C-contiguous buffer (bytes, bytearray, memoryview, numpy array...).
-        `timeout_s` bounds the whole put, waiting for room included."""
+        """Stores the snapshot (through the arena if it can, else streamed);
+        returns the bytes stored. `data` is any C-contiguous buffer (bytes,
+        bytearray, memoryview, numpy array...). `timeout_s` bounds the whole
+        put, waiting for room included."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
-        header = cache_pb2.SnapshotHeader(
-            snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
-            num_tokens=num_tokens, total_bytes=view.nbytes, chunk_bytes=self.chunk_bytes,
-            checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
-        )
+
+        async def fill(extent: memoryview) -> list[int]:
+            return await asyncio.to_thread(copy_hashed, extent, view, self.chunk_bytes)
+
+        stored = await self.put_shared(snapshot_id, layout, num_blocks, num_tokens, view.nbytes,
+                                       fill, pinned, ttl_s, timeout_s)
+        if stored is not None:
+            return stored
+        header = self._header(snapshot_id, layout, num_blocks, num_tokens, view.nbytes, pinned,
+                              ttl_s)
         call = self._put_snapshot(timeout=self._timeout(timeout_s))
         try:
             await call.write(cache_pb2.PutSnapshotRequest(header=header))
@@ -138,7 +315,8 @@ class CacheClient:
         writable and exactly total_bytes long; bytes before the start chunk
         are left as they are. Raises DataLoss on a bad chunk. With `consume`
         the cache deletes the snapshot once it has sent the last chunk (even
-        if this then refuses it); a read that ends before that leaves it."""
+        if this then refuses it) or, through the arena, once it was copied
+        out; a read that ends before that leaves it."""
         target = memoryview(out).cast("B")
         if target.readonly:
             raise errors.InvalidArgument("get_into needs a writable buffer")
@@ -151,6 +329,16 @@ class CacheClient:
                 )
             return target
 
+        async def copy_out(header: cache_pb2.SnapshotHeader, extent: memoryview,
+                           checksums: list[int]) -> None:
+            await asyncio.to_thread(copy_verified, check_size(header), extent,
+                                    header.chunk_bytes, checksums, f"snapshot {snapshot_id}")
+
+        if start_chunk == 0:
+            header = await self.get_shared(snapshot_id, copy_out, consume, timeout_s,
+                                           verified_by_read=True)
+            if header is not None:
+                return header
         return await self._read(snapshot_id, start_chunk, consume, timeout_s, check_size)
 
     async def get(
@@ -225,6 +413,19 @@ class CacheClient:
             return await make_call()
         except grpc.aio.AioRpcError as exc:
             raise rpc.error_from_rpc(exc, "cache") from None
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """Awaits `step`; if the caller is cancelled meanwhile, still lets it
+    finish (a copy on a thread cannot be stopped) before the cancellation goes
+    on. So a shared call never ends, giving its extent back to the cache, while
+    this process still touches the extent."""
+    task = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,))
+        raise
 
 
 def _place_chunk(

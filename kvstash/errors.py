@@ -52,5 +52,9 @@ class Unavailable(KvstashError):
     """A dependency could not be reached."""
 
 
+class DeadlineExceeded(Unavailable):
+    """A time limit ran out (a lease, a deadline); like Unavailable, worth a retry."""
+
+
 class DataLoss(KvstashError):
     """Bytes did not match their checksum (or size): damaged in transit or at rest."""

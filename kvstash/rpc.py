@@ -42,6 +42,7 @@ _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
 }
 # Client side: the inverse, plus codes that grpc itself or a foreign peer
@@ -50,7 +51,7 @@ _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
 _ERROR_FOR: dict[grpc.StatusCode, type[errors.KvstashError]] = {
     **{code: cls for cls, code in _STATUS_FOR.items()},
     grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,  # message says which
     grpc.StatusCode.CANCELLED: errors.Unavailable,
 }
 

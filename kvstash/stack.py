@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import IO
 
 from kvstash.rpc import READY_MARKER
+from kvstash.units import parse_bytes
+
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class StackConfig:
     cache_memory_budget: str = "1GiB"
     cache_disk_budget: str = "4GiB"
     cache_disk_dir: str | None = None  # None: a temporary directory, removed on stop
+    # The cache's memory tier in a shared-memory arena the worker maps (the
+    # co-located path), where /dev/shm has room for it; else gRPC streams.
+    cache_arena: bool = True
     host: str = "127.0.0.1"
     scheduler_port: int = 0
     scheduler_args: tuple[str, ...] = ()  # extra flags, for tests and experiments
@@ -191,6 +197,17 @@ def _copy(stdout: IO[str], log_path: Path) -> None:
             log.flush()
 
 
+def arena_args(config: StackConfig) -> list[str]:
+    """--arena-dir /dev/shm where it is a tmpfs with room for the budget."""
+    shm = Path(SHARED_MEMORY_DIR)
+    if not config.cache_arena or not shm.is_dir() or not os.access(shm, os.W_OK):
+        return []
+    free = os.statvfs(shm)
+    if free.f_bavail * free.f_frsize < parse_bytes(config.cache_memory_budget):
+        return []
+    return ["--arena-dir", str(shm)]
+
+
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, worker and scheduler; on any failure stops what started."""
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
@@ -204,7 +221,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
         cache = start_service("cache", "cache_svc", [
             "--listen", listen, "--memory-budget", config.cache_memory_budget,
             "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
-            *config.cache_args,
+            *arena_args(config), *config.cache_args,
         ], logs)
         started.append(cache)
         worker = start_service("worker", "gpu_worker", [

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvstash.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
@@ -337,6 +339,8 @@ class CacheStats(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _builtins.int
     FREE_BYTES_FIELD_NUMBER: _builtins.int
     NUM_CONSUMED_FIELD_NUMBER: _builtins.int
+    NUM_SHARED_PUTS_FIELD_NUMBER: _builtins.int
+    NUM_SHARED_GETS_FIELD_NUMBER: _builtins.int
     memory_bytes: _builtins.int
     memory_budget_bytes: _builtins.int
     memory_snapshots: _builtins.int
@@ -361,6 +365,10 @@ class CacheStats(_message.Message):
     """what a new put can still reserve, both tiers"""
     num_consumed: _builtins.int
     """snapshots deleted by a get with consume set"""
+    num_shared_puts: _builtins.int
+    """of num_puts, through the arena (PutShared)"""
+    num_shared_gets: _builtins.int
+    """of num_gets, through the arena (GetShared)"""
     def __init__(
         self,
         *,
@@ -383,11 +391,228 @@ class CacheStats(_message.Message):
         bytes_out: _builtins.int = ...,
         free_bytes: _builtins.int = ...,
         num_consumed: _builtins.int = ...,
+        num_shared_puts: _builtins.int = ...,
+        num_shared_gets: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "disk_budget_bytes", b"disk_budget_bytes", "disk_bytes", b"disk_bytes", "disk_snapshots", b"disk_snapshots", "free_bytes", b"free_bytes", "memory_budget_bytes", b"memory_budget_bytes", "memory_bytes", b"memory_bytes", "memory_snapshots", b"memory_snapshots", "num_consumed", b"num_consumed", "num_evictions", b"num_evictions", "num_expired", b"num_expired", "num_failed_puts", b"num_failed_puts", "num_gets", b"num_gets", "num_puts", b"num_puts", "num_refused", b"num_refused", "num_spills", b"num_spills", "pinned_bytes", b"pinned_bytes", "reserved_bytes", b"reserved_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "disk_budget_bytes", b"disk_budget_bytes", "disk_bytes", b"disk_bytes", "disk_snapshots", b"disk_snapshots", "free_bytes", b"free_bytes", "memory_budget_bytes", b"memory_budget_bytes", "memory_bytes", b"memory_bytes", "memory_snapshots", b"memory_snapshots", "num_consumed", b"num_consumed", "num_evictions", b"num_evictions", "num_expired", b"num_expired", "num_failed_puts", b"num_failed_puts", "num_gets", b"num_gets", "num_puts", b"num_puts", "num_refused", b"num_refused", "num_shared_gets", b"num_shared_gets", "num_shared_puts", b"num_shared_puts", "num_spills", b"num_spills", "pinned_bytes", b"pinned_bytes", "reserved_bytes", b"reserved_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CacheStats: _TypeAlias = CacheStats  # noqa: Y015
+
+@_typing.final
+class GetArenaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetArenaRequest: _TypeAlias = GetArenaRequest  # noqa: Y015
+
+@_typing.final
+class ArenaInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    ARENA_ID_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """empty: this cache has no arena"""
+    size_bytes: _builtins.int
+    arena_id: _builtins.str
+    """changes with every start of the cache"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        arena_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_id", b"arena_id", "path", b"path", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArenaInfo: _TypeAlias = ArenaInfo  # noqa: Y015
+
+@_typing.final
+class Extent(_message.Message):
+    """A byte range of the arena; valid for the call that handed it out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARENA_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    arena_id: _builtins.str
+    """the arena it lies in: a client mapping another one must not use it"""
+    offset: _builtins.int
+    length: _builtins.int
+    def __init__(
+        self,
+        *,
+        arena_id: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_id", b"arena_id", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Extent: _TypeAlias = Extent  # noqa: Y015
+
+@_typing.final
+class SharedPutCommit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKSUMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one per chunk of the header's chunk_bytes, in order"""
+
+    def __init__(
+        self,
+        *,
+        checksums: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedPutCommit: _TypeAlias = SharedPutCommit  # noqa: Y015
+
+@_typing.final
+class PutSharedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___SnapshotHeader: ...
+    @_builtins.property
+    def commit(self) -> Global___SharedPutCommit: ...
+    def __init__(
+        self,
+        *,
+        header: Global___SnapshotHeader | None = ...,
+        commit: Global___SharedPutCommit | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "commit"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___PutSharedRequest: _TypeAlias = PutSharedRequest  # noqa: Y015
+
+@_typing.final
+class PutSharedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXTENT_FIELD_NUMBER: _builtins.int
+    INFO_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def extent(self) -> Global___Extent: ...
+    @_builtins.property
+    def info(self) -> Global___SnapshotInfo: ...
+    def __init__(
+        self,
+        *,
+        extent: Global___Extent | None = ...,
+        info: Global___SnapshotInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["extent", b"extent", "info", b"info", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extent", b"extent", "info", b"info", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["extent", "info"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___PutSharedResponse: _TypeAlias = PutSharedResponse  # noqa: Y015
+
+@_typing.final
+class SharedGetDone(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedGetDone: _TypeAlias = SharedGetDone  # noqa: Y015
+
+@_typing.final
+class GetSharedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def open(self) -> Global___GetSnapshotRequest: ...
+    @_builtins.property
+    def done(self) -> Global___SharedGetDone: ...
+    def __init__(
+        self,
+        *,
+        open: Global___GetSnapshotRequest | None = ...,
+        done: Global___SharedGetDone | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "done"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___GetSharedRequest: _TypeAlias = GetSharedRequest  # noqa: Y015
+
+@_typing.final
+class GetSharedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    EXTENT_FIELD_NUMBER: _builtins.int
+    CHECKSUMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___SnapshotHeader: ...
+    @_builtins.property
+    def extent(self) -> Global___Extent: ...
+    @_builtins.property
+    def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one per chunk, as verified or committed at put time"""
+
+    def __init__(
+        self,
+        *,
+        header: Global___SnapshotHeader | None = ...,
+        extent: Global___Extent | None = ...,
+        checksums: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["extent", b"extent", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "extent", b"extent", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSharedResponse: _TypeAlias = GetSharedResponse  # noqa: Y015

@@ -62,6 +62,21 @@ class KVCacheStub:
                 request_serializer=kvstash_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvstash_dot_v1_dot_cache__pb2.CacheStats.FromString,
                 _registered_method=True)
+        self.GetArena = channel.unary_unary(
+                '/kvstash.v1.KVCache/GetArena',
+                request_serializer=kvstash_dot_v1_dot_cache__pb2.GetArenaRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_cache__pb2.ArenaInfo.FromString,
+                _registered_method=True)
+        self.PutShared = channel.stream_stream(
+                '/kvstash.v1.KVCache/PutShared',
+                request_serializer=kvstash_dot_v1_dot_cache__pb2.PutSharedRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_cache__pb2.PutSharedResponse.FromString,
+                _registered_method=True)
+        self.GetShared = channel.stream_stream(
+                '/kvstash.v1.KVCache/GetShared',
+                request_serializer=kvstash_dot_v1_dot_cache__pb2.GetSharedRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_cache__pb2.GetSharedResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -119,6 +134,47 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetArena(self, request, context):
+        """The co-located path. A cache started with an arena directory keeps its
+        memory tier in one shared-memory file there; a client on the same host,
+        running as the same user, maps it and moves bytes by memcpy (or DMA)
+        while gRPC carries only control. Where the file cannot be opened (another
+        host, another user) clients use PutSnapshot/GetSnapshot instead.
+
+        The arena's path, size and id; an empty path if this cache has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShared(self, request_iterator, context):
+        """A put through the arena: the client sends the header (admission as for
+        PutSnapshot: RESOURCE_EXHAUSTED before any byte moves); the server
+        answers with the extent it reserved; the client writes exactly
+        total_bytes there and sends a commit with one checksum per chunk of the
+        header's chunk_bytes; the server lists the snapshot and answers with its
+        info. The extent is leased to the call: a client that dies, cancels or
+        does not commit within the server's lease loses it, and nothing of the
+        put is ever visible. The server stores the checksums as sent (whoever
+        can write the arena could also write any other extent, so verifying its
+        own bytes would protect nothing); every reader verifies them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShared(self, request_iterator, context):
+        """A get through the arena: the client sends `open` (start_chunk must be
+        0), the server answers with the header, the extent and the checksums and
+        holds the snapshot in place (never spilled, evicted or expired) until
+        the client sends `done` after reading it, or the call ends, or the lease
+        runs out. Only `done` counts as a finished read for `consume`. A snapshot
+        that is only on disk is FAILED_PRECONDITION: read it with GetSnapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +202,21 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvstash_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
                     response_serializer=kvstash_dot_v1_dot_cache__pb2.CacheStats.SerializeToString,
+            ),
+            'GetArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetArena,
+                    request_deserializer=kvstash_dot_v1_dot_cache__pb2.GetArenaRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_cache__pb2.ArenaInfo.SerializeToString,
+            ),
+            'PutShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutShared,
+                    request_deserializer=kvstash_dot_v1_dot_cache__pb2.PutSharedRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_cache__pb2.PutSharedResponse.SerializeToString,
+            ),
+            'GetShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.GetShared,
+                    request_deserializer=kvstash_dot_v1_dot_cache__pb2.GetSharedRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_cache__pb2.GetSharedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -285,6 +356,87 @@ class KVCache:
             '/kvstash.v1.KVCache/GetStats',
             kvstash_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
             kvstash_dot_v1_dot_cache__pb2.CacheStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.KVCache/GetArena',
+            kvstash_dot_v1_dot_cache__pb2.GetArenaRequest.SerializeToString,
+            kvstash_dot_v1_dot_cache__pb2.ArenaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstash.v1.KVCache/PutShared',
+            kvstash_dot_v1_dot_cache__pb2.PutSharedRequest.SerializeToString,
+            kvstash_dot_v1_dot_cache__pb2.PutSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstash.v1.KVCache/GetShared',
+            kvstash_dot_v1_dot_cache__pb2.GetSharedRequest.SerializeToString,
+            kvstash_dot_v1_dot_cache__pb2.GetSharedResponse.FromString,
             options,
             channel_credentials,
             insecure,

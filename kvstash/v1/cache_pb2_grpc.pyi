@@ -63,6 +63,35 @@ class KVCacheStub:
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _grpc.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]
+    GetArena: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]
+    """The co-located path. A cache started with an arena directory keeps its
+    memory tier in one shared-memory file there; a client on the same host,
+    running as the same user, maps it and moves bytes by memcpy (or DMA)
+    while gRPC carries only control. Where the file cannot be opened (another
+    host, another user) clients use PutSnapshot/GetSnapshot instead.
+
+    The arena's path, size and id; an empty path if this cache has none.
+    """
+    PutShared: _grpc.StreamStreamMultiCallable[_cache_pb2.PutSharedRequest, _cache_pb2.PutSharedResponse]
+    """A put through the arena: the client sends the header (admission as for
+    PutSnapshot: RESOURCE_EXHAUSTED before any byte moves); the server
+    answers with the extent it reserved; the client writes exactly
+    total_bytes there and sends a commit with one checksum per chunk of the
+    header's chunk_bytes; the server lists the snapshot and answers with its
+    info. The extent is leased to the call: a client that dies, cancels or
+    does not commit within the server's lease loses it, and nothing of the
+    put is ever visible. The server stores the checksums as sent (whoever
+    can write the arena could also write any other extent, so verifying its
+    own bytes would protect nothing); every reader verifies them.
+    """
+    GetShared: _grpc.StreamStreamMultiCallable[_cache_pb2.GetSharedRequest, _cache_pb2.GetSharedResponse]
+    """A get through the arena: the client sends `open` (start_chunk must be
+    0), the server answers with the header, the extent and the checksums and
+    holds the snapshot in place (never spilled, evicted or expired) until
+    the client sends `done` after reading it, or the call ends, or the lease
+    runs out. Only `done` counts as a finished read for `consume`. A snapshot
+    that is only on disk is FAILED_PRECONDITION: read it with GetSnapshot.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -98,6 +127,35 @@ class KVCacheAsyncStub(KVCacheStub):
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _aio.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]  # type: ignore[assignment]
+    GetArena: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]  # type: ignore[assignment]
+    """The co-located path. A cache started with an arena directory keeps its
+    memory tier in one shared-memory file there; a client on the same host,
+    running as the same user, maps it and moves bytes by memcpy (or DMA)
+    while gRPC carries only control. Where the file cannot be opened (another
+    host, another user) clients use PutSnapshot/GetSnapshot instead.
+
+    The arena's path, size and id; an empty path if this cache has none.
+    """
+    PutShared: _aio.StreamStreamMultiCallable[_cache_pb2.PutSharedRequest, _cache_pb2.PutSharedResponse]  # type: ignore[assignment]
+    """A put through the arena: the client sends the header (admission as for
+    PutSnapshot: RESOURCE_EXHAUSTED before any byte moves); the server
+    answers with the extent it reserved; the client writes exactly
+    total_bytes there and sends a commit with one checksum per chunk of the
+    header's chunk_bytes; the server lists the snapshot and answers with its
+    info. The extent is leased to the call: a client that dies, cancels or
+    does not commit within the server's lease loses it, and nothing of the
+    put is ever visible. The server stores the checksums as sent (whoever
+    can write the arena could also write any other extent, so verifying its
+    own bytes would protect nothing); every reader verifies them.
+    """
+    GetShared: _aio.StreamStreamMultiCallable[_cache_pb2.GetSharedRequest, _cache_pb2.GetSharedResponse]  # type: ignore[assignment]
+    """A get through the arena: the client sends `open` (start_chunk must be
+    0), the server answers with the header, the extent and the checksums and
+    holds the snapshot in place (never spilled, evicted or expired) until
+    the client sends `done` after reading it, or the call ends, or the lease
+    runs out. Only `done` counts as a finished read for `consume`. A snapshot
+    that is only on disk is FAILED_PRECONDITION: read it with GetSnapshot.
+    """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     """Stores KV snapshots of preempted requests: a memory tier with a byte budget
@@ -160,5 +218,52 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.CacheStats, _abc.Awaitable[_cache_pb2.CacheStats]]: ...
+
+    @_abc_1.abstractmethod
+    def GetArena(
+        self,
+        request: _cache_pb2.GetArenaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.ArenaInfo, _abc.Awaitable[_cache_pb2.ArenaInfo]]:
+        """The co-located path. A cache started with an arena directory keeps its
+        memory tier in one shared-memory file there; a client on the same host,
+        running as the same user, maps it and moves bytes by memcpy (or DMA)
+        while gRPC carries only control. Where the file cannot be opened (another
+        host, another user) clients use PutSnapshot/GetSnapshot instead.
+
+        The arena's path, size and id; an empty path if this cache has none.
+        """
+
+    @_abc_1.abstractmethod
+    def PutShared(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.PutSharedRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.PutSharedResponse], _abc.AsyncIterator[_cache_pb2.PutSharedResponse]]:
+        """A put through the arena: the client sends the header (admission as for
+        PutSnapshot: RESOURCE_EXHAUSTED before any byte moves); the server
+        answers with the extent it reserved; the client writes exactly
+        total_bytes there and sends a commit with one checksum per chunk of the
+        header's chunk_bytes; the server lists the snapshot and answers with its
+        info. The extent is leased to the call: a client that dies, cancels or
+        does not commit within the server's lease loses it, and nothing of the
+        put is ever visible. The server stores the checksums as sent (whoever
+        can write the arena could also write any other extent, so verifying its
+        own bytes would protect nothing); every reader verifies them.
+        """
+
+    @_abc_1.abstractmethod
+    def GetShared(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.GetSharedRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.GetSharedResponse], _abc.AsyncIterator[_cache_pb2.GetSharedResponse]]:
+        """A get through the arena: the client sends `open` (start_chunk must be
+        0), the server answers with the header, the extent and the checksums and
+        holds the snapshot in place (never spilled, evicted or expired) until
+        the client sends `done` after reading it, or the call ends, or the lease
+        runs out. Only `done` counts as a finished read for `consume`. A snapshot
+        that is only on disk is FAILED_PRECONDITION: read it with GetSnapshot.
+        """
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

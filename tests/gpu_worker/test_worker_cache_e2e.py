@@ -1,10 +1,12 @@
-"""Offload and restore through a real KV cache service, both over real sockets."""
+"""Offload and restore through a real KV cache service, both over real sockets:
+through the cache's shared-memory arena (the co-located path) and streamed."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,18 +30,21 @@ from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_
 class Services:
     stub: worker_pb2_grpc.WorkerStub
     cache: CacheClient  # straight to the cache service, to look at what the worker left
+    shared: bool  # the cache has an arena the worker maps
 
 
-@pytest.fixture
-async def services() -> AsyncIterator[Services]:
+@pytest.fixture(params=["arena", "streamed"])
+async def services(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Services]:
+    shared = request.param == "arena"
     _, cache_port, cache = await create_cache_server(
-        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0")
+        CacheConfig(memory_budget_bytes=16 * MIB, arena_dir=tmp_path if shared else None),
+        "127.0.0.1:0")
     config = WorkerConfig(block_size=4, num_blocks=64, cache_address=f"127.0.0.1:{cache_port}",
                           cache_timeout_s=10.0)
     worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
     channel = insecure_channel(f"127.0.0.1:{worker.port}")
     client = CacheClient(f"127.0.0.1:{cache_port}")
-    yield Services(worker_pb2_grpc.WorkerStub(channel), client)
+    yield Services(worker_pb2_grpc.WorkerStub(channel), client, shared)
     await client.close()
     await channel.close()
     await worker.server.stop(None)
@@ -73,6 +78,9 @@ async def test_offloaded_request_resumes_with_identical_tokens(services: Service
         await services.cache.stat("req-a")
     stats = await services.cache.stats()
     assert (stats.num_consumed, stats.memory_bytes, stats.pinned_bytes) == (1, 0, 0)
+    # The bytes took the co-located path when there was one, both ways.
+    shared = int(services.shared)
+    assert (stats.num_puts, stats.num_shared_puts, stats.num_shared_gets) == (1, shared, shared)
     while len(out) < 16:
         pos = len(ids) + len(out) - 1
         out.append((await run_steps(stub, [[SeqWork("a", [out[-1]], pos, new, True)]]))[0][0][1])

@@ -5,17 +5,24 @@ pooled buffers). `make test-gpu` runs these; without CUDA they are skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import SamplingBatch, SamplingParams, sample_rows, to_device
+from gpu_worker.transfer import KvTransfer
+from kvstash.cache_client import CacheClient
+from kvstash.units import MIB
 from tests.gpu_worker.test_worker_batched import PROMPTS, Request, run, tables
 from tests.gpu_worker.worker_factories import BLOCK_SIZE
 
@@ -110,3 +117,27 @@ def test_pooled_host_buffers_are_pinned_and_round_trip() -> None:
         runner.gather_blocks_into([1, 2, 3, 4, 5, 6], host)
         runner.scatter_blocks([11, 12, 13, 14, 15, 16], host)
     assert torch.equal(runner.kv_cache[:, :, 11:17], runner.kv_cache[:, :, 1:7])
+
+
+async def test_offload_and_restore_through_the_arena_are_pinned_dma(tmp_path) -> None:
+    runner = cuda_runner()
+    runner.execute([SeqWork("r", PROMPTS["r2"], 0, [1, 2, 3, 4, 5, 6])])
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=64 * MIB, arena_dir=tmp_path), "127.0.0.1:0")
+    client = CacheClient(f"127.0.0.1:{port}")
+    try:
+        with ThreadPoolExecutor(1) as compute:
+            transfer = KvTransfer(runner, compute, client)
+            deadline = asyncio.get_running_loop().time() + 60
+            stored = await transfer.offload("s", [1, 2, 3, 4, 5, 6], 6 * BLOCK_SIZE, True, 0,
+                                            deadline)
+            assert await transfer.restore("s", [11, 12, 13, 14, 15, 16], deadline) == stored
+        region = runner._pinned_region
+        assert region is not None  # the arena, registered with CUDA
+        assert torch.frombuffer(region, dtype=torch.uint8).is_pinned()
+        assert torch.equal(runner.kv_cache[:, :, 11:17], runner.kv_cache[:, :, 1:7])
+        stats = await client.stats()
+        assert (stats.num_shared_puts, stats.num_shared_gets) == (1, 1)
+    finally:
+        await client.close()
+        await cache.stop(None)

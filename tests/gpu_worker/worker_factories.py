@@ -105,6 +105,12 @@ class MemoryCache:
             del self.snapshots[snapshot_id]
         return header
 
+    async def put_shared(self, *args: object, **kwargs: object) -> int | None:
+        return None  # no arena: the worker streams through put
+
+    async def get_shared(self, *args: object, **kwargs: object) -> None:
+        return None
+
     async def close(self) -> None:
         self.closed = True
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.client import Client
-from kvstash.stack import StackConfig, running_stack
+from kvstash.stack import StackConfig, arena_args, running_stack
 from tests.integration.workload import (
     PRESSURED_BLOCKS,
     PRESSURED_SCHEDULER_ARGS,
@@ -22,13 +22,18 @@ from tests.integration.workload import (
 )
 
 
-def pressured(mode: str, cache_args: tuple[str, ...] = ()) -> StackConfig:
+def pressured(mode: str, cache_args: tuple[str, ...] = (), arena: bool = True) -> StackConfig:
     return StackConfig(num_blocks=PRESSURED_BLOCKS, preemption_mode=mode,
-                       scheduler_args=PRESSURED_SCHEDULER_ARGS, cache_args=cache_args)
+                       scheduler_args=PRESSURED_SCHEDULER_ARGS, cache_args=cache_args,
+                       cache_arena=arena)
 
 
-async def test_offload_gives_reference_tokens_without_recompute(tmp_path: Path) -> None:
-    with running_stack(pressured("offload"), tmp_path) as stack:
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "streamed"])
+async def test_offload_gives_reference_tokens_without_recompute(tmp_path: Path,
+                                                                arena: bool) -> None:
+    config = pressured("offload", arena=arena)
+    shared = bool(arena_args(config))
+    with running_stack(config, tmp_path) as stack:
         outcome = await run_workload(stack.address)
         stats = await wait_drained(stack.address)
         cache = await cache_stats(stack.cache.address)
@@ -43,6 +48,9 @@ async def test_offload_gives_reference_tokens_without_recompute(tmp_path: Path) 
     assert stats.bytes_offloaded > 0 and stats.bytes_restored == stats.bytes_offloaded
     assert cache.num_puts >= stats.num_preemptions_offload and cache.num_gets > 0
     assert cache.bytes_in == stats.bytes_offloaded
+    # Through the arena, both ways, wherever the stack gave the cache one.
+    assert (cache.num_shared_puts, cache.num_shared_gets) == (
+        (cache.num_puts, cache.num_gets) if shared else (0, 0))
     assert cache.memory_snapshots + cache.disk_snapshots == 0
     assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
 

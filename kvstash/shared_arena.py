@@ -1,0 +1,120 @@
+"""The client's side of the co-located path: the cache's arena
+(cache_svc.arena) mapped into this process, and the byte work around it.
+
+gRPC carries only control (cache.proto PutShared/GetShared); the bytes move
+here: a writer fills its extent and hashes every chunk; a reader verifies
+every chunk before it uses a byte. Copies go through memmove with the GIL
+released (as xxhash does), so the event loop keeps running while hundreds of
+MiB move, and a copy hashes each chunk on another thread while copying the
+next, so the hash reads bytes still in the CPU cache instead of memory.
+
+The whole arena is mapped, populated, once per arena id (about 0.15 s per
+GiB): a client on the cache's host, running as its user, can read and write
+every extent, which is why readers verify and why the arena file is 0600.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstash import errors
+from kvstash.chunk_codec import checksum
+from kvstash.v1 import cache_pb2
+
+_hashers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-hash")
+
+
+def chunk_checksums(view: memoryview, chunk_bytes: int) -> list[int]:
+    """One checksum per chunk of `chunk_bytes` (the last may be shorter).
+    Blocks; run it off the event loop."""
+    starts = range(0, view.nbytes, chunk_bytes)
+    return list(_hashers.map(lambda start: checksum(view[start : start + chunk_bytes]), starts))
+
+
+def verify_chunks(view: memoryview, chunk_bytes: int, expected: list[int], what: str) -> None:
+    """Raises DataLoss naming the first chunk whose bytes do not hash to
+    `expected`. Blocks; run it off the event loop."""
+    _check(chunk_checksums(view, chunk_bytes), expected, what)
+
+
+def copy_hashed(dst: memoryview, src: memoryview, chunk_bytes: int) -> list[int]:
+    """dst[:] = src; returns the checksums of its chunks. Blocks."""
+    pending = []
+    for start in range(0, dst.nbytes, chunk_bytes):
+        piece = dst[start : start + chunk_bytes]
+        copy_bytes(piece, src[start : start + chunk_bytes])
+        pending.append(_hashers.submit(checksum, piece))
+    return [future.result() for future in pending]
+
+
+def copy_verified(dst: memoryview, src: memoryview, chunk_bytes: int, expected: list[int],
+                  what: str) -> None:
+    """dst[:] = src, verifying src's chunks against `expected` (DataLoss, and
+    dst is not to be used, if one differs). Blocks."""
+    if len(expected) != -(-src.nbytes // chunk_bytes):
+        raise errors.DataLoss(f"{what}: {len(expected)} checksums for {src.nbytes} bytes "
+                              f"in chunks of {chunk_bytes}")
+    _check(copy_hashed(dst, src, chunk_bytes), expected, what)
+
+
+def _check(actual: list[int], expected: list[int], what: str) -> None:
+    if len(actual) != len(expected):
+        raise errors.DataLoss(f"{what}: {len(expected)} checksums for {len(actual)} chunks")
+    for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        if got != want:
+            raise errors.DataLoss(
+                f"{what}: chunk {index} hashes to {got:#018x}, committed as {want:#018x}")
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """dst[:] = src, with the GIL released when both are writable buffers."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    if src.readonly:
+        dst[:] = src
+        return
+    ctypes.memmove(_address(dst), _address(src), dst.nbytes)
+
+
+def _address(view: memoryview) -> int:
+    anchor = ctypes.c_char.from_buffer(view)
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address
+
+
+class SharedArena:
+    def __init__(self, info: cache_pb2.ArenaInfo) -> None:
+        """Maps the arena `info` names; OSError or ValueError when this process
+        cannot (another host, another user, a file that is not that arena)."""
+        self.arena_id = info.arena_id
+        fd = os.open(info.path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != info.size_bytes:
+                raise ValueError(f"{info.path} has {size} bytes, the cache's arena "
+                                 f"{info.size_bytes}")
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._map)
+
+    def view(self, extent: cache_pb2.Extent) -> memoryview:
+        """The bytes of an extent the cache handed out for this arena."""
+        if extent.arena_id != self.arena_id:
+            raise errors.Unavailable(
+                f"the cache's arena changed ({self.arena_id} -> {extent.arena_id}); retry")
+        if extent.offset + extent.length > self._view.nbytes:
+            raise errors.DataLoss(f"extent {extent.offset}+{extent.length} lies outside the "
+                                  f"arena of {self._view.nbytes} bytes")
+        return self._view[extent.offset : extent.offset + extent.length]
+
+    def close(self) -> None:
+        """Unmaps the arena once the last view of it is gone."""
+        self._view.release()
+        with contextlib.suppress(BufferError):
+            self._map.close()
