@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ("bench.scheduler_bench", "bench.cache_bench", "bench.offload_bench",
+BENCHMARKS = ("bench.scheduler_bench", "bench.cache_bench", "bench.arena_bench",
+              "bench.kv_transfer_bench", "bench.offload_bench", "bench.offload_vs_recompute",
               "bench.worker_bench")
 
 

@@ -39,6 +39,7 @@ def bench_decode(num_requests: int, num_blocks: int, num_steps: int = NUM_STEPS)
         max_model_len=2048,
         vocab_size=32000,
         max_num_seqs=num_requests,
+        max_num_waiting=num_requests,
         max_num_batched_tokens=num_requests * (PROMPT_LEN + BLOCK_SIZE),
         # The steady state is under test, not admission: reserve nothing.
         reservation_policy=ReservationPolicy.FIXED_BLOCKS,

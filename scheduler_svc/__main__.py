@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=_CORE["max_num_batched_tokens"])
     p.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode],
                    default=_CORE["preemption_mode"].value)
+    p.add_argument("--min-cost-samples", type=int, default=_CORE["min_cost_samples"],
+                   help="offloads, restores and prefill steps timed before auto preemption "
+                        "weighs offload against recompute (until then it offloads)")
     p.add_argument("--reservation", choices=[r.value for r in ReservationPolicy],
                    default=_CORE["reservation_policy"].value)
     p.add_argument("--fixed-blocks-per-decode", type=int,
@@ -119,6 +122,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         max_num_waiting=args.max_num_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=PreemptionMode(args.preemption_mode),
+        min_cost_samples=args.min_cost_samples,
         reservation_policy=ReservationPolicy(args.reservation),
         fixed_blocks_per_decode=args.fixed_blocks_per_decode,
         init_new_token_ratio=args.init_new_token_ratio,

@@ -9,6 +9,11 @@ copy never stalls the steps of other requests.
         +-- offloads / restores: their own tasks; each outcome goes back into
             the core (finish_offload / finish_restore) and wakes the loop
 
+Every step's wall time and every successful copy's duration go back into the
+core (`observe_step`, `finish_offload` / `finish_restore`): they are what its
+cost model learns AUTO preemption's choice from. Each preemption, either mode,
+is a "preempted" event on the request's trace and a count by mode and reason.
+
 Tracing (only with EngineConfig.tracing; see kvstash.telemetry): each request
 keeps the trace context it was submitted in (its Generate span). Its copies
 run inside that context as "kvstash.offload" / "kvstash.restore" spans, so
@@ -34,7 +39,12 @@ from kvstash import errors
 from kvstash.sampling import SamplingParams
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
-from scheduler_svc.core.outputs import OffloadCommand, RequestUpdate, RestoreCommand
+from scheduler_svc.core.outputs import (
+    OffloadCommand,
+    Preempted,
+    RequestUpdate,
+    RestoreCommand,
+)
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.metrics import SchedulerMetrics
@@ -178,6 +188,8 @@ class Engine:
             if stream.done():
                 raise errors.Unavailable("the worker ended the Execute stream")
             output = core.schedule()
+            for choice in output.preempted:
+                self._preempted(choice)
             for offload in output.offloads:
                 self._spawn(self._offload(offload))
             for restore in output.restores:
@@ -193,7 +205,9 @@ class Engine:
                 for seq in output.seqs:
                     if (s := streams.get(seq.request_id)) is not None and s.phases is not None:
                         s.phases.scheduled()
+            started = time.monotonic()
             sampled = await stream.step(output)
+            core.observe_step(output, time.monotonic() - started)
             for update in core.update(output, sampled):
                 if update.finish_status is not None:
                     request_stream = streams.pop(update.request_id, None)
@@ -224,21 +238,27 @@ class Engine:
         stream = self._req_to_stream.get(request_id) if self._config.tracing else None
         return None if stream is None else stream.trace_context
 
+    def _preempted(self, choice: Preempted) -> None:
+        """A preemption, either mode, to the request's trace and the metrics."""
+        tracing.preempted(self._traced(choice.request_id), choice)
+        if self._metrics is not None:
+            self._metrics.observe_preemption(choice)
+
     async def _offload(self, cmd: OffloadCommand) -> None:
         """Whatever happens, the core hears back: the blocks stay pinned until it does."""
         outcome = CopyOutcome(None, "cancelled", maybe_stored=True)
-        trace_context = self._traced(cmd.request_id)
-        tracing.request_event(trace_context, "preempted", {"mode": "offload"})
         started = time.monotonic()
-        with tracing.transfer_span(trace_context, "kvstash.offload", cmd) as span:
+        with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.offload",
+                                   cmd) as span:
             try:
                 outcome = await self._worker.offload(
                     cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
             finally:
-                self._report(cmd, outcome, span, started)
+                seconds = time.monotonic() - started
+                self._report(cmd, outcome, span, seconds)
                 if outcome.maybe_stored:
                     self._delete_snapshots([cmd.snapshot_id])
-                self._core.finish_offload(cmd, outcome.num_bytes)
+                self._core.finish_offload(cmd, outcome.num_bytes, seconds)
                 self._landed()
 
     async def _restore(self, cmd: RestoreCommand) -> None:
@@ -249,13 +269,14 @@ class Engine:
             try:
                 outcome = await self._worker.restore(cmd, self._config.transfer_timeout_s)
             finally:
-                self._report(cmd, outcome, span, started)
-                self._core.finish_restore(cmd, outcome.num_bytes)
+                seconds = time.monotonic() - started
+                self._report(cmd, outcome, span, seconds)
+                self._core.finish_restore(cmd, outcome.num_bytes, seconds)
                 self._landed()
 
     def _report(
         self, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome, span: trace.Span,
-        started: float,
+        seconds: float,
     ) -> None:
         """A copy's outcome to the log, its span and the duration metric."""
         offload = isinstance(cmd, OffloadCommand)
@@ -265,8 +286,8 @@ class Engine:
             tracing.set_failed(span, outcome.error)
             return
         if self._metrics is not None:
-            seconds = self._metrics.offload_s if offload else self._metrics.restore_s
-            seconds.observe(time.monotonic() - started)
+            histogram = self._metrics.offload_s if offload else self._metrics.restore_s
+            histogram.observe(seconds)
         tracing.set_copied(span, outcome.num_bytes)
 
     def _landed(self) -> None:

@@ -1,21 +1,28 @@
 """The scheduler's Prometheus metrics, named like vLLM's and SGLang's with the
 `kvstash_scheduler_` prefix.
 
-Queue, pool, token and preemption figures are read from the core's stats at
-scrape time, so they cost the step loop nothing. Per-request histograms are
-observed once per request when its Generate call ends (`observe_finished`),
-copy durations once per offload or restore (`offload_s`, `restore_s`,
-observed by the engine): never per token.
+Queue, pool, token and preemption figures, and the rates the preemption cost
+model learned, are read from the core at scrape time, so they cost the step
+loop nothing. Per-request histograms are observed once per request when its
+Generate call ends (`observe_finished`), copy durations once per offload or
+restore (`offload_s`, `restore_s`) and preemptions by mode and reason once
+each (`observe_preemption`), by the engine: never per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
+from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
+from scheduler_svc.core.config import PreemptionMode
+from scheduler_svc.core.costs import CostEstimates
+from scheduler_svc.core.outputs import Preempted, PreemptReason
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 
@@ -45,6 +52,25 @@ _COUNTERS = {
     "restored_bytes": ("bytes_restored", "KV bytes brought back from the cache service"),
     "steps": ("num_steps", "Engine steps scheduled"),
 }
+# Fields of the core's CostEstimates; NaN until measured.
+_COST_GAUGES = {
+    "offload_s_fixed": "Learned fixed seconds of one offload",
+    "offload_s_per_block": "Learned seconds per KV block offloaded",
+    "restore_s_fixed": "Learned fixed seconds of one restore",
+    "restore_s_per_block": "Learned seconds per KV block restored",
+    "prefill_s_per_token": "Learned prefill seconds per token (a in a*L + b*L^2)",
+    "prefill_s_per_token_squared": "Learned prefill seconds per token squared (b)",
+    "crossover_tokens": "Context length above which AUTO predicts offload cheaper than recompute",
+}
+# (mode, reason) of every preemption the core can choose.
+_PREEMPTIONS = (
+    (PreemptionMode.OFFLOAD, PreemptReason.FORCED),
+    (PreemptionMode.RECOMPUTE, PreemptReason.FORCED),
+    (PreemptionMode.OFFLOAD, PreemptReason.CHEAPER),
+    (PreemptionMode.RECOMPUTE, PreemptReason.CHEAPER),
+    (PreemptionMode.OFFLOAD, PreemptReason.NO_ESTIMATE),
+    (PreemptionMode.RECOMPUTE, PreemptReason.CACHE_UNAVAILABLE),
+)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The finish_reason a client sees (an error ends a request as aborted).
 _REASONS = {
@@ -58,6 +84,8 @@ class SchedulerMetrics:
     def __init__(self, core: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
         self.registry = r = CollectorRegistry()
         r.register(StatsCollector(_PREFIX, core.stats, loop, _GAUGES, _COUNTERS))
+        r.register(StatsCollector(_PREFIX + "cost_", lambda: _nan_if_none(core.cost_estimates()),
+                                  loop, _COST_GAUGES, {}))
 
         def latency(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(_PREFIX + name, doc, buckets=buckets, registry=r)
@@ -78,6 +106,13 @@ class SchedulerMetrics:
         finished = Counter(_PREFIX + "finished_requests_by_reason",
                            "Requests finished, by finish_reason", ["reason"], registry=r)
         self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}
+        preemptions = Counter(_PREFIX + "preemptions", "Preemptions by mode and reason",
+                              ["mode", "reason"], registry=r)
+        self._preemptions = {(mode, reason): preemptions.labels(mode.value, reason.value)
+                             for mode, reason in _PREEMPTIONS}
+
+    def observe_preemption(self, choice: Preempted) -> None:
+        self._preemptions[choice.mode, choice.reason].inc()
 
     def observe_finished(
         self, status: RequestStatus | None, usage: RequestUsage | None, arrival: float,
@@ -103,3 +138,9 @@ class SchedulerMetrics:
 
     def serve(self, port: int, host: str) -> MetricsServer:
         return MetricsServer(self.registry, port, host)
+
+
+def _nan_if_none(estimates: CostEstimates) -> SimpleNamespace:
+    """A gauge has a value: NaN (unknown) where the core has None."""
+    values = {f.name: getattr(estimates, f.name) for f in dataclasses.fields(estimates)}
+    return SimpleNamespace(**{k: math.nan if v is None else v for k, v in values.items()})

@@ -10,8 +10,9 @@ import contextlib
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.util.types import Attributes
 
-from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
+from scheduler_svc.core.outputs import OffloadCommand, Preempted, RestoreCommand
 
 _tracer = trace.get_tracer("kvstash.scheduler")
 
@@ -79,11 +80,27 @@ def transfer_span(
 
 
 def request_event(
-    trace_context: otel_context.Context | None, name: str, attributes: dict[str, str]
+    trace_context: otel_context.Context | None, name: str, attributes: Attributes
 ) -> None:
     """An event on the request's own (Generate) span."""
     if trace_context is not None:
         trace.get_current_span(trace_context).add_event(name, attributes)
+
+
+def preempted(trace_context: otel_context.Context | None, choice: Preempted) -> None:
+    """The "preempted" event: the mode chosen, why, and what it weighed (the
+    predictions only once the cost model has them)."""
+    if trace_context is None:
+        return
+    attributes: dict[str, str | int | float] = {
+        "mode": choice.mode.value, "reason": choice.reason.value,
+        "num_tokens": choice.num_tokens, "num_blocks": choice.num_blocks,
+    }
+    if choice.offload_restore_s is not None:
+        attributes["predicted_offload_restore_s"] = choice.offload_restore_s
+    if choice.recompute_s is not None:
+        attributes["predicted_recompute_s"] = choice.recompute_s
+    request_event(trace_context, "preempted", attributes)
 
 
 def set_copied(span: trace.Span, num_bytes: int) -> None:

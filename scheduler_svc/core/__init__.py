@@ -6,6 +6,7 @@ engine drives it, and the gRPC edges convert to and from its dataclasses.
     scheduler.py   one step: preempt -> decode -> resume -> prefill; update()
     lifecycle.py   every request's status, queue, blocks and snapshot
     preemption.py  victims, offload or recompute, resume order (policy)
+    costs.py       offload + restore vs recompute seconds, fitted to measurements
     admission.py   chunked prefill and admission under budget and reservation
     reservation.py blocks kept back for running decodes (new_token_ratio)
     kv_manager.py  per-request block tables, prefix caching

@@ -29,7 +29,10 @@ class ReservationPolicy(enum.Enum):
 class PreemptionMode(enum.Enum):
     """What happens to a preempted decode request's KV blocks."""
 
-    AUTO = "auto"  # offload while the cache service answers; a refusal means recompute
+    # Offload a victim when the cache service answers and offload + restore is
+    # predicted cheaper than recompute (core/costs.py); until both are measured
+    # (min_cost_samples), offload. A refused or failed copy means recompute.
+    AUTO = "auto"
     OFFLOAD = "offload"  # always try to offload; failures fall back to recompute
     RECOMPUTE = "recompute"  # drop the blocks; prefill prompt + output again later
 
@@ -89,6 +92,11 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     # Bytes of one KV block across all layers, for sizing snapshots; 0 = unknown.
     bytes_per_block: int = 0
+    # AUTO weighs offload against recompute only after this many successful
+    # offloads, restores and steps with a prefill chunk were timed; before, it
+    # offloads (as when the prediction is unusable): offloading is how the copy
+    # rates get measured at all, and it recomputes nothing.
+    min_cost_samples: int = 4
     # Blocks per running decode request kept free, on top of its reservation,
     # before an offloaded request resumes (one step of growth each).
     resume_headroom: int = 1
@@ -103,6 +111,7 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
         _check_int("new_token_ratio_decay_steps", self.new_token_ratio_decay_steps, 1)
         _check_int("clip_max_new_tokens", self.clip_max_new_tokens, 1)
+        _check_int("min_cost_samples", self.min_cost_samples, 1)
         for name in ("fixed_blocks_per_decode", "retract_steps", "bytes_per_block",
                      "resume_headroom"):
             _check_int(name, getattr(self, name), 0)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.seq import ScheduledSeq
 
@@ -42,6 +44,35 @@ class RestoreCommand:
     block_ids: list[int]
 
 
+class PreemptReason(enum.Enum):
+    """Why a victim's KV is offloaded or dropped."""
+
+    FORCED = "forced"  # preemption_mode OFFLOAD or RECOMPUTE
+    CHEAPER = "cheaper"  # AUTO: predicted cheaper than the other way
+    NO_ESTIMATE = "no_estimate"  # AUTO: offloads until both ways are measured
+    CACHE_UNAVAILABLE = "cache_unavailable"  # AUTO: recomputes while the cache is down
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """One victim of a step's preemption: what happens to its KV, and why."""
+
+    # The preempted request.
+    request_id: str
+    # OFFLOAD or RECOMPUTE, never AUTO.
+    mode: PreemptionMode
+    # Why that mode.
+    reason: PreemptReason
+    # Positions whose KV it held: what recomputing prefills again.
+    num_tokens: int
+    # Blocks holding them: what an offload copies and a restore fills.
+    num_blocks: int
+    # Predicted seconds of offload + restore, and of recompute (in every mode);
+    # None until measured (core/costs.py).
+    offload_restore_s: float | None
+    recompute_s: float | None
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """Everything one `schedule()` call decided."""
@@ -56,6 +87,10 @@ class SchedulerOutput:
     restores: list[RestoreCommand] = field(default_factory=list)
     # Sum of len(seq.token_ids): never above max_num_batched_tokens.
     num_scheduled_tokens: int = 0
+    # seqs[:num_decodes] are decodes.
+    num_decodes: int = 0
+    # Every request preempted this step, either mode, in the order chosen.
+    preempted: list[Preempted] = field(default_factory=list)
 
 
 @dataclass(slots=True)

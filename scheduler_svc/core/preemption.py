@@ -6,7 +6,9 @@
               always keeps running. A prefill is never a victim (admission
               gave it all its blocks).
     how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
-              AUTO: offload while the cache service answers; the cache's own
+              AUTO: recompute while the cache service is down; else offload
+              unless recomputing is predicted cheaper than offload + restore
+              (costs.py; offload until both are measured). The cache's own
               admission is the only capacity check (a refused put falls back
               to recompute when it lands).
     resume    OFFLOADED requests, oldest arrival first, while free blocks
@@ -19,9 +21,9 @@ Policy only: every status change goes through `Lifecycle`.
 from __future__ import annotations
 
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.lifecycle import Lifecycle
-from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.outputs import OffloadCommand, Preempted, PreemptReason, RestoreCommand
 from scheduler_svc.core.reservation import Reservation
 
 
@@ -34,15 +36,18 @@ class Preemption:
         self.reservation = reservation
         # The cache service answered its latest probe (the engine reports it).
         self.cache_available = False
+        # What offload + restore and recompute cost (the engine measures).
+        self.costs = CostModel(config.block_size, config.min_cost_samples)
 
-    def preempt_for_decodes(self) -> tuple[list[Request], list[OffloadCommand]]:
+    def preempt_for_decodes(self) -> tuple[list[Preempted], list[OffloadCommand]]:
         """Preempts decodes until every other one can get its next block. Returns
-        the victims (now OFFLOADING or WAITING) and the copies to make."""
+        the victims' choices (they are now OFFLOADING or WAITING) and the copies
+        to make."""
         life = self.life
         kv = life.kv
         pool = kv.pool
         decoding = life.decoding
-        victims: list[Request] = []
+        victims: list[Preempted] = []
         offloads: list[OffloadCommand] = []
         if pool.num_allocatable_blocks >= len(decoding):
             return victims, offloads
@@ -56,15 +61,15 @@ class Preemption:
         by_progress = sorted(
             decoding.values(), key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
         )
-        offload = self.offloads()
         for victim in by_progress[:-1]:
             if num_needed <= pool.num_allocatable_blocks + num_soon_free:
                 break
             if victim.num_computed_tokens >= len(victim.block_ids) * block_size:
                 num_needed -= 1
             victim.num_preemptions += 1
-            victims.append(victim)
-            if offload:
+            choice = self.choose(victim.request_id, victim.num_computed_tokens)
+            victims.append(choice)
+            if choice.mode is PreemptionMode.OFFLOAD:
                 offloads.append(life.start_offload(victim))
                 num_soon_free += kv.num_exclusive_blocks(victim)
             else:
@@ -73,11 +78,24 @@ class Preemption:
             self.reservation.on_preemption(decoding.values())
         return victims, offloads
 
-    def offloads(self) -> bool:
-        """Whether a victim chosen now is offloaded (else recomputed)."""
+    def choose(self, request_id: str, num_tokens: int) -> Preempted:
+        """Offload or recompute a victim holding KV of `num_tokens` positions."""
+        num_blocks = self.life.kv.num_blocks_for(num_tokens)
+        offload_restore_s = self.costs.offload_restore_s(num_blocks)
+        recompute_s = self.costs.recompute_s(num_tokens)
         mode = self.config.preemption_mode
-        return mode is PreemptionMode.OFFLOAD or (
-            mode is PreemptionMode.AUTO and self.cache_available)
+        if mode is not PreemptionMode.AUTO:
+            reason = PreemptReason.FORCED
+        elif not self.cache_available:
+            mode, reason = PreemptionMode.RECOMPUTE, PreemptReason.CACHE_UNAVAILABLE
+        elif offload_restore_s is None or recompute_s is None:
+            mode, reason = PreemptionMode.OFFLOAD, PreemptReason.NO_ESTIMATE
+        else:
+            cheaper = offload_restore_s < recompute_s
+            mode = PreemptionMode.OFFLOAD if cheaper else PreemptionMode.RECOMPUTE
+            reason = PreemptReason.CHEAPER
+        return Preempted(request_id, mode, reason, num_tokens, num_blocks, offload_restore_s,
+                         recompute_s)
 
     def resume(self, num_seats: int) -> list[RestoreCommand]:
         """Restores OFFLOADED requests, oldest first, while blocks and seats last."""

@@ -3,7 +3,7 @@
 `schedule()`, in order:
 
     1. preempt   if the running decodes need more blocks than are free
-                 (preemption.py: victims, offload or recompute)
+                 (preemption.py: victims, offload or recompute by costs.py)
     2. decode    every RUNNING_DECODE request: one token, a block if it needs one
     3. resume    OFFLOADED requests back into fresh blocks (preemption.py)
     4. prefill   running chunks, then admissions from WAITING (admission.py);
@@ -29,6 +29,7 @@ from kvstash.errors import (
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.costs import CostEstimates
 from scheduler_svc.core.intake import check_new_request
 from scheduler_svc.core.invariants import check_scheduler
 from scheduler_svc.core.kv_manager import KVCacheManager
@@ -102,12 +103,14 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id)
         self.reservation.on_step(idle=not life.requests)
-        victims, out.offloads = self.preemption.preempt_for_decodes()
+        out.preempted, out.offloads = self.preemption.preempt_for_decodes()
+        victims = out.preempted
         counters = self._counters
         counters.num_preemptions_offload += len(out.offloads)
         counters.num_preemptions_recompute += len(victims) - len(out.offloads)
         seqs = out.seqs
         self._schedule_decodes(seqs)
+        out.num_decodes = len(seqs)
         if not victims and life.offloaded:
             out.restores = self.preemption.resume(config.max_num_seqs - life.num_running)
         # Preempted requests come back before anything new is admitted.
@@ -227,14 +230,28 @@ class Scheduler:
         figures. A copy in flight keeps its blocks until it lands."""
         return self.life.abort(request_id).usage()
 
-    def finish_offload(self, cmd: OffloadCommand, num_bytes: int | None) -> None:
-        """The snapshot is committed (num_bytes) or the copy failed (None)."""
+    def finish_offload(
+        self, cmd: OffloadCommand, num_bytes: int | None, seconds: float | None = None
+    ) -> None:
+        """The snapshot is committed (num_bytes) or the copy failed (None);
+        `seconds`, the copy's duration, teaches the cost model."""
         self.life.finish_offload(cmd, num_bytes)
+        if num_bytes is not None and seconds is not None:
+            self.preemption.costs.observe_offload(len(cmd.block_ids), seconds)
 
-    def finish_restore(self, cmd: RestoreCommand, num_bytes: int | None) -> None:
+    def finish_restore(
+        self, cmd: RestoreCommand, num_bytes: int | None, seconds: float | None = None
+    ) -> None:
         """The snapshot's num_bytes are back in the request's blocks, or the copy
-        failed (None)."""
+        failed (None); `seconds` as for finish_offload."""
         self.life.finish_restore(cmd, num_bytes)
+        if num_bytes is not None and seconds is not None:
+            self.preemption.costs.observe_restore(len(cmd.block_ids), seconds)
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The worker computed `output`'s seqs in `seconds`: teaches the cost
+        model the prefill rate."""
+        self.preemption.costs.observe_step(output.seqs, output.num_decodes, seconds)
 
     def set_cache_available(self, available: bool) -> None:
         """Whether the cache service answers: AUTO offloads only while it does."""
@@ -259,6 +276,10 @@ class Scheduler:
     def is_idle(self) -> bool:
         """Nothing to schedule and nothing in flight: no request of any kind held."""
         return self.life.is_idle
+
+    def cost_estimates(self) -> CostEstimates:
+        """What the cost model learned so far (preemption.py, costs.py)."""
+        return self.preemption.costs.estimates()
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.outputs import (
     OffloadCommand,
     RequestUpdate,
@@ -14,6 +15,7 @@ from scheduler_svc.core.outputs import (
     SchedulerOutput,
 )
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.seq import ScheduledSeq
 
 EOS = 0
 
@@ -94,3 +96,29 @@ def run_to_end(scheduler: Scheduler) -> None:
     answered by the caller first)."""
     while scheduler.has_unfinished_requests:
         step(scheduler)
+
+
+# Prefill chunks (start, length) of the steps teach_costs shows: varied, so
+# that the step model's per-token and per-token-squared rates are told apart.
+TAUGHT_CHUNKS = ((0, 8), (0, 64), (8, 24), (100, 30), (300, 1), (40, 200), (0, 16), (64, 64))
+
+
+def prefill_step(start: int, length: int) -> list[ScheduledSeq]:
+    return [ScheduledSeq("x", [1] * length, start, [], False, SamplingParams(1))]
+
+
+def teach_costs(
+    costs: CostModel, offload: tuple[float, float], restore: tuple[float, float],
+    prefill: tuple[float, float], step_s: float = 0.002,
+) -> None:
+    """Measurements made exactly of these rates: offload and restore
+    (fixed s, s per block), prefill (a, b: a * L + b * L^2 s), on top of a
+    fixed step_s per step; enough of each to be trusted."""
+    for num_blocks in range(1, 9):
+        costs.observe_offload(num_blocks, offload[0] + offload[1] * num_blocks)
+        costs.observe_restore(num_blocks, restore[0] + restore[1] * num_blocks)
+    a, b = prefill
+    for start, length in TAUGHT_CHUNKS:
+        end = start + length
+        costs.observe_step(prefill_step(start, length), 0,
+                           step_s + a * length + b * (end * end - start * start))

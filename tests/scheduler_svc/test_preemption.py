@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.core.outputs import Preempted, PreemptReason
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from tests.scheduler_svc.factories import (
@@ -15,6 +18,7 @@ from tests.scheduler_svc.factories import (
     make_scheduler,
     run_to_end,
     step,
+    teach_costs,
 )
 
 S = RequestStatus
@@ -271,3 +275,103 @@ def test_recompute_victims_keep_arrival_order_at_the_front() -> None:
         step(scheduler)
     waiting = [r.request_id for r in scheduler.life.waiting]
     assert waiting == sorted(waiting)
+
+
+# ------------------------------------------------------- AUTO weighs the costs
+
+# Rates taught to the cost model (teach_costs): with 11 blocks copied, offload
+# + restore takes 0.02 + 0.011 + 0.0167225 + 0.011 = 0.0587225 s, and
+# recompute 1e-3 * L + 1e-5 * L^2 s: equal at L = 41.5, inside the 11th block.
+OFFLOAD_RATES = (0.02, 1e-3)
+RESTORE_RATES = (0.0167225, 1e-3)
+PREFILL_RATES = (1e-3, 1e-5)
+
+
+def preempt_one(num_tokens: int, mode: PreemptionMode, *, taught: bool = True,
+                cache_available: bool = True, **rates: tuple[float, float]) -> Scheduler:
+    """Request "v" (prompt num_tokens) is preempted at step 2 (block_size 4):
+    "a" (prompt 4) needs its second block and the pool has none left."""
+    scheduler = make_scheduler(
+        num_blocks=-(-num_tokens // 4) + 1, preemption_mode=mode,
+        reservation_policy=ReservationPolicy.FIXED_BLOCKS, fixed_blocks_per_decode=0)
+    scheduler.set_cache_available(cache_available)
+    if taught:
+        teach_costs(scheduler.preemption.costs, rates.get("offload", OFFLOAD_RATES),
+                    rates.get("restore", RESTORE_RATES), rates.get("prefill", PREFILL_RATES))
+    add(scheduler, "a", prompt_len=4, max_tokens=2, ignore_eos=True)
+    add(scheduler, "v", prompt_len=num_tokens, max_tokens=2, ignore_eos=True, first_token=50)
+    step(scheduler)
+    return scheduler
+
+
+def only_victim(scheduler: Scheduler) -> Preempted:
+    output, _ = step(scheduler)
+    [choice] = output.preempted
+    assert choice.request_id == "v" and ids(output.offloads) == (
+        ["v"] if choice.mode is PreemptionMode.OFFLOAD else [])
+    expected = S.OFFLOADING if choice.mode is PreemptionMode.OFFLOAD else S.WAITING
+    assert status(scheduler, "v") is expected
+    return choice
+
+
+def test_auto_flips_at_the_predicted_crossover() -> None:
+    fixed = OFFLOAD_RATES[0] + RESTORE_RATES[0]
+    copy_s = fixed + 11 * (OFFLOAD_RATES[1] + RESTORE_RATES[1])
+    a, b = PREFILL_RATES
+    crossover = (-a + math.sqrt(a * a + 4 * b * copy_s)) / (2 * b)  # a L + b L^2 = copy_s
+    below, above = math.floor(crossover), math.ceil(crossover)
+    assert (below, above) == (41, 42)  # both 11 blocks: the copy costs the same
+    for num_tokens, mode in ((below, PreemptionMode.RECOMPUTE), (above, PreemptionMode.OFFLOAD)):
+        choice = only_victim(preempt_one(num_tokens, PreemptionMode.AUTO))
+        assert (choice.mode, choice.reason) == (mode, PreemptReason.CHEAPER), num_tokens
+        assert (choice.num_tokens, choice.num_blocks) == (num_tokens, 11)
+        assert choice.offload_restore_s == pytest.approx(copy_s, rel=1e-6)
+        assert choice.recompute_s == pytest.approx(a * num_tokens + b * num_tokens**2, rel=1e-6)
+
+
+@pytest.mark.parametrize(("mode", "cheap"), [
+    (PreemptionMode.OFFLOAD, {"offload": (10.0, 0.0)}),  # recompute predicted far cheaper
+    (PreemptionMode.RECOMPUTE, {"prefill": (1.0, 0.0)}),  # offload predicted far cheaper
+])
+def test_forced_modes_ignore_the_estimate(
+    mode: PreemptionMode, cheap: dict[str, tuple[float, float]]
+) -> None:
+    choice = only_victim(preempt_one(41, mode, **cheap))
+    assert (choice.mode, choice.reason) == (mode, PreemptReason.FORCED)
+    assert choice.offload_restore_s is not None and choice.recompute_s is not None
+    # The same rates make AUTO choose the other way.
+    other = only_victim(preempt_one(41, PreemptionMode.AUTO, **cheap))
+    assert other.mode is not mode and other.reason is PreemptReason.CHEAPER
+
+
+def test_auto_recomputes_while_the_cache_is_down_however_cheap_offload_is() -> None:
+    choice = only_victim(preempt_one(42, PreemptionMode.AUTO, cache_available=False))
+    assert (choice.mode, choice.reason) == (PreemptionMode.RECOMPUTE,
+                                            PreemptReason.CACHE_UNAVAILABLE)
+    assert choice.offload_restore_s is not None
+    assert choice.offload_restore_s < choice.recompute_s  # type: ignore[operator]
+
+
+def test_auto_offloads_until_both_ways_are_measured() -> None:
+    # 41 tokens: recompute would be chosen had the rates been measured.
+    choice = only_victim(preempt_one(41, PreemptionMode.AUTO, taught=False))
+    assert (choice.mode, choice.reason) == (PreemptionMode.OFFLOAD, PreemptReason.NO_ESTIMATE)
+    assert choice.offload_restore_s is None and choice.recompute_s is None
+
+
+def test_copies_teach_the_cost_model_only_when_they_succeed() -> None:
+    scheduler, output = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    costs = scheduler.preemption.costs
+    [offload] = output.offloads
+    scheduler.finish_offload(offload, 4096, seconds=0.5)
+    assert costs.num_offloads == 1
+    b = scheduler.get_request("b")
+    assert b is not None
+    while b.status is not S.RESUMING:
+        output, _ = step(scheduler)
+    [restore] = output.restores
+    scheduler.finish_restore(restore, None, seconds=0.1)  # failed: nothing learned
+    assert costs.num_restores == 0
+    scheduler, output = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    scheduler.finish_offload(output.offloads[0], None, seconds=0.5)
+    assert scheduler.preemption.costs.num_offloads == 0

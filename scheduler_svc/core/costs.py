@@ -1,0 +1,223 @@
+"""What a preemption costs, learned from the engine's own measurements.
+
+Two ways to bring a preempted decode back, each predicted in seconds:
+
+    offload + restore   copy n KV blocks out and back in:
+                            (u_off + v_off * n) + (u_res + v_res * n)
+                        fitted on every successful offload and restore
+                        (blocks copied, seconds from command to answer)
+    recompute           prefill its L positions again:  a * L + b * L^2
+                        (attention makes later positions dearer)
+
+The prefill rates come from the step loop: a step's wall time is modelled as
+
+    c + d * D + e * sum(decode positions) + a * T + b * sum((s + n)^2 - s^2)
+                                                   over its prefill chunks [s, s + n)
+
+with D decode rows and T prefill tokens. Positions [s, s + n) cost
+t(s + n) - t(s) under t(L) = a * L + b * L^2, so a chunked prefill of L
+positions costs t(L) in all, however it was chunked; the step's own cost
+(c) and its decodes (d, e) are what recomputing does not add: a victim is
+recomputed beside the decodes that kept running, in steps that run anyway.
+(Blocks of its prefix still cached when it is readmitted make the recompute
+cheaper than predicted; nothing here counts on them.)
+
+Each fit is least squares over exponentially forgotten samples (`_FORGET_*`),
+kept as its normal equations and solved when asked: pure Python, a 5x5 system
+at most. A fit is trusted once `min_samples` of its samples were measured
+(for the steps: steps with prefill chunks); from then on a sample far off its
+prediction is clipped (`_MAX_RATIO`). A prediction of zero or less counts as
+none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from scheduler_svc.core.seq import ScheduledSeq
+
+# Weight left to a sample after each newer one: a copy's memory is about the
+# last 50 copies, a step's about the last 1000 steps (seconds of serving).
+_FORGET_COPY = 0.98
+_FORGET_STEP = 0.999
+# Once a fit is trusted, a sample more than this many times off its prediction
+# counts as only this far off: a step that waited seconds for a busy CPU (seen
+# on the 2-core machine, against milliseconds usually) moves it no further
+# than a plain slow one. The prediction is re-solved every _CLIP_EVERY samples.
+_MAX_RATIO = 4.0
+_CLIP_EVERY = 8
+# Added to the diagonal of the scaled normal equations: a direction no sample
+# has told apart (two features always in proportion) gets the least-norm answer.
+_RIDGE = 1e-9
+
+
+class LinearFit:
+    """y ~ theta . x by exponentially weighted least squares."""
+
+    __slots__ = ("_forget", "_gram", "_moment", "_reference", "_theta", "num_samples")
+
+    def __init__(self, num_features: int, forget: float) -> None:
+        self._forget = forget
+        self._gram = [[0.0] * num_features for _ in range(num_features)]  # sum w x x^T
+        self._moment = [0.0] * num_features  # sum w x y
+        self._theta: list[float] | None = None  # solved lazily; None: stale
+        self._reference: list[float] | None = None  # the theta samples are clipped by
+        self.num_samples = 0
+
+    def add(self, x: Sequence[float], y: float, clip: bool) -> None:
+        """One measurement; `clip`: bound it by the prediction (see _MAX_RATIO)."""
+        if clip:
+            if self._reference is None or not self.num_samples % _CLIP_EVERY:
+                self._reference = self.theta
+            expected = _dot(self._reference, x)
+            if expected > 0:
+                y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
+        forget = self._forget
+        for row, xi in zip(self._gram, x, strict=True):
+            for j, xj in enumerate(x):
+                row[j] = row[j] * forget + xi * xj
+        self._moment = [m * forget + xi * y for m, xi in zip(self._moment, x, strict=True)]
+        self._theta = None
+        self.num_samples += 1
+
+    @property
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            self._theta = _solve(self._gram, self._moment)
+        return self._theta
+
+    def predict(self, x: Sequence[float]) -> float:
+        return _dot(self.theta, x)
+
+
+def _dot(theta: Sequence[float], x: Sequence[float]) -> float:
+    return sum(t * xi for t, xi in zip(theta, x, strict=True))
+
+
+def _solve(gram: list[list[float]], moment: list[float]) -> list[float]:
+    """theta with gram @ theta = moment, scaled to a unit diagonal first (the
+    features differ by many orders of magnitude); features never seen get 0."""
+    seen = [i for i in range(len(moment)) if gram[i][i] > 0]
+    scale = {i: 1 / math.sqrt(gram[i][i]) for i in seen}
+    # One row per seen feature: [scaled gram + ridge | scaled moment].
+    rows = [[gram[i][j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
+            + [moment[i] * scale[i]] for i in seen]
+    size = len(rows)
+    for col in range(size):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        head = rows[col]
+        for r in range(size):
+            if r != col and (factor := rows[r][col] / head[col]):
+                rows[r] = [v - factor * h for v, h in zip(rows[r], head, strict=True)]
+    theta = [0.0] * len(moment)
+    for k, i in enumerate(seen):
+        theta[i] = rows[k][size] / rows[k][k] * scale[i]
+    return theta
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimates:
+    """The fitted rates (None until trusted), for metrics and benchmarks."""
+
+    # Seconds of one offload: fixed part, and per block copied.
+    offload_s_fixed: float | None
+    offload_s_per_block: float | None
+    # Seconds of one restore: fixed part, and per block copied.
+    restore_s_fixed: float | None
+    restore_s_per_block: float | None
+    # Prefill of L positions: a * L + b * L^2 seconds.
+    prefill_s_per_token: float | None
+    prefill_s_per_token_squared: float | None
+    # Context length (tokens) above which offload + restore is predicted
+    # cheaper than recompute, blocks taken as L / block_size; 0 when it always
+    # is; None when unknown or when recompute never costs more.
+    crossover_tokens: float | None
+
+
+class CostModel:
+    """Predicts offload + restore and recompute seconds; fed by the engine."""
+
+    def __init__(self, block_size: int, min_samples: int) -> None:
+        self.block_size = block_size
+        self.min_samples = min_samples
+        self.offload = LinearFit(2, _FORGET_COPY)  # [1, blocks]
+        self.restore = LinearFit(2, _FORGET_COPY)
+        self.step = LinearFit(5, _FORGET_STEP)  # the step model above
+        self.num_prefill_steps = 0  # steps measured with a prefill chunk
+
+    @property
+    def num_offloads(self) -> int:
+        return self.offload.num_samples
+
+    @property
+    def num_restores(self) -> int:
+        return self.restore.num_samples
+
+    def observe_offload(self, num_blocks: int, seconds: float) -> None:
+        self.offload.add((1.0, num_blocks), seconds, self.num_offloads >= self.min_samples)
+
+    def observe_restore(self, num_blocks: int, seconds: float) -> None:
+        self.restore.add((1.0, num_blocks), seconds, self.num_restores >= self.min_samples)
+
+    def observe_step(self, seqs: Sequence[ScheduledSeq], num_decodes: int, seconds: float) -> None:
+        """A step ran `seqs` (its first `num_decodes` are decodes) in `seconds`."""
+        decode_positions = sum(seq.start_pos for seq in islice(seqs, num_decodes))
+        num_prefill = prefill_squares = 0
+        for seq in islice(seqs, num_decodes, None):
+            start = seq.start_pos
+            end = start + len(seq.token_ids)
+            num_prefill += end - start
+            prefill_squares += end * end - start * start
+        self.step.add((1.0, num_decodes, decode_positions, num_prefill, prefill_squares),
+                      seconds, self.num_prefill_steps >= self.min_samples)
+        if num_prefill:
+            self.num_prefill_steps += 1
+
+    def offload_restore_s(self, num_blocks: int) -> float | None:
+        """Predicted seconds to offload `num_blocks` and restore them later."""
+        if min(self.num_offloads, self.num_restores) < self.min_samples:
+            return None
+        x = (1.0, num_blocks)
+        return _positive(self.offload.predict(x) + self.restore.predict(x))
+
+    def recompute_s(self, num_tokens: int) -> float | None:
+        """Predicted seconds to prefill positions [0, num_tokens) again."""
+        if self.num_prefill_steps < self.min_samples:
+            return None
+        return _positive(self.step.predict((0.0, 0.0, 0.0, num_tokens, num_tokens**2)))
+
+    def estimates(self) -> CostEstimates:
+        copies = min(self.num_offloads, self.num_restores) >= self.min_samples
+        prefill = self.num_prefill_steps >= self.min_samples
+        u_off, v_off = self.offload.theta
+        u_res, v_res = self.restore.theta
+        a, b = self.step.theta[3:]
+        crossover = (_crossover(u_off + u_res, (v_off + v_res) / self.block_size, a, b)
+                     if copies and prefill else None)
+        return CostEstimates(
+            _known(u_off, copies), _known(v_off, copies), _known(u_res, copies),
+            _known(v_res, copies), _known(a, prefill), _known(b, prefill), crossover)
+
+
+def _known(value: float, trusted: bool) -> float | None:
+    return value if trusted else None
+
+
+def _positive(seconds: float) -> float | None:
+    return seconds if seconds > 0 else None
+
+
+def _crossover(fixed: float, per_token: float, a: float, b: float) -> float | None:
+    """The largest L where a * L + b * L^2 = fixed + per_token * L; above it
+    recompute costs more. None unless b > 0 (else it need never cost more)."""
+    if b <= 0:
+        return None
+    linear = a - per_token
+    discriminant = linear * linear + 4 * b * fixed
+    if discriminant < 0:  # recompute costs more at every length
+        return 0.0
+    return max(0.0, (-linear + math.sqrt(discriminant)) / (2 * b))
