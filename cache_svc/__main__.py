@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc, settings, telemetry, units
+from kvstash import rpc, security, settings, telemetry, units
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.metrics import listen_host
 
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
+    security.add_flags(p)
     # Test hook: simulates a slow disk (bytes per second).
     p.add_argument("--disk-throttle", type=parse_size, default=d.disk_write_bytes_per_s,
                    help=argparse.SUPPRESS)
@@ -110,8 +111,9 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
     )
 
 
-async def serve(config: CacheConfig, address: str, grace_s: float) -> None:
-    server, port, cache = await create_cache_server(config, address)
+async def serve(config: CacheConfig, address: str, grace_s: float,
+                secured: security.Security) -> None:
+    server, port, cache = await create_cache_server(config, address, security=secured)
     host = address.rsplit(":", 1)[0]
     rpc.announce_ready("cache", host, port)
     # Puts still running after the grace period are cancelled; their
@@ -126,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     try:
         config = config_from_args(args)
+        secured = security.from_args(args, require_client_cert=True)
+        security.check_listen(args.listen, secured)
     except ValueError as exc:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2
     with telemetry.tracing_for(telemetry.CACHE_SERVICE):
         try:
-            asyncio.run(serve(config, args.listen, args.grace))
+            asyncio.run(serve(config, args.listen, args.grace, secured))
         except OSError as exc:  # the address or the arena
             print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
             return 1

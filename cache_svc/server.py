@@ -30,6 +30,7 @@ from kvstash.chunk_codec import (
     encode_message,
 )
 from kvstash.metrics import MetricsServer
+from kvstash.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -366,10 +367,12 @@ class CacheServer:
 
 
 async def create_cache_server(
-    config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic
+    config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic,
+    security: Security = PLAINTEXT,
 ) -> tuple[grpc.aio.Server, int, CacheServer]:
-    """Recovers the disk tier, then binds `address` (port 0 = any) and serves.
-    `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
+    """Recovers the disk tier, then binds `address` (port 0 = any) and serves
+    (TLS as `security` says). `clock` times snapshot TTLs (tests pass a fake
+    one to expire on demand)."""
     store = SnapshotStore(config, clock)
     await store.start()
     transfers = TransferMetrics()
@@ -380,6 +383,7 @@ async def create_cache_server(
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
         options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        security=security,
     )
     metrics = None
     if config.metrics_port:

@@ -13,7 +13,7 @@ import logging
 import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
-from kvstash import settings, telemetry
+from kvstash import security, settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
 from kvstash.units import parse_bytes
@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                    help="Prometheus /metrics port; 0 = off")
     p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
+    security.add_flags(p)
     args = settings.parse_args(p, "worker", argv)
     try:
         config = WorkerConfig(
@@ -76,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             seed=args.seed, batch_invariant=args.batch_invariant, row_tile=args.row_tile,
             host_pool_bytes=args.host_pool, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            security=security.from_args(args, require_client_cert=True),
         )
+        security.check_listen(args.listen, config.security)
     except ValueError as exc:
         p.error(str(exc))
     return args, config

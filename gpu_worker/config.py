@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.security import PLAINTEXT, Security
 from kvstash.units import GIB
 
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
@@ -46,6 +47,9 @@ class WorkerConfig:
     host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     metrics_host: str = DEFAULT_METRICS_HOST  # /metrics listens here; 0.0.0.0 = everywhere
+    # TLS of its server (mutual: only peers the CA signed) and of its channel
+    # to the cache service (kvstash.security).
+    security: Security = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.model != TINY_MODEL and not os.path.isdir(self.model):

@@ -230,7 +230,8 @@ def connect_cache(config: WorkerConfig) -> SnapshotClient | None:
     Its calls get their deadlines from each Offload and Restore."""
     if not config.cache_address:
         return None
-    return CacheClient(config.cache_address, use_arena=config.cache_arena)
+    return CacheClient(config.cache_address, use_arena=config.cache_arena,
+                       security=config.security)
 
 
 async def _serve_once_loaded(servicer: WorkerServicer, health_servicer: health.aio.HealthServicer,
@@ -253,7 +254,7 @@ async def create_worker_server(config: WorkerConfig, address: str,
     try:
         server, port, health_servicer = await create_server(
             address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
-            [SERVICE_NAME], serving=runner is not None,
+            [SERVICE_NAME], serving=runner is not None, security=config.security,
         )
     except BaseException:
         if metrics_server is not None:

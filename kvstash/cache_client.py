@@ -42,6 +42,7 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
+from kvstash.security import PLAINTEXT, Security
 from kvstash.shared_arena import (
     SharedArena,
     chunk_checksums,
@@ -64,10 +65,12 @@ class CacheClient:
     def __init__(
         self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float | None = DEFAULT_TIMEOUT_S, use_arena: bool = True,
+        security: Security = PLAINTEXT,
     ) -> None:
         """`timeout_s`: deadline of a call given none (None = no deadline).
         `use_arena`: take the co-located path when the cache's arena can be
-        mapped. Raises InvalidArgument (a ValueError) for a bad `chunk_bytes`."""
+        mapped. `security`: TLS (mutual, with a certificate) for the channel.
+        Raises InvalidArgument (a ValueError) for a bad `chunk_bytes`."""
         check_chunk_bytes(chunk_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
@@ -76,7 +79,7 @@ class CacheClient:
         self._arena: SharedArena | None = None
         self._arena_known = False  # asked GetArena since the arena last changed
         self._arena_lock = asyncio.Lock()
-        self._channel = rpc.insecure_channel(address)
+        self._channel = rpc.channel(address, security)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
         # Puts and gets move chunks in kvstash.chunk_codec's raw wire format.
         self._put_snapshot = self._channel.stream_unary(

@@ -7,7 +7,7 @@ import asyncio
 import signal
 import sys
 
-from kvstash import errors
+from kvstash import errors, security
 from kvstash.client import Client
 from kvstash.stack import Stack, StackConfig, start_stack
 
@@ -48,7 +48,7 @@ def _raise_stop(signum: int, _frame: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     port = int(args.listen.rsplit(":", 1)[1])
     host = args.listen.rsplit(":", 1)[0]
-    config = _stack_config(args, host=host, scheduler_port=port)
+    config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext)
     # A service manager stops us with SIGTERM, a closed terminal with SIGHUP:
     # either must stop the services too, not orphan them.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -57,6 +57,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         for service in stack.services:
             print(f"{service.name:<10} {service.address:<22} pid {service.process.pid}")
+        reach = ("loopback only" if security.is_loopback(args.listen)
+                 else "anyone who can reach this host")
+        print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         failed = stack.wait_for_exit()
     except (KeyboardInterrupt, _Stop) as exc:
@@ -82,7 +85,7 @@ def _stop_undisturbed(stack: Stack, keep_logs: bool = False) -> None:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    async with Client(args.address) as client:
+    async with Client(args.address, security.from_args(args)) as client:
         async for delta in client.generate(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -97,7 +100,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _stats(args: argparse.Namespace) -> int:
-    async with Client(args.address) as client:
+    async with Client(args.address, security.from_args(args)) as client:
         print(await client.stats(), end="")
     return 0
 
@@ -108,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     defaults = StackConfig()
 
     up = sub.add_parser("up", help="start cache, worker and scheduler on this machine")
-    up.add_argument("--listen", default=DEFAULT_ADDRESS, help="the scheduler's address")
+    up.add_argument("--listen", default=DEFAULT_ADDRESS,
+                    help="the scheduler's address; the others listen on its host")
+    up.add_argument("--plaintext", action="store_true",
+                    help="allow a non-loopback --listen: every service then serves plaintext "
+                         "gRPC to anyone who can reach that host")
     _add_stack_flags(up, defaults)
 
     gen = sub.add_parser("generate", help="stream a completion")
@@ -119,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    security.add_flags(gen, server=False, sends_token=True)
 
     stats = sub.add_parser("stats", help="print the scheduler's stats")
     stats.add_argument("--address", default=DEFAULT_ADDRESS)
+    security.add_flags(stats, server=False, sends_token=True)
 
     demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize")
     demo.add_argument("--requests", type=int, default=32)

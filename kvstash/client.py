@@ -13,6 +13,7 @@ from types import TracebackType
 import grpc
 
 from kvstash import rpc
+from kvstash.security import PLAINTEXT, Security
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 _FINISH_REASON = {
@@ -54,8 +55,10 @@ class GenerateResult:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
-        self._channel = rpc.insecure_channel(address)
+    def __init__(self, address: str, security: Security = PLAINTEXT) -> None:
+        """`security`: TLS (the CA that signed the scheduler's certificate) and
+        the bearer token the scheduler may ask for."""
+        self._channel = rpc.channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def __aenter__(self) -> Client:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstash import errors
+from kvstash.security import PLAINTEXT, Security, TokenAuth, channel_args, check_listen
 from kvstash.units import MIB
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,20 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Bulk KV transfers want a large flow-control window from the start.
     ("grpc.http2.lookahead_bytes", 4 * MIB),
+]
+
+# Dead peers are found within ~80 s (a ping after 60 s of silence, 20 s to
+# answer) instead of when the kernel gives up on the socket; a connection
+# without calls for 10 minutes is closed (clients reconnect on their next call).
+KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *KEEPALIVE_OPTIONS,
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),  # clients ping every 60 s
+    ("grpc.max_connection_idle_ms", 600_000),
 ]
 
 # Server side: the status each domain error is sent as (subclasses included).
@@ -203,18 +218,22 @@ async def create_server(
     options: Iterable[tuple[str, Any]] = (),
     serving: bool = True,
     maximum_concurrent_rpcs: int | None = None,
+    security: Security = PLAINTEXT,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
     Returns the server, the bound port and its health servicer: all services
     report SERVING once started, or NOT_SERVING unless `serving` (a service
     that is not ready yet); flip them with `health.set`. Beyond
-    `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED."""
-    # grpc core takes the first of repeated keys: a service's own options win.
-    merged = dict(CHANNEL_OPTIONS) | dict(options)
+    `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED.
+    `security`: TLS, tokens, and whether plaintext may leave loopback
+    (ValueError if it may not)."""
+    check_listen(address, security)
+    merged = dict(CHANNEL_OPTIONS) | dict(SERVER_OPTIONS) | dict(options)
+    auth = [TokenAuth(security.tokens)] if security.tokens else []
     server = grpc.aio.server(
         options=list(merged.items()),
-        interceptors=[*interceptors, DecodeErrorInterceptor()],
+        interceptors=[*auth, *interceptors, DecodeErrorInterceptor()],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     for register in registrars:
@@ -225,7 +244,10 @@ async def create_server(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(address)
+    if security.tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, security.tls.server_credentials())
     if port == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
@@ -243,8 +265,21 @@ async def set_serving(
         await health_servicer.set(name, status)
 
 
+def channel(address: str, security: Security = PLAINTEXT,
+            options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A client channel: TLS (with this process's certificate, for mutual
+    TLS) and the bearer token as `security` says."""
+    merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(options)).items())
+    extra = channel_args(security)
+    if extra["credentials"] is None:
+        return grpc.aio.insecure_channel(address, options=merged,
+                                         interceptors=extra["interceptors"])
+    return grpc.aio.secure_channel(address, extra["credentials"], options=merged,
+                                   interceptors=extra["interceptors"])
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return channel(address)
 
 
 async def run_until_signalled(

@@ -51,6 +51,8 @@ class StackConfig:
     # co-located path), where /dev/shm has room for it; else gRPC streams.
     cache_arena: bool = True
     host: str = "127.0.0.1"
+    # Serve plaintext on a non-loopback host (every service refuses otherwise).
+    plaintext: bool = False
     scheduler_port: int = 0
     scheduler_args: tuple[str, ...] = ()  # extra flags, for tests and experiments
     worker_args: tuple[str, ...] = ()
@@ -216,19 +218,20 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvstash-logs-"))
     disk_dir = config.cache_disk_dir or str(Path(tmp.name) / "cache")
     listen = f"{config.host}:0"
+    plain = ["--plaintext"] if config.plaintext else []
     started: list[Service] = []
     try:
         cache = start_service("cache", "cache_svc", [
             "--listen", listen, "--memory-budget", config.cache_memory_budget,
             "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
-            *arena_args(config), *config.cache_args,
+            *arena_args(config), *plain, *config.cache_args,
         ], logs)
         started.append(cache)
         worker = start_service("worker", "gpu_worker", [
             "--listen", listen, "--model", config.model, "--dtype", config.dtype,
             "--device", config.device, "--block-size", str(config.block_size),
             "--num-blocks", str(config.num_blocks), "--cache-address", cache.address,
-            *config.worker_args,
+            *plain, *config.worker_args,
         ], logs)
         started.append(worker)
         scheduler = start_service("scheduler", "scheduler_svc", [
@@ -237,7 +240,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens),
             "--preemption-mode", config.preemption_mode,
-            *config.scheduler_args,
+            *plain, *config.scheduler_args,
         ], logs)
     except BaseException:
         for service in reversed(started):

@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import sys
 
 import grpc
 
-from kvstash import rpc, settings, telemetry
+from kvstash import rpc, security, settings, telemetry
 from kvstash.cache_client import CacheClient
 from kvstash.layout import Layout
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
@@ -34,7 +35,7 @@ log = logging.getLogger("scheduler_svc")
 
 # One scheduler drives one worker: notice a restarted one within seconds
 # (gRPC's default reconnect backoff grows to two minutes).
-_WORKER_CHANNEL_OPTIONS = [*rpc.CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000)]
+_WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000)]
 # Defaults come from the config dataclasses, never restated here.
 _CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
          if f.default is not dataclasses.MISSING}
@@ -87,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
     p.add_argument("--log-level", default="info")
+    security.add_flags(p, accepts_tokens=True)
     return settings.parse_args(p, "scheduler", argv)
 
 
@@ -135,15 +137,15 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
     )
 
 
-async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
+async def serve(args: argparse.Namespace, secured: security.Security,
+                tracing: bool = False) -> None:
     # Whatever fails on the way up (no worker in time, a bad setting, a metrics
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
-        scheduler = await create_scheduler_server(args.listen)
+        scheduler = await create_scheduler_server(args.listen, secured)
         server, port = scheduler.server, scheduler.port
         cleanup.push_async_callback(server.stop, None)
-        worker_channel = grpc.aio.insecure_channel(args.worker_address,
-                                                   options=_WORKER_CHANNEL_OPTIONS)
+        worker_channel = rpc.channel(args.worker_address, secured, _WORKER_CHANNEL_OPTIONS)
         cleanup.push_async_callback(worker_channel.close)
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)
@@ -155,7 +157,7 @@ async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
                                      snapshot_ttl_s=args.snapshot_ttl, tracing=tracing)
         cache: CacheLink | None = None
         if args.cache_address:
-            client = CacheClient(args.cache_address)
+            client = CacheClient(args.cache_address, security=secured)
             cleanup.push_async_callback(client.close)
             cache = CacheLink(client)
         worker = WorkerLink(worker_channel, info)
@@ -182,8 +184,15 @@ async def serve(args: argparse.Namespace, tracing: bool = False) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rpc.setup_logging(args.log_level)
+    try:
+        # The public port takes clients without certificates (the token,
+        # if any, identifies them); the worker and cache demand one of us.
+        secured = security.from_args(args, require_client_cert=False)
+        security.check_listen(args.listen, secured)
+    except ValueError as exc:
+        sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:
-        asyncio.run(serve(args, tracing=tracing is not None))
+        asyncio.run(serve(args, secured, tracing=tracing is not None))
 
 
 if __name__ == "__main__":

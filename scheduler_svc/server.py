@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from kvstash import errors, rpc
 from kvstash.ids import check_request_id
+from kvstash.security import PLAINTEXT, Security
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstash.wire import sampling_from_proto
@@ -183,13 +184,14 @@ class SchedulerServer:
         await rpc.set_serving(self.health, [SERVICE_NAME], serving)
 
 
-async def create_scheduler_server(address: str) -> SchedulerServer:
-    """Binds and starts serving, NOT_SERVING until an engine is attached and
-    reports its worker up."""
+async def create_scheduler_server(address: str,
+                                  security: Security = PLAINTEXT) -> SchedulerServer:
+    """Binds and starts serving (TLS and tokens as `security` says),
+    NOT_SERVING until an engine is attached and reports its worker up."""
     servicer = SchedulerServicer()
     server, port, health_servicer = await rpc.create_server(
         address,
         [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
-        [SERVICE_NAME], serving=False,
+        [SERVICE_NAME], serving=False, security=security,
     )
     return SchedulerServer(server, port, servicer, health_servicer)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvstash.cache_client import CacheClient
 from kvstash.client import Client, GenerateResult
+from kvstash.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, scheduler_pb2
 from tests.integration.reference import reference_greedy
 
@@ -34,15 +35,15 @@ class Outcome:
     stats: scheduler_pb2.SchedulerStats
 
 
-async def run_workload(address: str) -> Outcome:
-    async with Client(address) as client:
+async def run_workload(address: str, security: Security = PLAINTEXT) -> Outcome:
+    async with Client(address, security) as client:
         results = await asyncio.gather(*[
             client.complete(p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts()])
         return Outcome(list(results), await client.stats())
 
 
-async def cache_stats(address: str) -> cache_pb2.CacheStats:
-    async with CacheClient(address) as cache:
+async def cache_stats(address: str, security: Security = PLAINTEXT) -> cache_pb2.CacheStats:
+    async with CacheClient(address, security=security) as cache:
         return await cache.stats()
 
 

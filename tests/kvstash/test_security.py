@@ -1,0 +1,185 @@
+"""TLS, mutual TLS and bearer tokens (kvstash.security) over real channels to
+in-process servers, with throwaway CAs from trustme."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
+from kvstash import errors, rpc, security
+from kvstash.cache_client import CacheClient
+from kvstash.client import Client
+from kvstash.security import Security, Tls
+from kvstash.units import MIB
+from scheduler_svc.server import create_scheduler_server
+
+TOKEN = "s3cret-token"
+
+
+def tls_of(ca: trustme.CA, name: str | None = None, require_client_cert: bool = True) -> Tls:
+    """The CA bundle and, with `name`, a certificate for it (127.0.0.1 as
+    well, so it serves on loopback)."""
+    if name is None:
+        return Tls(ca.cert_pem.bytes(), require_client_cert=require_client_cert)
+    cert = ca.issue_cert(name, "127.0.0.1")
+    return Tls(ca.cert_pem.bytes(), cert.cert_chain_pems[0].bytes(),
+               cert.private_key_pem.bytes(), require_client_cert)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+# -- the rules --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:5", True), ("127.1.2.3:5", True), ("localhost:5", True), ("[::1]:5", True),
+    ("0.0.0.0:5", False), ("10.0.0.7:5", False), ("[::]:5", False), ("cache.svc:5", False),
+])
+def test_plaintext_only_on_loopback_unless_asked(address: str, loopback: bool) -> None:
+    assert security.is_loopback(address) is loopback
+    security.check_listen(address, Security(plaintext=True))
+    if loopback:
+        security.check_listen(address, security.PLAINTEXT)
+    else:
+        with pytest.raises(ValueError, match="refusing to serve plaintext"):
+            security.check_listen(address, security.PLAINTEXT)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    security.add_flags(parser, accepts_tokens=True, sends_token=True)
+    return parser.parse_args(argv)
+
+
+def test_flags_are_checked_and_files_read(tmp_path: Path, ca: trustme.CA) -> None:
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# operators\nfirst\n\n  second  \n")
+    got = security.from_args(parse("--tls-ca", str(ca_file), "--auth-token-file", str(tokens),
+                                   "--token-file", str(tokens)))
+    assert got.tls is not None and got.tls.ca == ca.cert_pem.bytes() and got.tls.cert is None
+    assert got.tokens == {"first", "second"} and got.token == "first"
+    with pytest.raises(ValueError, match="need --tls-ca"):
+        security.from_args(parse("--tls-cert", str(ca_file), "--tls-key", str(ca_file)))
+    with pytest.raises(ValueError, match="go together"):
+        security.from_args(parse("--tls-ca", str(ca_file), "--tls-cert", str(ca_file)))
+    with pytest.raises(ValueError, match=r"--tls-ca .*missing.pem"):
+        security.from_args(parse("--tls-ca", str(tmp_path / "missing.pem")))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no token in it"):
+        security.from_args(parse("--auth-token-file", str(tmp_path / "empty")))
+
+
+# -- mutual TLS: the cache takes only certificates its CA signed ---------------------
+
+
+@pytest.fixture
+async def tls_cache(ca: trustme.CA) -> AsyncIterator[str]:
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
+        security=Security(tls_of(ca, "cache")))
+    yield f"127.0.0.1:{port}"
+    await cache.stop(None)
+
+
+async def test_the_cache_serves_peers_with_a_certificate_of_its_ca(tls_cache: str,
+                                                                   ca: trustme.CA) -> None:
+    async with CacheClient(tls_cache, security=Security(tls_of(ca, "worker"))) as client:
+        await client.put("s", _layout(), 1, 16, bytes(_block_bytes()))
+        _, data = await client.get("s")
+        assert data == bytes(_block_bytes())
+
+
+@pytest.mark.parametrize("who", ["no certificate", "another CA's certificate", "plaintext"])
+async def test_the_cache_refuses_everyone_else(tls_cache: str, ca: trustme.CA, who: str) -> None:
+    stranger = {
+        "no certificate": Security(tls_of(ca)),
+        "another CA's certificate": Security(Tls(ca.cert_pem.bytes(),
+                                                 *_cert_of(trustme.CA(), "worker"))),
+        "plaintext": security.PLAINTEXT,
+    }[who]
+    async with CacheClient(tls_cache, security=stranger, timeout_s=5) as client:
+        with pytest.raises(errors.Unavailable):
+            await client.stats()
+
+
+def _cert_of(ca: trustme.CA, name: str) -> tuple[bytes, bytes]:
+    cert = ca.issue_cert(name, "127.0.0.1")
+    return cert.cert_chain_pems[0].bytes(), cert.private_key_pem.bytes()
+
+
+def _layout():  # type: ignore[no-untyped-def]
+    from kvstash.v1 import common_pb2
+
+    return common_pb2.KvLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64,
+                               dtype="float16")
+
+
+def _block_bytes() -> int:
+    return 2 * 16 * 64 * 2
+
+
+# -- the public API: TLS without client certificates, bearer tokens ------------------
+
+
+@pytest.fixture
+async def public_scheduler(ca: trustme.CA) -> AsyncIterator[str]:
+    scheduler = await create_scheduler_server(
+        "127.0.0.1:0", Security(tls_of(ca, "scheduler", require_client_cert=False),
+                                tokens=frozenset({TOKEN, "other"})))
+    yield f"127.0.0.1:{scheduler.port}"
+    await scheduler.server.stop(None)
+
+
+@pytest.mark.parametrize(("token", "code"), [
+    (None, grpc.StatusCode.UNAUTHENTICATED),
+    ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+    (TOKEN, grpc.StatusCode.UNAVAILABLE),  # let in; no engine attached yet
+])
+async def test_calls_need_an_accepted_token(public_scheduler: str, ca: trustme.CA,
+                                            token: str | None, code: grpc.StatusCode) -> None:
+    async with rpc.channel(public_scheduler, Security(tls_of(ca), token=token)) as channel:
+        from kvstash.v1 import common_pb2, scheduler_pb2_grpc
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(common_pb2.GetStatsRequest())
+        assert info.value.code() == code
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            assert TOKEN not in (info.value.details() or "")  # never echoed
+
+
+async def test_health_checks_need_no_token(public_scheduler: str, ca: trustme.CA) -> None:
+    async with rpc.channel(public_scheduler, Security(tls_of(ca))) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no worker yet
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+async def test_streaming_calls_carry_the_token(public_scheduler: str, ca: trustme.CA,
+                                               token: str | None) -> None:
+    async with Client(public_scheduler, Security(tls_of(ca), token=token)) as client:
+        with pytest.raises(errors.KvstashError) as info:
+            await client.complete([1, 2, 3], max_tokens=2)
+    # Without the token: refused at the door. With it: let in (and told no
+    # worker is attached yet).
+    assert ("bearer token" in str(info.value)) is (token is None), info.value
+
+
+async def test_a_plaintext_client_cannot_reach_a_tls_server(public_scheduler: str) -> None:
+    async with rpc.channel(public_scheduler, Security(token=TOKEN)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
