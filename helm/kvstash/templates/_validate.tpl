@@ -1,0 +1,104 @@
+{{/*
+Checks values.schema.json cannot express: each rule fails the render with a
+message naming the keys involved and what to change.
+*/}}
+
+{{- define "kvstash.validate" -}}
+{{- $errors := list -}}
+{{- $v := .Values -}}
+{{- $c := $v.cache -}}
+{{- $i := $v.instances -}}
+
+{{- if ne $i.role "mixed" -}}
+{{- $errors = append $errors (printf "instances.role %q: only \"mixed\" exists until prefill/decode pools land (issue 12)" $i.role) -}}
+{{- end -}}
+{{- if not (has $c.mode (list "sidecar" "daemonset")) -}}
+{{- $errors = append $errors (printf "cache.mode %q: use sidecar or daemonset" $c.mode) -}}
+{{- end -}}
+{{- if lt (int $v.worker.gpu.count) 0 -}}
+{{- $errors = append $errors (printf "worker.gpu.count is %d: use 0 (CPU only) or more" (int $v.worker.gpu.count)) -}}
+{{- end -}}
+{{- if and (gt (int $v.worker.gpu.count) 0) (eq $v.worker.device "cpu") -}}
+{{- $errors = append $errors (printf "worker.gpu.count is %d but worker.device is cpu: the GPU would sit idle" (int $v.worker.gpu.count)) -}}
+{{- end -}}
+
+{{- /* Disruption budget against the replicas it guards. */ -}}
+{{- $pdb := $i.pdb -}}
+{{- if $pdb.enabled -}}
+{{- if eq (kindIs "invalid" $pdb.minAvailable) (kindIs "invalid" $pdb.maxUnavailable) -}}
+{{- $errors = append $errors "instances.pdb: set exactly one of minAvailable and maxUnavailable" -}}
+{{- else if not (kindIs "invalid" $pdb.minAvailable) -}}
+{{- if gt (int $pdb.minAvailable) (int $i.replicas) -}}
+{{- $errors = append $errors (printf "instances.pdb.minAvailable is %d but instances.replicas is %d: no pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $pdb.minAvailable) (int $i.replicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The cache's memory: budget + overhead within the limit, budget within the arena. */ -}}
+{{- if $c.enabled -}}
+{{- $budget := include "kvstash.mib" $c.memoryBudget | atoi -}}
+{{- $overhead := include "kvstash.mib" $c.overhead | atoi -}}
+{{- $limit := include "kvstash.cacheLimitMiB" . | atoi -}}
+{{- if gt (add $budget $overhead) $limit -}}
+{{- $errors = append $errors (printf "cache.memoryBudget (%dMi) + cache.overhead (%dMi) = %dMi exceeds cache.resources.limits.memory (%dMi): the cache would be OOM-killed; raise the limit or lower the budget (or leave the limit empty to derive it)" $budget $overhead (add $budget $overhead) $limit) -}}
+{{- end -}}
+{{- if and $c.arena.enabled (eq $c.mode "sidecar") -}}
+{{- $shm := include "kvstash.arenaSizeLimitMiB" . | atoi -}}
+{{- if gt $budget $shm -}}
+{{- $errors = append $errors (printf "cache.memoryBudget (%dMi) exceeds cache.arena.sizeLimit (%dMi): the arena is allocated whole at start and would not fit its emptyDir" $budget $shm) -}}
+{{- end -}}
+{{- end -}}
+{{- if $c.disk.enabled -}}
+{{- $disk := include "kvstash.mib" $c.disk.budget | atoi -}}
+{{- $room := include "kvstash.diskSizeMiB" . | atoi -}}
+{{- if gt $disk $room -}}
+{{- $errors = append $errors (printf "cache.disk.budget (%dMi) exceeds the room for the disk tier (%dMi, cache.disk.%s)" $disk $room (ternary "persistence.size" "sizeLimit" $c.disk.persistence.enabled)) -}}
+{{- end -}}
+{{- if and $c.disk.persistence.enabled (eq $c.mode "daemonset") -}}
+{{- $errors = append $errors "cache.disk.persistence needs cache.mode sidecar (each instance's cache gets its own claim); a daemonset's disk tier is an emptyDir" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The model's volume. */ -}}
+{{- $m := $v.model -}}
+{{- if and (eq $m.source "pvc") (not $m.pvc.claimName) -}}
+{{- $errors = append $errors "model.source is pvc: set model.pvc.claimName" -}}
+{{- else if and (eq $m.source "hostPath") (not $m.hostPath.path) -}}
+{{- $errors = append $errors "model.source is hostPath: set model.hostPath.path" -}}
+{{- else if and (eq $m.source "image") (not $m.image.reference) -}}
+{{- $errors = append $errors "model.source is image: set model.image.reference" -}}
+{{- end -}}
+
+{{- /* Switches that need a companion value. */ -}}
+{{- if and $v.tls.enabled (not $v.tls.secretName) -}}
+{{- $errors = append $errors "tls.enabled: set tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- end -}}
+{{- if and $v.auth.enabled (not $v.auth.secretName) -}}
+{{- $errors = append $errors "auth.enabled: set auth.secretName (a Secret whose key \"tokens\" holds one token a line)" -}}
+{{- end -}}
+{{- if and $v.tracing.enabled (not $v.tracing.endpoint) -}}
+{{- $errors = append $errors "tracing.enabled: set tracing.endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)" -}}
+{{- end -}}
+{{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.enabled) -}}
+{{- $errors = append $errors "metrics.serviceMonitor.enabled needs metrics.enabled (no port to scrape)" -}}
+{{- end -}}
+
+{{- /* Flags the chart sets itself cannot also come from <component>.flags. */ -}}
+{{- $server := list "listen" "metrics-port" "metrics-host" "tls-cert" "tls-key" "tls-ca" "plaintext" -}}
+{{- $owned := dict
+  "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file"))
+  "worker" (concat $server (list "device" "model" "cache-address" "cache-arena"))
+  "cache" (concat $server (list "memory-budget" "arena-dir" "disk-dir" "disk-budget")) -}}
+{{- range $component, $names := $owned -}}
+{{- range $flag, $_ := (index $v $component).flags -}}
+{{- if has $flag $names -}}
+{{- $errors = append $errors (printf "%s.flags.%s is set by the chart: use the matching value in values.yaml" $component $flag) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- if $errors -}}
+{{- fail (printf "\n\nkvstash: inconsistent values:\n  - %s\n" (join "\n  - " $errors)) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,295 @@
+"""helm/kvstash: lint, render every value set, validate every manifest
+against the Kubernetes schemas (strict), and check what the pods must get
+right: the shared arena, GPU placement, probes, pod security, services."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart_helpers import (
+    CHART,
+    INSTALL_HINT,
+    VALUE_SETS,
+    container,
+    env,
+    helm,
+    instances,
+    kube_versions,
+    mounts,
+    of_kind,
+    one,
+    pod_specs,
+    rendered,
+    volumes,
+)
+
+try:
+    import kubernetes_validate
+except ModuleNotFoundError:  # fails the validation test below, naming the fix
+    kubernetes_validate = None
+
+SERVICE_CONTAINERS = ("scheduler", "worker", "cache")
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def test_lint_passes_for_every_value_set(tmp_path: Path) -> None:
+    for name, values in VALUE_SETS.items():
+        done = helm("lint", "--strict", str(CHART), values=values, tmp_path=tmp_path)
+        assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_every_manifest_validates_strictly(value_set: str) -> None:
+    if kubernetes_validate is None:
+        pytest.fail(f"kubernetes-validate is not installed: {INSTALL_HINT}")
+    for version in kube_versions(value_set):
+        docs = rendered(value_set, version)
+        assert {"Deployment", "StatefulSet"} & {d["kind"] for d in docs}
+        for doc in docs:
+            if doc["kind"] == "ServiceMonitor":
+                check_service_monitor(doc, docs)  # a CRD: no schema ships for it
+                continue
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(map(str, exc.path))
+                pytest.fail(f"{value_set} on {version}: {doc['kind']} "
+                            f"{doc['metadata']['name']}: {path}: {exc.message}")
+
+
+def check_service_monitor(monitor: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """Its shape, and that it selects a rendered Service with the port it scrapes."""
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    services = [s for s in of_kind(docs, "Service")
+                if wanted.items() <= s["metadata"]["labels"].items()]
+    assert len(services) == 1, f"{monitor['metadata']['name']} selects {len(services)} Services"
+    ports = {p["name"] for p in services[0]["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) == {"port", "path", "interval", "scrapeTimeout"}
+        assert endpoint["port"] in ports
+
+
+def test_service_monitors_cover_every_metrics_endpoint() -> None:
+    for name in ("servicemonitor", "daemonset"):
+        docs = rendered(name)
+        scraped = {m["spec"]["endpoints"][0]["port"] for m in of_kind(docs, "ServiceMonitor")}
+        served = {p["name"] for spec in pod_specs(docs) for c in spec["containers"]
+                  for p in c.get("ports", []) if p["name"].startswith("metrics-")}
+        assert scraped == served == {"metrics-sched", "metrics-worker", "metrics-cache"}
+    assert not of_kind(rendered("defaults"), "ServiceMonitor")
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "daemonset"])
+def test_worker_maps_the_arena_the_cache_allocates(value_set: str) -> None:
+    docs = rendered(value_set)
+    cache, worker = (next(c for s in pod_specs(docs) for c in s["containers"] if c["name"] == n)
+                     for n in ("cache", "worker"))
+    arena_dir = env(cache)["KVSTASH_CACHE_ARENA_DIR"]
+    # The worker opens the path the cache reports: one directory, one path.
+    assert mounts(cache)["arena"] == mounts(worker)["arena"] == arena_dir
+    assert env(worker)["KVSTASH_WORKER_CACHE_ARENA"] == "true"
+    budget = VALUE_SETS[value_set].get("cache", {}).get("memoryBudget", DEFAULTS["cache"]
+                                                        ["memoryBudget"])
+    assert env(cache)["KVSTASH_CACHE_MEMORY_BUDGET"] == f"{mib(budget)}MiB"
+    assert mib(cache["resources"]["limits"]["memory"]) >= mib(budget) + mib("512Mi")
+    pod = instances(docs)["spec"]["template"]["spec"]
+    if value_set == "defaults":
+        arena = volumes(pod)["arena"]["emptyDir"]
+        assert arena["medium"] == "Memory" and mib(arena["sizeLimit"]) >= mib(budget)
+        assert env(worker)["KVSTASH_WORKER_CACHE_ADDRESS"] == "127.0.0.1:50071"
+    else:
+        cache_pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        host_dir = volumes(cache_pod)["arena"]["hostPath"]["path"]
+        assert volumes(pod)["arena"]["hostPath"]["path"] == host_dir
+        local = one([s for s in of_kind(docs, "Service") if "cache" in s["metadata"]["name"]],
+                    "Service")
+        assert local["spec"]["internalTrafficPolicy"] == "Local"
+        assert env(worker)["KVSTASH_WORKER_CACHE_ADDRESS"] == (
+            f"{local['metadata']['name']}.kv.svc:50071")
+    # Same user in both: the arena file is 0600.
+    assert pod["securityContext"]["runAsUser"] == cache["securityContext"]["runAsUser"] == (
+        worker["securityContext"]["runAsUser"])
+
+
+def test_no_arena_streams_and_no_cache_recomputes() -> None:
+    docs = rendered("no-arena")
+    pod = instances(docs)["spec"]["template"]["spec"]
+    assert "arena" not in volumes(pod)
+    assert "KVSTASH_CACHE_ARENA_DIR" not in env(container(pod, "cache"))
+    assert env(container(pod, "worker"))["KVSTASH_WORKER_CACHE_ARENA"] == "false"
+    pod = instances(rendered("no-cache"))["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["scheduler", "worker"]
+    assert env(container(pod, "scheduler"))["KVSTASH_SCHEDULER_CACHE_ADDRESS"] == ""
+
+
+def mib(quantity: str) -> int:
+    number, unit = quantity[:-2], quantity[-2:]
+    return int(number) * {"Mi": 1, "Gi": 1024}[unit]
+
+
+@pytest.mark.parametrize("value_set", ["no-pvc", "disk-pvc"])
+def test_disk_tier_volume_matches_its_flags(value_set: str) -> None:
+    docs = rendered(value_set)
+    workload = instances(docs)
+    cache = container(workload["spec"]["template"]["spec"], "cache")
+    disk = VALUE_SETS[value_set]["cache"]["disk"]
+    assert env(cache)["KVSTASH_CACHE_DISK_DIR"] == mounts(cache)["disk"]
+    assert env(cache)["KVSTASH_CACHE_DISK_BUDGET"] == f"{mib(disk['budget'])}MiB"
+    if value_set == "disk-pvc":
+        assert workload["kind"] == "StatefulSet"
+        assert workload["spec"]["serviceName"].endswith("-instances")
+        (claim,) = workload["spec"]["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == "disk"
+        assert claim["spec"]["storageClassName"] == "fast-ssd"
+        assert claim["spec"]["resources"]["requests"]["storage"] == f"{mib('25Gi')}Mi"
+    else:
+        assert workload["kind"] == "Deployment"
+        pod = workload["spec"]["template"]["spec"]
+        assert mib(volumes(pod)["disk"]["emptyDir"]["sizeLimit"]) >= mib(disk["budget"])
+        assert not of_kind(docs, "PersistentVolumeClaim")
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_only_the_worker_requests_gpus(value_set: str) -> None:
+    docs = rendered(value_set)
+    count = VALUE_SETS[value_set].get("worker", {}).get("gpu", {}).get("count", 0)
+    for spec in pod_specs(docs):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            resources = c.get("resources", {})
+            gpus = [resources.get(k, {}).get("nvidia.com/gpu") for k in ("requests", "limits")]
+            expected = [count, count] if c["name"] == "worker" and count else [None, None]
+            assert gpus == expected, f"{value_set}: {c['name']} asks for {gpus}"
+
+
+def test_gpu_instances_go_to_gpu_nodes() -> None:
+    values = VALUE_SETS["gpu"]
+    pod = instances(rendered("gpu"))["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == values["instances"]["nodeSelector"]
+    assert pod["tolerations"] == values["instances"]["tolerations"]
+    assert env(container(pod, "worker"))["KVSTASH_WORKER_DEVICE"] == "cuda"
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "daemonset", "tls"])
+def test_probes_check_grpc_health_on_each_port(value_set: str) -> None:
+    docs = rendered(value_set)
+    seen = set()
+    for spec in pod_specs(docs):
+        for c in spec["containers"]:
+            if c["name"] not in SERVICE_CONTAINERS:
+                continue
+            seen.add(c["name"])
+            (port,) = [p["containerPort"] for p in c["ports"] if p["name"].endswith("grpc")]
+            assert env(c)[f"KVSTASH_{c['name'].upper()}_LISTEN"] == f"0.0.0.0:{port}"
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c[kind]
+                if value_set == "tls":  # the kubelet's gRPC probe speaks no TLS
+                    command = probe["exec"]["command"]
+                    assert command[:2] == ["kvstash-health", f"127.0.0.1:{port}"]
+                    assert "--tls-ca" in command and "--tls-cert" in command
+                else:
+                    assert probe["grpc"] == {"port": port}, f"{c['name']} {kind}"
+    assert seen == set(SERVICE_CONTAINERS)
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_pods_are_locked_down(value_set: str) -> None:
+    docs = rendered(value_set)
+    for spec in pod_specs(docs):
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            if c["name"] == "arena-owner":  # chowns the hostPath dir, nothing else
+                assert sc["runAsUser"] == 0 and sc["capabilities"]["add"] == ["CHOWN", "FOWNER"]
+                continue
+            assert sc["runAsNonRoot"] is True and "add" not in sc["capabilities"]
+            assert mounts(c)["tmp"] == "/tmp"  # the one writable place besides volumes
+
+
+def test_services_public_and_headless() -> None:
+    docs = rendered("defaults")
+    pod = instances(docs)["spec"]["template"]
+    by_name = {s["metadata"]["name"]: s["spec"] for s in of_kind(docs, "Service")}
+    public, headless = by_name["rel-kvstash"], by_name["rel-kvstash-instances"]
+    assert public["type"] == "ClusterIP" and public["ports"][0]["targetPort"] == "grpc"
+    assert headless["clusterIP"] == "None"
+    for svc in (public, headless):
+        assert svc["selector"].items() <= pod["metadata"]["labels"].items()
+    grpc_port = container(pod["spec"], "scheduler")["ports"][0]
+    assert grpc_port["name"] == "grpc" and headless["ports"][0]["port"] == grpc_port[
+        "containerPort"]
+    pdb = one(docs, "PodDisruptionBudget")["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"] == headless["selector"]
+
+
+def test_model_sources_mount_read_only() -> None:
+    expected = {"model-pvc": ("persistentVolumeClaim", "/models/Llama-3.2-1B"),
+                "model-hostpath": ("hostPath", "/models"),
+                "model-image": ("image", "/models")}
+    for name, (source, model_flag) in expected.items():
+        pod = instances(rendered(name))["spec"]["template"]["spec"]
+        worker = container(pod, "worker")
+        assert source in volumes(pod)["model"]
+        assert env(worker)["KVSTASH_WORKER_MODEL"] == model_flag
+        assert next(m for m in worker["volumeMounts"] if m["name"] == "model")["readOnly"]
+        assert all("model" not in mounts(c) for c in pod["containers"] if c is not worker)
+    pod = instances(rendered("defaults"))["spec"]["template"]["spec"]
+    assert env(container(pod, "worker"))["KVSTASH_WORKER_MODEL"] == "tiny"
+    assert "model" not in volumes(pod)
+
+
+def test_tls_and_token_secrets_are_mounted_where_the_flags_point() -> None:
+    docs = rendered("tls")
+    pod = instances(docs)["spec"]["template"]["spec"]
+    assert volumes(pod)["tls"]["secret"]["secretName"] == "kvstash-tls"
+    for c in pod["containers"]:
+        prefix = f"KVSTASH_{c['name'].upper()}_"
+        assert env(c)[prefix + "TLS_CA"] == mounts(c)["tls"] + "/ca.crt"
+        assert prefix + "PLAINTEXT" not in env(c)
+    scheduler = container(pod, "scheduler")
+    assert env(scheduler)["KVSTASH_SCHEDULER_AUTH_TOKEN_FILE"] == mounts(scheduler)["auth"] + (
+        "/tokens")
+    test_pod = one(docs, "Pod")
+    script = test_pod["spec"]["containers"][0]["command"][-1]
+    assert "--tls-ca /etc/kvstash/tls/ca.crt" in script and "--token-file" in script
+
+
+def test_helm_test_pod_checks_health_then_generates() -> None:
+    pod = one(rendered("defaults"), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = pod["spec"]["containers"][0]["command"][-1]
+    health, generate = script.split("&&")
+    assert health.split()[:2] == ["kvstash-health", "rel-kvstash.kv.svc:50051"]
+    assert generate.split()[:2] == ["kvstash", "generate"]
+    assert "--address rel-kvstash.kv.svc:50051" in generate
+
+
+def test_notes_render_for_every_value_set(tmp_path: Path) -> None:
+    # helm renders NOTES.txt only on install (which wants a cluster): render
+    # it from a copy of the chart, as a string in an ordinary template.
+    chart = tmp_path / "kvstash"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text(
+        '{{- define "notes" -}}\n' + notes + "\n{{- end -}}\n")
+    (chart / "templates" / "notes.yaml").write_text(
+        'notes: |\n{{ include "notes" . | indent 2 }}\n')
+    for name, values in VALUE_SETS.items():
+        done = helm("template", "rel", str(chart), "--namespace", "kv",
+                    "--show-only", "templates/notes.yaml", values=values, tmp_path=tmp_path)
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+        text = yaml.safe_load(done.stdout)["notes"]
+        assert "helm test rel -n kv" in text, text
+        assert ("--tls-ca" in text) is (name == "tls"), name

@@ -1,0 +1,82 @@
+"""helm/kvstash refuses bad values: values.schema.json for wrong types and
+unknown keys, templates/_validate.tpl for inconsistent combinations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chart_helpers import render, render_error
+
+SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"colour": "blue"}, "Additional property colour is not allowed"),
+    ({"cache": {"arena": {"sizeLimt": "2Gi"}}}, "Additional property sizeLimt is not allowed"),
+    ({"worker": {"gpu": {"count": "one"}}}, "worker.gpu.count: Invalid type. Expected: integer"),
+    ({"instances": {"replicas": 1.5}}, "instances.replicas: Invalid type. Expected: integer"),
+    ({"cache": {"memoryBudget": "8GB"}}, "cache.memoryBudget: Does not match pattern"),
+    ({"cache": {"mode": "per-node"}}, "cache.mode: cache.mode must be one of the following"),
+    ({"worker": {"gpu": {"count": -1}}}, "worker.gpu.count: Must be greater than or equal to 0"),
+    ({"instances": {"role": "decode"}}, "instances.role: instances.role must be one of"),
+    ({"scheduler": {"flags": {"--max-num-seqs": 8}}}, "Does not match pattern"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), SCHEMA_REFUSALS)
+def test_schema_refuses(values: dict[str, Any], message: str, tmp_path: Path) -> None:
+    error = render_error(values, tmp_path)
+    assert "values don't meet the specifications of the schema" in error
+    assert message in error
+
+
+VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"cache": {"memoryBudget": "4Gi", "resources": {"limits": {"memory": "4Gi"}}}},
+     "cache.memoryBudget (4096Mi) + cache.overhead (512Mi) = 4608Mi exceeds "
+     "cache.resources.limits.memory (4096Mi)"),
+    ({"cache": {"memoryBudget": "2Gi", "arena": {"sizeLimit": "1Gi"}}},
+     "cache.memoryBudget (2048Mi) exceeds cache.arena.sizeLimit (1024Mi)"),
+    ({"instances": {"replicas": 0, "pdb": {"minAvailable": 1, "maxUnavailable": None}}},
+     "instances.pdb.minAvailable is 1 but instances.replicas is 0"),
+    ({"instances": {"pdb": {"minAvailable": 1}}},
+     "instances.pdb: set exactly one of minAvailable and maxUnavailable"),
+    ({"cache": {"disk": {"enabled": True, "budget": "20Gi",
+                         "persistence": {"enabled": True, "size": "10Gi"}}}},
+     "cache.disk.budget (20480Mi) exceeds the room for the disk tier (10240Mi, "
+     "cache.disk.persistence.size)"),
+    ({"cache": {"mode": "daemonset", "disk": {"enabled": True, "persistence": {"enabled": True}}}},
+     "cache.disk.persistence needs cache.mode sidecar"),
+    ({"worker": {"gpu": {"count": 1}, "device": "cpu"}},
+     "worker.gpu.count is 1 but worker.device is cpu"),
+    ({"model": {"source": "pvc"}}, "model.source is pvc: set model.pvc.claimName"),
+    ({"model": {"source": "image"}}, "model.source is image: set model.image.reference"),
+    ({"tls": {"enabled": True}}, "tls.enabled: set tls.secretName"),
+    ({"auth": {"enabled": True}}, "auth.enabled: set auth.secretName"),
+    ({"tracing": {"enabled": True}}, "tracing.enabled: set tracing.endpoint"),
+    ({"metrics": {"serviceMonitor": {"enabled": True}}},
+     "metrics.serviceMonitor.enabled needs metrics.enabled"),
+    ({"cache": {"flags": {"memory-budget": "8GiB"}}},
+     "cache.flags.memory-budget is set by the chart"),
+    ({"worker": {"flags": {"listen": "0.0.0.0:1"}}}, "worker.flags.listen is set by the chart"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), VALIDATION_REFUSALS)
+def test_validation_refuses(values: dict[str, Any], message: str, tmp_path: Path) -> None:
+    error = render_error(values, tmp_path)
+    assert "kvstash: inconsistent values:" in error
+    assert message in error
+
+
+def test_validation_names_every_problem_at_once(tmp_path: Path) -> None:
+    error = render_error({"tls": {"enabled": True}, "auth": {"enabled": True}}, tmp_path)
+    assert "tls.secretName" in error and "auth.secretName" in error
+
+
+def test_memory_limit_is_derived_from_the_budget(tmp_path: Path) -> None:
+    docs = render({"cache": {"memoryBudget": "6Gi", "overhead": "768Mi"}}, tmp_path)
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    cache = next(c for c in pod["containers"] if c["name"] == "cache")
+    assert cache["resources"]["limits"]["memory"] == f"{6 * 1024 + 768}Mi"
+    assert cache["resources"]["requests"]["memory"] == f"{6 * 1024 + 768}Mi"
+    arena = next(v for v in pod["volumes"] if v["name"] == "arena")
+    assert arena["emptyDir"]["sizeLimit"] == f"{6 * 1024 + 64}Mi"

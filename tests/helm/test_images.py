@@ -1,0 +1,83 @@
+"""docker/: the Dockerfile lints clean (no image is built here: no registry
+that serves base images is reachable), agrees with the chart and with
+pyproject.toml, and kvstash-health, the images' probe, works on a real
+service."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from chart_helpers import CHART, INSTALL_HINT, REPO
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+HEALTH = REPO / "docker" / "kvstash-health"
+
+
+def test_dockerfile_lints_clean() -> None:
+    beside = Path(sys.executable).parent / "hadolint"
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail(f"no hadolint binary: install the pinned one with {INSTALL_HINT}")
+    done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_images_agree_with_chart_and_pyproject() -> None:
+    text = DOCKERFILE.read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    uids = set(re.findall(r"^ARG UID=(\d+)$", text, re.MULTILINE))
+    assert uids == {str(values["runAsUser"])} == {str(values["runAsGroup"])}
+    targets = set(re.findall(r"^FROM \S+ AS (\w+)$", text, re.MULTILINE))
+    assert {"control", "worker"} <= targets
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (torch_pin,) = [d for d in extras["worker"] if d.startswith("torch")]
+    version = torch_pin.removeprefix("torch==")
+    assert f"pytorch/pytorch:{version}-" in text and f"== '{version}'" in text
+    # Everything the Dockerfile copies is in the build context .dockerignore leaves.
+    allowed = (REPO / ".dockerignore").read_text()
+    for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE):
+        *sources, _destination = [w for w in line.split() if not w.startswith("--")]
+        for source in sources:
+            assert f"!{source.rstrip('/')}" in allowed.replace("/\n", "\n"), source
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HEALTH), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_kvstash_health_reports_a_real_service() -> None:
+    port = free_port()
+    cache = subprocess.Popen(
+        [sys.executable, "-m", "cache_svc", "--listen", f"127.0.0.1:{port}",
+         "--memory-budget", "16MiB"], cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        up = health(f"127.0.0.1:{port}", "--wait", "30")
+        assert up.returncode == 0 and "SERVING" in up.stdout, up.stderr
+        unknown = health(f"127.0.0.1:{port}", "--service", "kvstash.v1.Nope")
+        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    finally:
+        cache.terminate()
+        cache.wait(timeout=30)
+    started = time.monotonic()
+    down = health(f"127.0.0.1:{port}", "--timeout", "1", "--wait", "1")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    assert time.monotonic() - started < 20
