@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test protos check-protos lint bench test-gpu bench-gpu clean
+.PHONY: demo test protos check-protos lint bench fuzz test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# Every RPC of every service, 10,000 hypothesis examples each, against real
+# processes (CI runs 25 each as part of make test).
+fuzz: $(STAMP)
+	KVSTASH_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q --timeout=0 tests/integration/test_fuzz.py
 
 # On a CUDA machine: the tests marked gpu (batch invariance, the preemption
 # oracle and sampling on the device, in bf16, the arena's pinned DMA), then the

@@ -86,6 +86,9 @@ class CacheConfig:
     # How long a co-located put may hold its extent before committing, and a
     # co-located get may hold a snapshot before it is done reading.
     shared_lease_s: float = 60.0
+    # How long a streamed put may wait for its client's next message (pacing
+    # by bandwidth_limit included) before it is abandoned, DEADLINE_EXCEEDED.
+    put_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MAX_CHUNK_BYTES:
@@ -129,6 +132,8 @@ class CacheConfig:
             raise ValueError(f"buffer_pool_idle_s is {self.buffer_pool_idle_s}, must be > 0")
         if self.shared_lease_s <= 0:
             raise ValueError(f"shared_lease_s is {self.shared_lease_s}, must be > 0")
+        if self.put_idle_s <= 0:
+            raise ValueError(f"put_idle_s is {self.put_idle_s}, must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")

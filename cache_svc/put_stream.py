@@ -23,6 +23,8 @@ DRAIN_SHARE_BYTES: one message of any size gRPC accepts, and one ahead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -31,6 +33,7 @@ from cache_svc.config import PUT_SHARE_CHUNKS
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.snapshot import SnapshotMeta
 from kvstash.chunk_codec import ADMITTED_KEY, MAX_CHUNK_BYTES
+from kvstash.errors import DeadlineExceeded
 
 DRAIN_SHARE_BYTES = 2 * MAX_CHUNK_BYTES
 
@@ -47,8 +50,9 @@ class PutStream:
     message is paced (BandwidthLimiter) before it is asked for."""
 
     def __init__(self, requests: Any, context: grpc.aio.ServicerContext,
-                 limiter: ByteLimiter, bandwidth: BandwidthLimiter) -> None:
+                 limiter: ByteLimiter, bandwidth: BandwidthLimiter, idle_s: float) -> None:
         self._requests = requests
+        self._idle_s = idle_s  # longest wait for the client's next message
         self._context = context
         self._limiter = limiter
         self._bandwidth = bandwidth
@@ -59,9 +63,21 @@ class PutStream:
 
     async def next(self) -> Any:
         """The next message, asked for now and not paced (the header)."""
-        request = await anext(self._requests, None)
+        async with self._idle_limit():
+            request = await anext(self._requests, None)
         self.ended = request is None
         return request
+
+    @contextlib.asynccontextmanager
+    async def _idle_limit(self) -> AsyncIterator[None]:
+        """DeadlineExceeded when the client sends nothing for idle_s: a put
+        that stalls (a slow-loris) must not hold its reservation for ever."""
+        try:
+            async with asyncio.timeout(self._idle_s):
+                yield
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the client sent nothing for {self._idle_s:g} s; put abandoned") from None
 
     async def hold(self, num_bytes: int) -> None:
         """Holds at least `num_bytes` of the in-flight budget until `close`,
@@ -86,7 +102,8 @@ class PutStream:
     async def take(self) -> Any:
         """The message asked for by `read_ahead`; None once the client is done."""
         assert self._ahead is not None
-        request = await self._ahead
+        async with self._idle_limit():
+            request = await asyncio.shield(self._ahead)
         self._ahead = None  # only now: if cancelled meanwhile, `close` ends it
         return request
 

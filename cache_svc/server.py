@@ -68,7 +68,8 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
 
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
-        stream = PutStream(aiter(request_iterator), context, self._limiter, self._bandwidth)
+        stream = PutStream(aiter(request_iterator), context, self._limiter, self._bandwidth,
+                           self._store.config.put_idle_s)
         try:
             info = await self._put(stream)
         except errors.KvstashError as exc:
@@ -137,7 +138,8 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         # Unadmitted CacheClients half-close on seeing metadata without the
         # admission key, so a refusal costs them no payload and no wait.
         await stream.send_metadata(admitted=False)
-        with contextlib.suppress(TimeoutError):
+        # A client that went silent is done with too (PutStream's idle limit).
+        with contextlib.suppress(TimeoutError, errors.DeadlineExceeded):
             async with asyncio.timeout(DRAIN_LIMIT_S):
                 # A put admitted with a small share may now send chunks of
                 # any size gRPC accepts.

@@ -4,6 +4,7 @@ nothing left reserved."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -129,3 +130,22 @@ async def test_unknown_long_valid_id_is_echoed_as_a_prefix(start_cache) -> None:
         cache_pb2.StatSnapshotRequest(snapshot_id=name).SerializeToString())
     assert code == grpc.StatusCode.NOT_FOUND
     assert "x" * 40 in details and "x" * 41 not in details and "(128 chars)" in details
+
+
+async def test_a_stalled_put_is_abandoned_and_its_room_returned(start_cache) -> None:
+    """A slow-loris client: the header reserves room, then nothing comes."""
+    running = await start_cache(put_idle_s=0.5)
+    stalled = asyncio.Event()
+
+    async def header_then_silence() -> AsyncIterator[cache_pb2.PutSnapshotRequest]:
+        yield cache_pb2.PutSnapshotRequest(header=make_header("s", make_layout(), 64))
+        stalled.set()
+        await asyncio.sleep(3600)
+
+    call = running.stub.PutSnapshot(header_then_silence(), timeout=60)
+    await stalled.wait()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "sent nothing for 0.5 s" in (info.value.details() or "")
+    await running.assert_nothing_left()
