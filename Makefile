@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test protos check-protos lint bench fuzz test-gpu bench-gpu clean
+.PHONY: demo test protos check-protos lint bench fuzz load test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,14 @@ bench: $(STAMP)
 # processes (CI runs 25 each as part of make test).
 fuzz: $(STAMP)
 	KVSTASH_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q --timeout=0 tests/integration/test_fuzz.py
+
+# A bounded load test on loopback: 32 streaming clients below the scheduler's
+# queue limit, then 96 (a flood above it), 30 s each; requests/s, TTFT and TPOT
+# p50/p99, errors by status code, peak RSS and CPU per service. Fails if the
+# steady phase sees any error or the flood any code but RESOURCE_EXHAUSTED.
+# CI runs a short version (tests/integration/test_load.py).
+load: $(STAMP)
+	$(BIN)/python -m bench.load_test --clients 32 --duration 30
 
 # On a CUDA machine: the tests marked gpu (batch invariance, the preemption
 # oracle and sampling on the device, in bf16, the arena's pinned DMA), then the
