@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                         "preemption); --no-batch-invariant is faster on big batches")
     p.add_argument("--row-tile", type=int, default=_DEFAULTS.row_tile,
                    help="rows per batch-invariant tile; unset = 128 on CUDA, 16 on CPU")
+    p.add_argument("--num-threads", type=int, default=_DEFAULTS.num_threads,
+                   help="torch intra-op threads; 0 = torch's default (one per core)")
     p.add_argument("--host-pool", type=parse_bytes, default=_DEFAULTS.host_pool_bytes,
                    help="idle host buffers kept for offload/restore (pinned on CUDA)")
     p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
@@ -75,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
             cache_arena=args.cache_arena,
             seed=args.seed, batch_invariant=args.batch_invariant, row_tile=args.row_tile,
-            host_pool_bytes=args.host_pool, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
+            host_pool_bytes=args.host_pool, num_threads=args.num_threads,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             security=security.from_args(args, require_client_cert=True),
         )
         security.check_listen(args.listen, config.security)

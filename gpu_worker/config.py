@@ -43,6 +43,10 @@ class WorkerConfig:
     # greedy outputs stay identical under preemption. Off: faster, not invariant.
     batch_invariant: bool = True
     row_tile: int | None = None  # rows per invariant tile; None = the device's default
+    # torch's intra-op threads (process-wide); 0 = torch's default, one per
+    # core. On a small CPU box the tiny model gains little from more than
+    # one, and spinning threads cost the services beside it (make load).
+    num_threads: int = 0
     # Idle pooled host buffers for offload/restore kept at most (pinned on CUDA).
     host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
@@ -60,6 +64,9 @@ class WorkerConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), "
+                             f"got {self.num_threads}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:

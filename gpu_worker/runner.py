@@ -292,7 +292,10 @@ class ModelRunner:
 
 
 def build_runner(config: WorkerConfig) -> ModelRunner:
-    """Loads the configured model and allocates its KV cache."""
+    """Sets torch's threads, loads the configured model and allocates its KV
+    cache."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     loaded = load_model(config)
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,

@@ -30,6 +30,7 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
         ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),
         ({"host_pool_bytes": -1}, "host_pool_bytes must be >= 0, got -1"),
+        ({"num_threads": -1}, r"num_threads must be >= 0 \(0 = torch's default\), got -1"),
     ],
 )
 def test_config_names_the_bad_value(kwargs: dict[str, object], message: str) -> None:
@@ -44,6 +45,21 @@ def test_step_and_buffer_flags_reach_the_config() -> None:
     _, config = parse_args(["--no-batch-invariant", "--row-tile", "32", "--host-pool", "1GiB"])
     assert (config.batch_invariant, config.row_tile, config.host_pool_bytes) == (
         False, 32, 1 << 30)
+
+
+def test_num_threads_reaches_torch() -> None:
+    import torch
+
+    from gpu_worker.runner import build_runner
+
+    _, config = parse_args(["--num-threads", "1", "--num-blocks", "8"])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        build_runner(config)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_help_works() -> None:
