@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
     security.add_flags(p)
+    rpc.add_connection_flags(p)
     # Test hook: simulates a slow disk (bytes per second).
     p.add_argument("--disk-throttle", type=parse_size, default=d.disk_write_bytes_per_s,
                    help=argparse.SUPPRESS)
@@ -115,8 +116,9 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
 
 
 async def serve(config: CacheConfig, address: str, grace_s: float,
-                secured: security.Security) -> None:
-    server, port, cache = await create_cache_server(config, address, security=secured)
+                secured: security.Security, connections: rpc.Connections) -> None:
+    server, port, cache = await create_cache_server(config, address, security=secured,
+                                                    connections=connections)
     host = address.rsplit(":", 1)[0]
     rpc.announce_ready("cache", host, port)
     # Puts still running after the grace period are cancelled; their
@@ -133,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         secured = security.from_args(args, require_client_cert=True)
         security.check_listen(args.listen, secured)
+        connections = rpc.connections_from_args(args)
     except ValueError as exc:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2
     with telemetry.tracing_for(telemetry.CACHE_SERVICE):
         try:
-            asyncio.run(serve(config, args.listen, args.grace, secured))
+            asyncio.run(serve(config, args.listen, args.grace, secured, connections))
         except OSError as exc:  # the address or the arena
             print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
             return 1

@@ -370,11 +370,11 @@ class CacheServer:
 
 async def create_cache_server(
     config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic,
-    security: Security = PLAINTEXT,
+    security: Security = PLAINTEXT, connections: rpc.Connections = rpc.DEFAULT_CONNECTIONS,
 ) -> tuple[grpc.aio.Server, int, CacheServer]:
     """Recovers the disk tier, then binds `address` (port 0 = any) and serves
-    (TLS as `security` says). `clock` times snapshot TTLs (tests pass a fake
-    one to expire on demand)."""
+    (TLS as `security` says, each connection as `connections` allows).
+    `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
     store = SnapshotStore(config, clock)
     await store.start()
     transfers = TransferMetrics()
@@ -385,7 +385,7 @@ async def create_cache_server(
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],
         options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        security=security,
+        security=security, connections=connections,
     )
     metrics = None
     if config.metrics_port:

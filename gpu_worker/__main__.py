@@ -15,7 +15,13 @@ import sys
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
 from kvstash import security, settings, telemetry
 from kvstash.malloc_tuning import tune_malloc
-from kvstash.rpc import announce_ready, run_until_signalled, setup_logging
+from kvstash.rpc import (
+    add_connection_flags,
+    announce_ready,
+    connections_from_args,
+    run_until_signalled,
+    setup_logging,
+)
 from kvstash.units import parse_bytes
 
 log = logging.getLogger("gpu_worker")
@@ -69,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
     security.add_flags(p)
+    add_connection_flags(p)
     args = settings.parse_args(p, "worker", argv)
     try:
         config = WorkerConfig(
@@ -80,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             host_pool_bytes=args.host_pool, num_threads=args.num_threads,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             security=security.from_args(args, require_client_cert=True),
+            connections=connections_from_args(args),
         )
         security.check_listen(args.listen, config.security)
     except ValueError as exc:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.rpc import DEFAULT_CONNECTIONS, Connections
 from kvstash.security import PLAINTEXT, Security
 from kvstash.units import GIB
 
@@ -54,6 +55,7 @@ class WorkerConfig:
     # TLS of its server (mutual: only peers the CA signed) and of its channel
     # to the cache service (kvstash.security).
     security: Security = PLAINTEXT
+    connections: Connections = DEFAULT_CONNECTIONS  # keepalive, idle and stream limits
 
     def __post_init__(self) -> None:
         if self.model != TINY_MODEL and not os.path.isdir(self.model):

@@ -255,6 +255,7 @@ async def create_worker_server(config: WorkerConfig, address: str,
         server, port, health_servicer = await create_server(
             address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
             [SERVICE_NAME], serving=runner is not None, security=config.security,
+            connections=config.connections,
         )
     except BaseException:
         if metrics_server is not None:

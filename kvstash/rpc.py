@@ -7,6 +7,7 @@ work against every service.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -14,6 +15,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -22,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstash import errors
 from kvstash.security import PLAINTEXT, Security, TokenAuth, channel_args, check_listen
-from kvstash.units import MIB
+from kvstash.units import MIB, parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +37,72 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.lookahead_bytes", 4 * MIB),
 ]
 
-# Dead peers are found within ~80 s (a ping after 60 s of silence, 20 s to
-# answer) instead of when the kernel gives up on the socket; a connection
-# without calls for 10 minutes is closed (clients reconnect on their next call).
+# Clients find a dead server within ~80 s (a ping after 60 s of silence, 20 s
+# to answer) instead of when the kernel gives up on the socket.
 KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
 ]
-SERVER_OPTIONS: list[tuple[str, Any]] = [
-    *KEEPALIVE_OPTIONS,
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),  # clients ping every 60 s
-    ("grpc.max_connection_idle_ms", 600_000),
-]
+
+
+@dataclass(frozen=True, slots=True)
+class Connections:
+    """What every server allows one client connection (`add_connection_flags`)."""
+
+    keepalive_s: float = 60.0  # ping a silent client after this long...
+    keepalive_timeout_s: float = 20.0  # ...and drop it without an answer in this
+    idle_s: float = 600.0  # close a connection without calls this long (clients reconnect)
+    max_streams: int = 0  # calls open at once per connection; 0 = the service's default
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_s", "keepalive_timeout_s", "idle_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0")
+        if self.max_streams < 0:
+            raise ValueError(f"max_streams is {self.max_streams}, must be >= 0")
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        options = [
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Clients ping every 60 s (KEEPALIVE_OPTIONS); faster is abuse.
+            ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+            ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
+        ]
+        if self.max_streams:
+            options.append(("grpc.max_concurrent_streams", self.max_streams))
+        return options
+
+
+DEFAULT_CONNECTIONS = Connections()
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULT_CONNECTIONS
+    group = parser.add_argument_group("connections")
+    group.add_argument("--keepalive", type=_duration, default=d.keepalive_s,
+                       help="ping a client silent this long (e.g. 60s)")
+    group.add_argument("--keepalive-timeout", type=_duration, default=d.keepalive_timeout_s,
+                       help="drop a client that does not answer a ping within this")
+    group.add_argument("--idle-timeout", type=_duration, default=d.idle_s,
+                       help="close a connection without calls this long (e.g. 10m)")
+    group.add_argument("--max-streams-per-connection", type=int, default=d.max_streams,
+                       help="calls open at once on one connection; more wait on the client's "
+                            "side; 0 = this service's default")
+
+
+def connections_from_args(args: argparse.Namespace) -> Connections:
+    return Connections(args.keepalive, args.keepalive_timeout, args.idle_timeout,
+                       args.max_streams_per_connection)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 # Server side: the status each domain error is sent as (subclasses included).
 _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
@@ -219,6 +274,7 @@ async def create_server(
     serving: bool = True,
     maximum_concurrent_rpcs: int | None = None,
     security: Security = PLAINTEXT,
+    connections: Connections = DEFAULT_CONNECTIONS,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
@@ -227,9 +283,10 @@ async def create_server(
     that is not ready yet); flip them with `health.set`. Beyond
     `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED.
     `security`: TLS, tokens, and whether plaintext may leave loopback
-    (ValueError if it may not)."""
+    (ValueError if it may not); `connections`: keepalive, idle and stream
+    limits per connection (flags beat a service's own `options`)."""
     check_listen(address, security)
-    merged = dict(CHANNEL_OPTIONS) | dict(SERVER_OPTIONS) | dict(options)
+    merged = dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
     auth = [TokenAuth(security.tokens)] if security.tokens else []
     server = grpc.aio.server(
         options=list(merged.items()),

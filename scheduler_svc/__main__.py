@@ -89,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address /metrics listens on; 0.0.0.0 = every interface")
     p.add_argument("--log-level", default="info")
     security.add_flags(p, accepts_tokens=True)
+    rpc.add_connection_flags(p)
     return settings.parse_args(p, "scheduler", argv)
 
 
@@ -142,7 +143,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
     # Whatever fails on the way up (no worker in time, a bad setting, a metrics
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
-        scheduler = await create_scheduler_server(args.listen, secured)
+        scheduler = await create_scheduler_server(args.listen, secured,
+                                                  rpc.connections_from_args(args))
         server, port = scheduler.server, scheduler.port
         cleanup.push_async_callback(server.stop, None)
         worker_channel = rpc.channel(args.worker_address, secured, _WORKER_CHANNEL_OPTIONS)

@@ -184,14 +184,16 @@ class SchedulerServer:
         await rpc.set_serving(self.health, [SERVICE_NAME], serving)
 
 
-async def create_scheduler_server(address: str,
-                                  security: Security = PLAINTEXT) -> SchedulerServer:
+async def create_scheduler_server(
+    address: str, security: Security = PLAINTEXT,
+    connections: rpc.Connections = rpc.DEFAULT_CONNECTIONS,
+) -> SchedulerServer:
     """Binds and starts serving (TLS and tokens as `security` says),
     NOT_SERVING until an engine is attached and reports its worker up."""
     servicer = SchedulerServicer()
     server, port, health_servicer = await rpc.create_server(
         address,
         [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
-        [SERVICE_NAME], serving=False, security=security,
+        [SERVICE_NAME], serving=False, security=security, connections=connections,
     )
     return SchedulerServer(server, port, servicer, health_servicer)

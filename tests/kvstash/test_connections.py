@@ -1,0 +1,92 @@
+"""Per-connection limits every server applies (kvstash.rpc.Connections):
+flags, and what a real server does with them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
+from kvstash import rpc
+from kvstash.units import MIB
+from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+
+def parse(*argv: str) -> rpc.Connections:
+    parser = argparse.ArgumentParser()
+    rpc.add_connection_flags(parser)
+    return rpc.connections_from_args(parser.parse_args(argv))
+
+
+def test_flags_reach_the_server_options() -> None:
+    assert parse() == rpc.DEFAULT_CONNECTIONS
+    options = dict(parse("--keepalive", "5s", "--keepalive-timeout", "2", "--idle-timeout",
+                         "1m", "--max-streams-per-connection", "7").server_options())
+    assert (options["grpc.keepalive_time_ms"], options["grpc.keepalive_timeout_ms"],
+            options["grpc.max_connection_idle_ms"], options["grpc.max_concurrent_streams"]) == (
+        5000, 2000, 60_000, 7)
+    assert "grpc.max_concurrent_streams" not in dict(parse().server_options())
+    with pytest.raises(ValueError, match=r"idle_s is 0\.0, must be > 0"):
+        parse("--idle-timeout", "0")
+
+
+async def test_an_idle_connection_is_closed_and_reopened() -> None:
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
+        connections=rpc.Connections(idle_s=0.3))
+    try:
+        async with rpc.channel(f"127.0.0.1:{port}") as channel:
+            stub = cache_pb2_grpc.KVCacheStub(channel)
+            await stub.GetStats(common_pb2.GetStatsRequest())
+            assert channel.get_state() == grpc.ChannelConnectivity.READY
+            for _ in range(100):  # the server says goodbye after 0.3 s without calls
+                await asyncio.sleep(0.05)
+                if channel.get_state() == grpc.ChannelConnectivity.IDLE:
+                    break
+            assert channel.get_state() == grpc.ChannelConnectivity.IDLE
+            await stub.GetStats(common_pb2.GetStatsRequest())  # and the client comes back
+    finally:
+        await cache.stop(None)
+
+
+async def test_calls_beyond_the_stream_limit_wait_for_a_free_stream() -> None:
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
+        connections=rpc.Connections(max_streams=1))
+    address = f"127.0.0.1:{port}"
+    try:
+        async with rpc.channel(address) as channel:
+            stub = cache_pb2_grpc.KVCacheStub(channel)
+            await stub.GetStats(common_pb2.GetStatsRequest())  # connected
+            # A put that sends nothing after its header holds the one stream.
+            sent, release = asyncio.Event(), asyncio.Event()
+
+            async def header_then_wait() -> AsyncIterator[cache_pb2.PutSnapshotRequest]:
+                yield cache_pb2.PutSnapshotRequest(header=cache_pb2.SnapshotHeader(
+                    snapshot_id="held", layout=common_pb2.KvLayout(
+                        num_layers=1, block_size=16, num_kv_heads=1, head_dim=64,
+                        dtype="float16"),
+                    num_blocks=1, num_tokens=16, total_bytes=4096, chunk_bytes=MIB,
+                    checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64))
+                sent.set()
+                await release.wait()
+
+            held = stub.PutSnapshot(header_then_wait())
+            await sent.wait()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetStats(common_pb2.GetStatsRequest(), timeout=0.5)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # Another connection is served (channels share connections unless told not to).
+            own_connection = [("grpc.use_local_subchannel_pool", 1)]
+            async with rpc.channel(address, options=own_connection) as other:
+                await cache_pb2_grpc.KVCacheStub(other).GetStats(common_pb2.GetStatsRequest())
+            held.cancel()
+            release.set()
+            await stub.GetStats(common_pb2.GetStatsRequest(), timeout=5)
+    finally:
+        await cache.stop(None)
