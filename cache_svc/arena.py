@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import fcntl
 import logging
 import mmap
 import os
 import secrets
 from pathlib import Path
+
+from kvstash.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,7 @@ class Arena:
             raise OSError(exc.errno, (
                 f"cannot allocate a {size}-byte arena in {directory}: {exc.strerror} "
                 f"({free.f_bavail * free.f_frsize} bytes free there)")) from None
-        anchor = ctypes.c_char.from_buffer(self._map)
-        self._base = ctypes.addressof(anchor)
-        del anchor
+        self._base = buffer_address(self._map)
         self._view = memoryview(self._map)
         # Free ranges as parallel sorted lists of offsets and lengths.
         self._free_offsets: list[int] = [0]
@@ -135,9 +134,7 @@ class Arena:
 
     def offset_of(self, extent: memoryview) -> int:
         """Where `extent`, a view `alloc` handed out, starts in the arena."""
-        anchor = ctypes.c_char.from_buffer(extent)
-        offset = ctypes.addressof(anchor) - self._base
-        del anchor
+        offset = buffer_address(extent) - self._base
         if not 0 <= offset < self.size:
             raise ValueError("not an extent of this arena")
         return offset

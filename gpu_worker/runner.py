@@ -18,7 +18,6 @@ The host block pool (`host_pool`) is the exception: it is thread-safe.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
+from kvstash.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +231,10 @@ class ModelRunner:
             return
         cudart = torch.cuda.cudart()
         if self._pinned_region is not None:
-            cudart.cudaHostUnregister(_address_of(self._pinned_region))
+            cudart.cudaHostUnregister(buffer_address(self._pinned_region))
             self._pinned_region = None
         view = memoryview(region)  # type: ignore[arg-type]
-        error = cudart.cudaHostRegister(_address_of(region), view.nbytes, 0)
+        error = cudart.cudaHostRegister(buffer_address(region), view.nbytes, 0)
         if int(error) != 0:  # copies still work, staged through pageable memory
             log.warning("pinning %d bytes of host memory failed (%s); KV copies to the "
                         "cache's arena will be slower", view.nbytes, error)
@@ -303,9 +303,3 @@ def build_runner(config: WorkerConfig) -> ModelRunner:
                        batch_invariant=config.batch_invariant, row_tile=config.row_tile,
                        host_pool_bytes=config.host_pool_bytes)
 
-
-def _address_of(region: object) -> int:
-    anchor = ctypes.c_char.from_buffer(region)  # type: ignore[arg-type]
-    address = ctypes.addressof(anchor)
-    del anchor
-    return address

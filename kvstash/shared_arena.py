@@ -77,11 +77,13 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     if src.readonly:
         dst[:] = src
         return
-    ctypes.memmove(_address(dst), _address(src), dst.nbytes)
+    ctypes.memmove(buffer_address(dst), buffer_address(src), dst.nbytes)
 
 
-def _address(view: memoryview) -> int:
-    anchor = ctypes.c_char.from_buffer(view)
+def buffer_address(buffer: object) -> int:
+    """Where a writable buffer's bytes start in this process's memory. The
+    caller keeps `buffer` alive while it uses the address."""
+    anchor = ctypes.c_char.from_buffer(buffer)  # type: ignore[arg-type]
     address = ctypes.addressof(anchor)
     del anchor
     return address
