@@ -26,6 +26,9 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
     p.add_argument("--cache-memory-budget", default=defaults.cache_memory_budget)
     p.add_argument("--cache-disk-budget", default=defaults.cache_disk_budget)
     p.add_argument("--cache-disk-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--pd", action="store_true",
+                   help="P/D disaggregation: a prefill and a decode instance (each a scheduler "
+                        "and its worker) sharing the cache; clients call the prefill instance")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
@@ -33,7 +36,7 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
         model=args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks,
         block_size=args.block_size, preemption_mode=args.preemption_mode,
         cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
-        cache_disk_dir=args.cache_disk_dir, **extra,  # type: ignore[arg-type]
+        cache_disk_dir=args.cache_disk_dir, pd=args.pd, **extra,  # type: ignore[arg-type]
     )
 
 
@@ -56,7 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = start_stack(config)
     try:
         for service in stack.services:
-            print(f"{service.name:<10} {service.address:<22} pid {service.process.pid}")
+            print(f"{service.name:<16} {service.address:<22} pid {service.process.pid}")
         reach = ("loopback only" if security.is_loopback(args.listen)
                  else "anyone who can reach this host")
         print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")

@@ -4,6 +4,8 @@ Starts the three services with a KV pool far smaller than the workload needs,
 sends every request at once (so decode requests get preempted, offloaded to
 the cache service and restored), streams one of them, then replays each
 request alone (an unpressured run) and checks the outputs are identical.
+With `--pd`, requests are prefilled on one instance and decoded on another;
+the pressure (and the preemptions) is on the decode instance.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _run(address: str, cache_address: str, num_requests: int, max_tokens: int) -> bool:
+async def _run(address: str, cache_address: str, num_requests: int, max_tokens: int,
+               decode_address: str | None = None) -> bool:
     prompts = make_prompts(num_requests)
     async with Client(address) as client:
         print(f"-- {num_requests} concurrent requests, {max_tokens} tokens each; "
@@ -63,7 +66,10 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
         pressured = await asyncio.gather(*[
             _one(client, p, max_tokens, echo=(i == 0)) for i, p in enumerate(prompts)])
         wall = time.perf_counter() - start
-        stats = await client.stats()
+        stats = handoff = await client.stats()
+        if decode_address is not None:  # preemptions happen on the decode instance
+            async with Client(decode_address) as decode:
+                stats = await decode.stats()
         print("\n-- replaying each request alone (unpressured) to check outputs ...")
         alone = [await _one(client, p, max_tokens, echo=False) for p in prompts]
     async with CacheClient(cache_address) as cache:
@@ -85,6 +91,9 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
         ("offloaded / restored", f"{stats.bytes_offloaded / MIB:.1f} / "
                                  f"{stats.bytes_restored / MIB:.1f} MiB"),
         ("tokens recomputed", f"{stats.num_recomputed_tokens}"),
+        *([("P/D handoffs", f"{handoff.num_handoffs} ({handoff.bytes_handed_off / MIB:.1f} MiB), "
+                            f"{handoff.num_handoff_failures} failed")]
+          if decode_address is not None else []),
         ("snapshots left in cache", f"{cache_stats.memory_snapshots + cache_stats.disk_snapshots}"),
         ("outputs equal to unpressured run", f"{matched}/{num_requests}"),
     ]
@@ -94,10 +103,13 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
 
 
 def run_demo(config: StackConfig, num_requests: int, max_tokens: int) -> int:
-    print(f"starting cache, worker ({config.model}, {config.dtype}) and scheduler "
+    instances = "a prefill and a decode instance" if config.pd else "scheduler"
+    print(f"starting cache, worker ({config.model}, {config.dtype}) and {instances} "
           f"with {config.num_blocks} KV blocks ...", flush=True)
     with running_stack(config) as stack:
-        ok = asyncio.run(_run(stack.address, stack.cache.address, num_requests, max_tokens))
+        decode = stack.decode_scheduler
+        ok = asyncio.run(_run(stack.address, stack.cache.address, num_requests, max_tokens,
+                              None if decode is None else decode.address))
     if not ok:
         print("outputs differ from the unpressured run", file=sys.stderr)
     return 0 if ok else 1

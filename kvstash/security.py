@@ -3,6 +3,7 @@ on the public API, and the rule that plaintext is never silent.
 
     client --TLS + "authorization: Bearer <token>"--> scheduler (public API)
     scheduler --mTLS--> worker, cache          worker --mTLS--> cache
+    prefill scheduler --mTLS + token (--token-file)--> decode scheduler (P/D)
 
 Each service gets one certificate (usable for server and client auth, as
 cert-manager issues them) and one CA bundle: as a server it presents the

@@ -5,6 +5,13 @@ binds port 0 and announces its address on stdout (`kvstash.rpc.announce_ready`);
 the launcher waits for that line, so no port is ever guessed.
 
     cache  <-- worker <-- scheduler <-- clients
+
+With `pd`, two instances share the cache: clients call the prefill instance,
+which hands each prefilled request to the decode instance.
+
+    cache  <-- worker <-- scheduler (prefill) <-- clients
+      ^                            | ReserveBlocks, Decode
+      +---- worker <-- scheduler (decode)
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from kvstash.rpc import READY_MARKER
 from kvstash.units import parse_bytes
 
 SHARED_MEMORY_DIR = "/dev/shm"
+# The name each service's module announces itself by when ready.
+_ANNOUNCED = {"cache_svc": "cache", "gpu_worker": "worker", "scheduler_svc": "scheduler"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +66,13 @@ class StackConfig:
     scheduler_args: tuple[str, ...] = ()  # extra flags, for tests and experiments
     worker_args: tuple[str, ...] = ()
     cache_args: tuple[str, ...] = ()
+    # P/D disaggregation: a prefill and a decode instance (each a scheduler
+    # and its worker); scheduler_args and worker_args go to both, the
+    # prefill_*/decode_* ones to that instance only.
+    pd: bool = False
+    prefill_scheduler_args: tuple[str, ...] = ()
+    decode_scheduler_args: tuple[str, ...] = ()
+    decode_worker_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -103,15 +119,19 @@ class Service:
 class Stack:
     cache: Service
     worker: Service
-    scheduler: Service
+    scheduler: Service  # the one clients call (the prefill instance's, with pd)
     log_dir: Path
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     # The log directory was made for this stack: removed on stop unless kept.
     _own_logs: bool = field(default=False, repr=False)
+    # With pd: the decode instance.
+    decode_scheduler: Service | None = None
+    decode_worker: Service | None = None
 
     @property
     def services(self) -> list[Service]:
-        return [self.scheduler, self.worker, self.cache]
+        decode = [s for s in (self.decode_scheduler, self.decode_worker) if s is not None]
+        return [self.scheduler, self.worker, *decode, self.cache]
 
     @property
     def address(self) -> str:
@@ -158,7 +178,8 @@ def start_service(
     log_file.close()
     assert process.stdout is not None
     try:
-        address = _wait_ready(name, process, process.stdout, log_path, timeout_s)
+        address = _wait_ready(name, _ANNOUNCED.get(module, name), process, process.stdout,
+                              log_path, timeout_s)
     except BaseException:  # not ready, or a stop signal while waiting
         process.kill()
         process.wait()
@@ -170,14 +191,15 @@ def start_service(
 
 
 def _wait_ready(
-    name: str, process: subprocess.Popen[str], stdout: IO[str], log_path: Path, timeout_s: float
+    name: str, announced: str, process: subprocess.Popen[str], stdout: IO[str],
+    log_path: Path, timeout_s: float,
 ) -> str:
     found: list[str] = []
 
     def read() -> None:
         for line in stdout:
             parts = line.split()
-            if len(parts) == 3 and parts[0] == READY_MARKER and parts[1] == name:
+            if len(parts) == 3 and parts[0] == READY_MARKER and parts[1] == announced:
                 found.append(parts[2])
                 return
 
@@ -227,27 +249,53 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             *arena_args(config), *plain, *config.cache_args,
         ], logs)
         started.append(cache)
-        worker = start_service("worker", "gpu_worker", [
-            "--listen", listen, "--model", config.model, "--dtype", config.dtype,
-            "--device", config.device, "--block-size", str(config.block_size),
-            "--num-blocks", str(config.num_blocks), "--cache-address", cache.address,
-            *plain, *config.worker_args,
-        ], logs)
-        started.append(worker)
-        scheduler = start_service("scheduler", "scheduler_svc", [
-            "--listen", f"{config.host}:{config.scheduler_port}",
-            "--worker-address", worker.address, "--cache-address", cache.address,
-            "--max-num-seqs", str(config.max_num_seqs),
-            "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-            "--preemption-mode", config.preemption_mode,
-            *plain, *config.scheduler_args,
-        ], logs)
+        decode: list[Service] = []
+        pd_args: list[str] = []
+        if config.pd:
+            decode = _start_instance(
+                config, "decode-", cache.address, ["--role", "decode"],
+                config.decode_scheduler_args, config.decode_worker_args, logs, started)
+            pd_args = ["--role", "prefill", "--decode-address", decode[0].address]
+        scheduler, worker = _start_instance(
+            config, "", cache.address, pd_args,
+            config.prefill_scheduler_args if config.pd else (), (), logs, started,
+            scheduler_port=config.scheduler_port)
     except BaseException:
         for service in reversed(started):
             service.stop()
         tmp.cleanup()
         raise
-    return Stack(cache, worker, scheduler, logs, tmp, _own_logs=log_dir is None)
+    return Stack(cache, worker, scheduler, logs, tmp, _own_logs=log_dir is None,
+                 decode_scheduler=decode[0] if decode else None,
+                 decode_worker=decode[1] if decode else None)
+
+
+def _start_instance(
+    config: StackConfig, prefix: str, cache_address: str, role_args: Sequence[str],
+    scheduler_args: Sequence[str], worker_args: Sequence[str], logs: Path,
+    started: list[Service], scheduler_port: int = 0,
+) -> list[Service]:
+    """A worker and its scheduler, named `prefix`worker / `prefix`scheduler;
+    each appended to `started` once up. Returns [scheduler, worker]."""
+    listen = f"{config.host}:0"
+    plain = ["--plaintext"] if config.plaintext else []
+    worker = start_service(prefix + "worker", "gpu_worker", [
+        "--listen", listen, "--model", config.model, "--dtype", config.dtype,
+        "--device", config.device, "--block-size", str(config.block_size),
+        "--num-blocks", str(config.num_blocks), "--cache-address", cache_address,
+        *plain, *config.worker_args, *worker_args,
+    ], logs)
+    started.append(worker)
+    scheduler = start_service(prefix + "scheduler", "scheduler_svc", [
+        "--listen", f"{config.host}:{scheduler_port}",
+        "--worker-address", worker.address, "--cache-address", cache_address,
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--preemption-mode", config.preemption_mode,
+        *role_args, *plain, *config.scheduler_args, *scheduler_args,
+    ], logs)
+    started.append(scheduler)
+    return [scheduler, worker]
 
 
 @contextlib.contextmanager

@@ -26,9 +26,10 @@ from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.server import create_scheduler_server
+from scheduler_svc.server import ROLES, create_scheduler_server
 from scheduler_svc.worker_link import WorkerLink
 
 log = logging.getLogger("scheduler_svc")
@@ -50,6 +51,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port; port 0 = any free")
     p.add_argument("--worker-address", default="127.0.0.1:50061")
     p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
+    p.add_argument("--role", choices=ROLES, default="mixed",
+                   help="P/D disaggregation: a prefill instance hands each prefilled request "
+                        "to a decode instance (both need the same --cache-address)")
+    p.add_argument("--decode-address", default="",
+                   help="prefill role: decode instances, comma-separated host:port; a name "
+                        "that resolves to several addresses counts as each")
+    p.add_argument("--handoff-wait", type=float, default=10.0,
+                   help="prefill role: seconds to retry decode instances that refuse before "
+                        "decoding the request here")
+    p.add_argument("--reservation-timeout", type=float,
+                   default=_CORE["reservation_timeout_s"],
+                   help="decode role: seconds a block reservation waits for its KV")
     p.add_argument("--num-blocks", type=int, default=0,
                    help="use at most this many of the worker's KV blocks (0 = all)")
     p.add_argument("--max-num-seqs", type=int, default=_CORE["max_num_seqs"])
@@ -82,13 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds one offload or restore may take, end to end")
     p.add_argument("--snapshot-ttl", type=int, default=_ENGINE.snapshot_ttl_s,
                    help="seconds an idle snapshot is kept; 0 = the cache service's default")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the scheduler's invariants whenever it goes idle; exit with "
+                        "code 70 on a broken one (for tests: O(pool + requests) each time)")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
     p.add_argument("--log-level", default="info")
-    security.add_flags(p, accepts_tokens=True)
+    # --token-file: what a prefill instance sends its decode instances.
+    security.add_flags(p, accepts_tokens=True, sends_token=True)
     rpc.add_connection_flags(p)
     return settings.parse_args(p, "scheduler", argv)
 
@@ -134,6 +151,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         clip_max_new_tokens=args.clip_max_new_tokens,
         retract_steps=args.retract_steps,
         resume_headroom=args.resume_headroom,
+        reservation_timeout_s=args.reservation_timeout,
         bytes_per_block=layout.bytes_per_block,
     )
 
@@ -147,7 +165,9 @@ async def serve(args: argparse.Namespace, secured: security.Security,
                                                   rpc.connections_from_args(args))
         server, port = scheduler.server, scheduler.port
         cleanup.push_async_callback(server.stop, None)
-        worker_channel = rpc.channel(args.worker_address, secured, _WORKER_CHANNEL_OPTIONS)
+        # The token is for decode instances only: the worker and cache ask none.
+        internal = dataclasses.replace(secured, token=None)
+        worker_channel = rpc.channel(args.worker_address, internal, _WORKER_CHANNEL_OPTIONS)
         cleanup.push_async_callback(worker_channel.close)
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)
@@ -156,31 +176,56 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
         engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout,
-                                     snapshot_ttl_s=args.snapshot_ttl, tracing=tracing)
+                                     snapshot_ttl_s=args.snapshot_ttl, tracing=tracing,
+                                     check_integrity=args.check_integrity)
         cache: CacheLink | None = None
         if args.cache_address:
-            client = CacheClient(args.cache_address, security=secured)
+            client = CacheClient(args.cache_address, security=internal)
             cleanup.push_async_callback(client.close)
             cache = CacheLink(client)
+        peers: DecodePeers | None = None
+        if args.role == "prefill":
+            peers = DecodePeers(args.decode_address.split(","), Layout.of(info.kv_layout),
+                                secured, wait_s=args.handoff_wait)
+            cleanup.push_async_callback(peers.close)
         worker = WorkerLink(worker_channel, info)
         core = Scheduler(config)
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
         engine = Engine(core, worker, cache, engine_config, metrics=metrics,
-                        on_worker_change=scheduler.set_serving)
-        scheduler.servicer.attach(engine, tokenizer, metrics)
+                        on_worker_change=scheduler.set_serving, decode_peers=peers)
+        scheduler.servicer.attach(engine, tokenizer, metrics, args.role)
         await engine.start()
         cleanup.push_async_callback(engine.close)
         async with asyncio.timeout(args.worker_wait):
             await engine.wait_until_worker_up()  # READY means SERVING
         if args.metrics_port:
             cleanup.callback(metrics.serve(args.metrics_port, args.metrics_host).stop)
-        log.info("serving %s (%d KV blocks of %d tokens) on port %d",
-                 info.model_name, config.num_blocks, config.block_size, port)
+        log.info("serving %s (%d KV blocks of %d tokens) on port %d, role %s",
+                 info.model_name, config.num_blocks, config.block_size, port, args.role)
         # Everything built so far lives as long as the process: keep it out of
         # the collector's generations so full collections stay short under load.
         gc.freeze()
         rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
         await rpc.run_until_signalled(server)
+
+
+def check_role(args: argparse.Namespace) -> None:
+    """P/D flags that contradict each other fail at start, not at the first request."""
+    addresses = [a for a in args.decode_address.split(",") if a]
+    if args.role == "prefill":
+        if not addresses:
+            raise ValueError("--role prefill needs --decode-address")
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--decode-address {address!r} is not host:port")
+        if args.handoff_wait < 0:
+            raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
+    elif addresses:
+        raise ValueError(f"--decode-address is for --role prefill, not {args.role}")
+    if args.role != "mixed" and not args.cache_address:
+        raise ValueError(f"--role {args.role} needs --cache-address: the KV handoff goes "
+                         "through the cache service")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         # if any, identifies them); the worker and cache demand one of us.
         secured = security.from_args(args, require_client_cert=False)
         security.check_listen(args.listen, secured)
+        check_role(args)
     except ValueError as exc:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:

@@ -14,6 +14,18 @@ core (`observe_step`, `finish_offload` / `finish_restore`): they are what its
 cost model learns AUTO preemption's choice from. Each preemption, either mode,
 is a "preempted" event on the request's trace and a count by mode and reason.
 
+P/D disaggregation (decode_peers.py):
+    prefill instance  `find_decoder` reserves blocks on a decode instance
+                      before the request is submitted; once prefilled, the
+                      core hands it off (`out.handoffs`): its KV is put in the
+                      cache, then `_relay` streams the decode instance's
+                      tokens into the request's stream. A failed put decodes
+                      here; a lost decode instance gives the request back to
+                      the core (`take_back`): never lost.
+    decode instance   `reserve` and `decode` (a restore into the reserved
+                      blocks, then decoding as usual); a timer wakes the loop
+                      when a reservation may have expired.
+
 Tracing (only with EngineConfig.tracing; see kvstash.telemetry): each request
 keeps the trace context it was submitted in (its Generate span). Its copies
 run inside that context as "kvstash.offload" / "kvstash.restore" spans, so
@@ -26,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -37,21 +50,27 @@ from opentelemetry import trace
 
 from kvstash import errors
 from kvstash.sampling import SamplingParams
+from kvstash.v1 import scheduler_pb2
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
+from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.outputs import (
     OffloadCommand,
     Preempted,
     RequestUpdate,
     RestoreCommand,
 )
-from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import DecodePeer, DecodePeers
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import CopyOutcome, StepStream, WorkerLink
 
 log = logging.getLogger(__name__)
+
+# How a scheduler run with EngineConfig.check_integrity exits on a broken invariant.
+INTEGRITY_EXIT_CODE = 70
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +83,9 @@ class EngineConfig:
     # Emit phase and transfer spans (kvstash.telemetry is on). Off, the step
     # loop builds no span data at all.
     tracing: bool = False
+    # Check every invariant of the core (O(pool + requests)) whenever the loop
+    # goes idle, and exit the process on a broken one: for tests.
+    check_integrity: bool = False
 
 
 class Engine:
@@ -71,9 +93,11 @@ class Engine:
         self, core: Scheduler, worker: WorkerLink, cache: CacheLink | None,
         config: EngineConfig = EngineConfig(), *, metrics: SchedulerMetrics | None = None,
         on_worker_change: Callable[[bool], Awaitable[None]] | None = None,
+        decode_peers: DecodePeers | None = None,
     ) -> None:
         """`on_worker_change(True)` is awaited once the worker answers and an
-        Execute stream is open, `(False)` once that stream broke."""
+        Execute stream is open, `(False)` once that stream broke.
+        `decode_peers`: this is a P/D prefill instance, handing off to them."""
         self._core = core
         self._worker = worker
         self._cache = cache
@@ -84,6 +108,11 @@ class Engine:
         self._req_to_stream: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._peers = decode_peers
+        # P/D, prefill instance: where each request's decode was reserved, and
+        # the task relaying it once handed off.
+        self._decoders: dict[str, DecodePeer] = {}
+        self._relays: dict[str, asyncio.Task[None]] = {}
 
     @property
     def core(self) -> Scheduler:
@@ -111,11 +140,24 @@ class Engine:
                 await task
 
     def submit(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        decoder: DecodePeer | None = None,
     ) -> RequestStream:
         """Admits a request (raises InvalidArgument / AlreadyExists /
-        ResourceExhausted) and returns the stream its tokens arrive on."""
-        self._core.add_request(request_id, prompt_token_ids, sampling)
+        ResourceExhausted) and returns the stream its tokens arrive on.
+        `decoder` (from find_decoder): decode it there once prefilled."""
+        try:
+            self._core.add_request(request_id, prompt_token_ids, sampling,
+                                   handoff=decoder is not None)
+        except errors.KvstashError:
+            if decoder is not None:
+                self._spawn(self._release(decoder, request_id))
+            raise
+        if decoder is not None:
+            self._decoders[request_id] = decoder
+        return self._new_stream(request_id)
+
+    def _new_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream()
         if self._config.tracing:
             stream.trace_context = otel_context.get_current()
@@ -126,10 +168,12 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Aborts a live request (NotFound otherwise); its stream ends with an
-        ABORTED update. Blocks and snapshot are released by the core."""
+        ABORTED update. Blocks and snapshot are released by the core (and by
+        the decode instance it was reserved on or handed to)."""
         usage = self._core.abort(request_id)
         if (stream := self._req_to_stream.pop(request_id, None)) is not None:
             stream.end(RequestUpdate(request_id, [], RequestStatus.FINISHED_ABORTED, usage))
+        self._let_go_of_decoder(request_id)
         self._wake.set()
 
     # -- the step loop ------------------------------------------------------
@@ -194,8 +238,12 @@ class Engine:
                 self._spawn(self._offload(offload))
             for restore in output.restores:
                 self._spawn(self._restore(restore))
+            for handoff in output.handoffs:
+                self._spawn(self._hand_off(handoff))
             self._delete_snapshots(core.take_snapshots_to_delete())
             if not output.seqs:
+                if self._config.check_integrity:
+                    self._check_integrity()
                 # Nothing to compute until a request arrives, a copy lands or
                 # the stream dies. No await since schedule(): no wake-up missed.
                 self._wake.clear()
@@ -211,12 +259,22 @@ class Engine:
             for update in core.update(output, sampled):
                 if update.finish_status is not None:
                     request_stream = streams.pop(update.request_id, None)
+                    if self._decoders:  # its first token ended it: no handoff
+                        self._let_go_of_decoder(update.request_id)
                 else:
                     request_stream = streams.get(update.request_id)
                 if request_stream is not None:
                     request_stream.push(update)
             # Let request streams, copies and new arrivals run between steps.
             await asyncio.sleep(0)
+
+    def _check_integrity(self) -> None:
+        try:
+            self._core.check_integrity()
+        except IntegrityError:
+            log.critical("scheduler state broken; exiting", exc_info=True)
+            logging.shutdown()
+            os._exit(INTEGRITY_EXIT_CODE)
 
     def _fail_all(self, error: errors.KvstashError) -> None:
         for request_id in list(self._req_to_stream):
@@ -225,6 +283,7 @@ class Engine:
             with contextlib.suppress(errors.NotFound):
                 usage = self._core.abort(request_id)
             stream.fail(error, usage)
+            self._let_go_of_decoder(request_id)
 
     # -- copies -------------------------------------------------------------
 
@@ -255,7 +314,7 @@ class Engine:
                     cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
             finally:
                 seconds = time.monotonic() - started
-                self._report(cmd, outcome, span, seconds)
+                self._report("offload", cmd, outcome, span, seconds)
                 if outcome.maybe_stored:
                     self._delete_snapshots([cmd.snapshot_id])
                 self._core.finish_offload(cmd, outcome.num_bytes, seconds)
@@ -270,23 +329,23 @@ class Engine:
                 outcome = await self._worker.restore(cmd, self._config.transfer_timeout_s)
             finally:
                 seconds = time.monotonic() - started
-                self._report(cmd, outcome, span, seconds)
+                self._report("restore", cmd, outcome, span, seconds)
                 self._core.finish_restore(cmd, outcome.num_bytes, seconds)
                 self._landed()
 
     def _report(
-        self, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome, span: trace.Span,
-        seconds: float,
+        self, kind: str, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome,
+        span: trace.Span, seconds: float,
     ) -> None:
-        """A copy's outcome to the log, its span and the duration metric."""
-        offload = isinstance(cmd, OffloadCommand)
+        """A copy's outcome (`kind`: offload, restore or handoff) to the log,
+        its span and the duration metric."""
         if outcome.num_bytes is None:
-            log.warning("%s of %s failed (%s); recomputing instead",
-                        "offload" if offload else "restore", cmd.request_id, outcome.error)
+            log.warning("%s of %s failed (%s); %s instead", kind, cmd.request_id, outcome.error,
+                        "decoding here" if kind == "handoff" else "recomputing")
             tracing.set_failed(span, outcome.error)
             return
-        if self._metrics is not None:
-            histogram = self._metrics.offload_s if offload else self._metrics.restore_s
+        if self._metrics is not None and kind != "handoff":
+            histogram = self._metrics.offload_s if kind == "offload" else self._metrics.restore_s
             histogram.observe(seconds)
         tracing.set_copied(span, outcome.num_bytes)
 
@@ -298,3 +357,137 @@ class Engine:
     def _delete_snapshots(self, snapshot_ids: list[str]) -> None:
         if self._cache is not None and snapshot_ids:
             self._spawn(self._cache.delete(snapshot_ids))
+
+    # -- P/D: prefill instance ---------------------------------------------
+
+    async def find_decoder(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> DecodePeer | None:
+        """A decode instance that reserved blocks for the request (checked
+        first as submit would: InvalidArgument, AlreadyExists), or None:
+        decode here (not a prefill instance, one token only, or none reserved
+        in time)."""
+        if self._peers is None or sampling.max_tokens < 2:
+            return None
+        self._core.check_request(request_id, prompt_token_ids, sampling)
+        return await self._peers.reserve(request_id, prompt_token_ids, sampling)
+
+    async def _hand_off(self, cmd: OffloadCommand) -> None:
+        """Puts a prefilled request's KV in the cache for its decode instance,
+        then relays that instance's tokens. The core hears of the copy
+        whatever happens, as for an offload."""
+        outcome = CopyOutcome(None, "cancelled", maybe_stored=True)
+        started = time.monotonic()
+        with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.handoff",
+                                   cmd) as span:
+            try:
+                outcome = await self._worker.offload(
+                    cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
+            finally:
+                self._report("handoff", cmd, outcome, span, time.monotonic() - started)
+                if outcome.maybe_stored:
+                    self._delete_snapshots([cmd.snapshot_id])
+                handed_off = self._core.finish_handoff(
+                    cmd, outcome.num_bytes, time.monotonic() - started)
+                self._landed()
+        decoder = self._decoders.get(cmd.request_id)
+        if not handed_off or decoder is None:
+            self._let_go_of_decoder(cmd.request_id)  # decoding here, or aborted
+            return
+        req = self._core.get_request(cmd.request_id)
+        assert req is not None
+        first_token_id = req.output_token_ids[-1]
+        self._relays[cmd.request_id] = asyncio.current_task()  # type: ignore[assignment]
+        # The Decode call joins the request's trace.
+        trace_context = self._traced(cmd.request_id)
+        token = None if trace_context is None else otel_context.attach(trace_context)
+        try:
+            await self._relay(decoder, cmd, first_token_id, started)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+            self._relays.pop(cmd.request_id, None)
+            self._decoders.pop(cmd.request_id, None)
+
+    async def _relay(
+        self, decoder: DecodePeer, cmd: OffloadCommand, first_token_id: int, started: float
+    ) -> None:
+        """The decode instance's tokens into the request's stream; if it fails
+        or ends early, the core takes the request back to finish it here."""
+        request_id = cmd.request_id
+        core = self._core
+        first = True
+        try:
+            async for response in self._peers.decode(  # type: ignore[union-attr]
+                    decoder, request_id, cmd.snapshot_id, cmd.num_tokens, first_token_id):
+                if first and self._metrics is not None:
+                    self._metrics.handoff_s.observe(time.monotonic() - started)
+                first = False
+                finish = response.finish_reason
+                if finish == scheduler_pb2.FINISH_REASON_ABORT:
+                    reason = "aborted there"
+                    break
+                if finish:
+                    update = core.finish_remote(
+                        request_id, response.token_ids, finish == scheduler_pb2.FINISH_REASON_STOP,
+                        _remote_usage(response.usage))
+                    stream = self._req_to_stream.pop(request_id, None)
+                else:
+                    update = core.remote_tokens(request_id, response.token_ids)
+                    stream = self._req_to_stream.get(request_id)
+                if update is not None and stream is not None:
+                    stream.push(update)
+                if finish:
+                    return
+            else:
+                reason = "its stream ended early"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        log.warning("request %s: decode instance %s lost (%s); finishing it here",
+                    request_id, decoder.address, reason)
+        core.take_back(request_id)
+        self._wake.set()
+
+    def _let_go_of_decoder(self, request_id: str) -> None:
+        """The request will not (or no longer) decode on its decode instance:
+        stop relaying (which aborts it there) or release the reservation."""
+        decoder = self._decoders.pop(request_id, None)
+        if (relay := self._relays.pop(request_id, None)) is not None:
+            relay.cancel()
+        elif decoder is not None:
+            self._spawn(self._release(decoder, request_id))
+
+    async def _release(self, decoder: DecodePeer, request_id: str) -> None:
+        assert self._peers is not None
+        await self._peers.release(decoder, request_id)
+
+    # -- P/D: decode instance ----------------------------------------------
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> bool:
+        """Holds blocks for a prefill instance's request (Scheduler.reserve);
+        False: refused, ask again later."""
+        if not self._core.reserve(request_id, prompt_token_ids, sampling):
+            return False
+        # The step loop expires it if unused: wake it then.
+        asyncio.get_running_loop().call_later(
+            self._core.config.reservation_timeout_s, self._wake.set)
+        return True
+
+    def decode(
+        self, request_id: str, snapshot_id: str, num_tokens: int, first_token_id: int
+    ) -> RequestStream:
+        """Restores a reserved request's prompt KV and decodes it: its stream
+        (raises NotFound / InvalidArgument as Scheduler.start_remote_decode)."""
+        cmd = self._core.start_remote_decode(request_id, snapshot_id, num_tokens,
+                                             first_token_id)
+        stream = self._new_stream(request_id)
+        self._spawn(self._restore(cmd))
+        return stream
+
+
+def _remote_usage(usage: scheduler_pb2.Usage) -> RequestUsage:
+    """What a decode instance reports of its part of a request."""
+    return RequestUsage(usage.prompt_tokens, usage.completion_tokens, usage.num_preemptions,
+                        usage.num_recomputed_tokens, usage.bytes_offloaded, None)

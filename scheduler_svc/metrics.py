@@ -5,8 +5,9 @@ Queue, pool, token and preemption figures, and the rates the preemption cost
 model learned, are read from the core at scrape time, so they cost the step
 loop nothing. Per-request histograms are observed once per request when its
 Generate call ends (`observe_finished`), copy durations once per offload or
-restore (`offload_s`, `restore_s`) and preemptions by mode and reason once
-each (`observe_preemption`), by the engine: never per token.
+restore (`offload_s`, `restore_s`), P/D handoffs once each (`handoff_s`) and
+preemptions by mode and reason once each (`observe_preemption`), by the
+engine: never per token.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ _GAUGES = {
     "num_offloaded": "Requests offloading, offloaded or resuming",
     "new_token_ratio": "Share of each decode request's remaining tokens reserved at admission",
     "cache_available": "1 while the cache service answers; 0: preemptions recompute",
+    "num_reserved": "P/D decode instance: requests holding blocks reserved for their KV",
+    "num_handed_off": "P/D prefill instance: requests handing off or decoding elsewhere",
 }
 _COUNTERS = {
     "preemptions_offload": ("num_preemptions_offload", "Preemptions that stashed KV"),
@@ -51,6 +54,16 @@ _COUNTERS = {
     "offloaded_bytes": ("bytes_offloaded", "KV bytes stashed in the cache service"),
     "restored_bytes": ("bytes_restored", "KV bytes brought back from the cache service"),
     "steps": ("num_steps", "Engine steps scheduled"),
+    "reservations_accepted": ("num_reservations_accepted",
+                              "P/D: block reservations a decode instance accepted"),
+    "reservations_refused": ("num_reservations_refused",
+                             "P/D: block reservations refused (too few blocks or seats)"),
+    "reservations_expired": ("num_reservations_expired",
+                             "P/D: block reservations released unused after the timeout"),
+    "handoffs": ("num_handoffs", "P/D: prefilled requests whose KV went to a decode instance"),
+    "handoff_bytes": ("bytes_handed_off", "P/D: KV bytes handed to decode instances"),
+    "handoff_failures": ("num_handoff_failures",
+                         "P/D: handoffs that failed (the request finished on this instance)"),
 }
 # Fields of the core's CostEstimates; NaN until measured.
 _COST_GAUGES = {
@@ -103,6 +116,9 @@ class SchedulerMetrics:
         self.restore_s = latency("restore_seconds",
                                  "Command to completion of one successful restore",
                                  TRANSFER_BUCKETS)
+        self.handoff_s = latency(
+            "handoff_seconds", "P/D: first token sampled to the decode instance's first token",
+            TRANSFER_BUCKETS)
         finished = Counter(_PREFIX + "finished_requests_by_reason",
                            "Requests finished, by finish_reason", ["reason"], registry=r)
         self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}

@@ -6,6 +6,11 @@ then Scheduler calls answer UNAVAILABLE; health answers NOT_SERVING (for ""
 and the Scheduler service) whenever the engine has no worker (`set_serving`).
 Error messages echo at most a short prefix of what a client sent
 (`errors.preview`): a huge id must come back as a short INVALID_ARGUMENT.
+
+Roles (P/D disaggregation): every role serves Generate; a prefill instance
+first has a decode instance reserve blocks for the request (the engine's
+`find_decoder`) and relays its tokens. ReserveBlocks and Decode are served
+by a decode instance only.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from grpc_health.v1 import health
 from opentelemetry import trace
 
 from kvstash import errors, rpc
-from kvstash.ids import check_request_id
+from kvstash.ids import check_request_id, check_snapshot_id
 from kvstash.security import PLAINTEXT, Security
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -37,6 +42,9 @@ from scheduler_svc.streams import RequestStream
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+ROLES = ("mixed", "prefill", "decode")
+# What a refused ReserveBlocks suggests: a decode step or two frees blocks.
+RETRY_AFTER_S = 0.05
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: scheduler_pb2.FINISH_REASON_STOP,
     RequestStatus.FINISHED_LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
@@ -64,6 +72,7 @@ class _Backend(NamedTuple):
     engine: Engine
     tokenizer: Tokenizer
     metrics: SchedulerMetrics
+    role: str
 
 
 @dataclass(slots=True)
@@ -78,9 +87,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
         self._backend: _Backend | None = None
 
-    def attach(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics) -> None:
-        """Starts serving Scheduler calls with `engine`."""
-        self._backend = _Backend(engine, tokenizer, metrics)
+    def attach(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics,
+               role: str = "mixed") -> None:
+        """Starts serving Scheduler calls with `engine`, in `role` (ROLES)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self._backend = _Backend(engine, tokenizer, metrics, role)
 
     def _attached(self) -> _Backend:
         if self._backend is None:
@@ -107,11 +119,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span = trace.get_current_span()  # the Generate span, when tracing
             if span.is_recording():
                 span.set_attribute("kvstash.request_id", request_id)
-            stream = backend.engine.submit(
-                request_id, self._prompt_ids(request, backend.tokenizer),
-                sampling_from_proto(request.sampling))
+            engine = backend.engine
+            prompt = self._prompt_ids(request, backend.tokenizer)
+            sampling = sampling_from_proto(request.sampling)
+            decoder = await engine.find_decoder(request_id, prompt, sampling)
+            stream = engine.submit(request_id, prompt, sampling, decoder)
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
+        async for response in self._serve(request_id, stream, timing, backend, context):
+            yield response
+
+    async def Decode(
+        self, request: scheduler_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        timing = _Timing(time.monotonic())
+        try:
+            backend = self._decode_instance()
+            check_request_id(request.request_id)
+            check_snapshot_id(request.snapshot_id)
+            stream = backend.engine.decode(request.request_id, request.snapshot_id,
+                                           request.num_tokens, request.first_token_id)
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        async for response in self._serve(request.request_id, stream, timing, backend, context):
+            yield response
+
+    async def _serve(
+        self, request_id: str, stream: RequestStream, timing: _Timing, backend: _Backend,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """A submitted request's responses; a client gone before its end aborts it."""
         try:
             async for response in self._responses(
                     request_id, stream, timing, backend.tokenizer, context):
@@ -164,6 +201,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         check_request_id(request.request_id)
         self._attached().engine.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
+
+    @rpc.maps_errors
+    async def ReserveBlocks(
+        self, request: scheduler_pb2.ReserveBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReserveBlocksResponse:
+        backend = self._decode_instance()
+        check_request_id(request.request_id)
+        config = backend.engine.core.config
+        if (request.block_size, request.bytes_per_block) != (
+                config.block_size, config.bytes_per_block):
+            raise errors.FailedPrecondition(
+                f"KV layout differs: the prefill instance has blocks of {request.block_size} "
+                f"tokens and {request.bytes_per_block} bytes, this decode instance "
+                f"{config.block_size} tokens and {config.bytes_per_block} bytes")
+        if backend.engine.reserve(request.request_id, list(request.prompt.ids),
+                                  sampling_from_proto(request.sampling)):
+            return scheduler_pb2.ReserveBlocksResponse(
+                accepted=True, expires_in_s=config.reservation_timeout_s)
+        return scheduler_pb2.ReserveBlocksResponse(
+            accepted=False, retry_after_s=RETRY_AFTER_S,
+            reason="too few free blocks or seats after the reservations of running requests")
+
+    def _decode_instance(self) -> _Backend:
+        backend = self._attached()
+        if backend.role != "decode":
+            raise errors.FailedPrecondition(
+                f"this scheduler runs in role {backend.role}; only a decode instance "
+                "reserves blocks and decodes for a prefill instance")
+        return backend
 
     @rpc.maps_errors
     async def GetStats(

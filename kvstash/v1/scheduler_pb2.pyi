@@ -217,6 +217,102 @@ class AbortResponse(_message.Message):
 Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
 
 @_typing.final
+class ReserveBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    block_size: _builtins.int
+    """The prefill instance's KV layout: its snapshots fit only the same one."""
+    bytes_per_block: _builtins.int
+    @_builtins.property
+    def prompt(self) -> Global___TokenIds: ...
+    @_builtins.property
+    def sampling(self) -> _common_pb2.SamplingParams: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt: Global___TokenIds | None = ...,
+        sampling: _common_pb2.SamplingParams | None = ...,
+        block_size: _builtins.int = ...,
+        bytes_per_block: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBlocksRequest: _TypeAlias = ReserveBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReserveBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_S_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    expires_in_s: _builtins.float
+    """accepted: Decode must come within this"""
+    retry_after_s: _builtins.float
+    """refused: ask again (here or elsewhere) after this"""
+    reason: _builtins.str
+    """refused: why, for logs"""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        expires_in_s: _builtins.float = ...,
+        retry_after_s: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "expires_in_s", b"expires_in_s", "reason", b"reason", "retry_after_s", b"retry_after_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBlocksResponse: _TypeAlias = ReserveBlocksResponse  # noqa: Y015
+
+@_typing.final
+class DecodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    snapshot_id: _builtins.str
+    """in the cache service both instances share"""
+    num_tokens: _builtins.int
+    """positions of KV it holds: the prompt's length"""
+    first_token_id: _builtins.int
+    """sampled by the prefill instance"""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        snapshot_id: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        first_token_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "num_tokens", b"num_tokens", "request_id", b"request_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
+
+@_typing.final
 class SchedulerStats(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -241,6 +337,14 @@ class SchedulerStats(_message.Message):
     CACHE_AVAILABLE_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_RESERVED_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_ACCEPTED_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_REFUSED_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_EXPIRED_FIELD_NUMBER: _builtins.int
+    NUM_HANDED_OFF_FIELD_NUMBER: _builtins.int
+    NUM_HANDOFFS_FIELD_NUMBER: _builtins.int
+    BYTES_HANDED_OFF_FIELD_NUMBER: _builtins.int
+    NUM_HANDOFF_FAILURES_FIELD_NUMBER: _builtins.int
     num_total_blocks: _builtins.int
     num_free_blocks: _builtins.int
     """never used or fully released"""
@@ -273,6 +377,21 @@ class SchedulerStats(_message.Message):
     """prompt tokens of requests whose prefill completed"""
     num_generation_tokens: _builtins.int
     """output tokens generated"""
+    num_reserved: _builtins.int
+    """P/D, decode instance: reservations held now; accepted, refused and
+    expired unused since start.
+    """
+    num_reservations_accepted: _builtins.int
+    num_reservations_refused: _builtins.int
+    num_reservations_expired: _builtins.int
+    num_handed_off: _builtins.int
+    """P/D, prefill instance: requests handing off or decoding elsewhere now;
+    handoffs committed, their KV bytes, and handoffs that failed (the
+    request finished here instead).
+    """
+    num_handoffs: _builtins.int
+    bytes_handed_off: _builtins.int
+    num_handoff_failures: _builtins.int
     def __init__(
         self,
         *,
@@ -297,10 +416,18 @@ class SchedulerStats(_message.Message):
         cache_available: _builtins.bool = ...,
         num_prompt_tokens: _builtins.int = ...,
         num_generation_tokens: _builtins.int = ...,
+        num_reserved: _builtins.int = ...,
+        num_reservations_accepted: _builtins.int = ...,
+        num_reservations_refused: _builtins.int = ...,
+        num_reservations_expired: _builtins.int = ...,
+        num_handed_off: _builtins.int = ...,
+        num_handoffs: _builtins.int = ...,
+        bytes_handed_off: _builtins.int = ...,
+        num_handoff_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "cache_available", b"cache_available", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_generation_tokens", b"num_generation_tokens", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_prompt_tokens", b"num_prompt_tokens", "num_recomputed_tokens", b"num_recomputed_tokens", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_handed_off", b"bytes_handed_off", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "cache_available", b"cache_available", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_generation_tokens", b"num_generation_tokens", "num_handed_off", b"num_handed_off", "num_handoff_failures", b"num_handoff_failures", "num_handoffs", b"num_handoffs", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_prompt_tokens", b"num_prompt_tokens", "num_recomputed_tokens", b"num_recomputed_tokens", "num_reservations_accepted", b"num_reservations_accepted", "num_reservations_expired", b"num_reservations_expired", "num_reservations_refused", b"num_reservations_refused", "num_reserved", b"num_reserved", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

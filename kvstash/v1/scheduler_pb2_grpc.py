@@ -51,6 +51,16 @@ class SchedulerStub:
                 request_serializer=kvstash_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvstash_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.ReserveBlocks = channel.unary_unary(
+                '/kvstash.v1.Scheduler/ReserveBlocks',
+                request_serializer=kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/kvstash.v1.Scheduler/Decode',
+                request_serializer=kvstash_dot_v1_dot_scheduler__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -85,6 +95,34 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveBlocks(self, request, context):
+        """P/D disaggregation, served by a scheduler in role decode, called by a
+        prefill instance (FAILED_PRECONDITION on any other role).
+
+        Holds the blocks a request's prompt KV will arrive in, if they fit after
+        the new_token_ratio reservations of this instance's own requests and of
+        earlier reservations (the request's own included): never by preempting.
+        A refusal is an answer (accepted false, retry_after_s), not an error. An
+        accepted reservation is released after expires_in_s unless Decode uses
+        it, or at once by Abort. INVALID_ARGUMENT as Generate, and for
+        max_tokens < 2; FAILED_PRECONDITION: another KV layout (block_size,
+        bytes_per_block) than this instance's; ALREADY_EXISTS as Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Decodes a reserved request from the prefill instance's snapshot of its
+        prompt KV (in the shared cache service) and its first token: streams the
+        tokens after the first, as Generate does. NOT_FOUND: no reservation for
+        request_id (never made, expired or used); INVALID_ARGUMENT: a snapshot of
+        another length than the prompt, a bad snapshot id or first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -102,6 +140,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvstash_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
                     response_serializer=kvstash_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'ReserveBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveBlocks,
+                    request_deserializer=kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=kvstash_dot_v1_dot_scheduler__pb2.DecodeRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_scheduler__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +234,60 @@ class Scheduler:
             '/kvstash.v1.Scheduler/GetStats',
             kvstash_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
             kvstash_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.Scheduler/ReserveBlocks',
+            kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksRequest.SerializeToString,
+            kvstash_dot_v1_dot_scheduler__pb2.ReserveBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstash.v1.Scheduler/Decode',
+            kvstash_dot_v1_dot_scheduler__pb2.DecodeRequest.SerializeToString,
+            kvstash_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,26 @@ class SchedulerStub:
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]
     """A point-in-time view of the scheduler's queues and block pool."""
+    ReserveBlocks: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ReserveBlocksRequest, _scheduler_pb2.ReserveBlocksResponse]
+    """P/D disaggregation, served by a scheduler in role decode, called by a
+    prefill instance (FAILED_PRECONDITION on any other role).
+
+    Holds the blocks a request's prompt KV will arrive in, if they fit after
+    the new_token_ratio reservations of this instance's own requests and of
+    earlier reservations (the request's own included): never by preempting.
+    A refusal is an answer (accepted false, retry_after_s), not an error. An
+    accepted reservation is released after expires_in_s unless Decode uses
+    it, or at once by Abort. INVALID_ARGUMENT as Generate, and for
+    max_tokens < 2; FAILED_PRECONDITION: another KV layout (block_size,
+    bytes_per_block) than this instance's; ALREADY_EXISTS as Generate.
+    """
+    Decode: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.DecodeRequest, _scheduler_pb2.GenerateResponse]
+    """Decodes a reserved request from the prefill instance's snapshot of its
+    prompt KV (in the shared cache service) and its first token: streams the
+    tokens after the first, as Generate does. NOT_FOUND: no reservation for
+    request_id (never made, expired or used); INVALID_ARGUMENT: a snapshot of
+    another length than the prompt, a bad snapshot id or first token.
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -70,6 +90,26 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]  # type: ignore[assignment]
     """A point-in-time view of the scheduler's queues and block pool."""
+    ReserveBlocks: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ReserveBlocksRequest, _scheduler_pb2.ReserveBlocksResponse]  # type: ignore[assignment]
+    """P/D disaggregation, served by a scheduler in role decode, called by a
+    prefill instance (FAILED_PRECONDITION on any other role).
+
+    Holds the blocks a request's prompt KV will arrive in, if they fit after
+    the new_token_ratio reservations of this instance's own requests and of
+    earlier reservations (the request's own included): never by preempting.
+    A refusal is an answer (accepted false, retry_after_s), not an error. An
+    accepted reservation is released after expires_in_s unless Decode uses
+    it, or at once by Abort. INVALID_ARGUMENT as Generate, and for
+    max_tokens < 2; FAILED_PRECONDITION: another KV layout (block_size,
+    bytes_per_block) than this instance's; ALREADY_EXISTS as Generate.
+    """
+    Decode: _aio.UnaryStreamMultiCallable[_scheduler_pb2.DecodeRequest, _scheduler_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Decodes a reserved request from the prefill instance's snapshot of its
+    prompt KV (in the shared cache service) and its first token: streams the
+    tokens after the first, as Generate does. NOT_FOUND: no reservation for
+    request_id (never made, expired or used); INVALID_ARGUMENT: a snapshot of
+    another length than the prompt, a bad snapshot id or first token.
+    """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     """The public entry point: admission, batching, KV-block accounting, preemption."""
@@ -106,5 +146,37 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.SchedulerStats, _abc.Awaitable[_scheduler_pb2.SchedulerStats]]:
         """A point-in-time view of the scheduler's queues and block pool."""
+
+    @_abc_1.abstractmethod
+    def ReserveBlocks(
+        self,
+        request: _scheduler_pb2.ReserveBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ReserveBlocksResponse, _abc.Awaitable[_scheduler_pb2.ReserveBlocksResponse]]:
+        """P/D disaggregation, served by a scheduler in role decode, called by a
+        prefill instance (FAILED_PRECONDITION on any other role).
+
+        Holds the blocks a request's prompt KV will arrive in, if they fit after
+        the new_token_ratio reservations of this instance's own requests and of
+        earlier reservations (the request's own included): never by preempting.
+        A refusal is an answer (accepted false, retry_after_s), not an error. An
+        accepted reservation is released after expires_in_s unless Decode uses
+        it, or at once by Abort. INVALID_ARGUMENT as Generate, and for
+        max_tokens < 2; FAILED_PRECONDITION: another KV layout (block_size,
+        bytes_per_block) than this instance's; ALREADY_EXISTS as Generate.
+        """
+
+    @_abc_1.abstractmethod
+    def Decode(
+        self,
+        request: _scheduler_pb2.DecodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.GenerateResponse], _abc.AsyncIterator[_scheduler_pb2.GenerateResponse]]:
+        """Decodes a reserved request from the prefill instance's snapshot of its
+        prompt KV (in the shared cache service) and its first token: streams the
+        tokens after the first, as Generate does. NOT_FOUND: no reservation for
+        request_id (never made, expired or used); INVALID_ARGUMENT: a snapshot of
+        another length than the prompt, a bad snapshot id or first token.
+        """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,6 +12,11 @@
                reserved = reserved_blocks(running decodes)
                         + reserved_blocks(prefills whose next chunk is their last)
                         + reserved_blocks(requests resuming)
+                        + reserved_blocks(requests RESERVED for a prefill instance)
+
+A P/D decode instance accepts a reservation under the same rule
+(`Scheduler.reserve`): its prompt's blocks, keeping back the above plus its
+own reserved_blocks.
 
 A request admitted this way never needs another block before it decodes, so
 a prefill is never a preemption victim.
@@ -53,6 +58,21 @@ class Admission:
             budget = self._admit(budget, seqs, scheduled)
         return scheduled, budget
 
+    def blocks_kept_back(self) -> int:
+        """The reservations of the requests about to decode (module docstring)."""
+        life = self.life
+        total = self.reservation.total_reserved_blocks
+        chunk_limit = self.config.max_num_batched_tokens
+        # A prefill whose next chunk completes its prompt is about to decode,
+        # and a resuming or reserved request as soon as its KV lands.
+        return (
+            total(life.decoding.values())
+            + total(r for r in life.prefilling.values()
+                    if r.num_tokens - r.num_computed_tokens <= chunk_limit)
+            + total(life.resuming.values())
+            + total(life.reserved.values())
+        )
+
     def _chunk(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> int:
         start = req.num_computed_tokens
         end = min(req.num_tokens, start + budget)
@@ -71,14 +91,7 @@ class Admission:
         kv = life.kv
         reserved_blocks = self.reservation.reserved_blocks
         chunk_limit = config.max_num_batched_tokens
-        # A prefill whose next chunk completes its prompt is about to decode,
-        # and a resuming request decodes as soon as its restore lands.
-        reserved = (
-            self.reservation.total_reserved_blocks(life.decoding.values())
-            + sum(reserved_blocks(r) for r in life.prefilling.values()
-                  if r.num_tokens - r.num_computed_tokens <= chunk_limit)
-            + sum(reserved_blocks(r) for r in life.resuming.values())
-        )
+        reserved = self.blocks_kept_back()
         num_running = life.num_running
         while waiting and budget > 0 and num_running < config.max_num_seqs:
             req = waiting[0]

@@ -100,6 +100,9 @@ class SchedulerConfig:
     # Blocks per running decode request kept free, on top of its reservation,
     # before an offloaded request resumes (one step of growth each).
     resume_headroom: int = 1
+    # P/D, decode instance: seconds a block reservation waits for its KV
+    # before its blocks go back (the prefill instance died or gave up).
+    reservation_timeout_s: float = 30.0
     # Starts every snapshot id, so that schedulers sharing a cache service (or
     # one restarted with its disk tier intact) never reuse each other's ids.
     snapshot_id_prefix: str = field(default_factory=lambda: secrets.token_hex(6))
@@ -117,6 +120,7 @@ class SchedulerConfig:
             _check_int(name, getattr(self, name), 0)
         _check_float("init_new_token_ratio", self.init_new_token_ratio, 1e-9, 1.0)
         _check_float("min_new_token_ratio_factor", self.min_new_token_ratio_factor, 0.0, 1.0)
+        _check_float("reservation_timeout_s", self.reservation_timeout_s, 1e-3, 86400.0)
         _check_snapshot_prefix(self.snapshot_id_prefix)
         eos = tuple(self.eos_token_ids)
         for token_id in eos:

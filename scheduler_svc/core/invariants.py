@@ -10,9 +10,12 @@ what it may hold:
     offloading  OFFLOADING                   held until copy lands    yes
     offloaded   OFFLOADED                    none                     yes
     resuming    RESUMING                     snapshot's block count   yes
+    reserved    RESERVED                     its prompt's, empty      none
+    handing_off HANDING_OFF                  held until copy lands    yes
+    handed_off  HANDED_OFF                   none                     yes
 
-and every copy in flight belongs to a request in offloading or resuming, or
-to an aborted request that is in no queue.
+and every copy in flight belongs to a request in offloading, resuming or
+handing_off, or to an aborted request that is in no queue.
 """
 
 from __future__ import annotations
@@ -33,13 +36,19 @@ _ALLOWED = {
     "offloading": {RequestStatus.OFFLOADING},
     "offloaded": {RequestStatus.OFFLOADED},
     "resuming": {RequestStatus.RESUMING},
+    "reserved": {RequestStatus.RESERVED},
+    "handing_off": {RequestStatus.HANDING_OFF},
+    "handed_off": {RequestStatus.HANDED_OFF},
 }
+_COPYING = ("offloading", "resuming", "handing_off")
+_WITH_SNAPSHOT = (*_COPYING, "offloaded", "handed_off")
 
 
 def check_scheduler(config: SchedulerConfig, life: Lifecycle, reservation: Reservation) -> None:
     """Every invariant of a scheduler's state; raises IntegrityError naming the first broken."""
     check_requests(config, life.queues(), life.requests, life.copies)
-    holders = chain(life.prefilling.values(), life.decoding.values(), life.copies.values())
+    holders = chain(life.prefilling.values(), life.decoding.values(), life.reserved.values(),
+                    life.copies.values())
     life.kv.pool.check_integrity(r.block_ids for r in holders)
     ratio = reservation.new_token_ratio
     if not 0 <= ratio <= config.init_new_token_ratio:
@@ -71,7 +80,7 @@ def check_requests(
     if lost:
         raise IntegrityError(f"requests {sorted(lost)} are in no queue")
     for snapshot_id, req in copies.items():
-        live = seen.get(req.request_id) in ("offloading", "resuming") and (
+        live = seen.get(req.request_id) in _COPYING and (
             requests.get(req.request_id) is req)
         if not live and req.status is not RequestStatus.FINISHED_ABORTED:
             raise IntegrityError(f"copy {snapshot_id} belongs to request {req.request_id} "
@@ -80,10 +89,10 @@ def check_requests(
             raise IntegrityError(f"copy {snapshot_id} belongs to request {req.request_id} "
                                  f"whose snapshot is {req.snapshot_id}")
     num_live_copies = sum(1 for r in copies.values() if not r.status.is_finished)
-    if num_live_copies != len(queues["offloading"]) + len(queues["resuming"]):
-        raise IntegrityError(f"{num_live_copies} live copies in flight, "
-                             f"{len(queues['offloading']) + len(queues['resuming'])} "
-                             "requests offloading or resuming")
+    num_copying = sum(len(queues[name]) for name in _COPYING)
+    if num_live_copies != num_copying:
+        raise IntegrityError(f"{num_live_copies} live copies in flight, {num_copying} "
+                             "requests offloading, resuming or handing off")
 
 
 def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
@@ -103,9 +112,9 @@ def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
             f"and {num_computed} computed tokens"
         )
     has_snapshot = req.snapshot is not None
-    if has_snapshot != (queue in ("offloading", "offloaded", "resuming")):
+    if has_snapshot != (queue in _WITH_SNAPSHOT):
         raise IntegrityError(f"request {rid} in {queue} has snapshot {req.snapshot_id}")
-    if queue in ("waiting", "offloaded") and num_blocks:
+    if queue in ("waiting", "offloaded", "handed_off") and num_blocks:
         raise IntegrityError(f"request {rid} in {queue} holds {num_blocks} blocks")
     if queue == "waiting" and num_computed:
         raise IntegrityError(f"waiting request {rid} has {num_computed} computed tokens")
@@ -116,8 +125,18 @@ def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
             f"prefilling request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
             f"{num_blocks} blocks"
         )
-    preempted_or_decoding = ("decoding", "offloading", "offloaded", "resuming")
-    if queue in preempted_or_decoding and num_computed != req.num_tokens - 1:
+    if queue == "reserved" and (
+        num_computed or req.output_token_ids or num_blocks != blocks_for(req.num_prompt_tokens)
+    ):
+        raise IntegrityError(
+            f"reserved request {rid}: {num_computed} computed tokens, "
+            f"{len(req.output_token_ids)} output tokens, {num_blocks} blocks"
+        )
+    # A handed-off request's output grows on the decode instance, its KV does not.
+    last_computed = (num_computed < req.num_tokens if queue == "handed_off"
+                     else num_computed == req.num_tokens - 1)
+    preempted_or_decoding = ("decoding", *_WITH_SNAPSHOT)
+    if queue in preempted_or_decoding and not last_computed:
         raise IntegrityError(
             f"request {rid} in {queue}: {num_computed} computed tokens, {req.num_tokens} tokens"
         )
@@ -134,7 +153,7 @@ def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
                 f"request {rid}: snapshot of {snapshot.num_tokens} tokens / "
                 f"{snapshot.num_blocks} blocks, {num_computed} tokens computed"
             )
-        if queue == "offloading" and num_blocks < snapshot.num_blocks:
+        if queue in ("offloading", "handing_off") and num_blocks < snapshot.num_blocks:
             raise IntegrityError(f"offloading request {rid} holds {num_blocks} blocks")
         if queue == "resuming" and num_blocks != snapshot.num_blocks:
             raise IntegrityError(f"resuming request {rid} holds {num_blocks} blocks")

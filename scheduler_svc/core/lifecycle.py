@@ -10,6 +10,17 @@
        │                   OFFLOADED ──────── resume ──────────┘  │
        │◀──────────────────────────────────── restore failed ─────┘
 
+P/D disaggregation adds two paths (a decode instance's request enters RESERVED):
+
+    prefill instance:  RUNNING_DECODE ──handoff──▶ HANDING_OFF ──committed──▶ HANDED_OFF
+                       (its first token sampled)      │ copy failed             │ decoded there
+                            ▲                         ▼                         ▼
+                            └──────────────── RUNNING_DECODE          FINISHED_STOPPED/LENGTH
+                       HANDED_OFF ──decode instance lost──▶ OFFLOADED (no token came back),
+                                                            WAITING (recompute) otherwise
+    decode instance:   RESERVED ──its snapshot arrives──▶ RESUMING ──▶ RUNNING_DECODE ...
+                       RESERVED ──unused until reserved_until──▶ FINISHED_ABORTED
+
     any live status ──abort──▶ FINISHED_ABORTED
 
 `move(req, to)` is the only writer of a request's status: it checks the
@@ -23,6 +34,9 @@ status names. What a status may hold:
     OFFLOADING       offloading   pinned by its copy               being written
     OFFLOADED        offloaded    none                             yes
     RESUMING         resuming     pinned by its copy               being read
+    RESERVED         reserved     the prompt's, empty              none
+    HANDING_OFF      handing_off  pinned by its copy               being written
+    HANDED_OFF       handed_off   none                             yes (read there)
 
 A copy in flight is keyed by its snapshot id and owns the blocks it pins: an
 aborted request leaves every queue at once (its id can be reused), and its
@@ -48,6 +62,9 @@ RUNNING_DECODE = RequestStatus.RUNNING_DECODE
 OFFLOADING = RequestStatus.OFFLOADING
 OFFLOADED = RequestStatus.OFFLOADED
 RESUMING = RequestStatus.RESUMING
+RESERVED = RequestStatus.RESERVED
+HANDING_OFF = RequestStatus.HANDING_OFF
+HANDED_OFF = RequestStatus.HANDED_OFF
 FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
 FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
@@ -57,10 +74,13 @@ _DONE = {FINISHED_STOPPED, FINISHED_LENGTH, FINISHED_ABORTED}
 _NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
     WAITING: frozenset({RUNNING_PREFILL, FINISHED_ABORTED}),
     RUNNING_PREFILL: frozenset({RUNNING_DECODE, FINISHED_ABORTED}),
-    RUNNING_DECODE: frozenset({WAITING, OFFLOADING, *_DONE}),
+    RUNNING_DECODE: frozenset({WAITING, OFFLOADING, HANDING_OFF, *_DONE}),
     OFFLOADING: frozenset({WAITING, OFFLOADED, FINISHED_ABORTED}),
     OFFLOADED: frozenset({RESUMING, FINISHED_ABORTED}),
     RESUMING: frozenset({WAITING, RUNNING_DECODE, FINISHED_ABORTED}),
+    RESERVED: frozenset({RESUMING, FINISHED_ABORTED}),
+    HANDING_OFF: frozenset({HANDED_OFF, RUNNING_DECODE, FINISHED_ABORTED}),
+    HANDED_OFF: frozenset({OFFLOADED, WAITING, *_DONE}),
 }
 
 
@@ -78,6 +98,9 @@ class Lifecycle:
         self.offloading: dict[str, Request] = {}
         self.offloaded: list[Request] = []  # by arrival: older ones resume first
         self.resuming: dict[str, Request] = {}
+        self.reserved: dict[str, Request] = {}
+        self.handing_off: dict[str, Request] = {}
+        self.handed_off: dict[str, Request] = {}
         # Copies in flight by snapshot id, with the request whose blocks they pin
         # (aborted requests included).
         self.copies: dict[str, Request] = {}
@@ -85,7 +108,8 @@ class Lifecycle:
         self._num_snapshots = 0
         self._queues: dict[RequestStatus, dict[str, Request]] = {
             RUNNING_PREFILL: self.prefilling, RUNNING_DECODE: self.decoding,
-            OFFLOADING: self.offloading, RESUMING: self.resuming,
+            OFFLOADING: self.offloading, RESUMING: self.resuming, RESERVED: self.reserved,
+            HANDING_OFF: self.handing_off, HANDED_OFF: self.handed_off,
         }
 
     # ------------------------------------------------------------- moves
@@ -94,6 +118,30 @@ class Lifecycle:
         """A new request: WAITING, behind everything queued."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def reserve(self, req: Request, num_reserved_blocks: int, until: float) -> bool:
+        """P/D, decode instance: a new RESERVED request holding the blocks its
+        prompt's KV will arrive in, while `num_reserved_blocks` more stay
+        allocatable afterwards, until `until`. False (nothing changed) if they
+        are not."""
+        if req.status is not RESERVED:
+            raise IntegrityError(f"request {req.request_id} is {req.status.value}, not reserved")
+        if self.kv.allocate_slots(req, req.num_prompt_tokens, (), num_reserved_blocks) is None:
+            self.counters.num_reservations_refused += 1
+            return False
+        self.counters.num_reservations_accepted += 1
+        req.reserved_until = until
+        self.requests[req.request_id] = req
+        self.reserved[req.request_id] = req
+        return True
+
+    def expire_reservations(self, now: float) -> None:
+        """Reservations unused at `now` end, their blocks back in the pool."""
+        expired = [r for r in self.reserved.values() if r.reserved_until <= now]
+        for req in expired:
+            self.counters.num_reservations_expired += 1
+            self.kv.free(req)
+            self.move(req, FINISHED_ABORTED)
 
     def move(self, req: Request, to: RequestStatus) -> None:
         """The only status writer: leaves the old queue, joins the new one."""
@@ -145,9 +193,9 @@ class Lifecycle:
         if req is None:
             raise NotFound(f"request {request_id} is unknown or already finished")
         status = req.status
-        if status is RUNNING_PREFILL or status is RUNNING_DECODE:
+        if status in (RUNNING_PREFILL, RUNNING_DECODE, RESERVED):
             self.kv.free(req)
-        elif status is OFFLOADED:
+        elif status is OFFLOADED or status is HANDED_OFF:
             self._drop_snapshot(req)
         self.move(req, FINISHED_ABORTED)
         return req
@@ -163,15 +211,16 @@ class Lifecycle:
 
     # ----------------------------------------------------------- copies
 
-    def start_offload(self, req: Request) -> OffloadCommand:
-        """OFFLOADING: its blocks stay allocated until `finish_offload`."""
+    def start_offload(self, req: Request, to: RequestStatus = OFFLOADING) -> OffloadCommand:
+        """OFFLOADING (or HANDING_OFF): its blocks stay allocated until
+        `finish_offload` (`finish_handoff`)."""
         num_tokens = req.num_computed_tokens
         num_blocks = self.kv.num_blocks_for(num_tokens)
         snapshot_id = snapshot_id_for(
             self.config.snapshot_id_prefix, req.request_id, self._num_snapshots)
         self._num_snapshots += 1
         req.snapshot = Snapshot(snapshot_id, num_tokens, num_blocks)
-        self.move(req, OFFLOADING)
+        self.move(req, to)
         self.copies[snapshot_id] = req
         return OffloadCommand(req.request_id, snapshot_id, req.block_ids[:num_blocks], num_tokens)
 
@@ -226,6 +275,57 @@ class Lifecycle:
             self.recompute(req)
         return req
 
+    # ------------------------------------------------------------- P/D
+
+    def finish_handoff(self, cmd: OffloadCommand, num_bytes: int | None) -> Request:
+        """Prefill instance: the snapshot for the decode instance is committed
+        (num_bytes): HANDED_OFF; or the copy failed (None): RUNNING_DECODE
+        again, here, its blocks kept."""
+        req = self._take_copy(cmd.snapshot_id, HANDING_OFF)
+        snapshot = req.snapshot
+        assert snapshot is not None
+        if req.status is FINISHED_ABORTED:
+            self.kv.free(req)
+            if num_bytes is not None:
+                self._drop_snapshot(req)
+            req.snapshot = None
+        elif num_bytes is None:
+            self.counters.num_handoff_failures += 1
+            req.snapshot = None
+            req.handoff = False
+            self.move(req, RUNNING_DECODE)
+        else:
+            self.kv.free(req)
+            snapshot.num_bytes = num_bytes
+            self.counters.num_handoffs += 1
+            self.counters.bytes_handed_off += num_bytes
+            self.move(req, HANDED_OFF)
+        return req
+
+    def take_back(self, req: Request) -> None:
+        """Prefill instance: the decode instance was lost. Finished here: from
+        the snapshot if no token came back (OFFLOADED; a snapshot it already
+        read fails the restore, which recomputes), else recomputed (WAITING)."""
+        self.counters.num_handoff_failures += 1
+        req.handoff = False
+        if req.num_computed_tokens == req.num_tokens - 1:
+            self.move(req, OFFLOADED)
+        else:
+            self._drop_snapshot(req)
+            self.recompute(req)
+
+    def start_remote_decode(
+        self, req: Request, snapshot_id: str, first_token_id: int
+    ) -> RestoreCommand:
+        """Decode instance: the prefill instance's snapshot of req's prompt
+        goes into its reserved blocks; RESUMING with its first token."""
+        req.output_token_ids.append(first_token_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.snapshot = Snapshot(snapshot_id, req.num_prompt_tokens, len(req.block_ids))
+        self.move(req, RESUMING)
+        self.copies[snapshot_id] = req
+        return RestoreCommand(req.request_id, snapshot_id, list(req.block_ids))
+
     def _take_copy(self, snapshot_id: str, status: RequestStatus) -> Request:
         """The request whose copy (its status says which kind) just landed."""
         req = self.copies.get(snapshot_id)
@@ -250,7 +350,8 @@ class Lifecycle:
     @property
     def num_running(self) -> int:
         """Requests that count against max_num_seqs."""
-        return len(self.prefilling) + len(self.decoding) + len(self.resuming)
+        return (len(self.prefilling) + len(self.decoding) + len(self.resuming)
+                + len(self.reserved))
 
     @property
     def num_preempted(self) -> int:
@@ -267,5 +368,7 @@ class Lifecycle:
             "waiting": list(self.waiting), "prefilling": list(self.prefilling.values()),
             "decoding": list(self.decoding.values()),
             "offloading": list(self.offloading.values()), "offloaded": list(self.offloaded),
-            "resuming": list(self.resuming.values()),
+            "resuming": list(self.resuming.values()), "reserved": list(self.reserved.values()),
+            "handing_off": list(self.handing_off.values()),
+            "handed_off": list(self.handed_off.values()),
         }

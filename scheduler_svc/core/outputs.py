@@ -87,6 +87,8 @@ class SchedulerOutput:
     restores: list[RestoreCommand] = field(default_factory=list)
     # Sum of len(seq.token_ids): never above max_num_batched_tokens.
     num_scheduled_tokens: int = 0
+    # P/D: prefilled requests whose blocks to copy for a decode instance.
+    handoffs: list[OffloadCommand] = field(default_factory=list)
     # seqs[:num_decodes] are decodes.
     num_decodes: int = 0
     # Every request preempted this step, either mode, in the order chosen.
@@ -122,6 +124,12 @@ class Counters:
     bytes_restored: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_reservations_accepted: int = 0
+    num_reservations_refused: int = 0
+    num_reservations_expired: int = 0
+    num_handoffs: int = 0
+    num_handoff_failures: int = 0
+    bytes_handed_off: int = 0
 
 
 @dataclass(slots=True)
@@ -171,6 +179,19 @@ class SchedulerStats:
     num_prompt_tokens: int
     # Output tokens generated.
     num_generation_tokens: int
+    # P/D, decode instance: requests holding reserved blocks now, and
+    # ReserveBlocks calls accepted, refused (too few blocks) and expired unused.
+    num_reserved: int
+    num_reservations_accepted: int
+    num_reservations_refused: int
+    num_reservations_expired: int
+    # P/D, prefill instance: requests handing off or decoding on a decode
+    # instance now; handoffs whose snapshot was committed, and their bytes;
+    # handoffs that failed (the request came back to be finished here).
+    num_handed_off: int
+    num_handoffs: int
+    bytes_handed_off: int
+    num_handoff_failures: int
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -28,6 +28,13 @@ class RequestStatus(enum.Enum):
     OFFLOADING = "offloading"  # preempted; its blocks are being copied to the cache
     OFFLOADED = "offloaded"  # preempted; KV lives only in a snapshot
     RESUMING = "resuming"  # snapshot being copied back into fresh blocks
+    # P/D, decode instance: blocks held for a prefill instance's request
+    # until its KV arrives (or the reservation expires).
+    RESERVED = "reserved"
+    # P/D, prefill instance: prefilled; its blocks are being copied to the
+    # cache for a decode instance, which then decodes it while it is HANDED_OFF.
+    HANDING_OFF = "handing_off"
+    HANDED_OFF = "handed_off"
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
     FINISHED_LENGTH = "finished_length"  # max_tokens reached
     FINISHED_ABORTED = "finished_aborted"  # aborted by the client (or its worker was lost)
@@ -112,6 +119,10 @@ class Request:
     first_scheduled_time: float | None = None
     # Clock value when the first output token arrived.
     first_token_time: float | None = None
+    # P/D: hand the KV to a decode instance once prefilled (prefill instance).
+    handoff: bool = False
+    # P/D: clock value when the RESERVED blocks go back (decode instance).
+    reserved_until: float = 0.0
     # Its decode work item, refreshed in place by every schedule() that decodes
     # it rather than rebuilt: rebuilding more than doubles schedule() at 1024
     # decodes (0.16 -> 0.38 ms on the 2-core machine, bench/scheduler_bench.py).
@@ -127,6 +138,7 @@ class Request:
         arrival_time: float,
         arrival_seq: int,
         eos_token_ids: Sequence[int] = (),
+        status: RequestStatus = RequestStatus.WAITING,
     ) -> Request:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -138,6 +150,7 @@ class Request:
             arrival_time=arrival_time,
             arrival_seq=arrival_seq,
             stop_ids=frozenset(stop_ids),
+            status=status,
         )
 
     @property

@@ -1,7 +1,9 @@
 """Admission control: blocks kept back for the growth of running decodes.
 
     reserved_tokens(req) = min(max_tokens - len(output), clip_max_new_tokens) * new_token_ratio
-    reserved_blocks(req) = ceil(reserved_tokens(req) / block_size)
+    reserved_blocks(req) = ceil(reserved_tokens(req) / block_size), at most the
+                           blocks it can still use (prompt + max_tokens - 1
+                           positions in all, less the blocks it holds)
 
 new_token_ratio starts at init, drops by (init - min) / decay_steps every step
 (min = init * min_new_token_ratio_factor), goes back to init when the
@@ -54,11 +56,17 @@ class Reservation:
         remaining = min(req.num_remaining_tokens, self.config.clip_max_new_tokens)
         return max(remaining, 0) * self.new_token_ratio
 
-    def reserved_blocks(self, req: Request) -> int:
+    def reserved_blocks(self, req: Request, num_held: int | None = None) -> int:
+        """Never more than it can still use: blocks for prompt + max_tokens - 1
+        positions in all (its last token needs no KV), less those it holds
+        (`num_held`, default its block table's length)."""
         config = self.config
         if config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
             return config.fixed_blocks_per_decode
-        return math.ceil(self.reserved_tokens(req) / config.block_size)
+        block_size = config.block_size
+        usable = -(-(req.num_prompt_tokens + req.sampling.max_tokens - 1) // block_size)
+        return max(0, min(math.ceil(self.reserved_tokens(req) / block_size),
+                          usable - (len(req.block_ids) if num_held is None else num_held)))
 
     def total_reserved_blocks(self, reqs: Iterable[Request]) -> int:
         return sum(self.reserved_blocks(req) for req in reqs)

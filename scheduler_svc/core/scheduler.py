@@ -12,6 +12,17 @@
 `update()` records what the worker computed: progress, tokens, finishes.
 An output never updated changes nothing but the blocks it allocated. Every
 status change goes through `Lifecycle.move` (lifecycle.py).
+
+P/D disaggregation, the same core in either role:
+    prefill instance  a request added with handoff=True is, once its first
+                      token is sampled, handed off at the next schedule():
+                      its blocks are copied out (`out.handoffs`), then it is
+                      HANDED_OFF while a decode instance decodes it
+                      (`remote_tokens`, `finish_remote`; `take_back` if lost)
+    decode instance   `reserve()` holds a prompt's blocks under admission's
+                      rule (never by preempting); `start_remote_decode()`
+                      restores the prefill instance's snapshot into them;
+                      unused reservations expire at schedule()
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from kvstash.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
 )
 from kvstash.sampling import SamplingParams
@@ -36,6 +48,9 @@ from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.lifecycle import (
     FINISHED_LENGTH,
     FINISHED_STOPPED,
+    HANDED_OFF,
+    HANDING_OFF,
+    RESERVED,
     RUNNING_DECODE,
     RUNNING_PREFILL,
     Lifecycle,
@@ -50,7 +65,7 @@ from scheduler_svc.core.outputs import (
     SchedulerStats,
 )
 from scheduler_svc.core.preemption import Preemption
-from scheduler_svc.core.request import Request, RequestUsage
+from scheduler_svc.core.request import Request, RequestStatus, RequestUsage
 from scheduler_svc.core.reservation import Reservation
 
 
@@ -72,24 +87,44 @@ class Scheduler:
         # The requests behind the latest output's seqs: its decodes, then its prefills.
         self._scheduled_decodes: list[Request] = []
         self._scheduled_prefills: list[Request] = []
+        # Prefilled requests to hand off at the next schedule() (P/D).
+        self._to_hand_off: list[Request] = []
 
-    def add_request(
+    def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> Request:
-        prompt = tuple(prompt_token_ids)
-        check_new_request(self.config, request_id, prompt, sampling)
+    ) -> None:
+        """What add_request checks before it changes anything: InvalidArgument,
+        AlreadyExists."""
+        check_new_request(self.config, request_id, tuple(prompt_token_ids), sampling)
         if request_id in self.life.requests:
             raise AlreadyExists(f"request {request_id} already exists")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        *, handoff: bool = False,
+    ) -> Request:
+        """A new request, WAITING. `handoff`: a decode instance reserved blocks
+        for it; once prefilled it goes there (P/D)."""
+        self.check_request(request_id, prompt_token_ids, sampling)
         if len(self.life.waiting) >= self.config.max_num_waiting:
             raise ResourceExhausted(
                 f"request {request_id}: the waiting queue is full ({len(self.life.waiting)} "
                 f"requests, max_num_waiting {self.config.max_num_waiting}); retry later")
+        req = self._new_request(request_id, prompt_token_ids, sampling)
+        req.handoff = handoff
+        self.life.add(req)
+        return req
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        status: RequestStatus = RequestStatus.WAITING,
+    ) -> Request:
         req = Request.create(
-            request_id, prompt, sampling, arrival_time=self._clock(),
+            request_id, prompt_token_ids, sampling, arrival_time=self._clock(),
             arrival_seq=self._num_arrivals, eos_token_ids=self.config.eos_token_ids,
+            status=status,
         )
         self._num_arrivals += 1
-        self.life.add(req)
         return req
 
     def get_request(self, request_id: str) -> Request | None:
@@ -103,6 +138,12 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id)
         self.reservation.on_step(idle=not life.requests)
+        if life.reserved:
+            life.expire_reservations(self._clock())
+        if self._to_hand_off:
+            out.handoffs = [life.start_offload(r, HANDING_OFF) for r in self._to_hand_off
+                            if r.status is RUNNING_DECODE]
+            self._to_hand_off = []
         out.preempted, out.offloads = self.preemption.preempt_for_decodes()
         victims = out.preempted
         counters = self._counters
@@ -184,6 +225,8 @@ class Scheduler:
                 continue
             req.recompute_until = 0
             self.life.move(req, RUNNING_DECODE)
+            if req.handoff:
+                self._to_hand_off.append(req)
             if req.first_token_time is None:
                 req.first_token_time = self._clock()
                 self._counters.num_prompt_tokens += req.num_prompt_tokens
@@ -248,6 +291,105 @@ class Scheduler:
         if num_bytes is not None and seconds is not None:
             self.preemption.costs.observe_restore(len(cmd.block_ids), seconds)
 
+    # ------------------------------------------------------------------ P/D
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> bool:
+        """Decode instance: holds the blocks a prefill instance's request needs
+        (raises as add_request does). Accepted only if admission's reservations
+        (the request's own included) still fit after it, a seat is free and no
+        preempted request waits; False otherwise: nothing changed, ask again later."""
+        self.check_request(request_id, prompt_token_ids, sampling)
+        if sampling.max_tokens < 2:
+            raise InvalidArgument(f"request {request_id}: max_tokens {sampling.max_tokens} "
+                                  "leaves nothing to decode after prefill")
+        req = self._new_request(request_id, prompt_token_ids, sampling, RESERVED)
+        life = self.life
+        # As admission: nothing new while a preempted request waits to come back.
+        if (life.num_running >= self.config.max_num_seqs or life.waiting or life.offloaded
+                or life.offloading):
+            self._counters.num_reservations_refused += 1
+            return False
+        # Its own growth beyond the prompt's blocks, which life.reserve allocates.
+        growth = self.reservation.reserved_blocks(
+            req, num_held=self.kv.num_blocks_for(req.num_prompt_tokens))
+        kept_back = self.admission.blocks_kept_back() + growth
+        return life.reserve(req, kept_back, self._clock() + self.config.reservation_timeout_s)
+
+    def start_remote_decode(
+        self, request_id: str, snapshot_id: str, num_tokens: int, first_token_id: int
+    ) -> RestoreCommand:
+        """Decode instance: the KV of a RESERVED request's prompt is in
+        snapshot_id and its first token was sampled; the copy into its blocks
+        starts (answered with finish_restore), then it decodes here."""
+        req = self.life.requests.get(request_id)
+        if req is None or req.status is not RESERVED:
+            raise NotFound(f"request {request_id} holds no reservation (never made, "
+                           "expired, or already used)")
+        if num_tokens != req.num_prompt_tokens:
+            raise InvalidArgument(f"request {request_id}: the snapshot holds {num_tokens} "
+                                  f"tokens, its prompt has {req.num_prompt_tokens}")
+        if snapshot_id in self.life.copies:
+            raise AlreadyExists(f"request {request_id}: snapshot {snapshot_id} is already "
+                                "being copied here")
+        if not 0 <= first_token_id < self.config.vocab_size or first_token_id in req.stop_ids:
+            raise InvalidArgument(f"request {request_id}: first token {first_token_id} is "
+                                  "outside the vocabulary or ends the request")
+        return self.life.start_remote_decode(req, snapshot_id, first_token_id)
+
+    def finish_handoff(
+        self, cmd: OffloadCommand, num_bytes: int | None, seconds: float | None = None
+    ) -> bool:
+        """Prefill instance: the handoff copy landed. True: the request is
+        HANDED_OFF (ask the decode instance to decode it); False: it decodes
+        here (the copy failed) or was aborted."""
+        req = self.life.finish_handoff(cmd, num_bytes)
+        if num_bytes is not None and seconds is not None:
+            self.preemption.costs.observe_offload(len(cmd.block_ids), seconds)
+        return req.status is HANDED_OFF
+
+    def remote_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestUpdate | None:
+        """Prefill instance: tokens the decode instance generated; None if the
+        request is no longer HANDED_OFF (aborted)."""
+        req = self._handed_off(request_id)
+        if req is None:
+            return None
+        req.output_token_ids.extend(token_ids)
+        self._counters.num_generation_tokens += len(token_ids)
+        return RequestUpdate(request_id, list(token_ids))
+
+    def finish_remote(
+        self, request_id: str, token_ids: Sequence[int], stopped: bool, remote: RequestUsage
+    ) -> RequestUpdate | None:
+        """Prefill instance: the decode instance finished the request with
+        token_ids (stop token or length, `stopped` says which); its
+        preemptions there count in the usage."""
+        update = self.remote_tokens(request_id, token_ids)
+        req = self.life.requests.get(request_id)
+        if update is None or req is None:
+            return None
+        req.num_preemptions += remote.num_preemptions
+        req.num_recomputed_tokens += remote.num_recomputed_tokens
+        req.bytes_offloaded += remote.bytes_offloaded
+        req.snapshot = None  # the decode instance read it
+        self.life.finish(req, FINISHED_STOPPED if stopped else FINISHED_LENGTH)
+        update.finish_status = req.status
+        update.usage = req.usage()
+        return update
+
+    def take_back(self, request_id: str) -> None:
+        """Prefill instance: the decode instance was lost; the request finishes
+        here (Lifecycle.take_back). Nothing if it is no longer HANDED_OFF."""
+        if (req := self._handed_off(request_id)) is not None:
+            self.life.take_back(req)
+
+    def _handed_off(self, request_id: str) -> Request | None:
+        req = self.life.requests.get(request_id)
+        return req if req is not None and req.status is HANDED_OFF else None
+
+    # ------------------------------------------------------------- measures
+
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The worker computed `output`'s seqs in `seconds`: teaches the cost
         model the prefill rate."""
@@ -307,6 +449,14 @@ class Scheduler:
             cache_available=self.preemption.cache_available,
             num_prompt_tokens=c.num_prompt_tokens,
             num_generation_tokens=c.num_generation_tokens,
+            num_reserved=len(life.reserved),
+            num_reservations_accepted=c.num_reservations_accepted,
+            num_reservations_refused=c.num_reservations_refused,
+            num_reservations_expired=c.num_reservations_expired,
+            num_handed_off=len(life.handing_off) + len(life.handed_off),
+            num_handoffs=c.num_handoffs,
+            bytes_handed_off=c.bytes_handed_off,
+            num_handoff_failures=c.num_handoff_failures,
         )
 
     def check_integrity(self) -> None:

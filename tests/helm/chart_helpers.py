@@ -63,7 +63,61 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "flags": {"scheduler": {"flags": {"max-num-seqs": 64, "preemption-mode": "offload"}},
               "worker": {"flags": {"num-blocks": 2048, "batch-invariant": False}},
               "cache": {"flags": {"default-ttl": "30m", "max-concurrent-rpcs": 64}}},
+    # One cache for the whole release, with mixed instances; arena left on
+    # (the default) to show shared mode ignores it.
+    "shared": {"instances": {"replicas": 2},
+               "cache": {"mode": "shared", "memoryBudget": "8Gi", "disk": {"enabled": True},
+                         "shared": {"nodeSelector": {"kvstash.io/cache": "true"},
+                                    "podAnnotations": {"example.com/team": "kv"}}},
+               "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}},
+    # P/D disaggregation (instances.role pd): a prefill and a decode pool
+    # sharing one cache (pd requires cache.mode shared).
+    "pd": {"instances": {"role": "pd", "prefill": {"replicas": 2, "handoffWait": 2.5},
+                         "decode": {"replicas": 3, "reservationTimeout": 45}},
+           "cache": {"mode": "shared"},
+           "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}},
+    # Pools on their own GPU nodes: prefill 2 GPUs and a taint of its own,
+    # decode the shared GPU count with bigger workers; the cache off the GPUs.
+    "pd-gpu": {
+        "worker": {"gpu": {"count": 1}, "device": "cuda"},
+        "instances": {
+            "role": "pd",
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+            "pdb": {"minAvailable": 1, "maxUnavailable": None},
+            "prefill": {"gpuCount": 2,
+                        "nodeSelector": {"nvidia.com/gpu.present": "true", "gpu-type": "h100"},
+                        "tolerations": [{"key": "kvstash.io/pool", "operator": "Equal",
+                                         "value": "prefill", "effect": "NoSchedule"}]},
+            "decode": {"replicas": 2,
+                       "nodeSelector": {"nvidia.com/gpu.present": "true", "gpu-type": "l40s"},
+                       "workerResources": {"requests": {"cpu": "4", "memory": "16Gi"},
+                                           "limits": {"memory": "32Gi"}}},
+        },
+        "cache": {"mode": "shared", "memoryBudget": "4Gi",
+                  "shared": {"nodeSelector": {"node-role.example.com/cpu": "true"},
+                             "tolerations": [{"key": "kvstash.io/cache", "operator": "Exists",
+                                              "effect": "NoSchedule"}],
+                             "priorityClassName": "kv-critical"}},
+    },
+    # P/D with the cache's disk tier on a claim, TLS, bearer tokens (prefill
+    # sends decode one: --token-file), and a scheduler port, cache port and
+    # cluster domain of their own.
+    "pd-disk-pvc-tls-auth": {
+        "instances": {"role": "pd", "decode": {"replicas": 2}},
+        "cache": {"mode": "shared", "port": 50072,
+                  "disk": {"enabled": True, "persistence": {"enabled": True}}},
+        "tls": {"enabled": True, "secretName": "kvstash-tls"},
+        "auth": {"enabled": True, "secretName": "kvstash-tokens"},
+        "scheduler": {"port": 50052},
+        "clusterDomain": "corp.example",
+    },
 }
+PD_VALUE_SETS = sorted(name for name, values in VALUE_SETS.items()
+                       if values.get("instances", {}).get("role") == "pd")
+SHARED_VALUE_SETS = sorted(name for name, values in VALUE_SETS.items()
+                           if values.get("cache", {}).get("mode") == "shared")
 
 
 def kube_versions(value_set: str) -> tuple[str, ...]:
@@ -141,11 +195,37 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def workloads(docs: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
+    """Deployments, StatefulSets and DaemonSets whose pods are `component`
+    (instance or cache)."""
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+            and pod_labels(d)["app.kubernetes.io/component"] == component]
+
+
 def instances(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The Deployment or StatefulSet of model instances."""
-    found = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    """The Deployment or StatefulSet of model instances (one pool)."""
+    found = workloads(docs, "instance")
     assert len(found) == 1, [d["kind"] for d in found]
     return found[0]
+
+
+def pools(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """kvstash.io/role of its pods -> the Deployment or StatefulSet of a pool."""
+    found: dict[str, dict[str, Any]] = {}
+    for d in workloads(docs, "instance"):
+        role = pod_labels(d)["kvstash.io/role"]
+        assert role not in found, f"two workloads of role {role}"
+        found[role] = d
+    return found
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return dict(workload["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a matchLabels-style selector takes a pod with these labels."""
+    return selector.items() <= labels.items()
 
 
 def pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,13 +242,6 @@ def pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
     found = [c for c in pod_spec["containers"] if c["name"] == name]
     assert len(found) == 1, f"containers: {[c['name'] for c in pod_spec['containers']]}"
-    return found[0]
-
-
-def service_container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The scheduler, worker or cache container, wherever the values put it."""
-    found = [c for spec in pod_specs(docs) for c in spec["containers"] if c["name"] == name]
-    assert len(found) == 1, f"{len(found)} {name} containers"
     return found[0]
 
 

@@ -13,6 +13,7 @@ import yaml
 from chart_helpers import (
     CHART,
     INSTALL_HINT,
+    PD_VALUE_SETS,
     VALUE_SETS,
     container,
     env,
@@ -22,6 +23,7 @@ from chart_helpers import (
     mounts,
     of_kind,
     one,
+    pod_labels,
     pod_specs,
     rendered,
     volumes,
@@ -64,7 +66,8 @@ def test_every_manifest_validates_strictly(value_set: str) -> None:
 def check_service_monitor(monitor: dict[str, Any], docs: list[dict[str, Any]]) -> None:
     """Its shape, and that it selects a rendered Service with the port it scrapes."""
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert set(monitor["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+    assert set(monitor["spec"]) - {"podTargetLabels"} == {
+        "selector", "namespaceSelector", "endpoints"}
     wanted = monitor["spec"]["selector"]["matchLabels"]
     services = [s for s in of_kind(docs, "Service")
                 if wanted.items() <= s["metadata"]["labels"].items()]
@@ -76,7 +79,7 @@ def check_service_monitor(monitor: dict[str, Any], docs: list[dict[str, Any]]) -
 
 
 def test_service_monitors_cover_every_metrics_endpoint() -> None:
-    for name in ("servicemonitor", "daemonset"):
+    for name in ("servicemonitor", "daemonset", "shared", "pd"):
         docs = rendered(name)
         scraped = {m["spec"]["endpoints"][0]["port"] for m in of_kind(docs, "ServiceMonitor")}
         served = {p["name"] for spec in pod_specs(docs) for c in spec["containers"]
@@ -155,16 +158,27 @@ def test_disk_tier_volume_matches_its_flags(value_set: str) -> None:
         assert not of_kind(docs, "PersistentVolumeClaim")
 
 
+def worker_gpus(values: dict[str, Any], role: str | None) -> int:
+    """GPUs a worker of the pool `role` should request under `values`."""
+    count: int = values.get("worker", {}).get("gpu", {}).get("count", 0)
+    own = values.get("instances", {}).get(role, {}).get("gpuCount") if role else None
+    return count if own is None else int(own)
+
+
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_only_the_worker_requests_gpus(value_set: str) -> None:
     docs = rendered(value_set)
-    count = VALUE_SETS[value_set].get("worker", {}).get("gpu", {}).get("count", 0)
-    for spec in pod_specs(docs):
+    for d in docs:
+        if d["kind"] not in ("Deployment", "StatefulSet", "DaemonSet", "Pod"):
+            continue
+        spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+        role = pod_labels(d).get("kvstash.io/role") if d["kind"] != "Pod" else None
         for c in spec["containers"] + spec.get("initContainers", []):
             resources = c.get("resources", {})
             gpus = [resources.get(k, {}).get("nvidia.com/gpu") for k in ("requests", "limits")]
-            expected = [count, count] if c["name"] == "worker" and count else [None, None]
-            assert gpus == expected, f"{value_set}: {c['name']} asks for {gpus}"
+            count = worker_gpus(VALUE_SETS[value_set], role) if c["name"] == "worker" else 0
+            expected = [count, count] if count else [None, None]
+            assert gpus == expected, f"{value_set}: {c['name']} ({role}) asks for {gpus}"
 
 
 def test_gpu_instances_go_to_gpu_nodes() -> None:
@@ -175,7 +189,7 @@ def test_gpu_instances_go_to_gpu_nodes() -> None:
     assert env(container(pod, "worker"))["KVSTASH_WORKER_DEVICE"] == "cuda"
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "daemonset", "tls"])
+@pytest.mark.parametrize("value_set", ["defaults", "daemonset", "tls", "pd-disk-pvc-tls-auth"])
 def test_probes_check_grpc_health_on_each_port(value_set: str) -> None:
     docs = rendered(value_set)
     seen = set()
@@ -188,7 +202,7 @@ def test_probes_check_grpc_health_on_each_port(value_set: str) -> None:
             assert env(c)[f"KVSTASH_{c['name'].upper()}_LISTEN"] == f"0.0.0.0:{port}"
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c[kind]
-                if value_set == "tls":  # the kubelet's gRPC probe speaks no TLS
+                if VALUE_SETS[value_set].get("tls", {}).get("enabled"):  # kubelet gRPC: no TLS
                     command = probe["exec"]["command"]
                     assert command[:2] == ["kvstash-health", f"127.0.0.1:{port}"]
                     assert "--tls-ca" in command and "--tls-cert" in command
@@ -292,4 +306,26 @@ def test_notes_render_for_every_value_set(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{name}: {done.stderr}"
         text = yaml.safe_load(done.stdout)["notes"]
         assert "helm test rel -n kv" in text, text
-        assert ("--tls-ca" in text) is (name == "tls"), name
+        assert ("--tls-ca" in text) is values.get("tls", {}).get("enabled", False), name
+        pd = name in PD_VALUE_SETS
+        assert ("prefill/decode disaggregation" in text) is pd, name
+        cache = values.get("cache", {})
+        mode = cache.get("mode", "sidecar") if cache.get("enabled", True) else None
+        persistent = cache.get("disk", {}).get("persistence", {}).get("enabled", False)
+        kind = "statefulset" if persistent and mode == "sidecar" else "deployment"
+        for pool in ("rel-kvstash-prefill", "rel-kvstash-decode") if pd else ("rel-kvstash",):
+            assert f"rollout status {kind}/{pool}\n" in text, f"{name}: {text}"
+        cache_kind = {"daemonset": "daemonset", "shared": "statefulset"}.get(str(mode))
+        rollouts = [line.strip() for line in text.splitlines() if "rollout status" in line]
+        cache_rollouts = [r for r in rollouts if r.endswith("/rel-kvstash-cache")]
+        assert cache_rollouts == ([f"kubectl -n kv rollout status {cache_kind}/rel-kvstash-cache"]
+                                  if cache_kind else []), name
+        assert ("KV cache: shared, one cache service" in text) is (mode == "shared"), name
+        assert ("shared-memory arena at" in text) is (mode in ("sidecar", "daemonset") and cache
+                                                      .get("arena", {}).get("enabled", True)), name
+        tokens = "with the first token in\nthe Secret" in text
+        assert tokens is (pd and values.get("auth", {}).get("enabled", False)), name
+        if pd:
+            domain = values.get("clusterDomain", "cluster.local")
+            port = values.get("scheduler", {}).get("port", 50051)
+            assert f"rel-kvstash-decode.kv.svc.{domain}:{port}" in text, text

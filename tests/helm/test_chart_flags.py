@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import VALUE_SETS, env, one, rendered, service_container
+from chart_helpers import VALUE_SETS, env, one, rendered
 
 from kvstash import cli, security, settings, telemetry
 
@@ -107,21 +107,23 @@ def test_services_accept_what_the_chart_passes(
 ) -> None:
     values = VALUE_SETS[value_set]
     docs = rendered(value_set)
-    present = {c["name"] for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
-               for c in d["spec"]["template"]["spec"]["containers"]}
+    # Every pool's containers (P/D renders a scheduler and a worker per pool).
+    containers = [c for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+                  for c in d["spec"]["template"]["spec"]["containers"]]
     for name, service in SERVICES.items():
-        if name not in present:
+        found = [c for c in containers if c["name"] == name]
+        if not found:
             assert name == "cache" and value_set == "no-cache"
             continue
-        c = service_container(docs, name)
-        variables = as_local(env(c), c, tmp_path / name)
-        parser = dry_parse(name, variables, monkeypatch, capsys)
-        ours = {k for k in variables if k.startswith(f"KVSTASH_{service}_")}
-        unknown = ours - known_variables(parser, service)
-        assert not unknown, f"{name} has no flag for {sorted(unknown)}"
-        assert not {k for k in variables if k.startswith("KVSTASH_")} - ours
-        tracing = values.get("tracing", {}).get("enabled", False)
-        assert telemetry.tracing_requested(variables) is tracing, name
+        for c in found:
+            variables = as_local(env(c), c, tmp_path / name)
+            parser = dry_parse(name, variables, monkeypatch, capsys)
+            ours = {k for k in variables if k.startswith(f"KVSTASH_{service}_")}
+            unknown = ours - known_variables(parser, service)
+            assert not unknown, f"{name} has no flag for {sorted(unknown)}"
+            assert not {k for k in variables if k.startswith("KVSTASH_")} - ours
+            tracing = values.get("tracing", {}).get("enabled", False)
+            assert telemetry.tracing_requested(variables) is tracing, name
 
 
 @pytest.mark.parametrize("value_set", ["defaults", "tls"])

@@ -19,6 +19,32 @@ SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"worker": {"gpu": {"count": -1}}}, "worker.gpu.count: Must be greater than or equal to 0"),
     ({"instances": {"role": "decode"}}, "instances.role: instances.role must be one of"),
     ({"scheduler": {"flags": {"--max-num-seqs": 8}}}, "Does not match pattern"),
+    # P/D pools: each P/D flag belongs to its own role's pool.
+    ({"instances": {"role": "prefill"}}, "instances.role: instances.role must be one of"),
+    ({"instances": {"prefill": {"reservationTimeout": 30}}},
+     "instances.prefill: Additional property reservationTimeout is not allowed"),
+    ({"instances": {"decode": {"handoffWait": 5}}},
+     "instances.decode: Additional property handoffWait is not allowed"),
+    ({"instances": {"decode": {"replica": 2}}},
+     "instances.decode: Additional property replica is not allowed"),
+    ({"instances": {"prefill": {"workerResources": {"request": {"cpu": "2"}}}}},
+     "instances.prefill.workerResources: Additional property request is not allowed"),
+    ({"instances": {"prefill": {"handoffWait": "10s"}}},
+     "instances.prefill.handoffWait: Invalid type. Expected: number"),
+    ({"instances": {"decode": {"replicas": "2"}}},
+     "instances.decode.replicas: Invalid type. Expected: integer"),
+    ({"instances": {"decode": {"reservationTimeout": 0}}},
+     "instances.decode.reservationTimeout: Must be greater than or equal to 0.001"),
+    ({"instances": {"decode": {"gpuCount": -1}}},
+     "instances.decode.gpuCount: Must be greater than or equal to 0"),
+    ({"instances": {"prefill": {"nodeSelector": {"gpu-count": 8}}}},
+     "instances.prefill.nodeSelector.gpu-count: Invalid type. Expected: string"),
+    ({"clusterDomain": "Cluster_Local"}, "clusterDomain: Does not match pattern"),
+    # The shared cache's own settings.
+    ({"cache": {"shared": {"replicas": 2}}},
+     "cache.shared: Additional property replicas is not allowed"),
+    ({"cache": {"shared": {"nodeSelector": {"zone": 1}}}},
+     "cache.shared.nodeSelector.zone: Invalid type. Expected: string"),
 ]
 
 
@@ -44,7 +70,13 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "cache.disk.budget (20480Mi) exceeds the room for the disk tier (10240Mi, "
      "cache.disk.persistence.size)"),
     ({"cache": {"mode": "daemonset", "disk": {"enabled": True, "persistence": {"enabled": True}}}},
-     "cache.disk.persistence needs cache.mode sidecar"),
+     "cache.disk.persistence needs cache.mode sidecar (each instance's cache gets its own "
+     "claim) or shared"),
+    # The shared cache's budget is checked against its limit like any other's.
+    ({"cache": {"mode": "shared", "memoryBudget": "8Gi", "overhead": "1Gi",
+                "resources": {"limits": {"memory": "8Gi"}}}},
+     "cache.memoryBudget (8192Mi) + cache.overhead (1024Mi) = 9216Mi exceeds "
+     "cache.resources.limits.memory (8192Mi)"),
     ({"worker": {"gpu": {"count": 1}, "device": "cpu"}},
      "worker.gpu.count is 1 but worker.device is cpu"),
     ({"model": {"source": "pvc"}}, "model.source is pvc: set model.pvc.claimName"),
@@ -57,6 +89,36 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"cache": {"flags": {"memory-budget": "8GiB"}}},
      "cache.flags.memory-budget is set by the chart"),
     ({"worker": {"flags": {"listen": "0.0.0.0:1"}}}, "worker.flags.listen is set by the chart"),
+    # P/D pools.
+    ({"instances": {"role": "pd", "decode": {"replicas": 0}}, "cache": {"mode": "shared"}},
+     "instances.role is pd but instances.decode.replicas is 0: prefill instances hand every "
+     "request to the decode pool, so it needs at least 1"),
+    ({"instances": {"role": "pd", "prefill": {"replicas": 0}}, "cache": {"mode": "shared"}},
+     "instances.role is pd but instances.prefill.replicas is 0: clients call the prefill pool"),
+    # The KV handoff needs one cache both pools reach.
+    ({"instances": {"role": "pd"}},
+     "instances.role is pd but cache.mode is sidecar: the KV handoff goes through one cache "
+     "service both pools reach"),
+    ({"instances": {"role": "pd"}, "cache": {"mode": "daemonset"}},
+     "a per-node cache is not shared across pods (decode instances would miss every snapshot "
+     "and recompute the prompt); set cache.mode shared"),
+    ({"instances": {"role": "pd"}, "cache": {"enabled": False, "mode": "shared"}},
+     "instances.role is pd but cache.enabled is false: the KV handoff goes through one cache "
+     "service both pools reach"),
+    ({"instances": {"role": "pd", "prefill": {"replicas": 3}, "decode": {"replicas": 1},
+                    "pdb": {"minAvailable": 2, "maxUnavailable": None}},
+      "cache": {"mode": "shared"}},
+     "instances.pdb.minAvailable is 2 but instances.decode.replicas is 1"),
+    ({"instances": {"role": "pd", "decode": {"gpuCount": 1}}, "worker": {"device": "cpu"},
+      "cache": {"mode": "shared"}},
+     "instances.decode.gpuCount is 1 but worker.device is cpu"),
+    ({"scheduler": {"flags": {"role": "decode"}}}, "scheduler.flags.role is set by the chart"),
+    ({"scheduler": {"flags": {"decode-address": "decode:50051"}}},
+     "scheduler.flags.decode-address is set by the chart"),
+    ({"scheduler": {"flags": {"handoff-wait": 3}}},
+     "scheduler.flags.handoff-wait is set by the chart"),
+    ({"scheduler": {"flags": {"token-file": "/tmp/token"}}},
+     "scheduler.flags.token-file is set by the chart"),
 ]
 
 
@@ -70,6 +132,14 @@ def test_validation_refuses(values: dict[str, Any], message: str, tmp_path: Path
 def test_validation_names_every_problem_at_once(tmp_path: Path) -> None:
     error = render_error({"tls": {"enabled": True}, "auth": {"enabled": True}}, tmp_path)
     assert "tls.secretName" in error and "auth.secretName" in error
+
+
+def test_pd_keys_wait_for_role_pd(tmp_path: Path) -> None:
+    # Pool settings, even ones role pd would refuse, render nothing in role mixed.
+    docs = render({"instances": {"decode": {"replicas": 0, "gpuCount": 4}}}, tmp_path)
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert [d["metadata"]["name"] for d in workloads] == ["rel-kvstash"]
+    assert not any("decode" in d["metadata"]["name"] for d in docs)
 
 
 def test_memory_limit_is_derived_from_the_budget(tmp_path: Path) -> None:

@@ -16,17 +16,21 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from kvstash import telemetry
+from kvstash.client import Client
 from kvstash.stack import StackConfig, arena_args, running_stack
 from tests.integration.workload import (
     PRESSURED_BLOCKS,
     PRESSURED_SCHEDULER_ARGS,
     expected_outputs,
+    prompts,
     run_workload,
 )
 
 GENERATE = "/kvstash.v1.Scheduler/Generate"
 OFFLOAD = "/kvstash.v1.Worker/Offload"
 RESTORE = "/kvstash.v1.Worker/Restore"
+RESERVE = "/kvstash.v1.Scheduler/ReserveBlocks"
+DECODE = "/kvstash.v1.Scheduler/Decode"
 # The worker moves KV through the cache's arena where the stack gives the
 # cache one (where /dev/shm has room), else streams it; either way the cache
 # call joins the request's trace on both sides.
@@ -159,3 +163,32 @@ async def test_one_trace_per_request_across_all_services(
     roots = {s.name for s in spans if not s.parent_span_id}
     assert roots == {GENERATE}
     assert len(by_trace) == len(outcome.results)
+
+
+async def test_one_trace_spans_both_pd_instances(receiver: Receiver, tmp_path: Path) -> None:
+    """P/D: each request's trace holds its reservation and its decode on the
+    decode instance, the handoff put on the prefill side and the restore on
+    the decode side, all under the client's one Generate span."""
+    with running_stack(StackConfig(pd=True), tmp_path) as stack:
+        async with Client(stack.address) as client:
+            results = await asyncio.gather(*[
+                client.complete(p, max_tokens=12, ignore_eos=True) for p in prompts()[:4]])
+        assert stack.decode_scheduler is not None
+        async with Client(stack.decode_scheduler.address) as decode_client:
+            decode = await decode_client.stats()
+        await asyncio.to_thread(stack.stop)
+    assert [r.token_ids for r in results] == [e[:12] for e in expected_outputs()[:4]]
+    assert decode.num_restore_failures == 0
+    by_trace: dict[bytes, list[SeenSpan]] = defaultdict(list)
+    for s in receiver.spans:
+        by_trace[s.trace_id].append(s)
+    assert len(by_trace) == len(results)  # one trace per request, nothing else
+    for t in by_trace.values():
+        names = {(s.name, s.kind) for s in t}
+        assert {(GENERATE, SERVER), (RESERVE, CLIENT), (RESERVE, SERVER),
+                ("kvstash.handoff", INTERNAL), (OFFLOAD, SERVER), (DECODE, CLIENT),
+                (DECODE, SERVER), ("kvstash.restore", INTERNAL), (RESTORE, SERVER)} <= names
+        roots = [s for s in t if not s.parent_span_id]
+        assert [(r.name, r.kind) for r in roots] == [(GENERATE, SERVER)]
+        ids = {s.span_id for s in t}
+        assert all(not s.parent_span_id or s.parent_span_id in ids for s in t)

@@ -30,11 +30,92 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: kvstash
 {{- end -}}
 
-{{/* Selector of the instance pods. */}}
+{{/* Selector of one pool's pods: (dict "root" $ "role" "prefill"). */}}
+{{- define "kvstash.poolSelector" -}}
+{{ include "kvstash.selectorLabels" .root }}
+app.kubernetes.io/component: instance
+kvstash.io/role: {{ .role }}
+{{- end -}}
+
+{{/* Selector of every instance pod, whichever pool. */}}
 {{- define "kvstash.instanceSelector" -}}
+{{- if eq .Values.instances.role "pd" -}}
 {{ include "kvstash.selectorLabels" . }}
 app.kubernetes.io/component: instance
-kvstash.io/role: {{ .Values.instances.role }}
+{{- else -}}
+{{ include "kvstash.poolSelector" (dict "root" . "role" "mixed") }}
+{{- end -}}
+{{- end -}}
+
+{{/* The pool clients call, behind the public Service. */}}
+{{- define "kvstash.entryRole" -}}
+{{- ternary "prefill" "mixed" (eq .Values.instances.role "pd") -}}
+{{- end -}}
+
+{{/* host:port of the decode pool's headless Service: one address per ready decode pod. */}}
+{{- define "kvstash.decodeAddress" -}}
+{{- printf "%s-decode.%s.svc.%s:%d" (include "kvstash.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.scheduler.port) -}}
+{{- end -}}
+
+{{/*
+The instance pools as a YAML list (read it with fromYamlArray): one "mixed"
+pool named like the release, or with instances.role pd a "prefill" and a
+"decode" pool named <fullname>-<role>. Each holds what may differ between
+pools, resolved against the shared values, so templates never look at the
+role's keys themselves:
+  role, name, headless (its headless Service), replicas, replicasKey (for
+  messages), gpuCount, workerResources, nodeSelector, tolerations, affinity,
+  schedulerFlags (the P/D flags of its role, --token-file for prefill with
+  auth on; none for mixed).
+*/}}
+{{- define "kvstash.pools" -}}
+{{- $i := .Values.instances -}}
+{{- $w := .Values.worker -}}
+{{- $fullname := include "kvstash.fullname" . -}}
+{{- $pools := list -}}
+{{- if eq $i.role "pd" -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := index $i $role -}}
+{{- $gpus := index $p "gpuCount" -}}
+{{- $flags := dict "role" $role -}}
+{{- if eq $role "prefill" -}}
+{{- $_ := set $flags "decode-address" (include "kvstash.decodeAddress" $) -}}
+{{- $_ := set $flags "handoff-wait" $p.handoffWait -}}
+{{- /* Decode schedulers demand a token like any caller's: send the first accepted one. */ -}}
+{{- if $.Values.auth.enabled -}}
+{{- $_ := set $flags "token-file" (include "kvstash.authTokenFile" $) -}}
+{{- end -}}
+{{- else -}}
+{{- $_ := set $flags "reservation-timeout" $p.reservationTimeout -}}
+{{- end -}}
+{{- $pools = append $pools (dict
+  "role" $role
+  "name" (printf "%s-%s" $fullname $role)
+  "headless" (printf "%s-%s" $fullname $role)
+  "replicas" $p.replicas
+  "replicasKey" (printf "instances.%s.replicas" $role)
+  "gpuCount" (ternary $w.gpu.count $gpus (kindIs "invalid" $gpus))
+  "workerResources" (default $w.resources $p.workerResources)
+  "nodeSelector" (default $i.nodeSelector $p.nodeSelector)
+  "tolerations" (default $i.tolerations $p.tolerations)
+  "affinity" (default $i.affinity $p.affinity)
+  "schedulerFlags" $flags) -}}
+{{- end -}}
+{{- else -}}
+{{- $pools = list (dict
+  "role" "mixed"
+  "name" $fullname
+  "headless" (printf "%s-instances" $fullname)
+  "replicas" $i.replicas
+  "replicasKey" "instances.replicas"
+  "gpuCount" $w.gpu.count
+  "workerResources" $w.resources
+  "nodeSelector" $i.nodeSelector
+  "tolerations" $i.tolerations
+  "affinity" $i.affinity
+  "schedulerFlags" dict) -}}
+{{- end -}}
+{{- toYaml $pools -}}
 {{- end -}}
 
 {{- define "kvstash.cacheSelector" -}}
@@ -97,14 +178,49 @@ app.kubernetes.io/component: cache
 {{- end -}}
 {{- end -}}
 
-{{/* The cache address scheduler and worker use: loopback in the pod, or the node-local Service. */}}
+{{/* The disk tier's claim, one per pod of a StatefulSet (cache.disk.persistence). */}}
+{{- define "kvstash.diskClaimTemplate" -}}
+{{- $p := .Values.cache.disk.persistence -}}
+- metadata:
+    name: disk
+    labels:
+      {{- include "kvstash.selectorLabels" . | nindent 6 }}
+  spec:
+    accessModes:
+      {{- toYaml $p.accessModes | nindent 6 }}
+    {{- with $p.storageClass }}
+    storageClassName: {{ . }}
+    {{- end }}
+    resources:
+      requests:
+        storage: {{ printf "%sMi" (include "kvstash.diskSizeMiB" .) }}
+{{- end -}}
+
+{{/*
+The cache address scheduler and worker use: loopback in the pod (sidecar), or
+the Service "<fullname>-cache" (daemonset: node-local; shared: the one cache).
+*/}}
 {{- define "kvstash.cacheAddress" -}}
 {{- if not .Values.cache.enabled -}}
-{{- else if eq .Values.cache.mode "daemonset" -}}
-{{- printf "%s-cache.%s.svc:%d" (include "kvstash.fullname" .) .Release.Namespace (int .Values.cache.port) -}}
-{{- else -}}
+{{- else if eq .Values.cache.mode "sidecar" -}}
 {{- printf "127.0.0.1:%d" (int .Values.cache.port) -}}
+{{- else -}}
+{{- printf "%s-cache.%s.svc:%d" (include "kvstash.fullname" .) .Release.Namespace (int .Values.cache.port) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+"true" when cache and workers share the arena, else "": a shared cache has
+no co-located workers, whatever cache.arena.enabled says.
+*/}}
+{{- define "kvstash.arena" -}}
+{{- $c := .Values.cache -}}
+{{- if and $c.enabled $c.arena.enabled (ne $c.mode "shared") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The mounted auth Secret's tokens: --auth-token-file, and prefill's --token-file. */}}
+{{- define "kvstash.authTokenFile" -}}
+{{- printf "%s/tokens" .Values.auth.mountPath -}}
 {{- end -}}
 
 {{- define "kvstash.podSecurityContext" -}}

@@ -9,11 +9,9 @@ message naming the keys involved and what to change.
 {{- $c := $v.cache -}}
 {{- $i := $v.instances -}}
 
-{{- if ne $i.role "mixed" -}}
-{{- $errors = append $errors (printf "instances.role %q: only \"mixed\" exists until prefill/decode pools land (issue 12)" $i.role) -}}
-{{- end -}}
-{{- if not (has $c.mode (list "sidecar" "daemonset")) -}}
-{{- $errors = append $errors (printf "cache.mode %q: use sidecar or daemonset" $c.mode) -}}
+{{- $pools := include "kvstash.pools" . | fromYamlArray -}}
+{{- if not (has $c.mode (list "sidecar" "daemonset" "shared")) -}}
+{{- $errors = append $errors (printf "cache.mode %q: use sidecar, daemonset or shared" $c.mode) -}}
 {{- end -}}
 {{- if lt (int $v.worker.gpu.count) 0 -}}
 {{- $errors = append $errors (printf "worker.gpu.count is %d: use 0 (CPU only) or more" (int $v.worker.gpu.count)) -}}
@@ -22,14 +20,40 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors (printf "worker.gpu.count is %d but worker.device is cpu: the GPU would sit idle" (int $v.worker.gpu.count)) -}}
 {{- end -}}
 
-{{- /* Disruption budget against the replicas it guards. */ -}}
+{{- /* P/D pools: both must exist, and the KV handoff needs one cache both reach. */ -}}
+{{- if eq $i.role "pd" -}}
+{{- if lt (int $i.prefill.replicas) 1 -}}
+{{- $errors = append $errors "instances.role is pd but instances.prefill.replicas is 0: clients call the prefill pool (the public Service selects it), so it needs at least 1 (or use role mixed)" -}}
+{{- end -}}
+{{- if lt (int $i.decode.replicas) 1 -}}
+{{- $errors = append $errors "instances.role is pd but instances.decode.replicas is 0: prefill instances hand every request to the decode pool, so it needs at least 1 (or use role mixed)" -}}
+{{- end -}}
+{{- $handoff := "the KV handoff goes through one cache service both pools reach (a prefill worker puts each request's KV in its cache, the decode worker restores it from its own by snapshot id)" -}}
+{{- if not $c.enabled -}}
+{{- $errors = append $errors (printf "instances.role is pd but cache.enabled is false: %s; enable the cache with cache.mode shared" $handoff) -}}
+{{- else if ne $c.mode "shared" -}}
+{{- $errors = append $errors (printf "instances.role is pd but cache.mode is %s: %s, and a %s cache is not shared across pods (decode instances would miss every snapshot and recompute the prompt); set cache.mode shared" $c.mode $handoff (ternary "per-pod" "per-node" (eq $c.mode "sidecar"))) -}}
+{{- end -}}
+{{- if eq $v.worker.device "cpu" -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $gpus := index (index $i $role) "gpuCount" -}}
+{{- if and (not (kindIs "invalid" $gpus)) (gt (int $gpus) 0) -}}
+{{- $errors = append $errors (printf "instances.%s.gpuCount is %d but worker.device is cpu: the GPU would sit idle" $role (int $gpus)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Disruption budget against the replicas it guards, pool by pool. */ -}}
 {{- $pdb := $i.pdb -}}
 {{- if $pdb.enabled -}}
 {{- if eq (kindIs "invalid" $pdb.minAvailable) (kindIs "invalid" $pdb.maxUnavailable) -}}
 {{- $errors = append $errors "instances.pdb: set exactly one of minAvailable and maxUnavailable" -}}
 {{- else if not (kindIs "invalid" $pdb.minAvailable) -}}
-{{- if gt (int $pdb.minAvailable) (int $i.replicas) -}}
-{{- $errors = append $errors (printf "instances.pdb.minAvailable is %d but instances.replicas is %d: no pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $pdb.minAvailable) (int $i.replicas)) -}}
+{{- range $pools -}}
+{{- if gt (int $pdb.minAvailable) (int .replicas) -}}
+{{- $errors = append $errors (printf "instances.pdb.minAvailable is %d but %s is %d: no pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $pdb.minAvailable) .replicasKey (int .replicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -55,7 +79,7 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors (printf "cache.disk.budget (%dMi) exceeds the room for the disk tier (%dMi, cache.disk.%s)" $disk $room (ternary "persistence.size" "sizeLimit" $c.disk.persistence.enabled)) -}}
 {{- end -}}
 {{- if and $c.disk.persistence.enabled (eq $c.mode "daemonset") -}}
-{{- $errors = append $errors "cache.disk.persistence needs cache.mode sidecar (each instance's cache gets its own claim); a daemonset's disk tier is an emptyDir" -}}
+{{- $errors = append $errors "cache.disk.persistence needs cache.mode sidecar (each instance's cache gets its own claim) or shared (the cache's one pod gets one); a daemonset's disk tier is an emptyDir" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -87,7 +111,7 @@ message naming the keys involved and what to change.
 {{- /* Flags the chart sets itself cannot also come from <component>.flags. */ -}}
 {{- $server := list "listen" "metrics-port" "metrics-host" "tls-cert" "tls-key" "tls-ca" "plaintext" -}}
 {{- $owned := dict
-  "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file"))
+  "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file" "token-file" "role" "decode-address" "reservation-timeout" "handoff-wait"))
   "worker" (concat $server (list "device" "model" "cache-address" "cache-arena"))
   "cache" (concat $server (list "memory-budget" "arena-dir" "disk-dir" "disk-budget")) -}}
 {{- range $component, $names := $owned -}}

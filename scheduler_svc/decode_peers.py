@@ -1,0 +1,167 @@
+"""A prefill instance's decode instances (P/D): where each request decodes.
+
+    reserve()  ReserveBlocks on the decode instances in turn, from a start
+               that rotates per request (a DNS name counts as every address
+               it resolves to, looked up again each round). After a round of
+               refusals it waits (the decode instances' retry hint, doubling
+               per round up to `max_backoff_s`) and tries again, until
+               `wait_s` is spent: then None, and the prefill instance decodes
+               the request itself. A request is never dropped for want of a
+               decode instance.
+    decode()   Decode on the instance that reserved: its token stream
+    release()  Abort there, best effort, for a reservation that will not be
+               used (it would expire anyway)
+
+An instance that is down, or answers an error, is skipped for that round;
+one with another KV layout is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvstash import rpc, wire
+from kvstash.layout import Layout
+from kvstash.sampling import SamplingParams
+from kvstash.security import PLAINTEXT, Security
+from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# One ReserveBlocks call; a decode instance answers it without I/O.
+_RESERVE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePeer:
+    """A decode instance that holds a reservation for a request."""
+
+    address: str  # host:port as dialled
+    stub: scheduler_pb2_grpc.SchedulerStub
+
+
+class DecodePeers:
+    def __init__(
+        self, addresses: Sequence[str], layout: Layout, security: Security = PLAINTEXT, *,
+        wait_s: float = 10.0, max_backoff_s: float = 1.0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("a prefill instance needs at least one decode instance address")
+        self._addresses = list(addresses)
+        self._layout = layout
+        self._security = security
+        self._wait_s = wait_s
+        self._max_backoff_s = max_backoff_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._turn = itertools.count()
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def reserve(
+        self, request_id: str, prompt: Sequence[int], sampling: SamplingParams
+    ) -> DecodePeer | None:
+        """A decode instance that reserved blocks for the request, or None
+        once `wait_s` passed with every one refusing or unreachable."""
+        request = scheduler_pb2.ReserveBlocksRequest(
+            request_id=request_id, prompt=scheduler_pb2.TokenIds(ids=prompt),
+            sampling=wire.sampling_to_proto(sampling), block_size=self._layout.block_size,
+            bytes_per_block=self._layout.bytes_per_block)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_s
+        backoff = 0.0
+        while True:
+            peers = await self._resolve()
+            start = next(self._turn)
+            hint = 0.0
+            for i in range(len(peers)):
+                peer = peers[(start + i) % len(peers)]
+                answer = await self._ask(peer, request)
+                if answer is None:
+                    continue
+                if answer.accepted:
+                    return peer
+                hint = max(hint, answer.retry_after_s)
+            backoff = min(max(hint, 2 * backoff, 0.01), self._max_backoff_s)
+            if loop.time() + backoff > deadline:
+                log.info("request %s: no decode instance reserved blocks within %.1f s; "
+                         "decoding it here", request_id, self._wait_s)
+                return None
+            await asyncio.sleep(backoff)
+
+    async def _ask(
+        self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest
+    ) -> scheduler_pb2.ReserveBlocksResponse | None:
+        """One ReserveBlocks; None when the instance could not answer. A
+        reservation granted to a call that is cancelled here is released."""
+        call = peer.stub.ReserveBlocks(request, timeout=_RESERVE_TIMEOUT_S)
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            level = logging.ERROR if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else (
+                logging.DEBUG)
+            log.log(level, "decode instance %s: ReserveBlocks failed (%s: %s)", peer.address,
+                    exc.code().name, exc.details())
+            return None
+        except asyncio.CancelledError:
+            task = asyncio.get_running_loop().create_task(self.release(peer, request.request_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+            raise
+
+    async def release(self, peer: DecodePeer, request_id: str) -> None:
+        """Lets go of request_id's reservation (or decode) on `peer`, if any."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await peer.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
+                                  timeout=_RESERVE_TIMEOUT_S)
+
+    def decode(
+        self, peer: DecodePeer, request_id: str, snapshot_id: str, num_tokens: int,
+        first_token_id: int,
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """The decode instance's stream for the request: cancelling it (or the
+        task reading it) aborts the request there."""
+        return peer.stub.Decode(scheduler_pb2.DecodeRequest(
+            request_id=request_id, snapshot_id=snapshot_id, num_tokens=num_tokens,
+            first_token_id=first_token_id))
+
+    async def _resolve(self) -> list[DecodePeer]:
+        """Every address of every configured name, in configuration order."""
+        loop = asyncio.get_running_loop()
+        peers: list[DecodePeer] = []
+        for address in self._addresses:
+            host, _, port = address.rpartition(":")
+            host = host.strip("[]")
+            try:
+                ipaddress.ip_address(host)
+                hosts = [host]
+            except ValueError:
+                try:
+                    infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                except OSError as exc:
+                    log.warning("decode instance %s does not resolve (%s)", address, exc)
+                    continue
+                hosts = list(dict.fromkeys(str(info[4][0]) for info in infos))
+            peers.extend(self._peer(h, port, host) for h in hosts)
+        return peers
+
+    def _peer(self, ip: str, port: str, name: str) -> DecodePeer:
+        target = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        channel = self._channels.get(target)
+        if channel is None:
+            # TLS checks the name the operator configured, not the address.
+            options = [] if ip == name else [("grpc.ssl_target_name_override", name)]
+            channel = self._channels[target] = rpc.channel(target, self._security, options)
+        return DecodePeer(target, scheduler_pb2_grpc.SchedulerStub(channel))
