@@ -20,8 +20,11 @@ P/D disaggregation (decode_peers.py):
                       core hands it off (`out.handoffs`): its KV is put in the
                       cache, then `_relay` streams the decode instance's
                       tokens into the request's stream. A failed put decodes
-                      here; a lost decode instance gives the request back to
-                      the core (`take_back`): never lost.
+                      here; a decode instance lost before its first token
+                      (expired reservation, gone) is replaced by another
+                      reservation; one lost later, or no reservation in time,
+                      gives the request back to the core (`take_back`):
+                      never lost. A lost worker leaves them decoding there.
     decode instance   `reserve` and `decode` (a restore into the reserved
                       blocks, then decoding as usual); a timer wakes the loop
                       when a reservation may have expired.
@@ -71,6 +74,9 @@ log = logging.getLogger(__name__)
 
 # How a scheduler run with EngineConfig.check_integrity exits on a broken invariant.
 INTEGRITY_EXIT_CODE = 70
+# Decode instances a handed-off request is offered to, one after another, while
+# each is lost before sending a token (its reservation expired, it went away).
+_HANDOFF_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +283,11 @@ class Engine:
             os._exit(INTEGRITY_EXIT_CODE)
 
     def _fail_all(self, error: errors.KvstashError) -> None:
+        """Fails every request but those decoding on a decode instance (P/D):
+        they need this worker no more."""
         for request_id in list(self._req_to_stream):
+            if request_id in self._relays:
+                continue
             stream = self._req_to_stream.pop(request_id)
             usage = None
             with contextlib.suppress(errors.NotFound):
@@ -394,31 +404,50 @@ class Engine:
         if not handed_off or decoder is None:
             self._let_go_of_decoder(cmd.request_id)  # decoding here, or aborted
             return
-        req = self._core.get_request(cmd.request_id)
-        assert req is not None
+        request_id = cmd.request_id
+        req = self._core.get_request(request_id)
+        assert req is not None and self._peers is not None
         first_token_id = req.output_token_ids[-1]
-        self._relays[cmd.request_id] = asyncio.current_task()  # type: ignore[assignment]
+        self._relays[request_id] = asyncio.current_task()  # type: ignore[assignment]
         # The Decode call joins the request's trace.
-        trace_context = self._traced(cmd.request_id)
+        trace_context = self._traced(request_id)
         token = None if trace_context is None else otel_context.attach(trace_context)
         try:
-            await self._relay(decoder, cmd, first_token_id, started)
+            for attempt in range(1, _HANDOFF_ATTEMPTS + 1):
+                reason = await self._relay(decoder, cmd, first_token_id, started)
+                if reason is None:
+                    return  # finished there, or taken back after its tokens began
+                log.warning("request %s: decode instance %s lost before its first token (%s)%s",
+                            request_id, decoder.address, reason,
+                            "; trying again" if attempt < _HANDOFF_ATTEMPTS else "")
+                # Its reservation expired, or the instance went away: the
+                # snapshot is still in the cache for another reservation.
+                if attempt == _HANDOFF_ATTEMPTS or (decoder := await self._peers.reserve(
+                        request_id, req.prompt_token_ids, req.sampling)) is None:
+                    break
+                self._decoders[request_id] = decoder
+            log.warning("request %s: finishing it here", request_id)
+            self._core.take_back(request_id)
+            self._wake.set()
         finally:
             if token is not None:
                 otel_context.detach(token)
-            self._relays.pop(cmd.request_id, None)
-            self._decoders.pop(cmd.request_id, None)
+            self._relays.pop(request_id, None)
+            self._decoders.pop(request_id, None)
 
     async def _relay(
         self, decoder: DecodePeer, cmd: OffloadCommand, first_token_id: int, started: float
-    ) -> None:
-        """The decode instance's tokens into the request's stream; if it fails
-        or ends early, the core takes the request back to finish it here."""
+    ) -> str | None:
+        """The decode instance's tokens into the request's stream. None once
+        the request finished there, or was lost there after some tokens (the
+        core took it back: it is recomputed here); else why it was lost
+        before sending any."""
+        assert self._peers is not None
         request_id = cmd.request_id
         core = self._core
         first = True
         try:
-            async for response in self._peers.decode(  # type: ignore[union-attr]
+            async for response in self._peers.decode(
                     decoder, request_id, cmd.snapshot_id, cmd.num_tokens, first_token_id):
                 if first and self._metrics is not None:
                     self._metrics.handoff_s.observe(time.monotonic() - started)
@@ -438,15 +467,20 @@ class Engine:
                 if update is not None and stream is not None:
                     stream.push(update)
                 if finish:
-                    return
+                    return None
             else:
                 reason = "its stream ended early"
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
+        except errors.InvalidArgument as exc:  # tokens it could not have generated
+            reason = str(exc)
+        if first:
+            return reason
         log.warning("request %s: decode instance %s lost (%s); finishing it here",
                     request_id, decoder.address, reason)
         core.take_back(request_id)
         self._wake.set()
+        return None
 
     def _let_go_of_decoder(self, request_id: str) -> None:
         """The request will not (or no longer) decode on its decode instance:

@@ -351,10 +351,12 @@ class Scheduler:
 
     def remote_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestUpdate | None:
         """Prefill instance: tokens the decode instance generated; None if the
-        request is no longer HANDED_OFF (aborted)."""
+        request is no longer HANDED_OFF (aborted). InvalidArgument for tokens
+        it could not have generated (_check_remote_tokens)."""
         req = self._handed_off(request_id)
         if req is None:
             return None
+        self._check_remote_tokens(req, token_ids)
         req.output_token_ids.extend(token_ids)
         self._counters.num_generation_tokens += len(token_ids)
         return RequestUpdate(request_id, list(token_ids))
@@ -364,11 +366,20 @@ class Scheduler:
     ) -> RequestUpdate | None:
         """Prefill instance: the decode instance finished the request with
         token_ids (stop token or length, `stopped` says which); its
-        preemptions there count in the usage."""
-        update = self.remote_tokens(request_id, token_ids)
-        req = self.life.requests.get(request_id)
-        if update is None or req is None:
+        preemptions there count in the usage. InvalidArgument (nothing
+        recorded) for an end that does not match the tokens."""
+        req = self._handed_off(request_id)
+        if req is None:
             return None
+        output = [*req.output_token_ids, *token_ids]
+        if stopped != (output[-1] in req.stop_ids) or (
+                not stopped and len(output) != req.sampling.max_tokens):
+            raise InvalidArgument(
+                f"request {request_id}: a remote {'stop' if stopped else 'length'} finish "
+                f"after {len(output)} tokens ending in {output[-1]} (max_tokens "
+                f"{req.sampling.max_tokens})")
+        update = self.remote_tokens(request_id, token_ids)
+        assert update is not None
         req.num_preemptions += remote.num_preemptions
         req.num_recomputed_tokens += remote.num_recomputed_tokens
         req.bytes_offloaded += remote.bytes_offloaded
@@ -377,6 +388,23 @@ class Scheduler:
         update.finish_status = req.status
         update.usage = req.usage()
         return update
+
+    def _check_remote_tokens(self, req: Request, token_ids: Sequence[int]) -> None:
+        """What a decode instance sends must be possible: InvalidArgument (and
+        nothing recorded) for tokens outside the vocabulary, beyond max_tokens
+        or after a stop token."""
+        vocab_size = self.config.vocab_size
+        num_output = len(req.output_token_ids)
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(f"request {req.request_id}: remote token {token_id} is "
+                                      f"outside the vocabulary [0, {vocab_size})")
+            if i < len(token_ids) - 1 and token_id in req.stop_ids:
+                raise InvalidArgument(f"request {req.request_id}: remote tokens go on after "
+                                      f"stop token {token_id}")
+        if num_output + len(token_ids) > req.sampling.max_tokens:
+            raise InvalidArgument(f"request {req.request_id}: {num_output} + {len(token_ids)} "
+                                  f"remote tokens exceed max_tokens {req.sampling.max_tokens}")
 
     def take_back(self, request_id: str) -> None:
         """Prefill instance: the decode instance was lost; the request finishes

@@ -45,10 +45,10 @@ class Up:
         return [pid for _, pid in self.services.values()]
 
 
-def start_up() -> Up:
+def start_up(*extra: str) -> Up:
     process = subprocess.Popen(
         [sys.executable, "-m", "kvstash.cli", "up", "--listen", "127.0.0.1:0",
-         "--num-blocks", "64"],
+         "--num-blocks", "64", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert process.stdout is not None
@@ -56,11 +56,14 @@ def start_up() -> Up:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = process.stdout.readline()
-        if match := re.match(r"(\w+)\s+(\S+:\d+)\s+pid (\d+)", line):
+        if match := re.match(r"([\w-]+)\s+(\S+:\d+)\s+pid (\d+)", line):
             services[match[1]] = (match[2], int(match[3]))
         if match := re.match(r"logs in (\S+);", line):
             break
-    assert set(services) == {"cache", "worker", "scheduler"}, services
+    expected = {"cache", "worker", "scheduler"}
+    if "--pd" in extra:
+        expected |= {"decode-worker", "decode-scheduler"}
+    assert set(services) == expected, services
     assert match is not None
     return Up(process, services, Path(match[1]))
 
@@ -87,6 +90,22 @@ def test_up_serves_then_a_stop_signal_leaves_nothing_behind(sig: signal.Signals)
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
     assert not up.log_dir.exists()
+
+
+def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
+    up = start_up("--pd")
+
+    async def call() -> tuple[list[int], int]:
+        async with Client(up.services["scheduler"][0]) as client:
+            result = await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)
+        async with Client(up.services["decode-scheduler"][0]) as decode:
+            return result.token_ids, (await decode.stats()).num_reservations_accepted
+
+    tokens, reserved = asyncio.run(call())
+    assert len(tokens) == 4 and reserved == 1
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(30) == 0
+    assert not wait_gone(up.pids)
 
 
 def _children(pid: int) -> list[int]:

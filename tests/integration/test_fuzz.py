@@ -132,15 +132,23 @@ def payloads(rpc: Rpc) -> st.SearchStrategy[bytes | list[bytes]]:
     return st.lists(one, min_size=0, max_size=6) if rpc.method.client_streaming else one
 
 
+# Served by a P/D decode instance; a prefill instance refuses them at once.
+DECODE_RPCS = frozenset({"ReserveBlocks", "Decode"})
+
+
 @dataclass
 class Processes:
-    stack: Stack
+    stack: Stack  # P/D: Generate through a prefill instance exercises the handoff
     worker: Service  # a worker of its own: fuzzed Execute and Restore calls write its blocks
 
-    def address(self, service: str) -> str:
-        if service == "worker":
+    def address(self, rpc: Rpc) -> str:
+        if rpc.service == "worker":
             return self.worker.address
-        return self.stack.address if service == "scheduler" else self.stack.cache.address
+        if rpc.service == "cache":
+            return self.stack.cache.address
+        decode = self.stack.decode_scheduler
+        assert decode is not None
+        return decode.address if rpc.method.name in DECODE_RPCS else self.stack.address
 
     def all(self) -> list[Service]:
         return [*self.stack.services, self.worker]
@@ -149,8 +157,12 @@ class Processes:
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
     logs = tmp_path_factory.mktemp("fuzz")
-    config = StackConfig(num_blocks=64, cache_memory_budget="256MiB",
-                         scheduler_args=("--max-num-waiting", "16"))
+    # Both schedulers exit on a broken invariant; fuzzed reservations lapse
+    # fast, and a prefill instance they crowd out decodes a request itself.
+    config = StackConfig(num_blocks=64, cache_memory_budget="256MiB", pd=True,
+                         scheduler_args=("--max-num-waiting", "16", "--check-integrity"),
+                         prefill_scheduler_args=("--handoff-wait", "1"),
+                         decode_scheduler_args=("--reservation-timeout", "2"))
     (logs / "own-worker").mkdir()
     with running_stack(config, logs) as stack:
         worker = start_service("worker", "gpu_worker", [
@@ -197,7 +209,7 @@ def rss(service: Service) -> int:
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
 def test_fuzzed_calls_end_with_a_specific_status(processes: Processes, rpc: Rpc) -> None:
-    channel = grpc.insecure_channel(processes.address(rpc.service), options=CHANNEL_OPTIONS)
+    channel = grpc.insecure_channel(processes.address(rpc), options=CHANNEL_OPTIONS)
     before = {s.name: rss(s) for s in processes.all()}
     seen: set[grpc.StatusCode] = set()
 

@@ -306,3 +306,38 @@ async def test_prefill_instance_killed_after_handoff_leaves_nothing_behind(
     assert decode.num_finished >= len(prompts)
     assert decode.num_running_decode == 0
     assert cache.memory_snapshots + cache.disk_snapshots == 0
+
+
+async def test_requests_decoding_elsewhere_outlive_the_prefill_worker(tmp_path: Path) -> None:
+    """The prefill instance's worker dies while its requests decode on the
+    decode instance: they need it no more and finish there, unharmed."""
+    prompts = small_prompts(4)
+    with running_stack(pd_config(num_blocks=128), tmp_path) as stack:
+        work = asyncio.create_task(complete_all(stack.address, prompts, max_tokens=120))
+        await until_decoding(stack, len(prompts))
+        stack.worker.kill()
+        outputs = await work
+        prefill = await stats(stack.scheduler)
+        assert_alive(stack, stack.scheduler, stack.decode_scheduler, stack.decode_worker)
+    assert outputs == reference(prompts, 120)
+    assert prefill.num_handoffs == len(prompts) and prefill.num_handoff_failures == 0
+
+
+async def test_an_expired_reservation_is_made_again_before_decoding_here(tmp_path: Path) -> None:
+    """Reservations that lapse before the KV arrives (10 ms here): the
+    snapshot is still in the cache, so the prefill instance reserves again
+    and hands the request off after all."""
+    prompts = small_prompts(4)
+    config = pd_config(decode=("--reservation-timeout", "0.01"))
+    with running_stack(config, tmp_path) as stack:
+        outputs = await complete_all(stack.address, prompts)
+        prefill = await drained(stack.scheduler)
+        decode = await drained(stack.decode_scheduler)
+        cache = await cache_stats(stack.cache.address)
+        assert_alive(stack)
+    assert outputs == reference(prompts)
+    assert decode.num_reservations_expired >= len(prompts)
+    assert decode.num_reservations_accepted > len(prompts)  # made again
+    assert decode.num_reservations_accepted == (
+        decode.num_reservations_expired + prefill.num_handoffs - prefill.num_handoff_failures)
+    assert cache.memory_snapshots + cache.disk_snapshots == 0

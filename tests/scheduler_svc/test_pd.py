@@ -74,6 +74,10 @@ def prompt_of(num_tokens: int, seed: int = 0) -> list[int]:
     return [1 + (seed * 7 + i * 3) % (VOCAB - 1) for i in range(num_tokens)]
 
 
+# A stop token the requests that need one name (never their first token here).
+STOP = 40
+
+
 def greedy(max_tokens: int, *, ignore_eos: bool = True, stop: Sequence[int] = ()) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=tuple(stop))
 
@@ -570,13 +574,13 @@ def add_handoff(side: Side, request_id: str, prompt: list[int], sampling: Sampli
     side.core.check_integrity()
 
 
-def handed_off(side: Side, request_id: str = "a", prompt_len: int = 6,
-               max_tokens: int = 6) -> tuple[OffloadCommand, list[int | None]]:
+def handed_off(side: Side, request_id: str = "a", prompt_len: int = 6, max_tokens: int = 6,
+               stop: Sequence[int] = ()) -> tuple[OffloadCommand, list[int | None]]:
     """A prefill core's request, prefilled and its handoff copy issued:
     the command and the KV it copies."""
     core = side.core
     prompt = prompt_of(prompt_len, 2)
-    add_handoff(side, request_id, prompt, greedy(max_tokens))
+    add_handoff(side, request_id, prompt, greedy(max_tokens, stop=stop))
     output, [update] = side.step()
     assert output.handoffs == [] and update.new_token_ids == [next_token(prompt, VOCAB)]
     assert status(core, request_id) is S.RUNNING_DECODE
@@ -621,7 +625,7 @@ def test_a_prefilled_request_is_handed_off_at_the_next_schedule() -> None:
 def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: bool) -> None:
     side = Side(make_config())
     core = side.core
-    cmd, _ = handed_off(side, max_tokens=5)
+    cmd, _ = handed_off(side, max_tokens=5, stop=(STOP,))
     assert core.finish_handoff(cmd, 512)
     first = side.truth["a"][-1]
     assert core.remote_tokens("a", [31, 32]) == RequestUpdate("a", [31, 32])
@@ -631,9 +635,10 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     assert req.status is S.HANDED_OFF and req.num_computed_tokens == 6
     remote = RequestUsage(6, 4, num_preemptions=2, num_recomputed_tokens=3,
                           bytes_offloaded=700, queue_time_s=None)
-    update = core.finish_remote("a", [33, 34], stopped, remote)
+    last = STOP if stopped else 34
+    update = core.finish_remote("a", [33, last], stopped, remote)
     core.check_integrity()
-    assert update is not None and update.new_token_ids == [33, 34]
+    assert update is not None and update.new_token_ids == [33, last]
     assert update.finish_status is (S.FINISHED_STOPPED if stopped else S.FINISHED_LENGTH)
     assert update.usage == RequestUsage(6, 5, 2, 3, 700, 0.0)
     stats = core.stats()
@@ -1425,3 +1430,33 @@ def test_random_decode_instance_histories_keep_every_invariant(
         if status_ is not S.FINISHED_ABORTED and rid in outputs:
             prompt, sampling = prompts[rid]
             assert outputs[rid] == expected(prompt, sampling), rid
+
+
+@pytest.mark.parametrize(("tokens", "finish"), [
+    ([VOCAB], None),            # outside the vocabulary
+    ([STOP, 5], None),          # goes on after a stop token
+    ([1, 2, 3, 4, 5], None),    # beyond max_tokens 5 (one came from the prefill)
+    ([1, 2], "stop"),           # a stop finish without a stop token
+    ([1, 2], "length"),         # a length finish short of max_tokens
+    ([1, 2, 3, STOP], "length"),  # a length finish on a stop token
+])
+def test_a_decode_instance_cannot_send_impossible_tokens(
+        tokens: list[int], finish: str | None) -> None:
+    """What a decode instance could not have generated is refused, nothing
+    recorded: the engine then takes the request back (a lost instance)."""
+    side = Side(make_config())
+    core = side.core
+    cmd, _ = handed_off(side, max_tokens=5, stop=(STOP,))
+    assert core.finish_handoff(cmd, 512)
+    req = core.get_request("a")
+    assert req is not None
+    before = list(req.output_token_ids)
+    with pytest.raises(InvalidArgument):
+        if finish is None:
+            core.remote_tokens("a", tokens)
+        else:
+            core.finish_remote("a", tokens, finish == "stop", RequestUsage(6, 5, 0, 0, 0, None))
+    assert req.output_token_ids == before and req.status is S.HANDED_OFF
+    core.take_back("a")
+    core.check_integrity()
+    assert req.status is S.OFFLOADED  # no token was recorded: resumes from the snapshot

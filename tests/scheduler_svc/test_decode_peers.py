@@ -1,0 +1,171 @@
+"""DecodePeers, the prefill instance's side of ReserveBlocks, over real gRPC
+to scripted decode instances: which instance is asked, in which order, how
+long it keeps asking, and what it releases."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from kvstash.layout import Layout
+from kvstash.sampling import SamplingParams
+from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.decode_peers import DecodePeers
+
+LAYOUT = Layout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
+SAMPLING = SamplingParams(max_tokens=8)
+
+
+@dataclass(slots=True)
+class ScriptedDecode(scheduler_pb2_grpc.SchedulerServicer):
+    """A decode instance that answers ReserveBlocks as `answer` says."""
+
+    answer: Callable[[scheduler_pb2.ReserveBlocksRequest], scheduler_pb2.ReserveBlocksResponse]
+    delay_s: float = 0.0
+    asked: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    async def ReserveBlocks(self, request: scheduler_pb2.ReserveBlocksRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> scheduler_pb2.ReserveBlocksResponse:
+        self.asked.append(request.request_id)
+        await asyncio.sleep(self.delay_s)
+        return self.answer(request)
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        self.aborted.append(request.request_id)
+        return scheduler_pb2.AbortResponse()
+
+
+def accept(_: scheduler_pb2.ReserveBlocksRequest) -> scheduler_pb2.ReserveBlocksResponse:
+    return scheduler_pb2.ReserveBlocksResponse(accepted=True, expires_in_s=30)
+
+
+def refuse(_: scheduler_pb2.ReserveBlocksRequest) -> scheduler_pb2.ReserveBlocksResponse:
+    return scheduler_pb2.ReserveBlocksResponse(accepted=False, retry_after_s=0.05)
+
+
+Serve = Callable[[ScriptedDecode], Awaitable[int]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """Starts a decode instance on loopback; returns its port."""
+    servers: list[grpc.aio.Server] = []
+
+    async def start(servicer: ScriptedDecode) -> int:
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return port
+
+    yield start
+    for server in servers:
+        await server.stop(None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_refusals_and_unreachable_instances_are_skipped(serve: Serve) -> None:
+    full, free = ScriptedDecode(refuse), ScriptedDecode(accept)
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{await serve(full)}",
+                 f"127.0.0.1:{await serve(free)}"]
+    peers = DecodePeers(addresses, LAYOUT, wait_s=5)
+    try:
+        chosen = [await peers.reserve(f"r{i}", [1, 2, 3], SAMPLING) for i in range(3)]
+    finally:
+        await peers.close()
+    assert [p.address if p else None for p in chosen] == [addresses[2]] * 3
+    assert free.asked == ["r0", "r1", "r2"]
+    # The start rotates: the full instance is asked only when it comes first
+    # or the unreachable one came before it.
+    assert 1 <= len(full.asked) <= 3
+
+
+async def test_every_refusal_until_the_wait_is_spent_means_none(serve: Serve) -> None:
+    a, b = ScriptedDecode(refuse), ScriptedDecode(refuse)
+    peers = DecodePeers([f"127.0.0.1:{await serve(a)}", f"127.0.0.1:{await serve(b)}"],
+                        LAYOUT, wait_s=0.6, max_backoff_s=0.2)
+    started = time.monotonic()
+    try:
+        assert await peers.reserve("r", [1, 2, 3], SAMPLING) is None
+    finally:
+        await peers.close()
+    elapsed = time.monotonic() - started
+    assert 0.3 < elapsed < 2.0
+    # Round after round, backing off: more than once each, far from a busy loop.
+    assert 2 <= len(a.asked) <= 12 and 2 <= len(b.asked) <= 12
+
+
+async def test_a_name_counts_as_every_address_it_resolves_to(serve: Serve) -> None:
+    free = ScriptedDecode(accept)
+    port = await serve(free)
+    peers = DecodePeers([f"localhost:{port}"], LAYOUT, wait_s=5)
+    try:
+        peer = await peers.reserve("r", [1], SAMPLING)
+    finally:
+        await peers.close()
+    assert peer is not None and peer.address == f"127.0.0.1:{port}"
+    assert free.asked == ["r"]
+
+
+class Mismatched(ScriptedDecode):
+    """A decode instance with another KV layout."""
+
+    async def ReserveBlocks(self, request: scheduler_pb2.ReserveBlocksRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> scheduler_pb2.ReserveBlocksResponse:
+        self.asked.append(request.request_id)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV layout differs")
+
+
+async def test_a_layout_mismatch_is_logged_and_skipped(
+        serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
+    other, free = Mismatched(accept), ScriptedDecode(accept)
+    peers = DecodePeers([f"127.0.0.1:{await serve(other)}", f"127.0.0.1:{await serve(free)}"],
+                        LAYOUT, wait_s=5)
+    with caplog.at_level(logging.ERROR, logger="scheduler_svc.decode_peers"):
+        try:
+            peer = await peers.reserve("r", [1], SAMPLING)
+        finally:
+            await peers.close()
+    assert peer is not None and free.asked == ["r"]
+    assert other.asked == ["r"] and "KV layout differs" in caplog.text
+
+
+async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> None:
+    slow = ScriptedDecode(accept, delay_s=0.3)
+    peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=5)
+    try:
+        task = asyncio.create_task(peers.reserve("r", [1], SAMPLING))
+        while not slow.asked:
+            await asyncio.sleep(0.01)
+        task.cancel()  # the client went away while the decode instance decided
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if slow.aborted:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await peers.close()
+    assert slow.aborted == ["r"]
+
+
+def test_no_address_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one decode instance"):
+        DecodePeers([], LAYOUT)
