@@ -56,5 +56,9 @@ class DeadlineExceeded(Unavailable):
     """A time limit ran out (a lease, a deadline); like Unavailable, worth a retry."""
 
 
+class Unimplemented(KvstashError):
+    """A valid request for something this service does not do (yet)."""
+
+
 class DataLoss(KvstashError):
     """Bytes did not match their checksum (or size): damaged in transit or at rest."""

@@ -114,6 +114,7 @@ _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 # Client side: the inverse, plus codes that grpc itself or a foreign peer
 # produces. Any other code (INTERNAL, UNKNOWN, ...) means the peer failed, which

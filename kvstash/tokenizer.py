@@ -1,9 +1,19 @@
 """Tokenizers the scheduler and the worker agree on, without torch.
 
-Two kinds: the byte-level tokenizer of the built-in tiny model (ids 0-255 are
-bytes, then BOS and EOS), and a Hugging Face `tokenizer.json`. The worker
-publishes which one it uses in `WorkerInfo.tokenizer_json` (empty = bytes), so
-the scheduler needs no model files of its own.
+Two kinds: the byte-level tokenizer of the built-in tiny model, and a Hugging
+Face `tokenizer.json`. The worker publishes which one it uses in
+`WorkerInfo.tokenizer_json` (empty = bytes), so the scheduler needs no model
+files of its own.
+
+The tiny model's ids:
+
+    0 ........... 255 | 256 | 257
+    UTF-8 bytes         <s>   </s>    (BOS, EOS; encode adds neither)
+
+For clients that tokenize with Hugging Face tools (a gateway loading
+`tokenizer.json` and the `chat_template` of `tokenizer_config.json`), the same
+tokenizer is also described in those formats: `byte_tokenizer_json()`,
+`byte_tokenizer_config()` and `TINY_CHAT_TEMPLATE`.
 
 Decoding is incremental: a `TextStream` turns token ids into text as they
 arrive and holds back bytes until they form complete UTF-8 characters.
@@ -14,12 +24,23 @@ from __future__ import annotations
 import codecs
 from typing import Protocol
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 258
+BYTE_BOS_TOKEN = "<s>"
+BYTE_EOS_TOKEN = "</s>"
+
+# Plain text, so the byte tokenizer encodes it like any prompt.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 class TextStream(Protocol):
@@ -65,7 +86,58 @@ class ByteTokenizer:
         return _ByteStream()
 
 
+def _byte_level_chars() -> list[str]:
+    """The character GPT-2's byte-level alphabet uses for each byte, by byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 are moved, in
+    order, to U+0100 onwards. The `tokenizers` ByteLevel pre-tokenizer and
+    decoder use this table but do not export it in byte order.
+    """
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    moved = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
+
+
+def byte_tokenizer_json() -> str:
+    """`ByteTokenizer` as a Hugging Face `tokenizer.json`.
+
+    A merge-free BPE over the 256 byte-level characters, each with its byte
+    value as id, so any text encodes to its UTF-8 bytes and `add_special_tokens`
+    adds nothing (no post-processor). One difference: like every Hugging Face
+    tokenizer, it matches "<s>" and "</s>" written in the text as BOS and EOS,
+    where `ByteTokenizer` encodes their bytes; `tokenizer.json` cannot turn that
+    off (`encode_special_tokens` is not saved in it).
+    """
+    vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+    # In the model's vocab too, so get_vocab_size(with_added_tokens=False) is 258.
+    vocab |= {BYTE_BOS_TOKEN: BYTE_BOS_ID, BYTE_EOS_TOKEN: BYTE_EOS_ID}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (BYTE_BOS_TOKEN, BYTE_EOS_TOKEN)]
+    )
+    return str(tokenizer.to_str())
+
+
+def byte_tokenizer_config(model_max_length: int | None = None) -> dict[str, str | bool | int]:
+    """The `tokenizer_config.json` that goes with `byte_tokenizer_json()`."""
+    config: dict[str, str | bool | int] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BYTE_BOS_TOKEN,
+        "eos_token": BYTE_EOS_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": TINY_CHAT_TEMPLATE,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    return config
+
+
 class _HFStream:
+    # DecodeStream waits while the text so far ends in U+FFFD, taking it for an
+    # unfinished character: a real U+FFFD or invalid byte last is never emitted.
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)

@@ -23,6 +23,7 @@ from kvstash.layout import Layout
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
@@ -30,6 +31,7 @@ from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import ROLES, create_scheduler_server
+from scheduler_svc.vllm_engine import tokenizer_files
 from scheduler_svc.worker_link import WorkerLink
 
 log = logging.getLogger("scheduler_svc")
@@ -193,7 +195,9 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
         engine = Engine(core, worker, cache, engine_config, metrics=metrics,
                         on_worker_change=scheduler.set_serving, decode_peers=peers)
-        scheduler.servicer.attach(engine, tokenizer, metrics, args.role)
+        scheduler.servicer.attach(Backend(
+            engine, tokenizer, metrics, args.role, info.model_name,
+            tokenizer_files(info.tokenizer_json.decode(), info.eos_token_ids)))
         await engine.start()
         cleanup.push_async_callback(engine.close)
         async with asyncio.timeout(args.worker_wait):

@@ -15,17 +15,16 @@ by a decode instance only.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health
 from opentelemetry import trace
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from kvstash import errors, rpc
 from kvstash.ids import check_request_id, check_snapshot_id
@@ -33,11 +32,12 @@ from kvstash.security import PLAINTEXT, Security
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstash.wire import sampling_from_proto
+from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.core.request import RequestStatus, RequestUsage
-from scheduler_svc.engine import Engine
-from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
+from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_svc.vllm_engine import VllmEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -66,35 +66,17 @@ def usage_to_proto(usage: RequestUsage, ttft_s: float) -> scheduler_pb2.Usage:
     )
 
 
-class _Backend(NamedTuple):
-    """What the Scheduler calls need once the worker has been found."""
-
-    engine: Engine
-    tokenizer: Tokenizer
-    metrics: SchedulerMetrics
-    role: str
-
-
-@dataclass(slots=True)
-class _Timing:
-    """One Generate call's latency, on time.monotonic()."""
-
-    arrival: float  # when the call came in
-    ttft_s: float = 0.0  # arrival to first token; 0 until one arrives
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
-        self._backend: _Backend | None = None
+        self._backend: Backend | None = None
 
-    def attach(self, engine: Engine, tokenizer: Tokenizer, metrics: SchedulerMetrics,
-               role: str = "mixed") -> None:
-        """Starts serving Scheduler calls with `engine`, in `role` (ROLES)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        self._backend = _Backend(engine, tokenizer, metrics, role)
+    def attach(self, backend: Backend) -> None:
+        """Starts serving calls with `backend`, in its role (ROLES)."""
+        if backend.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {backend.role!r}")
+        self._backend = backend
 
-    def _attached(self) -> _Backend:
+    def attached(self) -> Backend:
         if self._backend is None:
             raise errors.Unavailable("the scheduler is still waiting for its worker")
         return self._backend
@@ -111,28 +93,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        timing = _Timing(time.monotonic())
+        timing = Timing(time.monotonic())
         request_id = request.request_id or uuid.uuid4().hex
         try:
             check_request_id(request_id)
-            backend = self._attached()
+            backend = self.attached()
             span = trace.get_current_span()  # the Generate span, when tracing
             if span.is_recording():
                 span.set_attribute("kvstash.request_id", request_id)
-            engine = backend.engine
-            prompt = self._prompt_ids(request, backend.tokenizer)
-            sampling = sampling_from_proto(request.sampling)
-            decoder = await engine.find_decoder(request_id, prompt, sampling)
-            stream = engine.submit(request_id, prompt, sampling, decoder)
+            stream = await backend.admit(request_id, self._prompt_ids(request, backend.tokenizer),
+                                         sampling_from_proto(request.sampling))
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
-        async for response in self._serve(request_id, stream, timing, backend, context):
+        async for response in self._responses(request_id, stream, timing, backend, context):
             yield response
 
     async def Decode(
         self, request: scheduler_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        timing = _Timing(time.monotonic())
+        timing = Timing(time.monotonic())
         try:
             backend = self._decode_instance()
             check_request_id(request.request_id)
@@ -141,37 +120,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                            request.num_tokens, request.first_token_id)
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
-        async for response in self._serve(request.request_id, stream, timing, backend, context):
+        async for response in self._responses(
+                request.request_id, stream, timing, backend, context):
             yield response
 
-    async def _serve(
-        self, request_id: str, stream: RequestStream, timing: _Timing, backend: _Backend,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """A submitted request's responses; a client gone before its end aborts it."""
-        try:
-            async for response in self._responses(
-                    request_id, stream, timing, backend.tokenizer, context):
-                yield response
-        finally:
-            if not stream.finished:  # the client went away: free everything now
-                with contextlib.suppress(errors.NotFound):
-                    backend.engine.abort(request_id)
-            backend.metrics.observe_finished(
-                stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
-
     async def _responses(
-        self, request_id: str, stream: RequestStream, timing: _Timing, tokenizer: Tokenizer,
+        self, request_id: str, stream: RequestStream, timing: Timing, backend: Backend,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        text = tokenizer.stream()
-        while True:
-            event = await stream.events.get()
-            if isinstance(event, errors.KvstashError):
-                await rpc.abort_with(context, event)
-            if event.new_token_ids and not timing.ttft_s:
-                timing.ttft_s = time.monotonic() - timing.arrival
-            ttft_s = timing.ttft_s
+        text = backend.tokenizer.stream()
+        async for event in backend.updates(request_id, stream, timing, context):
             response = scheduler_pb2.GenerateResponse(
                 request_id=request_id,
                 token_ids=event.new_token_ids,
@@ -179,7 +137,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             )
             if event.finish_status is not None:
                 assert event.usage is not None  # the core sends it with every finish
-                usage = usage_to_proto(event.usage, ttft_s)
+                usage = usage_to_proto(event.usage, timing.ttft_s)
                 span = trace.get_current_span()
                 if span.is_recording():
                     span.add_event("finished", {
@@ -190,8 +148,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 response.finish_reason = _FINISH_REASON[event.finish_status]
                 response.usage.CopyFrom(usage)
                 yield response
-                return
-            if response.token_ids:
+            elif response.token_ids:
                 yield response
 
     @rpc.maps_errors
@@ -199,7 +156,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.AbortResponse:
         check_request_id(request.request_id)
-        self._attached().engine.abort(request.request_id)
+        self.attached().engine.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 
     @rpc.maps_errors
@@ -223,8 +180,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             accepted=False, retry_after_s=RETRY_AFTER_S,
             reason="too few free blocks or seats after the reservations of running requests")
 
-    def _decode_instance(self) -> _Backend:
-        backend = self._attached()
+    def _decode_instance(self) -> Backend:
+        backend = self.attached()
         if backend.role != "decode":
             raise errors.FailedPrecondition(
                 f"this scheduler runs in role {backend.role}; only a decode instance "
@@ -235,7 +192,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
-        return stats_to_proto(self._attached().engine.core.stats())
+        return stats_to_proto(self.attached().engine.core.stats())
 
 
 @dataclass(slots=True)
@@ -246,8 +203,8 @@ class SchedulerServer:
     health: health.aio.HealthServicer
 
     async def set_serving(self, serving: bool) -> None:
-        """What the health service answers for "" and the Scheduler service."""
-        await rpc.set_serving(self.health, [SERVICE_NAME], serving)
+        """What the health service answers for "" and both public services."""
+        await rpc.set_serving(self.health, [SERVICE_NAME, VLLM_SERVICE_NAME], serving)
 
 
 async def create_scheduler_server(
@@ -257,9 +214,12 @@ async def create_scheduler_server(
     """Binds and starts serving (TLS and tokens as `security` says),
     NOT_SERVING until an engine is attached and reports its worker up."""
     servicer = SchedulerServicer()
+    vllm = VllmEngineServicer(servicer.attached)
     server, port, health_servicer = await rpc.create_server(
         address,
-        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
-        [SERVICE_NAME], serving=False, security=security, connections=connections,
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
+         lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm, s)],
+        [SERVICE_NAME, VLLM_SERVICE_NAME], serving=False, security=security,
+        connections=connections,
     )
     return SchedulerServer(server, port, servicer, health_servicer)

@@ -28,6 +28,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto import vllm_engine_pb2
 
 from kvstash.rpc import CHANNEL_OPTIONS
 from kvstash.stack import Service, Stack, StackConfig, running_stack, start_service
@@ -43,6 +44,7 @@ ALLOWED = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNAVAILABLE,  # e.g. a restore whose snapshot the cache refused
+    grpc.StatusCode.UNIMPLEMENTED,  # VllmEngine: a field or RPC kvstash does not serve
 }
 RSS_GROWTH_LIMIT = 256 * 2**20
 
@@ -62,6 +64,7 @@ class Rpc:
 
 RPCS = [Rpc(name, method)
         for name, module, service in (("scheduler", scheduler_pb2, "Scheduler"),
+                                      ("scheduler", vllm_engine_pb2, "VllmEngine"),
                                       ("worker", worker_pb2, "Worker"),
                                       ("cache", cache_pb2, "KVCache"))
         for method in module.DESCRIPTOR.services_by_name[service].methods]
@@ -107,6 +110,12 @@ def messages(descriptor: pb.Descriptor, depth: int = 0) -> st.SearchStrategy[Any
         return st.just(cls())
     optional = {}
     for field in descriptor.fields:
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            optional[field.name] = st.dictionaries(scalars(key, depth), scalars(value, depth),
+                                                   max_size=5)
+            continue
         values = scalars(field, depth)
         optional[field.name] = st.lists(values, max_size=20) if field.is_repeated else values
     return st.fixed_dictionaries({}, optional=optional).map(lambda kw: _build(cls, kw))
@@ -115,7 +124,14 @@ def messages(descriptor: pb.Descriptor, depth: int = 0) -> st.SearchStrategy[Any
 def _build(cls: Any, fields: dict[str, Any]) -> Any:
     message = cls()
     for name, value in fields.items():  # one by one: a later oneof member wins
-        if isinstance(value, list):
+        if isinstance(value, dict):  # a map field
+            entries = getattr(message, name)
+            for key, item in value.items():
+                if isinstance(item, Message):
+                    entries[key].CopyFrom(item)
+                else:
+                    entries[key] = item
+        elif isinstance(value, list):
             getattr(message, name).extend(value)
         elif isinstance(value, Message):
             getattr(message, name).CopyFrom(value)

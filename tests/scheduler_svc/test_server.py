@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstash import rpc
 from kvstash.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.backend import Backend
 from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
@@ -56,8 +57,8 @@ async def attached(server: SchedulerServer) -> AsyncIterator[SchedulerServer]:
     core = make_scheduler(vocab_size=258, max_num_waiting=2)
     async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:
         engine = Engine(core, WorkerLink(nowhere), None)
-        server.servicer.attach(engine, ByteTokenizer(),
-                               SchedulerMetrics(core, asyncio.get_running_loop()))
+        server.servicer.attach(Backend(engine, ByteTokenizer(),
+                                       SchedulerMetrics(core, asyncio.get_running_loop())))
         yield server
 
 
@@ -111,7 +112,7 @@ async def test_a_full_waiting_queue_is_resource_exhausted_and_nothing_is_lost(
 ) -> None:
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     waiting = [stub.Generate(generate_request(f"w{i}")) for i in range(2)]
-    core = attached.servicer._attached().engine.core
+    core = attached.servicer.attached().engine.core
     async with asyncio.timeout(10):  # the engine never runs: both stay queued
         while core.stats().num_waiting < 2:
             await asyncio.sleep(0.01)

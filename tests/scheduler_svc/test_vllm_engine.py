@@ -1,0 +1,89 @@
+"""VllmEngine's sampling parameters, field by field, and its tokenizer files."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvstash.errors import InvalidArgument, Unimplemented
+from kvstash.sampling import SamplingParams
+from scheduler_svc.vllm_engine import sampling_from_vllm, tokenizer_files, tokenizer_zip
+
+MAX_MODEL_LEN = 512
+
+
+def mapped(**fields: object) -> SamplingParams:
+    return sampling_from_vllm(pb.SamplingParams(**fields), 10, MAX_MODEL_LEN)  # type: ignore[arg-type]
+
+
+def test_what_smg_sends_by_default_is_the_vllm_default() -> None:
+    # smg's request for {"prompt": ..., "max_tokens": 32} (logged from smg 1.13.0).
+    sampling = mapped(top_p=1.0, repetition_penalty=1.0, max_tokens=32, skip_special_tokens=True,
+                      spaces_between_special_tokens=True, n=1)
+    assert sampling == SamplingParams(max_tokens=32, temperature=1.0)
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"temperature": 0.0}, {"temperature": 0.0}),
+    ({"temperature": 0.7}, {"temperature": pytest.approx(0.7)}),
+    ({"top_p": 0.9}, {"top_p": pytest.approx(0.9)}),
+    ({"top_p": 0.0}, {"top_p": 1.0}),  # proto3 zero: unset
+    ({"top_k": 40}, {"top_k": 40}),
+    ({"max_tokens": 7}, {"max_tokens": 7}),
+    ({}, {"max_tokens": MAX_MODEL_LEN - 10}),  # unset: to the end of the context
+    ({"seed": 42}, {"seed": 42}),
+    ({"stop_token_ids": [7, 9]}, {"stop_token_ids": (7, 9)}),
+    ({"ignore_eos": True}, {"ignore_eos": True}),
+    ({"n": 1}, {}),
+    ({"repetition_penalty": 1.0}, {}),
+    ({"skip_special_tokens": True, "spaces_between_special_tokens": True}, {}),
+])
+def test_each_supported_field_maps(fields: dict[str, object], expected: dict[str, object]) -> None:
+    # {}: max_tokens left unset.
+    sampling = mapped(**({"temperature": 0.5, "max_tokens": 16} | fields if fields
+                         else {"temperature": 0.5}))
+    defaults = {"temperature": 0.5, "max_tokens": 16, "top_p": 1.0, "top_k": 0, "seed": None,
+                "stop_token_ids": (), "ignore_eos": False}
+    for name, value in {**defaults, **expected}.items():
+        assert getattr(sampling, name) == value, name
+
+
+@pytest.mark.parametrize("fields", [
+    {"min_p": 0.05}, {"frequency_penalty": 0.2}, {"presence_penalty": 0.1},
+    {"repetition_penalty": 1.1}, {"min_tokens": 2}, {"stop": ["\n\n"]}, {"logprobs": 2},
+    {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 8}, {"logit_bias": {5: 1.0}},
+    {"n": 2}, {"json_object": True}, {"regex": "a+"}, {"include_stop_str_in_output": True},
+], ids=lambda f: next(iter(f)))
+def test_each_unsupported_field_is_unimplemented_by_name(fields: dict[str, object]) -> None:
+    with pytest.raises(Unimplemented, match=next(iter(fields)).split("_")[0]):
+        mapped(max_tokens=4, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fields", [{"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 0}])
+def test_bad_values_are_invalid_arguments(fields: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        mapped(**{"max_tokens": 4, **fields})  # type: ignore[arg-type]
+
+
+def test_the_tiny_models_tokenizer_files_load_and_encode_bytes() -> None:
+    files = tokenizer_files("", (257,))
+    with zipfile.ZipFile(io.BytesIO(tokenizer_zip(files))) as archive:
+        assert sorted(archive.namelist()) == ["config.json", "tokenizer.json",
+                                              "tokenizer_config.json"]
+        tokenizer = HFTokenizer.from_str(archive.read("tokenizer.json").decode())
+        config = json.loads(archive.read("tokenizer_config.json"))
+        assert json.loads(archive.read("config.json")) == {"eos_token_id": [257]}
+    assert tokenizer.encode("héllo").ids == list("héllo".encode())
+    assert config["eos_token"] == "</s>" and "add_generation_prompt" in config["chat_template"]
+
+
+def test_a_checkpoints_tokenizer_is_passed_on_as_it_is() -> None:
+    files = tokenizer_files('{"version": "1.0"}', (2, 3))
+    assert files["tokenizer.json"] == '{"version": "1.0"}'
+    assert "chat_template" not in json.loads(files["tokenizer_config.json"])
+    assert json.loads(files["config.json"]) == {"eos_token_id": [2, 3]}
