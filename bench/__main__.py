@@ -8,7 +8,7 @@ import sys
 
 BENCHMARKS = ("bench.scheduler_bench", "bench.cache_bench", "bench.arena_bench",
               "bench.kv_transfer_bench", "bench.offload_bench", "bench.offload_vs_recompute",
-              "bench.worker_bench", "bench.pd_bench")
+              "bench.worker_bench", "bench.pd_bench", "bench.gateway_bench")
 
 
 def main() -> int:

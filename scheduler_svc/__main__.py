@@ -29,6 +29,7 @@ from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Schedul
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import ROLES, create_scheduler_server
 from scheduler_svc.vllm_engine import tokenizer_files
@@ -193,11 +194,13 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         worker = WorkerLink(worker_channel, info)
         core = Scheduler(config)
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+        kv_events = KvEventHub(config.block_size)
         engine = Engine(core, worker, cache, engine_config, metrics=metrics,
-                        on_worker_change=scheduler.set_serving, decode_peers=peers)
+                        on_worker_change=scheduler.set_serving, decode_peers=peers,
+                        kv_events=kv_events.publish)
         scheduler.servicer.attach(Backend(
             engine, tokenizer, metrics, args.role, info.model_name,
-            tokenizer_files(info.tokenizer_json.decode(), info.eos_token_ids)))
+            tokenizer_files(info.tokenizer_json.decode(), info.eos_token_ids), kv_events))
         await engine.start()
         cleanup.push_async_callback(engine.close)
         async with asyncio.timeout(args.worker_wait):

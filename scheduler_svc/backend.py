@@ -16,6 +16,7 @@ from kvstash.sampling import SamplingParams
 from kvstash.tokenizer import Tokenizer
 from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.engine import Engine
+from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 
@@ -39,6 +40,8 @@ class Backend(NamedTuple):
     model: str = "kvstash"  # the model's name, as gateways list it
     # The tokenizer's files (name -> text) for gateways that tokenize.
     tokenizer_files: Mapping[str, str] = {}
+    # The prefix cache's events for gateways (None: not published).
+    kv_events: KvEventHub | None = None
 
     async def admit(self, request_id: str, prompt: list[int],
                     sampling: SamplingParams) -> RequestStream:

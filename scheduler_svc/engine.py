@@ -57,6 +57,7 @@ from kvstash.v1 import scheduler_pb2
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.kv_events import KvEvent
 from scheduler_svc.core.outputs import (
     OffloadCommand,
     Preempted,
@@ -100,10 +101,12 @@ class Engine:
         config: EngineConfig = EngineConfig(), *, metrics: SchedulerMetrics | None = None,
         on_worker_change: Callable[[bool], Awaitable[None]] | None = None,
         decode_peers: DecodePeers | None = None,
+        kv_events: Callable[[list[KvEvent]], None] | None = None,
     ) -> None:
         """`on_worker_change(True)` is awaited once the worker answers and an
         Execute stream is open, `(False)` once that stream broke.
-        `decode_peers`: this is a P/D prefill instance, handing off to them."""
+        `decode_peers`: this is a P/D prefill instance, handing off to them.
+        `kv_events`: told the prefix cache's changes after every step."""
         self._core = core
         self._worker = worker
         self._cache = cache
@@ -115,6 +118,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._peers = decode_peers
+        self._kv_events = kv_events
+        if kv_events is not None:
+            core.record_kv_events()
         # P/D, prefill instance: where each request's decode was reserved, and
         # the task relaying it once handed off.
         self._decoders: dict[str, DecodePeer] = {}
@@ -217,6 +223,7 @@ class Engine:
             # The next stream may reach a restarted worker with an empty KV
             # tensor: no cached prefix can be trusted any more.
             self._core.reset_prefix_cache()
+            self.publish_kv_events()
             await asyncio.sleep(self._worker.retry_s)
 
     async def _set_worker_up(self, up: bool) -> None:
@@ -271,8 +278,15 @@ class Engine:
                     request_stream = streams.get(update.request_id)
                 if request_stream is not None:
                     request_stream.push(update)
+            if self._kv_events is not None:
+                self.publish_kv_events()
             # Let request streams, copies and new arrivals run between steps.
             await asyncio.sleep(0)
+
+    def publish_kv_events(self) -> None:
+        """The prefix cache's changes since the last call, to `kv_events`."""
+        if self._kv_events is not None and (events := self._core.take_kv_events()):
+            self._kv_events(events)
 
     def _check_integrity(self) -> None:
         try:

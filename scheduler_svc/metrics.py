@@ -51,6 +51,8 @@ _COUNTERS = {
     "finished_requests": ("num_finished", "Requests finished, any reason"),
     "prompt_tokens": ("num_prompt_tokens", "Prompt tokens of requests whose prefill completed"),
     "generation_tokens": ("num_generation_tokens", "Output tokens generated"),
+    "prefix_hit_tokens": ("num_prefix_hit_tokens",
+                          "Prompt tokens whose KV a prefix-cache hit supplied"),
     "offloaded_bytes": ("bytes_offloaded", "KV bytes stashed in the cache service"),
     "restored_bytes": ("bytes_restored", "KV bytes brought back from the cache service"),
     "steps": ("num_steps", "Engine steps scheduled"),

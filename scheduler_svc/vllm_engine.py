@@ -7,9 +7,10 @@ engines with, from the `smg-grpc-proto` package's generated code.
     Abort           by request ids (a gateway's client disconnected)
     HealthCheck, GetModelInfo, GetServerInfo, GetLoads
     GetTokenizer    the model's tokenizer files, zipped, SHA-256 on the last chunk
-    FlushCache      forgets the prefix cache
-    SubscribeKvEvents, Embed, StartProfile, StopProfile: UNIMPLEMENTED, with
-                    a message (a gateway then keeps its own prefix index)
+    FlushCache      forgets the prefix cache (a Cleared event)
+    SubscribeKvEvents  the prefix cache's blocks stored, removed, cleared
+                    (kv_event_hub.py), for cache-aware routing
+    Embed, StartProfile, StopProfile: UNIMPLEMENTED, with a message
 
 Sampling fields are mapped one by one; one kvstash cannot honour (penalties,
 min_p, stop strings, logprobs, n > 1, constraints, multimodal input) is
@@ -128,14 +129,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         async for event in backend.updates(request_id, stream, timing, context):
             new = event.new_token_ids
             output.extend(new)
-            if event.finish_status is None:
-                if request.stream and new:
-                    yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
-                        token_ids=new, prompt_tokens=len(prompt), completion_tokens=len(new)))
-                continue
-            if request.stream and new:  # the last tokens, then the end
+            if request.stream and new:
                 yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
                     token_ids=new, prompt_tokens=len(prompt), completion_tokens=len(new)))
+            if event.finish_status is None:
+                continue
             complete = pb.GenerateComplete(
                 output_ids=[] if request.stream else output,
                 finish_reason=_FINISH_REASON[event.finish_status],
@@ -246,7 +244,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     @rpc.maps_errors
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        freed = self._attached().engine.core.reset_prefix_cache()
+        engine = self._attached().engine
+        freed = engine.core.reset_prefix_cache()
+        engine.publish_kv_events()
         return common_pb2.FlushCacheResponse(
             success=True, message=f"prefix cache flushed ({freed} blocks freed)")
 
@@ -255,9 +255,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext,
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV cache events are not published yet; route on your own index")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this a generator
+        """The prefix cache's events from batch start_sequence_number + 1 on
+        (those still kept), then as they happen."""
+        try:
+            hub = self._attached().kv_events
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        if hub is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off")
+            return
+        # Headers now: a gateway counts the stream as connected only then.
+        await context.send_initial_metadata(())
+        async for batch in hub.subscribe(after=request.start_sequence_number):
+            yield batch
 
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:

@@ -100,6 +100,7 @@ class Admission:
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved) is None:
                 break
             life.move(req, RUNNING_PREFILL)
+            life.counters.num_prefix_hit_tokens += len(prefix_block_ids) * config.block_size
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self._clock()
             num_running += 1

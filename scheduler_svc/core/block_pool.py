@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvstash.errors import InvalidArgument
+from scheduler_svc.core.kv_events import BlockRemoved, CacheCleared, KvEventLog
 
 
 class IntegrityError(AssertionError):
@@ -38,6 +39,8 @@ class BlockPool:
         # Oldest first: popitem(last=False) evicts the least recently freed.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
+        # Where evictions and resets are told (kv_events.py); None: nowhere.
+        self.events: KvEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +86,8 @@ class BlockPool:
                 assert block_hash is not None
                 del self._hash_to_block[block_hash]
                 self._hashes[block_id] = None
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block_hash))
             ref_cnts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -141,6 +146,8 @@ class BlockPool:
         self._evictable.clear()
         self._hash_to_block.clear()
         self._hashes = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(CacheCleared())
         return num_evictable
 
     def count_exclusive(self, block_ids: Iterable[int]) -> int:

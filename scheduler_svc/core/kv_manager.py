@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import xxhash
 
 from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.kv_events import BlockStored
 from scheduler_svc.core.request import Request
 
 _ROOT_HASH = 0
@@ -124,9 +125,13 @@ class KVCacheManager:
         hashes = self._ensure_block_hashes(req, num_full)
         pool = self.pool
         block_ids = req.block_ids
+        events = pool.events
         for i in range(start, num_full):
             # Duplicate prefix (computed twice concurrently): the block stays uncached.
-            pool.cache_block(block_ids[i], hashes[i])
+            if pool.cache_block(block_ids[i], hashes[i]) and events is not None:
+                size = self.block_size
+                events.append(BlockStored(hashes[i], hashes[i - 1] if i else None,
+                                          tuple(req.token_ids(i * size, (i + 1) * size))))
         req.num_cached_blocks = num_full
 
     def num_exclusive_blocks(self, req: Request) -> int:

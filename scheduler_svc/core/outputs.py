@@ -124,6 +124,7 @@ class Counters:
     bytes_restored: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
     num_reservations_accepted: int = 0
     num_reservations_refused: int = 0
     num_reservations_expired: int = 0
@@ -179,6 +180,8 @@ class SchedulerStats:
     num_prompt_tokens: int
     # Output tokens generated.
     num_generation_tokens: int
+    # Prompt (and recomputed) tokens whose KV a prefix-cache hit supplied.
+    num_prefix_hit_tokens: int
     # P/D, decode instance: requests holding reserved blocks now, and
     # ReserveBlocks calls accepted, refused (too few blocks) and expired unused.
     num_reserved: int

@@ -44,6 +44,7 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.costs import CostEstimates
 from scheduler_svc.core.intake import check_new_request
 from scheduler_svc.core.invariants import check_scheduler
+from scheduler_svc.core.kv_events import KvEvent, KvEventLog
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.lifecycle import (
     FINISHED_LENGTH,
@@ -433,6 +434,16 @@ class Scheduler:
         blocks freed."""
         return self.kv.pool.reset_prefix_cache()
 
+    def record_kv_events(self) -> None:
+        """From now on, the prefix cache's changes are kept for take_kv_events."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = KvEventLog()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's changes since the last call (kv_events.py)."""
+        events = self.kv.pool.events
+        return [] if events is None else events.take()
+
     def take_snapshots_to_delete(self) -> list[str]:
         return self.life.take_snapshots_to_delete()
 
@@ -477,6 +488,7 @@ class Scheduler:
             cache_available=self.preemption.cache_available,
             num_prompt_tokens=c.num_prompt_tokens,
             num_generation_tokens=c.num_generation_tokens,
+            num_prefix_hit_tokens=c.num_prefix_hit_tokens,
             num_reserved=len(life.reserved),
             num_reservations_accepted=c.num_reservations_accepted,
             num_reservations_refused=c.num_reservations_refused,

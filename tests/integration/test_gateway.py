@@ -4,16 +4,9 @@ through the real smg gateway (OpenAI HTTP) on loopback."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import io
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -26,10 +19,10 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from kvstash.client import Client
-from kvstash.stack import Stack
+from kvstash.gateway import running_gateway
+from kvstash.stack import Stack, StackConfig, running_stack
 
 PROMPT = [104, 101, 108, 108, 111, 32, 107, 118]  # "hello kv"
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 
 
 def greedy(max_tokens: int, **fields: object) -> pb.SamplingParams:
@@ -140,48 +133,44 @@ async def test_info_loads_health_and_tokenizer(
     assert all(not c.sha256 for c in chunks[:-1])
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         assert "tokenizer.json" in archive.namelist()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()):
-            pass
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_kv_events_follow_the_prefix_cache(
+        stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """Subscribed, a new 40-token prompt shows up as its two full blocks
+    (tokens, parent link); a flush as a Cleared event."""
+    events = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=2**62))  # nothing old: only what happens from now
+    await events.initial_metadata()
+    prompt = [(7 * i + 3) % 256 for i in range(40)]
+    await kvstash_tokens(stack, prompt, 2)
+    stored: list[common_pb2.KvBlocksStored] = []
+    while len(stored) < 2:
+        batch = await asyncio.wait_for(events.read(), 10)
+        stored += [e.stored for e in batch.events if e.HasField("stored")
+                   and list(e.stored.blocks[0].token_ids) in (prompt[:16], prompt[16:32])]
+    first, second = stored
+    assert list(first.blocks[0].token_ids) == prompt[:16] and not first.HasField(
+        "parent_block_hash")
+    assert second.parent_block_hash == first.blocks[0].block_hash
+    assert second.blocks[0].block_size == 16
+    flushed = await engine.FlushCache(common_pb2.FlushCacheRequest())
+    assert flushed.success
+    while True:
+        batch = await asyncio.wait_for(events.read(), 10)
+        if any(e.HasField("cleared") for e in batch.events):
+            break
+    events.cancel()
 
 
 # -- through smg --------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """smg in front of the stack's scheduler; its base URL."""
-    assert SMG is not None, "smg is not installed (pip install kvstash[gateway])"
-    port = free_port()
-    log = tmp_path_factory.mktemp("smg") / "smg.log"
-    # No Hugging Face lookup: the tokenizer comes from GetTokenizer.
-    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9"}
-    process = subprocess.Popen(
-        [SMG, "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-port", str(free_port()), "--worker-urls", f"grpc://{stack.address}",
-         "--policy", "cache_aware", "--worker-startup-check-interval", "1",
-         "--shutdown-grace-period-secs", "1"],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{url}/readiness", timeout=2)
-                break
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(15)
+    with running_gateway([stack.address], tmp_path_factory.mktemp("smg")) as gateway:
+        yield gateway.url
 
 
 def post(url: str, body: dict[str, object] | None = None) -> bytes:
@@ -226,3 +215,28 @@ async def test_smg_chat_applies_the_tiny_template(stack: Stack, gateway: str) ->
     reply = json.loads(await asyncio.to_thread(post, f"{gateway}/v1/chat/completions", body))
     assert reply["usage"]["prompt_tokens"] == len(prompt.encode())
     assert reply["choices"][0]["message"]["content"] == shown(expected)
+
+
+async def test_smg_routes_a_shared_prefix_to_the_instance_that_holds_it(tmp_path: Path) -> None:
+    """The instances' KV events tell smg which one caches a prefix: requests
+    sharing it go there and hit its prefix cache."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    config = StackConfig(num_blocks=128)
+    with running_stack(config, tmp_path / "a") as a, running_stack(config, tmp_path / "b") as b, \
+            running_gateway([a.address, b.address], tmp_path) as gateway:
+        url = gateway.url
+        prefix = "".join(f"shared context line {i}; " for i in range(12))  # ~270 bytes
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        await asyncio.to_thread(post, f"{url}/v1/completions", body | {"prompt": prefix + "q0"})
+        await asyncio.sleep(1.0)  # its blocks' events reach smg
+        for i in range(1, 5):
+            await asyncio.to_thread(post, f"{url}/v1/completions",
+                                    body | {"prompt": prefix + f"q{i}"})
+        hits = []
+        for instance in (a, b):
+            async with Client(instance.address) as client:
+                hits.append((await client.stats()).num_prefix_hit_tokens)
+    full_blocks = len(prefix.encode()) // 16 * 16
+    assert sorted(hits)[0] == 0, hits  # the other instance never saw the prefix
+    assert max(hits) >= 4 * full_blocks, hits

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 import trustme
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from kvstash import errors
+from kvstash import errors, rpc
 from kvstash.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.security import PLAINTEXT, Security, Tls
@@ -67,6 +69,16 @@ async def test_stack_over_mutual_tls_with_a_token(tmp_path: Path) -> None:
         async with Client(stack.address, Security(token=TOKEN)) as plaintext:
             with pytest.raises(errors.Unavailable):
                 await plaintext.stats()
+        # The gateway protocol on the same port asks for the same token.
+        for security, code in ((user, None), (Security(Tls(ca.cert_pem.bytes())),
+                                              grpc.StatusCode.UNAUTHENTICATED)):
+            async with rpc.channel(stack.address, security) as channel:
+                engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                try:
+                    info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
+                    assert code is None and info.served_model_name == "tiny"
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == code, exc
         for address in (stack.cache.address, stack.worker.address):
             for stranger in (Security(Tls(ca.cert_pem.bytes())), PLAINTEXT,
                              peer(trustme.CA(), "intruder")):

@@ -1,0 +1,133 @@
+"""Runs the Shepherd Model Gateway (smg) in front of kvstash schedulers.
+
+smg speaks OpenAI HTTP to clients and vllm.grpc.engine.VllmEngine to the
+schedulers (which serve it on their own port), routing by prefix with its
+cache-aware policy fed by their KV events:
+
+    HTTP clients --> smg --grpc://--> scheduler(s) --> worker(s)
+
+    with running_gateway([stack.address], log_dir) as gateway:
+        urlopen(f"{gateway.url}/v1/completions", ...)
+
+smg is an optional dependency (`pip install kvstash[gateway]`): a Rust binary
+in a wheel, no torch. It never looks anything up on Hugging Face here: the
+tokenizer comes from each scheduler's GetTokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# smg 1.13.0's --policy choices.
+POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",
+            "least_load", "manual", "consistent_hashing", "prefix_hash")
+# An address nothing answers on: any Hugging Face lookup fails at once.
+_NO_HUB = "http://127.0.0.1:9"
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """A running smg process; `url` is its base URL (http://host:port)."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path  # smg's stdout and stderr
+    prometheus_port: int  # smg's own /metrics
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM; SIGKILL if still running after `timeout_s`."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def smg_executable() -> str:
+    """The smg next to this Python (its virtual environment) or on PATH."""
+    found = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+    if found is None:
+        raise FileNotFoundError("smg (the Shepherd Model Gateway) is not installed: "
+                                "pip install 'kvstash[gateway]'")
+    return found
+
+
+def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
+                  port: int = 0, policy: str = "cache_aware",
+                  startup_timeout_s: float = 60.0) -> Gateway:
+    """Starts smg in front of the schedulers at `addresses` (host:port, or a
+    grpc:// URL) and returns it once GET /readiness answers 200. `host` is an
+    IPv4 address; `port` 0 picks a free one. Raises RuntimeError with the tail of its log
+    (log_dir/smg.log) if it exits or is not ready in `startup_timeout_s`."""
+    if not addresses:
+        raise ValueError("no scheduler addresses: smg needs at least one")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    port = port or _free_port(host)
+    prometheus_port = _free_port(host)
+    log_path = log_dir / "smg.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [smg_executable(), "launch", "--host", host, "--port", str(port),
+             "--prometheus-port", str(prometheus_port), "--policy", policy,
+             "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
+             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1"],
+            env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=log, stderr=subprocess.STDOUT)
+    gateway = Gateway(f"http://{host}:{port}", process, log_path, prometheus_port)
+    try:
+        _wait_ready(gateway, startup_timeout_s)
+    except BaseException:  # not ready, or interrupted while waiting
+        gateway.stop(timeout_s=5.0)
+        raise
+    return gateway
+
+
+@contextlib.contextmanager
+def running_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
+                    port: int = 0, policy: str = "cache_aware",
+                    startup_timeout_s: float = 60.0) -> Iterator[Gateway]:
+    """start_gateway(...) for the `with` block; stopped at its end."""
+    gateway = start_gateway(addresses, log_dir, host=host, port=port, policy=policy,
+                            startup_timeout_s=startup_timeout_s)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def _wait_ready(gateway: Gateway, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Refused, or an HTTP error status (urllib raises it as an OSError).
+        with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"{gateway.url}/readiness", timeout=2) as reply:
+            if reply.status == 200:
+                return
+        code = gateway.process.poll()
+        if code is not None or time.monotonic() > deadline:
+            why = f"exited with code {code}" if code is not None else (
+                f"not ready in {timeout_s:.0f} s")
+            tail = gateway.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"smg {why}; its log ({gateway.log_path}):\n{tail}")
+        time.sleep(0.2)
+
+
+def _free_port(host: str) -> int:
+    """A port nothing listens on now: smg does not say which one port 0 got."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,62 @@
+"""kvstash.gateway without smg: a stand-in script shows how the launcher
+handles a gateway that is missing, dies, never gets ready or ignores SIGTERM.
+(tests/integration/test_gateway.py runs the real one.)"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstash import gateway
+
+
+def fake_smg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    script = tmp_path / "smg"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(gateway, "smg_executable", lambda: str(script))
+
+
+def test_a_missing_smg_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway.shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install 'kvstash\[gateway\]'"):
+        gateway.smg_executable()
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="got 'fastest'"):
+        gateway.start_gateway(["127.0.0.1:1"], tmp_path, policy="fastest")
+    with pytest.raises(ValueError, match="at least one"):
+        gateway.start_gateway([], tmp_path)
+
+
+def test_a_gateway_that_exits_is_reported_with_its_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_smg(tmp_path, monkeypatch, 'echo "args: $*"; echo "no workers answer" >&2; exit 3')
+    with pytest.raises(RuntimeError, match="exited with code 3") as err:
+        gateway.start_gateway(["127.0.0.1:1"], tmp_path)
+    assert "no workers answer" in str(err.value)
+    assert "--worker-urls grpc://127.0.0.1:1 --worker-startup-check-interval 1" in str(err.value)
+
+
+def test_a_gateway_never_ready_is_stopped_at_the_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_smg(tmp_path, monkeypatch, 'echo "waiting for $HF_ENDPOINT"; exec sleep 60')
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"not ready in 1 s") as err:
+        gateway.start_gateway(["127.0.0.1:1"], tmp_path, startup_timeout_s=1)
+    assert "waiting for http://127.0.0.1:9" in str(err.value)
+    assert time.monotonic() - start < 10
+
+
+def test_stop_kills_what_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_smg(tmp_path, monkeypatch, "trap '' TERM; while :; do sleep 0.1; done")
+    process = subprocess.Popen([gateway.smg_executable()])
+    running = gateway.Gateway("http://127.0.0.1:1", process, tmp_path / "smg.log", 1)
+    time.sleep(0.3)  # the trap is set
+    running.stop(timeout_s=0.5)
+    assert process.returncode == -signal.SIGKILL
