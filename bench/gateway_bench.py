@@ -61,7 +61,8 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from bench.pd_bench import Percentiles, fmt, percentiles, ratio
+from bench.load_test import Percentiles, percentiles
+from bench.pd_bench import fmt, ratio
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.gateway import running_gateway

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import random
 import socket
 import statistics
@@ -48,10 +47,10 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.load_test import Percentiles, percentiles
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.stack import Stack, StackConfig, running_stack
@@ -64,19 +63,6 @@ TOKEN_ID_RANGE = 256  # valid for the tiny model and any real vocabulary
 DEFAULTS = StackConfig()
 # Random-weight checkpoints bench.worker_bench writes (its SHAPES).
 GENERATED_MODELS = ("llama-small", "llama-1b")
-
-
-class Percentiles(NamedTuple):
-    p50: float
-    p99: float
-
-
-def percentiles(values: list[float]) -> Percentiles | None:
-    """Nearest rank, as bench.load_test's."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return Percentiles(*(ordered[max(0, math.ceil(q * len(ordered)) - 1)] for q in (0.5, 0.99)))
 
 
 @dataclass(frozen=True, slots=True)
