@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvstash.stack import stop_process
 
 # smg 1.13.0's --policy choices.
 POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",
@@ -47,14 +48,7 @@ class Gateway:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM; SIGKILL if still running after `timeout_s`."""
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout_s)
 
 
 def smg_executable() -> str:

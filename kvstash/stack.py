@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvstash.rpc import READY_MARKER
 from kvstash.units import parse_bytes
@@ -90,14 +90,7 @@ class Service:
     args: tuple[str, ...]  # as started; "--listen" may name port 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL, for fault tests."""
@@ -157,6 +150,18 @@ class Stack:
                 if service.process.poll() is not None:
                     return service
             time.sleep(poll_s)
+
+
+def stop_process(process: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM; SIGKILL if still running after `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def start_service(
