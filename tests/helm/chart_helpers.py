@@ -113,11 +113,74 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "scheduler": {"port": 50052},
         "clusterDomain": "corp.example",
     },
+    # The smg gateway in front of mixed instances: two replicas (so a
+    # disruption budget), metrics scraped, traces exported, knobs and extra
+    # flags of its own (a whole number past 1e6 among them).
+    "gateway": {
+        "instances": {"replicas": 3},
+        "gateway": {"enabled": True, "replicas": 2,
+                    "cacheAware": {"cacheThreshold": 0.5, "balanceAbsThreshold": 16,
+                                   "balanceRelThreshold": 2},
+                    "healthCheck": {"intervalSeconds": 5, "failureThreshold": 3},
+                    "logLevel": "debug",
+                    "service": {"type": "LoadBalancer", "port": 80,
+                                "annotations": {"example.com/lb": "internal"}},
+                    "nodeSelector": {"node-role.example.com/cpu": "true"},
+                    "flags": {"max-concurrent-requests": 1000000, "log-json": True,
+                              "disable-retries": False}},
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+        "tracing": {"enabled": True, "endpoint": "http://otel-collector.obs:4317"},
+    },
+    # The gateway in front of P/D pools: it routes to the prefill pool only.
+    "gateway-pd": {
+        "instances": {"role": "pd", "prefill": {"replicas": 2}, "decode": {"replicas": 2}},
+        "cache": {"mode": "shared"},
+        "gateway": {"enabled": True, "policy": "power_of_two", "port": 8080},
+        "scheduler": {"port": 50052},
+    },
+    # NetworkPolicies in front of mixed instances and the gateway: the
+    # gateway's port narrowed to an ingress controller and an address range,
+    # the metrics ports to Prometheus's pods.
+    "network-policy": {
+        "instances": {"replicas": 2},
+        "gateway": {"enabled": True, "port": 8080},
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "enabled": True,
+            "gatewayClients": [
+                {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": "ingress-nginx"}}},
+                {"ipBlock": {"cidr": "10.20.0.0/16", "except": ["10.20.99.0/24"]}},
+            ],
+            "metricsFrom": [{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }],
+        },
+    },
+    # NetworkPolicies with P/D pools and the shared cache, no gateway: the
+    # clients that may call the prefill pool listed; metrics from anywhere.
+    "network-policy-pd-shared": {
+        "instances": {"role": "pd", "prefill": {"replicas": 2}, "decode": {"replicas": 2}},
+        "cache": {"mode": "shared", "port": 50072},
+        "scheduler": {"port": 50052},
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "enabled": True,
+            "clients": [
+                {"podSelector": {"matchLabels": {"app": "batch-client"}}},
+                {"namespaceSelector": {"matchExpressions": [
+                    {"key": "team", "operator": "In", "values": ["ml", "search"]}]}},
+            ],
+        },
+    },
 }
 PD_VALUE_SETS = sorted(name for name, values in VALUE_SETS.items()
                        if values.get("instances", {}).get("role") == "pd")
 SHARED_VALUE_SETS = sorted(name for name, values in VALUE_SETS.items()
                            if values.get("cache", {}).get("mode") == "shared")
+GATEWAY_VALUE_SETS = sorted(name for name, values in VALUE_SETS.items()
+                            if values.get("gateway", {}).get("enabled"))
 
 
 def kube_versions(value_set: str) -> tuple[str, ...]:

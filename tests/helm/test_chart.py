@@ -79,12 +79,13 @@ def check_service_monitor(monitor: dict[str, Any], docs: list[dict[str, Any]]) -
 
 
 def test_service_monitors_cover_every_metrics_endpoint() -> None:
-    for name in ("servicemonitor", "daemonset", "shared", "pd"):
+    for name in ("servicemonitor", "daemonset", "shared", "pd", "gateway"):
         docs = rendered(name)
         scraped = {m["spec"]["endpoints"][0]["port"] for m in of_kind(docs, "ServiceMonitor")}
         served = {p["name"] for spec in pod_specs(docs) for c in spec["containers"]
                   for p in c.get("ports", []) if p["name"].startswith("metrics-")}
-        assert scraped == served == {"metrics-sched", "metrics-worker", "metrics-cache"}
+        gateway = {"metrics-gateway"} if name == "gateway" else set()
+        assert scraped == served == {"metrics-sched", "metrics-worker", "metrics-cache"} | gateway
     assert not of_kind(rendered("defaults"), "ServiceMonitor")
 
 
@@ -217,7 +218,10 @@ def test_pods_are_locked_down(value_set: str) -> None:
     for spec in pod_specs(docs):
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        assert spec["automountServiceAccountToken"] is False
+        # Only smg calls the API server (Kubernetes discovery), as its own account.
+        discovers = [c["name"] for c in spec["containers"]] == ["gateway"]
+        assert spec["automountServiceAccountToken"] is discovers
+        assert (spec.get("serviceAccountName") == "rel-kvstash-gateway") is discovers
         for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True
@@ -309,6 +313,8 @@ def test_notes_render_for_every_value_set(tmp_path: Path) -> None:
         assert ("--tls-ca" in text) is values.get("tls", {}).get("enabled", False), name
         pd = name in PD_VALUE_SETS
         assert ("prefill/decode disaggregation" in text) is pd, name
+        netpol = values.get("networkPolicy", {}).get("enabled", False)
+        assert ("NetworkPolicies admit, port by port" in text) is netpol, name
         cache = values.get("cache", {})
         mode = cache.get("mode", "sidecar") if cache.get("enabled", True) else None
         persistent = cache.get("disk", {}).get("persistence", {}).get("enabled", False)
@@ -329,3 +335,9 @@ def test_notes_render_for_every_value_set(tmp_path: Path) -> None:
             domain = values.get("clusterDomain", "cluster.local")
             port = values.get("scheduler", {}).get("port", 50051)
             assert f"rel-kvstash-decode.kv.svc.{domain}:{port}" in text, text
+        gateway = values.get("gateway", {})
+        assert ("port-forward svc/rel-kvstash-gateway" in text) is gateway.get("enabled", False)
+        if gateway.get("enabled"):
+            port = gateway.get("service", {}).get("port", 8000)
+            assert f"curl -s localhost:{port}/v1/completions" in text, text
+            assert f"every ready {'prefill' if pd else 'mixed'} scheduler" in text, text

@@ -45,6 +45,36 @@ SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "cache.shared: Additional property replicas is not allowed"),
     ({"cache": {"shared": {"nodeSelector": {"zone": 1}}}},
      "cache.shared.nodeSelector.zone: Invalid type. Expected: string"),
+    # The gateway: smg's --policy choices, and no key the chart does not know.
+    ({"gateway": {"policy": "least_busy"}},
+     "gateway.policy: gateway.policy must be one of the following"),
+    ({"gateway": {"workerUrls": ["grpc://a:50051"]}},
+     "gateway: Additional property workerUrls is not allowed"),
+    ({"gateway": {"cacheAware": {"threshold": 0.5}}},
+     "gateway.cacheAware: Additional property threshold is not allowed"),
+    ({"gateway": {"cacheAware": {"cacheThreshold": 1.5}}},
+     "gateway.cacheAware.cacheThreshold: Must be less than or equal to 1"),
+    ({"gateway": {"logLevel": "trace"}}, "gateway.logLevel: gateway.logLevel must be one of"),
+    ({"gateway": {"replicas": "2"}}, "gateway.replicas: Invalid type. Expected: integer"),
+    ({"gateway": {"service": {"type": "ExternalName"}}},
+     "gateway.service.type: gateway.service.type must be one of"),
+    ({"gateway": {"flags": {"--max-concurrent-requests": 8}}}, "Does not match pattern"),
+    ({"images": {"gateway": {"repo": "smg"}}},
+     "images.gateway: Additional property repo is not allowed"),
+    # NetworkPolicies: known keys only, and peers Kubernetes would take.
+    ({"networkPolicy": {"enable": True}},
+     "networkPolicy: Additional property enable is not allowed"),
+    ({"networkPolicy": {"clients": [{"podSelektor": {"matchLabels": {"app": "x"}}}]}},
+     "networkPolicy.clients.0: Additional property podSelektor is not allowed"),
+    ({"networkPolicy": {"gatewayClients": [{"ipBlock": {"cidr": "10.0.0.0/8", "exept": []}}]}},
+     "networkPolicy.gatewayClients.0.ipBlock: Additional property exept is not allowed"),
+    ({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabel": {"a": "b"}}}]}},
+     "networkPolicy.metricsFrom.0.namespaceSelector: Additional property matchLabel is not "
+     "allowed"),
+    ({"networkPolicy": {"metricsFrom": [{}]}},
+     "networkPolicy.metricsFrom.0: Must have at least 1 properties"),
+    ({"networkPolicy": {"clients": {"podSelector": {}}}},
+     "networkPolicy.clients: Invalid type. Expected: array"),
 ]
 
 
@@ -119,6 +149,35 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "scheduler.flags.handoff-wait is set by the chart"),
     ({"scheduler": {"flags": {"token-file": "/tmp/token"}}},
      "scheduler.flags.token-file is set by the chart"),
+    # The gateway: something to route to, over channels smg can speak.
+    ({"gateway": {"enabled": True}, "instances": {"replicas": 0}},
+     "gateway.enabled but instances.replicas is 0: the gateway would have no scheduler to "
+     "route requests to"),
+    ({"gateway": {"enabled": True}, "cache": {"mode": "shared"},
+      "instances": {"role": "pd", "prefill": {"replicas": 0}}},
+     "gateway.enabled but instances.prefill.replicas is 0: the gateway would have no scheduler "
+     "to route requests to (it routes to the prefill pool only"),
+    ({"gateway": {"enabled": True}, "tls": {"enabled": True, "secretName": "kvstash-tls"}},
+     "gateway.enabled with tls.enabled: the schedulers then accept only TLS, and smg 1.13.0 "
+     "speaks plaintext gRPC to its workers"),
+    ({"gateway": {"enabled": True}, "auth": {"enabled": True, "secretName": "kvstash-tokens"}},
+     "gateway.enabled with auth.enabled: the schedulers then demand a bearer token "
+     "(auth.secretName \"kvstash-tokens\") on every VllmEngine call, and smg 1.13.0 sends gRPC "
+     "workers none"),
+    ({"gateway": {"enabled": True, "pdb": {"minAvailable": 1}}},
+     "gateway.pdb: set exactly one of minAvailable and maxUnavailable"),
+    ({"gateway": {"enabled": True, "replicas": 2,
+                  "pdb": {"minAvailable": 3, "maxUnavailable": None}}},
+     "gateway.pdb.minAvailable is 3 but gateway.replicas is 2"),
+    ({"gateway": {"flags": {"service-discovery-port": 50052}}},
+     "gateway.flags.service-discovery-port is set by the chart"),
+    ({"gateway": {"flags": {"worker-urls": "grpc://a:50051"}}},
+     "gateway.flags.worker-urls is set by the chart"),
+    ({"gateway": {"flags": {"spill-abs-threshold": 8}}},
+     "gateway.flags.spill-abs-threshold is set by the chart"),
+    ({"networkPolicy": {"enabled": True, "clients": [
+        {"podSelector": {}}, {"ipBlock": {"cidr": "10.0.0.0/8"}, "namespaceSelector": {}}]}},
+     "networkPolicy.clients[1] has an ipBlock beside a podSelector or namespaceSelector"),
 ]
 
 
@@ -140,6 +199,23 @@ def test_pd_keys_wait_for_role_pd(tmp_path: Path) -> None:
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
     assert [d["metadata"]["name"] for d in workloads] == ["rel-kvstash"]
     assert not any("decode" in d["metadata"]["name"] for d in docs)
+
+
+def test_gateway_refusals_name_every_problem_at_once(tmp_path: Path) -> None:
+    error = render_error({"gateway": {"enabled": True}, "instances": {"replicas": 0},
+                          "tls": {"enabled": True, "secretName": "t"},
+                          "auth": {"enabled": True, "secretName": "a"}}, tmp_path)
+    for problem in ("but instances.replicas is 0", "with tls.enabled", "with auth.enabled"):
+        assert f"gateway.enabled {problem}" in error, problem
+
+
+def test_whole_numbers_pass_without_an_exponent(tmp_path: Path) -> None:
+    # YAML numbers reach templates as floats: 1000000 would print as 1e+06.
+    docs = render({"worker": {"flags": {"num-blocks": 1000000}}}, tmp_path)
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    variables = {e["name"]: e.get("value") for e in worker["env"]}
+    assert variables["KVSTASH_WORKER_NUM_BLOCKS"] == "1000000"
 
 
 def test_memory_limit_is_derived_from_the_budget(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def test_images_agree_with_chart_and_pyproject() -> None:
     uids = set(re.findall(r"^ARG UID=(\d+)$", text, re.MULTILINE))
     assert uids == {str(values["runAsUser"])} == {str(values["runAsGroup"])}
     targets = set(re.findall(r"^FROM \S+ AS (\w+)$", text, re.MULTILINE))
-    assert {"control", "worker"} <= targets
+    assert {"control", "worker", "gateway"} <= targets
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     (torch_pin,) = [d for d in extras["worker"] if d.startswith("torch")]
@@ -50,6 +50,40 @@ def test_images_agree_with_chart_and_pyproject() -> None:
         *sources, _destination = [w for w in line.split() if not w.startswith("--")]
         for source in sources:
             assert f"!{source.rstrip('/')}" in allowed.replace("/\n", "\n"), source
+
+
+def stages(text: str) -> dict[str, str]:
+    """Build stage name -> its lines (FROM to the next FROM)."""
+    parts = re.split(r"^(?=FROM )", text, flags=re.MULTILINE)
+    found = {}
+    for part in parts:
+        named = re.match(r"FROM (\S+) AS (\w+)$", part.splitlines()[0]) if part else None
+        if named:
+            found[named.group(2)] = part
+    return found
+
+
+def test_gateway_image_is_the_pinned_smg_without_torch_as_our_user() -> None:
+    text = DOCKERFILE.read_text()
+    by_name = stages(text)
+    gateway = by_name["gateway"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (smg_pin,) = [d for d in extras["gateway"] if d.startswith("smg")]
+    assert re.findall(r'pip install "(smg[^"]*)"', gateway) == [smg_pin]
+    assert gateway.startswith("FROM slim AS gateway")  # python slim, no kvstash wheel
+    assert by_name["slim"].startswith("FROM ${PYTHON_IMAGE} AS slim")
+    assert "torch" not in gateway.lower() and "kvstash-" not in gateway  # no wheel, no torch
+    assert "HF_ENDPOINT=http://127.0.0.1:9" in gateway  # as the chart and kvstash/gateway.py
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    exposed = {int(p) for p in re.findall(r"^EXPOSE (.+)$", gateway, re.MULTILINE)[0].split()}
+    assert exposed == {values["gateway"]["port"], values["metrics"]["ports"]["gateway"]}
+    assert values["images"]["gateway"]["repository"] == "kvstash-gateway"
+    # Every image the chart runs ends as the one non-root user.
+    for target in ("control", "worker", "gateway"):
+        users = re.findall(r"^USER (.+)$", by_name[target], re.MULTILINE)
+        assert users == ["${UID}:${UID}"], target
+        assert re.search(r"^ARG UID=\d+$", by_name[target], re.MULTILINE), target
 
 
 def free_port() -> int:

@@ -118,6 +118,12 @@ role's keys themselves:
 {{- toYaml $pools -}}
 {{- end -}}
 
+{{/* The helm test pod (templates/tests): it calls the public Service and the gateway. */}}
+{{- define "kvstash.testSelector" -}}
+{{ include "kvstash.selectorLabels" . }}
+app.kubernetes.io/component: test
+{{- end -}}
+
 {{- define "kvstash.cacheSelector" -}}
 {{ include "kvstash.selectorLabels" . }}
 app.kubernetes.io/component: cache
@@ -245,6 +251,15 @@ seccompProfile:
   type: RuntimeDefault
 {{- end -}}
 
+{{/* A value as one flag's text: whole numbers without an exponent (YAML's 1000000 is 1e+06). */}}
+{{- define "kvstash.arg" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- . -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
 Flags as environment variables: (dict "service" "SCHEDULER" "flags" $dict) ->
 KVSTASH_SCHEDULER_<FLAG> entries, sorted (kvstash/settings.py reads them).
@@ -253,7 +268,7 @@ KVSTASH_SCHEDULER_<FLAG> entries, sorted (kvstash/settings.py reads them).
 {{- $service := .service -}}
 {{- range $flag, $value := .flags }}
 - name: {{ printf "KVSTASH_%s_%s" $service ($flag | replace "-" "_" | upper) }}
-  value: {{ toString $value | quote }}
+  value: {{ include "kvstash.arg" $value | quote }}
 {{- end }}
 {{- end -}}
 

@@ -108,12 +108,49 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors "metrics.serviceMonitor.enabled needs metrics.enabled (no port to scrape)" -}}
 {{- end -}}
 
+{{- /* The gateway: schedulers to route to, over channels smg can speak. */ -}}
+{{- $g := $v.gateway -}}
+{{- if $g.enabled -}}
+{{- $entryRole := include "kvstash.entryRole" . -}}
+{{- range $pools -}}
+{{- if and (eq .role $entryRole) (lt (int .replicas) 1) -}}
+{{- $why := ternary " (it routes to the prefill pool only: prefill instances hand decoding on themselves)" "" (eq .role "prefill") -}}
+{{- $errors = append $errors (printf "gateway.enabled but %s is 0: the gateway would have no scheduler to route requests to%s; add instances, or disable the gateway" .replicasKey $why) -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.tls.enabled -}}
+{{- $errors = append $errors "gateway.enabled with tls.enabled: the schedulers then accept only TLS, and smg 1.13.0 speaks plaintext gRPC to its workers (its --ca-cert-paths, --client-cert-path and --client-key-path serve HTTP workers only); disable gateway.enabled or tls.enabled" -}}
+{{- end -}}
+{{- if $v.auth.enabled -}}
+{{- $errors = append $errors (printf "gateway.enabled with auth.enabled: the schedulers then demand a bearer token (auth.secretName %q) on every VllmEngine call, and smg 1.13.0 sends gRPC workers none (its --api-key guards its own HTTP API only); disable gateway.enabled or auth.enabled" $v.auth.secretName) -}}
+{{- end -}}
+{{- if $g.pdb.enabled -}}
+{{- if eq (kindIs "invalid" $g.pdb.minAvailable) (kindIs "invalid" $g.pdb.maxUnavailable) -}}
+{{- $errors = append $errors "gateway.pdb: set exactly one of minAvailable and maxUnavailable" -}}
+{{- else if and (not (kindIs "invalid" $g.pdb.minAvailable)) (gt (int $g.pdb.minAvailable) (int $g.replicas)) -}}
+{{- $errors = append $errors (printf "gateway.pdb.minAvailable is %d but gateway.replicas is %d: no gateway pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $g.pdb.minAvailable) (int $g.replicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* NetworkPolicy peers: Kubernetes takes an ipBlock alone or selectors, never both. */ -}}
+{{- if $v.networkPolicy.enabled -}}
+{{- range $key := list "clients" "gatewayClients" "metricsFrom" -}}
+{{- range $n, $peer := index $v.networkPolicy $key -}}
+{{- if and (hasKey $peer "ipBlock") (or (hasKey $peer "podSelector") (hasKey $peer "namespaceSelector")) -}}
+{{- $errors = append $errors (printf "networkPolicy.%s[%d] has an ipBlock beside a podSelector or namespaceSelector: Kubernetes refuses such a peer; make them two entries (a source matching either is admitted)" $key $n) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* Flags the chart sets itself cannot also come from <component>.flags. */ -}}
 {{- $server := list "listen" "metrics-port" "metrics-host" "tls-cert" "tls-key" "tls-ca" "plaintext" -}}
 {{- $owned := dict
   "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file" "token-file" "role" "decode-address" "reservation-timeout" "handoff-wait"))
   "worker" (concat $server (list "device" "model" "cache-address" "cache-arena"))
-  "cache" (concat $server (list "memory-budget" "arena-dir" "disk-dir" "disk-budget")) -}}
+  "cache" (concat $server (list "memory-budget" "arena-dir" "disk-dir" "disk-budget"))
+  "gateway" (include "kvstash.gateway.ownedFlags" . | fromYamlArray) -}}
 {{- range $component, $names := $owned -}}
 {{- range $flag, $_ := (index $v $component).flags -}}
 {{- if has $flag $names -}}
