@@ -50,12 +50,8 @@ import string
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc
@@ -66,11 +62,17 @@ from bench.pd_bench import fmt, ratio
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.gateway import running_gateway
+from kvstash.openai_http import (
+    REPLACEMENT,
+    HttpError,
+    StreamError,
+    request_json,
+    stream_completion,
+)
 from kvstash.stack import StackConfig, running_stack
 
 PATHS = ("direct", "smg")
 ALPHABET = string.ascii_letters + string.digits + " "
-REPLACEMENT = "\ufffd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,68 +142,16 @@ async def direct_request(client: Client, prompt: str, max_tokens: int) -> Sample
                   first_text_late=bool(texts) and not texts[0].strip(REPLACEMENT))
 
 
-async def sse_events(url: str, body: dict[str, object]) -> AsyncIterator[dict[str, Any]]:
-    """POSTs `body` and yields each `data:` event of the reply, parsed, as it
-    arrives (chunked or close-delimited)."""
-    parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-    try:
-        payload = json.dumps(body).encode()
-        writer.write(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-                     "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-                     .encode() + payload)
-        await writer.drain()
-        status = (await reader.readline()).decode()
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if " 200 " not in status:
-            raise RuntimeError(f"smg answered {status.strip()}: {await reader.read(2000)!r}")
-        chunked = headers.get("transfer-encoding") == "chunked"
-        buffer = b""
-        while True:
-            if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
-                data = await reader.readexactly(size + 2) if size else b""
-                data = data[:-2]
-            else:
-                data = await reader.read(65536)
-            if not data:
-                return
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line.startswith(b"data: {"):
-                    yield json.loads(line[6:])
-    finally:
-        writer.close()
-
-
 async def smg_request(url: str, model: str, prompt: str, max_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    text = ""
-    first = end = None
-    finish_reason = None
-    num_tokens = 0
+            "ignore_eos": True}
     try:
-        async for event in sse_events(f"{url}/v1/completions", body):
-            now = time.perf_counter()
-            for choice in event.get("choices") or []:
-                if choice["text"]:
-                    first = first or now
-                text += choice["text"]
-                if choice["finish_reason"] is not None:
-                    finish_reason, end = choice["finish_reason"], now
-            if event.get("usage"):
-                num_tokens = event["usage"]["completion_tokens"]
-    except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as exc:
-        finish_reason = f"error {exc}"
-    return Sample(text.rstrip(REPLACEMENT), num_tokens, finish_reason,
-                  *timed(start, first, end, num_tokens))
+        done = await stream_completion(url, body)
+    except (OSError, HttpError, StreamError, ValueError, asyncio.IncompleteReadError) as exc:
+        return Sample("", 0, f"error {exc}", None, None)
+    first = done.arrivals[0] if done.arrivals else None
+    return Sample(done.text.rstrip(REPLACEMENT), done.completion_tokens, done.finish_reason,
+                  *timed(done.start, first, done.finished_at, done.completion_tokens))
 
 
 async def run_round(path: str, client: Client, url: str, model: str, prompts: list[str],
@@ -296,8 +246,7 @@ def check_samples(sides: dict[str, Side], max_tokens: int) -> list[str]:
 
 
 def served_model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
-        return str(json.loads(reply.read())["data"][0]["id"])
+    return str(request_json(f"{url}/v1/models")["data"][0]["id"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,8 @@ class LoadedModel:
     name: str
     model: CausalLM
     tokenizer_json: str  # "" = the byte-level tokenizer of the tiny model
+    # The checkpoint's tokenizer_config.json with its chat template; "" = none.
+    tokenizer_config_json: str = ""
 
 
 TORCH_DTYPES = {
@@ -153,4 +155,16 @@ def load_checkpoint(directory: Path, dtype: torch.dtype | None,
     model = CausalLM(cfg, dtype, device)
     load_weights(model, directory)
     name = os.path.basename(os.path.normpath(directory))
-    return LoadedModel(name, model.eval(), tokenizer_path.read_text(encoding="utf-8"))
+    return LoadedModel(name, model.eval(), tokenizer_path.read_text(encoding="utf-8"),
+                       tokenizer_config(directory))
+
+
+def tokenizer_config(directory: Path) -> str:
+    """The directory's tokenizer_config.json, with the chat template of a
+    chat_template.jinja beside it (where newer exports keep it) folded in;
+    "" when it has neither."""
+    path, template = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    config = _read_json(path) if path.is_file() else {}
+    if template.is_file() and "chat_template" not in config:
+        config["chat_template"] = template.read_text(encoding="utf-8")
+    return json.dumps(config) if config else ""

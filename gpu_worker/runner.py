@@ -72,7 +72,8 @@ class KvLayoutSpec:
 class ModelRunner:
     def __init__(self, model: CausalLM, *, block_size: int, num_blocks: int,
                  max_model_len: int | None = None, seed: int = 0, name: str = "tiny",
-                 tokenizer_json: str = "", batch_invariant: bool = True,
+                 tokenizer_json: str = "", tokenizer_config_json: str = "",
+                 batch_invariant: bool = True,
                  row_tile: int | None = None, attention: AttentionBackend | None = None,
                  host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES) -> None:
         """batch_invariant: a row's numbers do not depend on the rest of its step
@@ -83,6 +84,7 @@ class ModelRunner:
         self.model = model
         self.name = name
         self.tokenizer_json = tokenizer_json  # "" = byte-level tokenizer
+        self.tokenizer_config_json = tokenizer_config_json  # "" = none
         self.model_config: ModelConfig = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -300,6 +302,7 @@ def build_runner(config: WorkerConfig) -> ModelRunner:
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,
                        tokenizer_json=loaded.tokenizer_json,
+                       tokenizer_config_json=loaded.tokenizer_config_json,
                        batch_invariant=config.batch_invariant, row_tile=config.row_tile,
                        host_pool_bytes=config.host_pool_bytes)
 

@@ -69,6 +69,7 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
         num_blocks=runner.num_blocks,
         device=str(runner.kv_cache.device),
         tokenizer_json=runner.tokenizer_json.encode("utf-8"),
+        tokenizer_config_json=runner.tokenizer_config_json.encode("utf-8"),
     )
 
 

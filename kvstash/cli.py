@@ -9,6 +9,7 @@ import sys
 
 from kvstash import errors, security
 from kvstash.client import Client
+from kvstash.gateway import POLICIES
 from kvstash.stack import Stack, StackConfig, start_stack
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -29,6 +30,14 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
     p.add_argument("--pd", action="store_true",
                    help="P/D disaggregation: a prefill and a decode instance (each a scheduler "
                         "and its worker) sharing the cache; clients call the prefill instance")
+    p.add_argument("--instances", type=int, default=defaults.instances,
+                   help="instances clients call (each a scheduler and its worker; prefill "
+                        "instances with --pd), sharing the cache")
+    p.add_argument("--gateway", action="store_true",
+                   help="smg (the Shepherd Model Gateway, pip install 'kvstash[gateway]') in "
+                        "front of the instances: OpenAI HTTP, cache-aware routing")
+    p.add_argument("--gateway-policy", default=defaults.gateway_policy, choices=POLICIES,
+                   help="smg's routing policy")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
@@ -36,7 +45,9 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
         model=args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks,
         block_size=args.block_size, preemption_mode=args.preemption_mode,
         cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
-        cache_disk_dir=args.cache_disk_dir, pd=args.pd, **extra,  # type: ignore[arg-type]
+        cache_disk_dir=args.cache_disk_dir, pd=args.pd, instances=args.instances,
+        gateway=args.gateway, gateway_policy=args.gateway_policy,
+        **extra,  # type: ignore[arg-type]
     )
 
 
@@ -51,7 +62,8 @@ def _raise_stop(signum: int, _frame: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     port = int(args.listen.rsplit(":", 1)[1])
     host = args.listen.rsplit(":", 1)[0]
-    config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext)
+    config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext,
+                           gateway_port=args.gateway_port)
     # A service manager stops us with SIGTERM, a closed terminal with SIGHUP:
     # either must stop the services too, not orphan them.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -59,7 +71,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = start_stack(config)
     try:
         for service in stack.services:
-            print(f"{service.name:<16} {service.address:<22} pid {service.process.pid}")
+            print(f"{service.name:<20} {service.address:<22} pid {service.process.pid}")
+        if stack.gateway is not None:
+            gateway = stack.gateway
+            print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
+                  f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models")
         reach = ("loopback only" if security.is_loopback(args.listen)
                  else "anyone who can reach this host")
         print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
@@ -119,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--plaintext", action="store_true",
                     help="allow a non-loopback --listen: every service then serves plaintext "
                          "gRPC to anyone who can reach that host")
+    up.add_argument("--gateway-port", type=int, default=8000,
+                    help="with --gateway: smg's HTTP port, on --listen's host")
     _add_stack_flags(up, defaults)
 
     gen = sub.add_parser("generate", help="stream a completion")

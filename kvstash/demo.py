@@ -5,7 +5,9 @@ sends every request at once (so decode requests get preempted, offloaded to
 the cache service and restored), streams one of them, then replays each
 request alone (an unpressured run) and checks the outputs are identical.
 With `--pd`, requests are prefilled on one instance and decoded on another;
-the pressure (and the preemptions) is on the decode instance.
+the pressure (and the preemptions) is on the decode instance. With
+`--gateway`, the requests are OpenAI HTTP streams through smg, which routes
+them over the `--instances`; their text is checked against the replays.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import time
 from dataclasses import dataclass
 
 from kvstash.cache_client import CacheClient
-from kvstash.client import Client, GenerateResult
-from kvstash.stack import StackConfig, running_stack
+from kvstash.client import Client
+from kvstash.openai_http import REPLACEMENT, request_json, sse_events
+from kvstash.stack import Stack, StackConfig, running_stack
 from kvstash.units import MIB
+from kvstash.v1 import scheduler_pb2
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
 
@@ -32,23 +36,52 @@ def make_prompts(num_requests: int) -> list[str]:
     return prompts
 
 
-@dataclass(slots=True)
-class Timed:
-    result: GenerateResult
-    seconds: float
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    # What the replay must equal: the token ids (kvstash's API), or the text
+    # without an undecodable tail (through the gateway, which sends text only).
+    output: tuple[int, ...] | str
+    num_tokens: int
+    ttft_s: float | None
 
 
-async def _one(client: Client, prompt: str, max_tokens: int, echo: bool) -> Timed:
-    start = time.perf_counter()
-    result = GenerateResult(request_id="")
+def _echo(text: str) -> None:
+    print(text.encode("ascii", "replace").decode(), end="", flush=True)
+
+
+async def _direct(client: Client, prompt: str, max_tokens: int, echo: bool,
+                  as_text: bool = False) -> Outcome:
+    token_ids: list[int] = []
+    text = ""
+    ttft = None
     async for delta in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True):
-        result.token_ids.extend(delta.token_ids)
-        result.text += delta.text
-        if echo and delta.text:
-            print(delta.text.encode("ascii", "replace").decode(), end="", flush=True)
-        if delta.finish_reason is not None:
-            result.finish_reason, result.usage = delta.finish_reason, delta.usage
-    return Timed(result, time.perf_counter() - start)
+        token_ids.extend(delta.token_ids)
+        text += delta.text
+        if echo:
+            _echo(delta.text)
+        if delta.usage is not None:
+            ttft = delta.usage.ttft_s
+    output = text.rstrip(REPLACEMENT) if as_text else tuple(token_ids)
+    return Outcome(output, len(token_ids), ttft)
+
+
+async def _http(url: str, model: str, prompt: str, max_tokens: int, echo: bool) -> Outcome:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    text = ""
+    ttft = None
+    num_tokens = 0
+    async for event in sse_events(f"{url}/v1/completions", body):
+        for choice in event.get("choices") or []:
+            if choice["text"] and ttft is None:
+                ttft = time.perf_counter() - start
+            text += choice["text"]
+            if echo:
+                _echo(choice["text"])
+        if event.get("usage"):
+            num_tokens = event["usage"]["completion_tokens"]
+    return Outcome(text.rstrip(REPLACEMENT), num_tokens, ttft)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -56,46 +89,74 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _run(address: str, cache_address: str, num_requests: int, max_tokens: int,
-               decode_address: str | None = None) -> bool:
+async def _stats(addresses: list[str]) -> list[scheduler_pb2.SchedulerStats]:
+    replies = []
+    for address in addresses:
+        async with Client(address) as client:
+            replies.append(await client.stats())
+    return replies
+
+
+def _total(stats: list[scheduler_pb2.SchedulerStats], name: str) -> int:
+    return sum(getattr(s, name) for s in stats)
+
+
+async def _run(stack: Stack, num_requests: int, max_tokens: int) -> bool:
     prompts = make_prompts(num_requests)
-    async with Client(address) as client:
-        print(f"-- {num_requests} concurrent requests, {max_tokens} tokens each; "
-              "streaming request 0 (random tiny model, so the text is noise):")
-        start = time.perf_counter()
+    gateway = stack.gateway
+    via = f"through smg at {gateway.url}" if gateway else "over kvstash's gRPC API"
+    print(f"-- {num_requests} concurrent requests {via}, {max_tokens} tokens each; "
+          "streaming request 0 (random tiny model, so the text is noise):")
+    start = time.perf_counter()
+    if gateway is None:
+        async with Client(stack.address) as client:
+            pressured = await asyncio.gather(*[
+                _direct(client, p, max_tokens, echo=(i == 0)) for i, p in enumerate(prompts)])
+    else:
+        model = str((await asyncio.to_thread(request_json, f"{gateway.url}/v1/models"))
+                    ["data"][0]["id"])
         pressured = await asyncio.gather(*[
-            _one(client, p, max_tokens, echo=(i == 0)) for i, p in enumerate(prompts)])
-        wall = time.perf_counter() - start
-        stats = handoff = await client.stats()
-        if decode_address is not None:  # preemptions happen on the decode instance
-            async with Client(decode_address) as decode:
-                stats = await decode.stats()
-        print("\n-- replaying each request alone (unpressured) to check outputs ...")
-        alone = [await _one(client, p, max_tokens, echo=False) for p in prompts]
-    async with CacheClient(cache_address) as cache:
+            _http(gateway.url, model, p, max_tokens, echo=(i == 0))
+            for i, p in enumerate(prompts)])
+    wall = time.perf_counter() - start
+    front = await _stats(stack.addresses)
+    # Preemptions happen where requests decode: on the decode instance with pd.
+    decoding = front if stack.decode_scheduler is None else await _stats(
+        [stack.decode_scheduler.address])
+    print("\n-- replaying each request alone (unpressured) to check outputs ...")
+    async with Client(stack.address) as client:
+        alone = [await _direct(client, p, max_tokens, echo=False, as_text=gateway is not None)
+                 for p in prompts]
+    async with CacheClient(stack.cache.address) as cache:
         cache_stats = await cache.stats()
 
-    num_tokens = sum(len(t.result.token_ids) for t in pressured)
-    ttfts = [t.result.usage.ttft_s for t in pressured if t.result.usage is not None]
-    matched = sum(a.result.token_ids == b.result.token_ids
-                  for a, b in zip(pressured, alone, strict=True))
+    num_tokens = sum(o.num_tokens for o in pressured)
+    ttfts = [o.ttft_s for o in pressured if o.ttft_s is not None]
+    matched = sum(a.output == b.output for a, b in zip(pressured, alone, strict=True))
+    first = decoding[0]
     rows = [
         ("requests", f"{num_requests}"),
+        *([("requests per instance", " / ".join(str(s.num_finished) for s in front))]
+          if len(front) > 1 else []),
         ("completion tokens", f"{num_tokens}"),
         ("wall time", f"{wall:.2f} s"),
         ("throughput", f"{num_tokens / wall:.1f} tokens/s"),
-        ("TTFT p50 / p99", f"{_pct(ttfts, 0.5) * 1000:.0f} / {_pct(ttfts, 0.99) * 1000:.0f} ms"),
-        ("KV pool", f"{stats.num_total_blocks} blocks of {stats.block_size} tokens"),
-        ("preemptions offload / recompute",
-         f"{stats.num_preemptions_offload} / {stats.num_preemptions_recompute}"),
-        ("offloaded / restored", f"{stats.bytes_offloaded / MIB:.1f} / "
-                                 f"{stats.bytes_restored / MIB:.1f} MiB"),
-        ("tokens recomputed", f"{stats.num_recomputed_tokens}"),
-        *([("P/D handoffs", f"{handoff.num_handoffs} ({handoff.bytes_handed_off / MIB:.1f} MiB), "
-                            f"{handoff.num_handoff_failures} failed")]
-          if decode_address is not None else []),
+        ("TTFT p50 / p99" + (" (client, first text)" if gateway else ""),
+         f"{_pct(ttfts, 0.5) * 1000:.0f} / {_pct(ttfts, 0.99) * 1000:.0f} ms" if ttfts else "-"),
+        ("KV pool", f"{first.num_total_blocks} blocks of {first.block_size} tokens"
+                    + (f", on each of {len(decoding)} instances" if len(decoding) > 1 else "")),
+        ("preemptions offload / recompute", f"{_total(decoding, 'num_preemptions_offload')} / "
+                                            f"{_total(decoding, 'num_preemptions_recompute')}"),
+        ("offloaded / restored", f"{_total(decoding, 'bytes_offloaded') / MIB:.1f} / "
+                                 f"{_total(decoding, 'bytes_restored') / MIB:.1f} MiB"),
+        ("tokens recomputed", f"{_total(decoding, 'num_recomputed_tokens')}"),
+        *([("P/D handoffs", f"{_total(front, 'num_handoffs')} "
+                            f"({_total(front, 'bytes_handed_off') / MIB:.1f} MiB), "
+                            f"{_total(front, 'num_handoff_failures')} failed")]
+          if stack.decode_scheduler is not None else []),
         ("snapshots left in cache", f"{cache_stats.memory_snapshots + cache_stats.disk_snapshots}"),
-        ("outputs equal to unpressured run", f"{matched}/{num_requests}"),
+        ("outputs equal to unpressured run" + (" (text)" if gateway else ""),
+         f"{matched}/{num_requests}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows))
@@ -103,13 +164,14 @@ async def _run(address: str, cache_address: str, num_requests: int, max_tokens: 
 
 
 def run_demo(config: StackConfig, num_requests: int, max_tokens: int) -> int:
-    instances = "a prefill and a decode instance" if config.pd else "scheduler"
-    print(f"starting cache, worker ({config.model}, {config.dtype}) and {instances} "
-          f"with {config.num_blocks} KV blocks ...", flush=True)
+    each = f"worker ({config.model}, {config.dtype}) and {'prefill ' if config.pd else ''}scheduler"
+    front = each if config.instances == 1 else f"{config.instances} instances of {each}"
+    decode = ", a decode instance" if config.pd else ""
+    gateway = ", smg in front" if config.gateway else ""
+    print(f"starting cache, {front}{decode}{gateway}, {config.num_blocks} KV blocks each ...",
+          flush=True)
     with running_stack(config) as stack:
-        decode = stack.decode_scheduler
-        ok = asyncio.run(_run(stack.address, stack.cache.address, num_requests, max_tokens,
-                              None if decode is None else decode.address))
+        ok = asyncio.run(_run(stack, num_requests, max_tokens))
     if not ok:
         print("outputs differ from the unpressured run", file=sys.stderr)
     return 0 if ok else 1

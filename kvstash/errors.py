@@ -24,6 +24,11 @@ def preview(value: str, limit: int = 40) -> str:
 class KvstashError(Exception):
     """Base class; never raised directly."""
 
+    # Raised for a failed call: the status the peer answered with, by name
+    # ("UNAUTHENTICATED"), for callers that must tell apart what one class
+    # covers. None for errors raised here.
+    code: str | None = None
+
 
 class InvalidArgument(KvstashError, ValueError):
     """The caller sent something that can never be accepted."""

@@ -46,6 +46,14 @@ class Gateway:
     log_path: Path  # smg's stdout and stderr
     prometheus_port: int  # smg's own /metrics
 
+    @property
+    def name(self) -> str:
+        return "gateway"
+
+    @property
+    def address(self) -> str:
+        return self.url.removeprefix("http://")
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM; SIGKILL if still running after `timeout_s`."""
         stop_process(self.process, timeout_s)
@@ -61,11 +69,12 @@ def smg_executable() -> str:
 
 
 def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
-                  port: int = 0, policy: str = "cache_aware",
+                  port: int = 0, policy: str = "cache_aware", health_check_interval_s: int = 5,
                   startup_timeout_s: float = 60.0) -> Gateway:
     """Starts smg in front of the schedulers at `addresses` (host:port, or a
     grpc:// URL) and returns it once GET /readiness answers 200. `host` is an
-    IPv4 address; `port` 0 picks a free one. Raises RuntimeError with the tail of its log
+    IPv4 address; `port` 0 picks a free one; smg checks each instance's
+    health every `health_check_interval_s`. Raises RuntimeError with the tail of its log
     (log_dir/smg.log) if it exits or is not ready in `startup_timeout_s`."""
     if not addresses:
         raise ValueError("no scheduler addresses: smg needs at least one")
@@ -79,7 +88,11 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
             [smg_executable(), "launch", "--host", host, "--port", str(port),
              "--prometheus-port", str(prometheus_port), "--policy", policy,
              "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
-             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1"],
+             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
+             # An instance that stops answering leaves the rotation after two
+             # failed checks (until it answers twice again), not smg's 3 x 60 s.
+             "--health-check-interval-secs", str(health_check_interval_s),
+             "--health-failure-threshold", "2"],
             env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=log, stderr=subprocess.STDOUT)
     gateway = Gateway(f"http://{host}:{port}", process, log_path, prometheus_port)
     try:
@@ -92,10 +105,11 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
 
 @contextlib.contextmanager
 def running_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
-                    port: int = 0, policy: str = "cache_aware",
+                    port: int = 0, policy: str = "cache_aware", health_check_interval_s: int = 5,
                     startup_timeout_s: float = 60.0) -> Iterator[Gateway]:
     """start_gateway(...) for the `with` block; stopped at its end."""
     gateway = start_gateway(addresses, log_dir, host=host, port=port, policy=policy,
+                            health_check_interval_s=health_check_interval_s,
                             startup_timeout_s=startup_timeout_s)
     try:
         yield gateway

@@ -138,7 +138,9 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, what: str = "") -> errors.KvstashE
     if _STATUS_FOR.get(cls) != code:
         parts.append(code.name)
     parts.append(exc.details() or "")
-    return cls(": ".join(parts))
+    error = cls(": ".join(parts))
+    error.code = code.name
+    return error
 
 
 def status_for(exc: errors.KvstashError) -> grpc.StatusCode:

@@ -12,6 +12,13 @@ which hands each prefilled request to the decode instance.
     cache  <-- worker <-- scheduler (prefill) <-- clients
       ^                            | ReserveBlocks, Decode
       +---- worker <-- scheduler (decode)
+
+With `instances` N, N instances (each a worker and its scheduler; prefill
+ones with `pd`, all handing off to the one decode instance) share the
+cache, and with `gateway` the Shepherd Model Gateway (kvstash/gateway.py)
+serves OpenAI HTTP in front of them, routing by prefix:
+
+    HTTP clients --> smg --> scheduler 1..N --> worker 1..N --> cache
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from kvstash.rpc import READY_MARKER
 from kvstash.units import parse_bytes
+
+if TYPE_CHECKING:
+    from kvstash.gateway import Gateway
 
 SHARED_MEMORY_DIR = "/dev/shm"
 # The name each service's module announces itself by when ready.
@@ -73,9 +83,17 @@ class StackConfig:
     prefill_scheduler_args: tuple[str, ...] = ()
     decode_scheduler_args: tuple[str, ...] = ()
     decode_worker_args: tuple[str, ...] = ()
+    # Instances clients call (mixed, or prefill with pd), sharing the cache;
+    # the first listens on scheduler_port, the others on free ports.
+    instances: int = 1
+    # smg in front of them (pip install 'kvstash[gateway]'); port 0: a free one.
+    gateway: bool = False
+    gateway_port: int = 0
+    gateway_policy: str = "cache_aware"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "instances"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -108,11 +126,16 @@ class Service:
         return start_service(self.name, self.module, args, self.log_path.parent)
 
 
+class Instance(NamedTuple):
+    scheduler: Service
+    worker: Service
+
+
 @dataclass(slots=True)
 class Stack:
     cache: Service
     worker: Service
-    scheduler: Service  # the one clients call (the prefill instance's, with pd)
+    scheduler: Service  # the first one clients call (the prefill instance's, with pd)
     log_dir: Path
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     # The log directory was made for this stack: removed on stop unless kept.
@@ -120,20 +143,35 @@ class Stack:
     # With pd: the decode instance.
     decode_scheduler: Service | None = None
     decode_worker: Service | None = None
+    # With instances > 1: the second one clients call and on.
+    more_instances: list[Instance] = field(default_factory=list)
+    gateway: Gateway | None = None
+
+    @property
+    def instances(self) -> list[Instance]:
+        """The instances clients call, first to last."""
+        return [Instance(self.scheduler, self.worker), *self.more_instances]
 
     @property
     def services(self) -> list[Service]:
         decode = [s for s in (self.decode_scheduler, self.decode_worker) if s is not None]
-        return [self.scheduler, self.worker, *decode, self.cache]
+        return [*(s for i in self.instances for s in i), *decode, self.cache]
 
     @property
     def address(self) -> str:
         return self.scheduler.address
 
+    @property
+    def addresses(self) -> list[str]:
+        """Of every scheduler clients call."""
+        return [i.scheduler.address for i in self.instances]
+
     def stop(self, keep_logs: bool = False) -> None:
         """Stops every service and removes what the stack made, except its
         logs when `keep_logs` (a service failed: the user needs them)."""
         # Front to back, so nobody sees its dependency vanish mid-request.
+        if self.gateway is not None:
+            self.gateway.stop()
         for service in self.services:
             service.stop()
         if self._tmp is not None:
@@ -143,10 +181,13 @@ class Stack:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._own_logs = False
 
-    def wait_for_exit(self, poll_s: float = 0.5) -> Service:
-        """Blocks until a service exits and returns it."""
+    def wait_for_exit(self, poll_s: float = 0.5) -> Service | Gateway:
+        """Blocks until a service (or the gateway) exits and returns it."""
+        watched: list[Service | Gateway] = [*self.services]
+        if self.gateway is not None:
+            watched.append(self.gateway)
         while True:
-            for service in self.services:
+            for service in watched:
                 if service.process.poll() is not None:
                     return service
             time.sleep(poll_s)
@@ -238,7 +279,8 @@ def arena_args(config: StackConfig) -> list[str]:
 
 
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
-    """Starts cache, worker and scheduler; on any failure stops what started."""
+    """Starts cache, workers, schedulers and the gateway (as configured); on
+    any failure stops what started."""
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
     # Logs live apart from the data (the cache's disk tier), so they can
     # outlive a failed stack without keeping gigabytes of snapshots.
@@ -261,18 +303,26 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
                 config, "decode-", cache.address, ["--role", "decode"],
                 config.decode_scheduler_args, config.decode_worker_args, logs, started)
             pd_args = ["--role", "prefill", "--decode-address", decode[0].address]
-        scheduler, worker = _start_instance(
-            config, "", cache.address, pd_args,
+        front = [Instance(*_start_instance(
+            config, f"instance{k + 1}-" if k else "", cache.address, pd_args,
             config.prefill_scheduler_args if config.pd else (), (), logs, started,
-            scheduler_port=config.scheduler_port)
+            scheduler_port=0 if k else config.scheduler_port)) for k in range(config.instances)]
+        gateway = None
+        if config.gateway:
+            from kvstash.gateway import start_gateway  # smg is an optional extra
+
+            gateway = start_gateway([i.scheduler.address for i in front], logs,
+                                    host=config.host, port=config.gateway_port,
+                                    policy=config.gateway_policy)
     except BaseException:
         for service in reversed(started):
             service.stop()
         tmp.cleanup()
         raise
-    return Stack(cache, worker, scheduler, logs, tmp, _own_logs=log_dir is None,
-                 decode_scheduler=decode[0] if decode else None,
-                 decode_worker=decode[1] if decode else None)
+    return Stack(cache, front[0].worker, front[0].scheduler, logs, tmp,
+                 _own_logs=log_dir is None, decode_scheduler=decode[0] if decode else None,
+                 decode_worker=decode[1] if decode else None, more_instances=front[1:],
+                 gateway=gateway)
 
 
 def _start_instance(

@@ -200,7 +200,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
                         kv_events=kv_events.publish)
         scheduler.servicer.attach(Backend(
             engine, tokenizer, metrics, args.role, info.model_name,
-            tokenizer_files(info.tokenizer_json.decode(), info.eos_token_ids), kv_events))
+            tokenizer_files(info.tokenizer_json.decode(), info.tokenizer_config_json.decode(),
+                            info.eos_token_ids), kv_events))
         await engine.start()
         cleanup.push_async_callback(engine.close)
         async with asyncio.timeout(args.worker_wait):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import grpc
-
-from kvstash import errors, rpc
+from kvstash import errors
 from kvstash.sampling import SamplingParams
 from kvstash.tokenizer import Tokenizer
 from scheduler_svc.core.outputs import RequestUpdate
@@ -52,16 +50,15 @@ class Backend(NamedTuple):
 
     async def updates(
         self, request_id: str, stream: RequestStream, timing: Timing,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[RequestUpdate]:
-        """A submitted request's updates, the finishing one last; an error
-        aborts the call with its status. A client gone before the end aborts
-        the request."""
+    ) -> AsyncGenerator[RequestUpdate, None]:
+        """A submitted request's updates, the finishing one last, or the
+        KvstashError that ended it. Closed before the end (the client went
+        away), it aborts the request."""
         try:
             while True:
                 event = await stream.events.get()
                 if isinstance(event, errors.KvstashError):
-                    await rpc.abort_with(context, event)
+                    raise event
                 if event.new_token_ids and not timing.ttft_s:
                     timing.ttft_s = time.monotonic() - timing.arrival
                 yield event

@@ -178,13 +178,16 @@ class Engine:
         self._wake.set()
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str,
+              reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Aborts a live request (NotFound otherwise); its stream ends with an
-        ABORTED update. Blocks and snapshot are released by the core (and by
-        the decode instance it was reserved on or handed to)."""
+        update of status `reported_as` (FINISHED_STOPPED where the edge found
+        a stop string, which only it can see). Blocks and snapshot are
+        released by the core (and by the decode instance it was reserved on
+        or handed to)."""
         usage = self._core.abort(request_id)
         if (stream := self._req_to_stream.pop(request_id, None)) is not None:
-            stream.end(RequestUpdate(request_id, [], RequestStatus.FINISHED_ABORTED, usage))
+            stream.end(RequestUpdate(request_id, [], reported_as, usage))
         self._let_go_of_decoder(request_id)
         self._wake.set()
 

@@ -15,6 +15,7 @@ by a decode instance only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -33,7 +34,7 @@ from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstash.wire import sampling_from_proto
 from scheduler_svc.backend import Backend, Timing
-from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
@@ -129,27 +130,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         text = backend.tokenizer.stream()
-        async for event in backend.updates(request_id, stream, timing, context):
-            response = scheduler_pb2.GenerateResponse(
-                request_id=request_id,
-                token_ids=event.new_token_ids,
-                text="".join(text.push(t) for t in event.new_token_ids),
-            )
-            if event.finish_status is not None:
-                assert event.usage is not None  # the core sends it with every finish
-                usage = usage_to_proto(event.usage, timing.ttft_s)
-                span = trace.get_current_span()
-                if span.is_recording():
-                    span.add_event("finished", {
-                        "kvstash.finish_reason": event.finish_status.name,
-                        **{f"kvstash.{f.name}": getattr(usage, f.name)
-                           for f in usage.DESCRIPTOR.fields},
-                    })
-                response.finish_reason = _FINISH_REASON[event.finish_status]
-                response.usage.CopyFrom(usage)
-                yield response
-            elif response.token_ids:
-                yield response
+        try:
+            async with contextlib.aclosing(backend.updates(request_id, stream, timing)) as updates:
+                async for event in updates:
+                    response = scheduler_pb2.GenerateResponse(
+                        request_id=request_id, token_ids=event.new_token_ids,
+                        text="".join(text.push(t) for t in event.new_token_ids))
+                    if event.finish_status is not None:
+                        self._finish(response, event, timing)
+                        yield response
+                    elif response.token_ids:
+                        yield response
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+
+    @staticmethod
+    def _finish(response: scheduler_pb2.GenerateResponse, event: RequestUpdate,
+                timing: Timing) -> None:
+        """Completes the finishing response (and the call's span) with how it ended."""
+        assert event.finish_status is not None and event.usage is not None  # sent with a finish
+        usage = usage_to_proto(event.usage, timing.ttft_s)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.add_event("finished", {
+                "kvstash.finish_reason": event.finish_status.name,
+                **{f"kvstash.{f.name}": getattr(usage, f.name) for f in usage.DESCRIPTOR.fields},
+            })
+        response.finish_reason = _FINISH_REASON[event.finish_status]
+        response.usage.CopyFrom(usage)
 
     @rpc.maps_errors
     async def Abort(

@@ -1,9 +1,13 @@
-"""A request's stream: what its Generate call reads, fed by the engine after each step."""
+"""A request's stream: what its Generate call reads, fed by the engine after
+each step; and fan_in, which reads several (the n sequences of one call)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from opentelemetry import context as otel_context
 
@@ -11,6 +15,8 @@ from kvstash import errors
 from scheduler_svc import tracing
 from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.core.request import RequestStatus, RequestUsage
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -55,3 +61,45 @@ class RequestStream:
         self.events.put_nowait(error)
         if self.phases is not None:
             self.phases.end("error")
+
+
+_DONE = object()  # a source of fan_in ran out
+
+
+async def fan_in(sources: Sequence[AsyncGenerator[T, None]]
+                 ) -> AsyncGenerator[tuple[int, T], None]:
+    """(index of the source, item) from every source as items come; the first
+    exception a source raises is raised here. Every source is closed when
+    this ends, however it ends (a closed source's `finally` runs at once)."""
+    if len(sources) == 1:  # the common case needs no tasks
+        async with contextlib.aclosing(sources[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | Exception | object] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncGenerator[T, None]) -> None:
+        try:
+            async with contextlib.aclosing(source):
+                async for item in source:
+                    queue.put_nowait((index, item))
+        except Exception as exc:  # raised in fan_in's caller
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        running = len(tasks)
+        while running:
+            got = await queue.get()
+            if got is _DONE:
+                running -= 1
+            elif isinstance(got, Exception):
+                raise got
+            else:
+                yield got  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,20 +13,25 @@ engines with, from the `smg-grpc-proto` package's generated code.
     Embed, StartProfile, StopProfile: UNIMPLEMENTED, with a message
 
 Sampling fields are mapped one by one; one kvstash cannot honour (penalties,
-min_p, stop strings, logprobs, n > 1, constraints, multimodal input) is
-UNIMPLEMENTED, never silently ignored. Preemption stays invisible: a
-preempted request's stream only pauses.
+min_p, logprobs, constraints, multimodal input) is UNIMPLEMENTED, never
+silently ignored. n > 1 runs n requests, which share the prompt's blocks
+through the prefix cache. Stop strings are matched here, on the text of the
+tokens as they come (the core sees tokens only): the token that completes
+one is the last sent, and the request is released at once. Preemption stays
+invisible: a preempted request's stream only pauses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import time
 import zipfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import grpc
@@ -37,9 +42,12 @@ from smg_grpc_proto.generated import common_pb2
 from kvstash import errors, rpc
 from kvstash.ids import check_request_id
 from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import byte_tokenizer_config, byte_tokenizer_json
+from kvstash.tokenizer import TextStream, Tokenizer, byte_tokenizer_config, byte_tokenizer_json
 from scheduler_svc.backend import Backend, Timing
+from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.engine import Engine
+from scheduler_svc.streams import RequestStream, fan_in
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 _FINISH_REASON = {
@@ -49,10 +57,50 @@ _FINISH_REASON = {
 }
 _TOKENIZER_CHUNK_BYTES = 64 * 1024
 # SamplingParams fields kvstash has no counterpart for, with their neutral value.
+# (include_stop_str_in_output shapes the text, which the gateway makes.)
 _UNSUPPORTED_SAMPLING = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
-    "include_stop_str_in_output": False, "grammar_from_first_token": False,
+    "grammar_from_first_token": False,
 }
+MAX_STOP_STRINGS = 32
+MAX_N = 16  # sequences per request
+MAX_STOP_STRING_CHARS = 1024
+
+
+class StopStrings:
+    """Watches a request's text for stop strings, one token at a time."""
+
+    def __init__(self, stops: Sequence[str], text: TextStream) -> None:
+        self._stops = stops
+        self._text = text
+        self._keep = max(map(len, stops)) - 1  # a match may start this far back
+        self._tail = ""
+
+    def cut(self, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """The tokens up to the one whose text completes a stop string, and
+        that string (the first in request order); all of them and None
+        while none has matched."""
+        for i, token_id in enumerate(token_ids):
+            text = self._tail + self._text.push(token_id)
+            for stop in self._stops:
+                if stop in text:
+                    return token_ids[:i + 1], stop
+            self._tail = text[-self._keep:] if self._keep else ""
+        return token_ids, None
+
+
+def stop_strings(params: pb.SamplingParams) -> list[str]:
+    """The request's stop strings, checked (InvalidArgument)."""
+    stops = list(params.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise errors.InvalidArgument(
+            f"sampling_params.stop has {len(stops)} strings, at most {MAX_STOP_STRINGS}")
+    for stop in stops:
+        if not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
+            raise errors.InvalidArgument(
+                f"sampling_params.stop strings must have 1 to {MAX_STOP_STRING_CHARS} "
+                f"characters, got {len(stop)}")
+    return stops
 
 
 def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
@@ -64,9 +112,6 @@ def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
             raise errors.Unimplemented(f"sampling_params.{name} is not supported")
     if params.repetition_penalty not in (0.0, 1.0):
         raise errors.Unimplemented("sampling_params.repetition_penalty is not supported")
-    if params.stop:
-        raise errors.Unimplemented("sampling_params.stop (stop strings) is not supported; "
-                                   "use stop_token_ids")
     for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
         if params.HasField(name):
             raise errors.Unimplemented(f"sampling_params.{name} is not supported")
@@ -76,8 +121,6 @@ def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
         raise errors.Unimplemented(
             f"sampling_params.{params.WhichOneof('constraint')} (constrained decoding) "
             "is not supported")
-    if params.n > 1:
-        raise errors.Unimplemented(f"sampling_params.n {params.n}: one sequence per request")
     max_tokens = (params.max_tokens if params.HasField("max_tokens")
                   else max_model_len - num_prompt_tokens)
     return SamplingParams(
@@ -90,6 +133,66 @@ def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
+
+
+def children(request_id: str, n: int, sampling: SamplingParams
+             ) -> list[tuple[str, SamplingParams]]:
+    """The sequences of a request for `n` of them (0 counts as 1): their
+    request ids and sampling."""
+    if n > MAX_N:
+        raise errors.InvalidArgument(f"sampling_params.n {n}: at most {MAX_N} sequences")
+    if n <= 1:
+        return [(request_id, sampling)]
+    ids = [f"{request_id}:{i}" for i in range(n)]
+    check_request_id(ids[-1])  # the longest
+    return [(child_id, sampling if sampling.seed is None
+             else dataclasses.replace(sampling, seed=sampling.seed + i))
+            for i, child_id in enumerate(ids)]
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """One of a Generate call's n sequences, as it streams."""
+
+    request_id: str
+    timing: Timing
+    sampling: SamplingParams
+    stops: Sequence[str]
+    tokenizer: Tokenizer
+    stream: RequestStream = field(default_factory=RequestStream)  # once admitted
+    output: list[int] = field(default_factory=list)
+    matched: str | None = None  # the stop string that ended it
+    _watch: StopStrings | None = None
+
+    def __post_init__(self) -> None:
+        if self.stops:
+            self._watch = StopStrings(self.stops, self.tokenizer.stream())
+
+    def take(self, event: RequestUpdate, engine: Engine) -> list[int]:
+        """The event's tokens to send: those up to a stop string, none after
+        one (the request is released at the match)."""
+        if self.matched is not None:
+            return []  # made before the stop took effect
+        new = event.new_token_ids
+        if self._watch is not None:
+            new, self.matched = self._watch.cut(new)
+            if self.matched is not None:
+                with contextlib.suppress(errors.NotFound):  # finished meanwhile
+                    engine.abort(self.request_id, RequestStatus.FINISHED_STOPPED)
+        self.output.extend(new)
+        return new
+
+    def complete(self, status: RequestStatus, num_prompt_tokens: int, streamed: bool,
+                 index: int) -> pb.GenerateComplete:
+        complete = pb.GenerateComplete(
+            output_ids=[] if streamed else self.output, index=index,
+            finish_reason="stop" if self.matched is not None else _FINISH_REASON[status],
+            prompt_tokens=num_prompt_tokens, completion_tokens=len(self.output))
+        if self.matched is not None:
+            complete.matched_stop_str = self.matched
+        elif status is RequestStatus.FINISHED_STOPPED:
+            complete.matched_token_id = self.output[-1]
+        return complete
 
 
 def tokenizer_zip(files: Mapping[str, str]) -> bytes:
@@ -108,13 +211,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._attached = attached
         self._tokenizer_zip = b""
         self._started = time.monotonic()
+        # A running Generate's request id -> its sequences' (itself, for n = 1).
+        self._families: dict[str, list[str]] = {}
 
     # -- generation ---------------------------------------------------------
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        timing = Timing(time.monotonic())
+        """n sequences (n > 1: request ids "<id>:<index>", seeds seed + index,
+        as vLLM does), each streamed with its index and ended by its own
+        GenerateComplete; sharing the prompt's blocks through the prefix cache."""
+        arrival = time.monotonic()
         request_id = request.request_id
         try:
             check_request_id(request_id)
@@ -122,25 +230,44 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             prompt = self._prompt(request, backend)
             sampling = sampling_from_vllm(request.sampling_params, len(prompt),
                                           backend.engine.core.config.max_model_len)
-            stream = await backend.admit(request_id, prompt, sampling)
+            stops = stop_strings(request.sampling_params)
+            sequences = [
+                _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
+                for child_id, child in children(request_id, request.sampling_params.n, sampling)]
+            await self._admit(backend, prompt, sequences)
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
-        output: list[int] = []
-        async for event in backend.updates(request_id, stream, timing, context):
-            new = event.new_token_ids
-            output.extend(new)
-            if request.stream and new:
-                yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
-                    token_ids=new, prompt_tokens=len(prompt), completion_tokens=len(new)))
-            if event.finish_status is None:
-                continue
-            complete = pb.GenerateComplete(
-                output_ids=[] if request.stream else output,
-                finish_reason=_FINISH_REASON[event.finish_status],
-                prompt_tokens=len(prompt), completion_tokens=len(output))
-            if event.finish_status is RequestStatus.FINISHED_STOPPED:
-                complete.matched_token_id = output[-1]
-            yield pb.GenerateResponse(complete=complete)
+        self._families[request_id] = [s.request_id for s in sequences]
+        try:
+            async with contextlib.aclosing(fan_in([
+                    backend.updates(s.request_id, s.stream, s.timing) for s in sequences
+            ])) as updates:
+                async for index, event in updates:
+                    seq = sequences[index]
+                    new = seq.take(event, backend.engine)
+                    if request.stream and new:
+                        yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+                            token_ids=new, prompt_tokens=len(prompt),
+                            completion_tokens=len(new), index=index))
+                    if event.finish_status is not None:
+                        yield pb.GenerateResponse(complete=seq.complete(
+                            event.finish_status, len(prompt), request.stream, index))
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finally:
+            del self._families[request_id]
+
+    @staticmethod
+    async def _admit(backend: Backend, prompt: list[int], sequences: list[_Sequence]) -> None:
+        """Submits every sequence, or none: one refused aborts those before it."""
+        for i, seq in enumerate(sequences):
+            try:
+                seq.stream = await backend.admit(seq.request_id, prompt, seq.sampling)
+            except BaseException:
+                for earlier in sequences[:i]:
+                    with contextlib.suppress(errors.NotFound):
+                        backend.engine.abort(earlier.request_id)
+                raise
 
     @staticmethod
     def _prompt(request: pb.GenerateRequest, backend: Backend) -> list[int]:
@@ -167,8 +294,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self._attached().engine
         for request_id in request.request_ids:
             check_request_id(request_id)
-            with contextlib.suppress(errors.NotFound):
-                engine.abort(request_id)
+            for sequence_id in self._families.get(request_id, [request_id]):
+                with contextlib.suppress(errors.NotFound):
+                    engine.abort(sequence_id)
         return pb.AbortResponse()
 
     # -- what the gateway asks about the engine ------------------------------
@@ -285,14 +413,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         raise AssertionError("unreachable")
 
 
-def tokenizer_files(tokenizer_json: str, eos_token_ids: Sequence[int]) -> dict[str, str]:
+def tokenizer_files(tokenizer_json: str, tokenizer_config_json: str,
+                    eos_token_ids: Sequence[int]) -> dict[str, str]:
     """What GetTokenizer zips for a worker's tokenizer ("" = the tiny model's
-    bytes): tokenizer.json; tokenizer_config.json, which carries the tiny
-    model's chat template (a checkpoint's is not passed on yet); config.json
-    with the EOS ids (where gateways read them)."""
-    if tokenizer_json:
-        config: Mapping[str, object] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    else:
-        tokenizer_json, config = byte_tokenizer_json(), byte_tokenizer_config()
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config),
+    bytes): tokenizer.json; tokenizer_config.json, the checkpoint's (with its
+    chat template) or the tiny model's; config.json with the EOS ids (where
+    gateways read them)."""
+    if not tokenizer_json:
+        tokenizer_json = byte_tokenizer_json()
+        tokenizer_config_json = json.dumps(byte_tokenizer_config())
+    elif not tokenizer_config_json:
+        tokenizer_config_json = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config_json,
             "config.json": json.dumps({"eos_token_id": list(eos_token_ids)})}

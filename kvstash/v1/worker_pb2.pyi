@@ -46,6 +46,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     max_model_len: _builtins.int
@@ -56,6 +57,10 @@ class WorkerInfo(_message.Message):
     """"cpu", "cuda:0", ..."""
     tokenizer_json: _builtins.bytes
     """Hugging Face tokenizer.json; empty = byte-level tokenizer"""
+    tokenizer_config_json: _builtins.bytes
+    """The checkpoint's tokenizer_config.json (special tokens, chat template;
+    a chat_template.jinja beside it folded in); empty: it has none.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -71,10 +76,11 @@ class WorkerInfo(_message.Message):
         num_blocks: _builtins.int = ...,
         device: _builtins.str = ...,
         tokenizer_json: _builtins.bytes = ...,
+        tokenizer_config_json: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "num_blocks", b"num_blocks", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

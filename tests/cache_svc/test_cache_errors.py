@@ -35,6 +35,7 @@ def test_status_becomes_domain_error(code: grpc.StatusCode, error: type[Exceptio
                                      message: str) -> None:
     exc = rpc.error_from_rpc(rpc_error(code, "snapshot x not found"), "cache")
     assert type(exc) is error and str(exc) == message
+    assert exc.code == code.name  # what one class covers stays told apart
 
 
 @pytest.mark.parametrize("error", [errors.InvalidArgument, errors.NotFound,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.checkpoint import load_checkpoint, tokenizer_config
 from gpu_worker.config import WorkerConfig
 from gpu_worker.hf_config import parse_model_config
 from gpu_worker.model import CausalLM, fill_random
@@ -222,3 +222,21 @@ def test_auto_dtype_refuses_an_unknown_one_and_tiny_is_float64(tmp_path: Path) -
         torch.float32)  # an explicit --dtype wins
     assert build_runner(WorkerConfig(num_blocks=4)).dtype == torch.float64
     assert build_runner(WorkerConfig(num_blocks=4, dtype="float32")).dtype == torch.float32
+
+
+def test_the_tokenizer_config_and_chat_template_are_passed_on(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    assert tokenizer_config(tmp_path) == ""  # neither file
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert json.loads(tokenizer_config(tmp_path)) == {
+        "chat_template": "{{ messages[0].content }}"}
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    runner = build_runner(WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8))
+    assert json.loads(runner.tokenizer_config_json) == {
+        "eos_token": "<eos>", "chat_template": "{{ messages[0].content }}"}
+    # The config's own template wins over the file beside it.
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "own"}')
+    assert json.loads(tokenizer_config(tmp_path))["chat_template"] == "own"
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json holds a JSON list"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.client import Client
+from kvstash.openai_http import request_json
 from kvstash.stack import StackConfig, running_stack
 
 
@@ -63,6 +64,11 @@ def start_up(*extra: str) -> Up:
     expected = {"cache", "worker", "scheduler"}
     if "--pd" in extra:
         expected |= {"decode-worker", "decode-scheduler"}
+    if "--instances" in extra:
+        for k in range(2, int(extra[extra.index("--instances") + 1]) + 1):
+            expected |= {f"instance{k}-worker", f"instance{k}-scheduler"}
+    if "--gateway" in extra:
+        expected.add("gateway")
     assert set(services) == expected, services
     assert match is not None
     return Up(process, services, Path(match[1]))
@@ -106,6 +112,50 @@ def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
+
+
+def test_up_gateway_serves_openai_http_over_its_instances_and_its_death_stops_all() -> None:
+    up = start_up("--instances", "2", "--gateway", "--gateway-port", "0")
+    url = f"http://{up.services['gateway'][0]}"
+    body = {"model": "tiny", "prompt": "hello kv", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    reply = request_json(f"{url}/v1/completions", body)
+    assert reply["usage"]["completion_tokens"] == 6
+
+    async def served() -> list[int]:
+        counts = []
+        for name in ("scheduler", "instance2-scheduler"):
+            async with Client(up.services[name][0]) as client:
+                counts.append((await client.stats()).num_finished)
+        return counts
+
+    assert sum(asyncio.run(served())) == 1  # one instance served it
+    os.kill(up.services["gateway"][1], signal.SIGKILL)
+    assert up.process.wait(30) == 1
+    assert up.process.stderr is not None
+    assert f"gateway exited with code -9; stopping the others. Its log: {up.log_dir}/smg.log" \
+        in up.process.stderr.read()
+    assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
+
+
+@pytest.mark.parametrize("extra", [(), ("--gateway", "--instances", "2")])
+def test_demo_checks_pressured_outputs_against_replays(extra: tuple[str, ...]) -> None:
+    """The demo's pool is too small for its requests: some are preempted
+    (offloaded and restored), yet every output equals its replay alone."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstash.cli", "demo", "--requests", "12", "--max-tokens", "48",
+         "--num-blocks", "24", *extra],
+        check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = dict(re.findall(r"^(\w[\w /()]*?)\s{2,}(.+)$", done.stdout, re.MULTILINE))
+    assert table["outputs equal to unpressured run" + (" (text)" if extra else "")] == "12/12"
+    offloads, _ = table["preemptions offload / recompute"].split(" / ")
+    assert int(offloads) > 0, done.stdout
+    assert table["snapshots left in cache"] == "0"
+    if extra:
+        per_instance = [int(n) for n in table["requests per instance"].split(" / ")]
+        assert len(per_instance) == 2 and sum(per_instance) == 12
 
 
 def _children(pid: int) -> list[int]:

@@ -36,6 +36,10 @@ from kvstash.v1 import cache_pb2, common_pb2, scheduler_pb2, worker_pb2
 
 EXAMPLES = int(os.environ.get("KVSTASH_FUZZ_EXAMPLES", "25"))
 CALL_TIMEOUT_S = 3.0
+# A subscription never ends by itself: what the server answers at once (an
+# error, the retained batches) comes within this.
+SUBSCRIPTION_TIMEOUT_S = 0.3
+SUBSCRIPTIONS = {"/vllm.grpc.engine.VllmEngine/SubscribeKvEvents"}
 # Codes a fuzzed call may end with: each says what was wrong. DEADLINE_EXCEEDED
 # is our own timeout on a call that was accepted (a long generation).
 ALLOWED = {
@@ -194,18 +198,18 @@ def call(channel: grpc.Channel, rpc: Rpc, payload: bytes | list[bytes]) -> grpc.
     """Makes the call, reading every response; returns how it ended."""
     method, path = rpc.method, rpc.path
     identity = {"request_serializer": None, "response_deserializer": None}
+    timeout = SUBSCRIPTION_TIMEOUT_S if path in SUBSCRIPTIONS else CALL_TIMEOUT_S
     try:
         if method.client_streaming and method.server_streaming:
-            for _ in channel.stream_stream(path, **identity)(iter(payload),
-                                                             timeout=CALL_TIMEOUT_S):
+            for _ in channel.stream_stream(path, **identity)(iter(payload), timeout=timeout):
                 pass
         elif method.client_streaming:
-            channel.stream_unary(path, **identity)(iter(payload), timeout=CALL_TIMEOUT_S)
+            channel.stream_unary(path, **identity)(iter(payload), timeout=timeout)
         elif method.server_streaming:
-            for _ in channel.unary_stream(path, **identity)(payload, timeout=CALL_TIMEOUT_S):
+            for _ in channel.unary_stream(path, **identity)(payload, timeout=timeout):
                 pass
         else:
-            channel.unary_unary(path, **identity)(payload, timeout=CALL_TIMEOUT_S)
+            channel.unary_unary(path, **identity)(payload, timeout=timeout)
     except grpc.RpcError as exc:
         code = exc.code()
         assert code in ALLOWED, f"{path}: {code} {exc.details()!r}"

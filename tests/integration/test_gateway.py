@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import io
 import json
+import time
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -20,7 +21,11 @@ from smg_grpc_proto.generated import common_pb2
 
 from kvstash.client import Client
 from kvstash.gateway import running_gateway
+from kvstash.openai_http import REPLACEMENT, request_json, sse_events, stream_completion
 from kvstash.stack import Stack, StackConfig, running_stack
+from kvstash.v1 import scheduler_pb2
+from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
+from tests.integration.workload import PRESSURED_BLOCKS, PRESSURED_SCHEDULER_ARGS
 
 PROMPT = [104, 101, 108, 108, 111, 32, 107, 118]  # "hello kv"
 
@@ -73,13 +78,92 @@ async def test_a_stop_token_is_reported_as_the_matched_stop(
     assert complete.finish_reason == "stop" and complete.matched_token_id == tokens[3]
 
 
+def first_ascii_pair(tokens: list[int]) -> int:
+    """The index of the first of two printable ASCII bytes in a row: as text
+    they are exactly these two characters, wherever they stand."""
+    return next(i for i in range(len(tokens) - 1)
+                if all(32 < t < 127 for t in tokens[i:i + 2]))
+
+
+async def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(
+        stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    tokens = await kvstash_tokens(stack, PROMPT, 64)
+    i = first_ascii_pair(tokens)
+    stop = bytes(tokens[i:i + 2]).decode()
+    async with Client(stack.address) as client:
+        before = (await client.stats()).num_generation_tokens
+    for stream in (True, False):
+        responses = [r async for r in engine.Generate(pb.GenerateRequest(
+            request_id=f"vllm-stop-string-{stream}", tokenized=pb.TokenizedInput(
+                input_ids=PROMPT), sampling_params=greedy(64, stop=["never made", stop]),
+            stream=stream))]
+        complete = responses[-1].complete
+        sent = [t for r in responses[:-1] for t in r.chunk.token_ids] + list(complete.output_ids)
+        assert sent == tokens[:i + 2]
+        assert (complete.finish_reason, complete.matched_stop_str) == ("stop", stop)
+        assert complete.completion_tokens == i + 2
+    stats = await _settled(stack.address)
+    # Released at the match, not run on to max_tokens (a step may overshoot).
+    assert stats.num_generation_tokens - before < 2 * (i + 2) + 8
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
+
+
+async def seeded_tokens(stack: Stack, prompt: list[int] | str, max_tokens: int,
+                        seeds: range) -> list[list[int]]:
+    """kvstash's own tokens for each seed, sampled at temperature 0.8."""
+    async with Client(stack.address) as client:
+        return [(await client.complete(prompt, max_tokens=max_tokens, ignore_eos=True,
+                                       temperature=0.8, seed=seed)).token_ids
+                for seed in seeds]
+
+
+async def test_n_sequences_stream_by_index_each_as_its_seed_makes_it(
+        stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    expected = await seeded_tokens(stack, PROMPT, 10, range(40, 43))
+    assert len({tuple(t) for t in expected}) == 3  # the seeds do differ
+    params = pb.SamplingParams(temperature=0.8, seed=40, n=3, max_tokens=10, ignore_eos=True)
+    for stream in (True, False):
+        responses = [r async for r in engine.Generate(pb.GenerateRequest(
+            request_id=f"vllm-n-{stream}", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+            sampling_params=params, stream=stream))]
+        got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        completes = {}
+        for r in responses:
+            if r.WhichOneof("response") == "chunk":
+                got[r.chunk.index] += r.chunk.token_ids
+            else:
+                completes[r.complete.index] = r.complete
+                got[r.complete.index] += r.complete.output_ids
+        assert [got[i] for i in range(3)] == expected
+        assert sorted(completes) == [0, 1, 2]
+        assert all(c.finish_reason == "length" and c.completion_tokens == 10
+                   for c in completes.values())
+
+
+async def test_abort_by_the_request_id_ends_all_its_sequences(
+        stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    call = engine.Generate(pb.GenerateRequest(
+        request_id="vllm-n-abort", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=greedy(400, n=2), stream=True))
+    await call.read()
+    await engine.Abort(pb.AbortRequest(request_ids=["vllm-n-abort"]))
+    finishes = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        if response.WhichOneof("response") == "complete":
+            finishes.append(response.complete.finish_reason)
+    assert finishes == ["abort", "abort"]
+    stats = await _settled(stack.address)
+    assert stats.num_running_decode + stats.num_waiting == 0
+
+
 async def test_unsupported_requests_say_what_is_not_supported(
         engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     cases = {
         "presence_penalty": (greedy(4, presence_penalty=0.5), grpc.StatusCode.UNIMPLEMENTED),
-        "stop": (greedy(4, stop=["x"]), grpc.StatusCode.UNIMPLEMENTED),
-        "n": (greedy(4, n=3), grpc.StatusCode.UNIMPLEMENTED),
+        "logprobs": (greedy(4, logprobs=2), grpc.StatusCode.UNIMPLEMENTED),
         "top_p": (greedy(4, top_p=2.0), grpc.StatusCode.INVALID_ARGUMENT),
+        "stop": (greedy(4, stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
+        "n": (greedy(4, n=17), grpc.StatusCode.INVALID_ARGUMENT),
     }
     for name, (params, code) in cases.items():
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -207,6 +291,32 @@ async def test_smg_lists_the_model_and_completes_as_kvstash_does(
     assert streamed.rstrip().endswith("data: [DONE]")
 
 
+async def test_smg_passes_stop_strings_and_shows_the_text_before_them(
+        stack: Stack, gateway: str) -> None:
+    tokens = await kvstash_tokens(stack, "hello kv", 64)
+    i = first_ascii_pair(tokens)
+    stop = bytes(tokens[i:i + 2]).decode()
+    body = {"model": "tiny", "prompt": "hello kv", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True, "stop": [stop]}
+    text = bytes(tokens[:i + 2]).decode("utf-8", "replace")
+    before_stop = text[:text.index(stop)]  # the pair's first occurrence: no earlier one
+    reply = await asyncio.to_thread(request_json, f"{gateway}/v1/completions", body)
+    [choice] = reply["choices"]
+    assert (choice["finish_reason"], choice["text"]) == ("stop", before_stop)
+    streamed = await stream_completion(gateway, body)
+    assert (streamed.finish_reason, streamed.text) == ("stop", before_stop)
+
+
+async def test_smg_returns_n_choices_for_one_request(stack: Stack, gateway: str) -> None:
+    expected = await seeded_tokens(stack, "hello kv", 12, range(5, 7))
+    body = {"model": "tiny", "prompt": "hello kv", "max_tokens": 12, "temperature": 0.8,
+            "seed": 5, "n": 2, "ignore_eos": True}
+    reply = await asyncio.to_thread(request_json, f"{gateway}/v1/completions", body)
+    texts = {c["index"]: c["text"] for c in reply["choices"]}
+    assert texts == {0: shown(expected[0]), 1: shown(expected[1])}
+    assert reply["usage"]["completion_tokens"] == 24
+
+
 async def test_smg_chat_applies_the_tiny_template(stack: Stack, gateway: str) -> None:
     prompt = "<|user|>\nhi\n<|assistant|>\n"
     expected = await kvstash_tokens(stack, prompt, 8)
@@ -240,3 +350,108 @@ async def test_smg_routes_a_shared_prefix_to_the_instance_that_holds_it(tmp_path
     full_blocks = len(prefix.encode()) // 16 * 16
     assert sorted(hits)[0] == 0, hits  # the other instance never saw the prefix
     assert max(hits) >= 4 * full_blocks, hits
+
+
+# -- faults behind smg ---------------------------------------------------------
+
+
+async def _settled(address: str, timeout_s: float = 15.0) -> scheduler_pb2.SchedulerStats:
+    """The scheduler's stats once nothing runs or waits any more."""
+    deadline = time.monotonic() + timeout_s
+    async with Client(address) as client:
+        while True:
+            stats = await client.stats()
+            busy = (stats.num_running_prefill + stats.num_running_decode + stats.num_waiting
+                    + stats.num_offloaded)
+            if not busy or time.monotonic() > deadline:
+                return stats
+            await asyncio.sleep(0.1)
+
+
+async def test_an_http_client_gone_mid_stream_aborts_the_request_in_kvstash(
+        stack: Stack, gateway: str) -> None:
+    before = await _settled(stack.address)
+    body = {"model": "tiny", "prompt": "a long answer, please", "max_tokens": 1000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    events = sse_events(f"{gateway}/v1/completions", body)
+    async for event in events:
+        if event["choices"] and event["choices"][0]["text"]:
+            break  # generating: now the client goes away
+    await events.aclose()  # closes the connection
+    after = await _settled(stack.address)
+    assert after.num_running_decode + after.num_waiting == 0
+    # Freed, not finished: far fewer than 1000 tokens were made.
+    assert after.num_generation_tokens - before.num_generation_tokens < 500
+    assert after.num_free_blocks + after.num_evictable_blocks == after.num_total_blocks
+    assert after.num_finished == before.num_finished + 1
+
+
+async def test_a_request_preempted_and_offloaded_behind_smg_streams_every_token(
+        tmp_path: Path) -> None:
+    """A pool too small for the burst: decodes are preempted, offloaded and
+    restored, yet every SSE stream ends normally with all its tokens, the
+    same text as the request alone."""
+    config = StackConfig(num_blocks=PRESSURED_BLOCKS, preemption_mode="offload",
+                         scheduler_args=PRESSURED_SCHEDULER_ARGS)
+    prompts = [f"request {i}: kv cache blocks, offload and resume" for i in range(8)]
+    with running_stack(config, tmp_path) as stack, \
+            running_gateway([stack.address], tmp_path) as gateway:
+        body = {"model": "tiny", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        streams = await asyncio.gather(*[
+            stream_completion(gateway.url, body | {"prompt": p}) for p in prompts])
+        async with Client(stack.address) as client:
+            stats = await client.stats()
+            alone = [(await client.complete(p, max_tokens=48, ignore_eos=True)).text
+                     for p in prompts]
+    assert stats.num_preemptions_offload > 0 and stats.bytes_restored > 0, stats
+    assert stats.num_recomputed_tokens == 0
+    for streamed, text in zip(streams, alone, strict=True):
+        assert (streamed.finish_reason, streamed.completion_tokens) == ("length", 48)
+        assert streamed.text == text.rstrip(REPLACEMENT)
+
+
+async def test_a_killed_instance_leaves_smgs_rotation_and_the_other_serves_all(
+        tmp_path: Path) -> None:
+    with running_stack(StackConfig(num_blocks=64, instances=2), tmp_path) as stack, \
+            running_gateway(stack.addresses, tmp_path, health_check_interval_s=1) as gateway:
+        dead = stack.more_instances[0].scheduler
+        dead.kill()
+        deadline = time.monotonic() + 30
+        while (health := await asyncio.to_thread(_health, gateway.url))[dead.address] and (
+                time.monotonic() < deadline):
+            await asyncio.sleep(0.2)
+        assert health == {stack.address: True, dead.address: False}
+        failed_attempts = gateway.log_path.read_text().count("attempt failed")
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        before = (await _settled(stack.address)).num_finished
+        replies = [await asyncio.to_thread(request_json, f"{gateway.url}/v1/completions",
+                                           body | {"prompt": f"question {i}"})
+                   for i in range(6)]
+        assert all(r["usage"]["completion_tokens"] == 4 for r in replies)
+        assert (await _settled(stack.address)).num_finished == before + 6
+        # Not even tried on the dead instance first.
+        assert gateway.log_path.read_text().count("attempt failed") == failed_attempts
+
+
+def _health(url: str) -> dict[str, bool]:
+    """smg's view: instance address -> healthy."""
+    return {w["url"].removeprefix("grpc://"): w["is_healthy"]
+            for w in request_json(f"{url}/workers")["workers"]}
+
+
+async def test_smg_chats_with_a_checkpoints_own_template(tmp_path: Path) -> None:
+    """The worker passes the checkpoint's tokenizer_config.json on; smg
+    renders its chat template."""
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    write_checkpoint(model, LLAMA, shards=1)
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with running_stack(StackConfig(model=str(model), num_blocks=64), tmp_path) as stack, \
+            running_gateway([stack.address], tmp_path) as gateway:
+        body = {"model": "tiny-llama", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello kv cache"}]}
+        reply = await asyncio.to_thread(request_json, f"{gateway.url}/v1/chat/completions",
+                                        body)
+    # "hello kv cache " is three words of the checkpoint's word-level vocabulary.
+    assert reply["usage"] == {**reply["usage"], "prompt_tokens": 3, "completion_tokens": 4}

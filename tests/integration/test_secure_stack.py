@@ -64,11 +64,13 @@ async def test_stack_over_mutual_tls_with_a_token(tmp_path: Path) -> None:
 
         # Who else gets in: nobody.
         async with Client(stack.address, Security(Tls(ca.cert_pem.bytes()))) as no_token:
-            with pytest.raises(errors.KvstashError, match="bearer token"):
+            with pytest.raises(errors.KvstashError, match="bearer token") as refused:
                 await no_token.stats()
+            assert refused.value.code == "UNAUTHENTICATED"
         async with Client(stack.address, Security(token=TOKEN)) as plaintext:
-            with pytest.raises(errors.Unavailable):
+            with pytest.raises(errors.Unavailable) as unreachable:
                 await plaintext.stats()
+            assert unreachable.value.code == "UNAVAILABLE"
         # The gateway protocol on the same port asks for the same token.
         for security, code in ((user, None), (Security(Tls(ca.cert_pem.bytes())),
                                               grpc.StatusCode.UNAUTHENTICATED)):

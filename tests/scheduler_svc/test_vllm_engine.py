@@ -12,7 +12,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvstash.errors import InvalidArgument, Unimplemented
 from kvstash.sampling import SamplingParams
-from scheduler_svc.vllm_engine import sampling_from_vllm, tokenizer_files, tokenizer_zip
+from kvstash.tokenizer import ByteTokenizer
+from scheduler_svc.vllm_engine import (
+    StopStrings,
+    children,
+    sampling_from_vllm,
+    stop_strings,
+    tokenizer_files,
+    tokenizer_zip,
+)
 
 MAX_MODEL_LEN = 512
 
@@ -55,13 +63,61 @@ def test_each_supported_field_maps(fields: dict[str, object], expected: dict[str
 
 @pytest.mark.parametrize("fields", [
     {"min_p": 0.05}, {"frequency_penalty": 0.2}, {"presence_penalty": 0.1},
-    {"repetition_penalty": 1.1}, {"min_tokens": 2}, {"stop": ["\n\n"]}, {"logprobs": 2},
+    {"repetition_penalty": 1.1}, {"min_tokens": 2}, {"logprobs": 2},
     {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 8}, {"logit_bias": {5: 1.0}},
-    {"n": 2}, {"json_object": True}, {"regex": "a+"}, {"include_stop_str_in_output": True},
+    {"json_object": True}, {"regex": "a+"},
 ], ids=lambda f: next(iter(f)))
 def test_each_unsupported_field_is_unimplemented_by_name(fields: dict[str, object]) -> None:
     with pytest.raises(Unimplemented, match=next(iter(fields)).split("_")[0]):
         mapped(max_tokens=4, **fields)  # type: ignore[arg-type]
+
+
+def cut(stops: list[str], pieces: list[str]) -> tuple[list[int], str | None]:
+    """StopStrings over the byte tokenizer: `pieces` arrive one update each."""
+    watch = StopStrings(stops, ByteTokenizer().stream())
+    sent: list[int] = []
+    for piece in pieces:
+        kept, matched = watch.cut(list(piece.encode()))
+        sent += kept
+        if matched is not None:
+            return sent, matched
+    return sent, None
+
+
+def test_a_stop_string_cuts_after_the_token_that_completes_it() -> None:
+    assert cut(["kv"], ["a k", "v b"]) == (list(b"a kv"), "kv")  # across updates
+    assert cut(["cache", "b"], ["a b cache"]) == (list(b"a b"), "b")  # the first to match
+    assert cut(["zz", "ab"], ["xab"]) == (list(b"xab"), "ab")
+    assert cut(["é"], ["caf", "é!"]) == (list("café".encode()), "é")  # two tokens, one char
+    assert cut(["stop"], ["sto", "p"]) == (list(b"stop"), "stop")
+    assert cut(["never"], ["neve", "r-", "mind"]) == (list(b"never"), "never")  # "-" not sent
+    assert cut(["abc"], ["ab", "xc", "abc"]) == (list(b"abxcabc"), "abc")
+    assert cut(["q"], ["no match here"]) == (list(b"no match here"), None)
+
+
+@pytest.mark.parametrize(("stop", "message"), [
+    ([""], "1 to 1024 characters, got 0"), (["x" * 1025], "got 1025"),
+    (["s"] * 33, "has 33 strings, at most 32"),
+])
+def test_bad_stop_strings_are_invalid_arguments(stop: list[str], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        stop_strings(pb.SamplingParams(stop=stop))
+    assert stop_strings(pb.SamplingParams(stop=["a", "\n\n"])) == ["a", "\n\n"]
+
+
+def test_n_sequences_get_their_own_ids_and_seeds() -> None:
+    seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=7)
+    assert children("r", 0, seeded) == children("r", 1, seeded) == [("r", seeded)]
+    three = children("r", 3, seeded)
+    assert [i for i, _ in three] == ["r:0", "r:1", "r:2"]
+    assert [s.seed for _, s in three] == [7, 8, 9]  # as vLLM seeds them
+    assert all(s.temperature == 0.8 for _, s in three)
+    unseeded = SamplingParams(max_tokens=4)
+    assert [s.seed for _, s in children("r", 2, unseeded)] == [None, None]
+    with pytest.raises(InvalidArgument, match="n 17: at most 16"):
+        children("r", 17, seeded)
+    with pytest.raises(InvalidArgument, match="request_id must be"):
+        children("x" * 127, 2, seeded)  # "x...x:1" is too long
 
 
 @pytest.mark.parametrize("fields", [{"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 0}])
@@ -71,7 +127,7 @@ def test_bad_values_are_invalid_arguments(fields: dict[str, object]) -> None:
 
 
 def test_the_tiny_models_tokenizer_files_load_and_encode_bytes() -> None:
-    files = tokenizer_files("", (257,))
+    files = tokenizer_files("", "", (257,))
     with zipfile.ZipFile(io.BytesIO(tokenizer_zip(files))) as archive:
         assert sorted(archive.namelist()) == ["config.json", "tokenizer.json",
                                               "tokenizer_config.json"]
@@ -83,7 +139,11 @@ def test_the_tiny_models_tokenizer_files_load_and_encode_bytes() -> None:
 
 
 def test_a_checkpoints_tokenizer_is_passed_on_as_it_is() -> None:
-    files = tokenizer_files('{"version": "1.0"}', (2, 3))
+    config = '{"chat_template": "{{ messages[0].content }}", "eos_token": "<e>"}'
+    files = tokenizer_files('{"version": "1.0"}', config, (2, 3))
     assert files["tokenizer.json"] == '{"version": "1.0"}'
-    assert "chat_template" not in json.loads(files["tokenizer_config.json"])
+    assert files["tokenizer_config.json"] == config
     assert json.loads(files["config.json"]) == {"eos_token_id": [2, 3]}
+    # A checkpoint without a tokenizer_config.json: a minimal one, no template.
+    bare = json.loads(tokenizer_files('{"version": "1.0"}', "", (2,))["tokenizer_config.json"])
+    assert "chat_template" not in bare
