@@ -182,12 +182,16 @@ class _Sequence:
         self.output.extend(new)
         return new
 
-    def complete(self, status: RequestStatus, num_prompt_tokens: int, streamed: bool,
+    def complete(self, finish: RequestUpdate, num_prompt_tokens: int, streamed: bool,
                  index: int) -> pb.GenerateComplete:
+        """Its GenerateComplete, from its finishing update."""
+        status = finish.finish_status
+        assert status is not None
         complete = pb.GenerateComplete(
             output_ids=[] if streamed else self.output, index=index,
             finish_reason="stop" if self.matched is not None else _FINISH_REASON[status],
-            prompt_tokens=num_prompt_tokens, completion_tokens=len(self.output))
+            prompt_tokens=num_prompt_tokens, completion_tokens=len(self.output),
+            cached_tokens=finish.usage.num_cached_tokens if finish.usage else 0)
         if self.matched is not None:
             complete.matched_stop_str = self.matched
         elif status is RequestStatus.FINISHED_STOPPED:
@@ -251,7 +255,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                             completion_tokens=len(new), index=index))
                     if event.finish_status is not None:
                         yield pb.GenerateResponse(complete=seq.complete(
-                            event.finish_status, len(prompt), request.stream, index))
+                            event, len(prompt), request.stream, index))
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
         finally:

