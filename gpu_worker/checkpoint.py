@@ -152,11 +152,12 @@ def load_checkpoint(directory: Path, dtype: torch.dtype | None,
         declared = checkpoint_dtype(raw)
         dtype = (torch_dtype(declared) if declared is not None
                  else _stored_dtype(_tensor_index(directory)))
+    tokenizer = tokenizer_path.read_text(encoding="utf-8")
+    config = tokenizer_config(directory)  # a bad one fails before the weights load
     model = CausalLM(cfg, dtype, device)
     load_weights(model, directory)
     name = os.path.basename(os.path.normpath(directory))
-    return LoadedModel(name, model.eval(), tokenizer_path.read_text(encoding="utf-8"),
-                       tokenizer_config(directory))
+    return LoadedModel(name, model.eval(), tokenizer, config)
 
 
 def tokenizer_config(directory: Path) -> str:

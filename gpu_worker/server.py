@@ -35,7 +35,13 @@ from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.ids import check_request_id, check_snapshot_id
 from kvstash.metrics import MetricsServer
-from kvstash.rpc import abort_with, create_server, maps_errors, set_serving
+from kvstash.rpc import (
+    MAX_WORKER_INFO_BYTES,
+    abort_with,
+    create_server,
+    maps_errors,
+    set_serving,
+)
 from kvstash.sampling import GREEDY
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from kvstash.wire import layout_to_proto, sampling_from_proto
@@ -257,6 +263,7 @@ async def create_worker_server(config: WorkerConfig, address: str,
             address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
             [SERVICE_NAME], serving=runner is not None, security=config.security,
             connections=config.connections,
+            options=[("grpc.max_send_message_length", MAX_WORKER_INFO_BYTES)],
         )
     except BaseException:
         if metrics_server is not None:

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvstash.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)
-    except (errors.KvstashError, ValueError) as exc:
+    except (errors.KvstashError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        # Bad input, smg missing, or a service (or smg) that did not start.
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)
         return 2
 

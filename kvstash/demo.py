@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvstash.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.openai_http import REPLACEMENT, request_json, sse_events
+from kvstash.openai_http import REPLACEMENT, request_json, stream_completion
 from kvstash.stack import Stack, StackConfig, running_stack
 from kvstash.units import MIB
 from kvstash.v1 import scheduler_pb2
@@ -67,21 +67,10 @@ async def _direct(client: Client, prompt: str, max_tokens: int, echo: bool,
 
 async def _http(url: str, model: str, prompt: str, max_tokens: int, echo: bool) -> Outcome:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    text = ""
-    ttft = None
-    num_tokens = 0
-    async for event in sse_events(f"{url}/v1/completions", body):
-        for choice in event.get("choices") or []:
-            if choice["text"] and ttft is None:
-                ttft = time.perf_counter() - start
-            text += choice["text"]
-            if echo:
-                _echo(choice["text"])
-        if event.get("usage"):
-            num_tokens = event["usage"]["completion_tokens"]
-    return Outcome(text.rstrip(REPLACEMENT), num_tokens, ttft)
+            "ignore_eos": True}
+    done = await stream_completion(url, body, _echo if echo else None)
+    ttft = done.arrivals[0] - done.start if done.arrivals else None
+    return Outcome(done.text.rstrip(REPLACEMENT), done.completion_tokens, ttft)
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -68,6 +68,13 @@ def smg_executable() -> str:
     return found
 
 
+def check_gateway(policy: str) -> None:
+    """FileNotFoundError without smg, ValueError for a policy it lacks."""
+    smg_executable()
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
 def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0.0.1",
                   port: int = 0, policy: str = "cache_aware", health_check_interval_s: int = 5,
                   startup_timeout_s: float = 60.0) -> Gateway:
@@ -78,8 +85,7 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
     (log_dir/smg.log) if it exits or is not ready in `startup_timeout_s`."""
     if not addresses:
         raise ValueError("no scheduler addresses: smg needs at least one")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    check_gateway(policy)
     port = port or _free_port(host)
     prometheus_port = _free_port(host)
     log_path = log_dir / "smg.log"

@@ -12,11 +12,12 @@ end, so leaving a stream early is a client disconnect the gateway sees).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,10 +57,11 @@ async def sse_events(url: str, body: dict[str, object]) -> AsyncIterator[dict[st
     """POSTs `body` and yields each `data:` event of the reply, parsed, as it
     arrives (chunked or close-delimited). HttpError on another status than 200."""
     parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
     try:
         payload = json.dumps(body).encode()
-        writer.write(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        writer.write(f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
                      "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                      f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
                      .encode() + payload)
@@ -72,11 +74,14 @@ async def sse_events(url: str, body: dict[str, object]) -> AsyncIterator[dict[st
         if len(status) < 2 or status[1] != "200":
             code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
             raise HttpError(code, await reader.read(2000))
-        chunked = headers.get("transfer-encoding") == "chunked"
+        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
         buffer = b""
         while True:
             if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
+                size_line = await reader.readline()
+                if not size_line.endswith(b"\n"):  # the connection ended mid-reply
+                    raise asyncio.IncompleteReadError(size_line, None)
+                size = int(size_line.split(b";")[0], 16)
                 data = (await reader.readexactly(size + 2))[:-2] if size else b""
             else:
                 data = await reader.read(65536)
@@ -89,6 +94,8 @@ async def sse_events(url: str, body: dict[str, object]) -> AsyncIterator[dict[st
                     yield json.loads(line[6:])
     finally:
         writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 @dataclass(slots=True)
@@ -103,10 +110,11 @@ class Streamed:
     finished_at: float | None = None  # the event with the finish reason
 
 
-async def stream_completion(url: str, body: dict[str, object]) -> Streamed:
+async def stream_completion(url: str, body: dict[str, object],
+                            on_text: Callable[[str], None] | None = None) -> Streamed:
     """POSTs `body` to {url}/v1/completions as a stream (with usage) and
-    collects it; raises StreamError, HttpError, OSError or
-    asyncio.IncompleteReadError."""
+    collects it, passing each piece of text to `on_text` as it comes; raises
+    StreamError, HttpError, OSError or asyncio.IncompleteReadError."""
     done = Streamed(start=time.perf_counter())
     body = body | {"stream": True, "stream_options": {"include_usage": True}}
     async for event in sse_events(f"{url}/v1/completions", body):
@@ -117,6 +125,8 @@ async def stream_completion(url: str, body: dict[str, object]) -> Streamed:
             if choice["text"]:
                 done.arrivals.append(now)
                 done.text += choice["text"]
+                if on_text is not None:
+                    on_text(choice["text"])
             if choice["finish_reason"] is not None:
                 done.finish_reason, done.finished_at = choice["finish_reason"], now
         if event.get("usage"):

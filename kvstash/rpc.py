@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # Snapshot chunks are at most 4 MiB of payload; leave room for framing.
 MAX_MESSAGE_BYTES = 8 * MIB
+# A worker's GetInfo carries the model's tokenizer.json (Llama 3's is ~9 MB):
+# the worker may send, and its scheduler receive, this much.
+MAX_WORKER_INFO_BYTES = 64 * MIB
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

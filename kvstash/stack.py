@@ -281,6 +281,10 @@ def arena_args(config: StackConfig) -> list[str]:
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, workers, schedulers and the gateway (as configured); on
     any failure stops what started."""
+    if config.gateway:  # before anything starts: smg installed, the policy known
+        from kvstash.gateway import check_gateway  # (it imports this module)
+
+        check_gateway(config.gateway_policy)
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
     # Logs live apart from the data (the cache's disk tier), so they can
     # outlive a failed stack without keeping gigabytes of snapshots.
@@ -309,7 +313,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             scheduler_port=0 if k else config.scheduler_port)) for k in range(config.instances)]
         gateway = None
         if config.gateway:
-            from kvstash.gateway import start_gateway  # smg is an optional extra
+            from kvstash.gateway import start_gateway
 
             gateway = start_gateway([i.scheduler.address for i in front], logs,
                                     host=config.host, port=config.gateway_port,

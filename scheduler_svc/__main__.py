@@ -33,13 +33,12 @@ from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import ROLES, create_scheduler_server
 from scheduler_svc.vllm_engine import tokenizer_files
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS, WorkerLink
 
 log = logging.getLogger("scheduler_svc")
 
 # One scheduler drives one worker: notice a restarted one within seconds
 # (gRPC's default reconnect backoff grows to two minutes).
-_WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000)]
 # Defaults come from the config dataclasses, never restated here.
 _CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
          if f.default is not dataclasses.MISSING}
@@ -170,7 +169,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         cleanup.push_async_callback(server.stop, None)
         # The token is for decode instances only: the worker and cache ask none.
         internal = dataclasses.replace(secured, token=None)
-        worker_channel = rpc.channel(args.worker_address, internal, _WORKER_CHANNEL_OPTIONS)
+        worker_channel = rpc.channel(args.worker_address, internal, WORKER_CHANNEL_OPTIONS)
         cleanup.push_async_callback(worker_channel.close)
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)

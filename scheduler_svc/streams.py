@@ -35,9 +35,13 @@ class RequestStream:
     # phase spans; None unless tracing is on.
     trace_context: otel_context.Context | None = None
     phases: tracing.RequestPhases | None = None
+    # Set at its first tokens (its prompt's KV is then computed) or its end.
+    begun: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, update: RequestUpdate) -> None:
         """A step's update; one that finishes the request ends the stream."""
+        if update.new_token_ids:
+            self.begun.set()
         if self.phases is not None and update.new_token_ids:
             self.phases.produced()
         if update.finish_status is not None:
@@ -46,6 +50,7 @@ class RequestStream:
             self.events.put_nowait(update)
 
     def end(self, update: RequestUpdate) -> None:
+        self.begun.set()
         self.finished = True
         self.finish_status = update.finish_status
         self.usage = update.usage
@@ -55,6 +60,7 @@ class RequestStream:
 
     def fail(self, error: errors.KvstashError, usage: RequestUsage | None) -> None:
         """Ends the stream with `error` (the request was aborted for it)."""
+        self.begun.set()
         self.finished = True
         self.finish_status = RequestStatus.FINISHED_ABORTED
         self.usage = usage

@@ -12,19 +12,18 @@ engines with, from the `smg-grpc-proto` package's generated code.
                     (kv_event_hub.py), for cache-aware routing
     Embed, StartProfile, StopProfile: UNIMPLEMENTED, with a message
 
-Sampling fields are mapped one by one; one kvstash cannot honour (penalties,
-min_p, logprobs, constraints, multimodal input) is UNIMPLEMENTED, never
-silently ignored. n > 1 runs n requests, which share the prompt's blocks
-through the prefix cache. Stop strings are matched here, on the text of the
-tokens as they come (the core sees tokens only): the token that completes
-one is the last sent, and the request is released at once. Preemption stays
-invisible: a preempted request's stream only pauses.
+Sampling fields are mapped one by one (vllm_sampling.py); one kvstash
+cannot honour (penalties, min_p, logprobs, constraints, multimodal input) is
+UNIMPLEMENTED, never silently ignored. n > 1 runs n requests; the first goes
+alone until its first token, so the others find its prompt's full blocks in
+the prefix cache. The token that completes a stop string is the last sent,
+and the request is released at once. Preemption stays invisible: a
+preempted request's stream only pauses.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import io
 import json
@@ -40,114 +39,33 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from kvstash import errors, rpc
+from kvstash.errors import preview
 from kvstash.ids import check_request_id
 from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import TextStream, Tokenizer, byte_tokenizer_config, byte_tokenizer_json
+from kvstash.tokenizer import Tokenizer, byte_tokenizer_config, byte_tokenizer_json
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine import Engine
 from scheduler_svc.streams import RequestStream, fan_in
+from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
 _TOKENIZER_CHUNK_BYTES = 64 * 1024
-# SamplingParams fields kvstash has no counterpart for, with their neutral value.
-# (include_stop_str_in_output shapes the text, which the gateway makes.)
-_UNSUPPORTED_SAMPLING = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
-    "grammar_from_first_token": False,
-}
-MAX_STOP_STRINGS = 32
-MAX_N = 16  # sequences per request
-MAX_STOP_STRING_CHARS = 1024
 
 
-class StopStrings:
-    """Watches a request's text for stop strings, one token at a time."""
+@dataclass(slots=True)
+class _Family:
+    """A Generate call's sequences, by request id, and whether Abort named it."""
 
-    def __init__(self, stops: Sequence[str], text: TextStream) -> None:
-        self._stops = stops
-        self._text = text
-        self._keep = max(map(len, stops)) - 1  # a match may start this far back
-        self._tail = ""
-
-    def cut(self, token_ids: list[int]) -> tuple[list[int], str | None]:
-        """The tokens up to the one whose text completes a stop string, and
-        that string (the first in request order); all of them and None
-        while none has matched."""
-        for i, token_id in enumerate(token_ids):
-            text = self._tail + self._text.push(token_id)
-            for stop in self._stops:
-                if stop in text:
-                    return token_ids[:i + 1], stop
-            self._tail = text[-self._keep:] if self._keep else ""
-        return token_ids, None
-
-
-def stop_strings(params: pb.SamplingParams) -> list[str]:
-    """The request's stop strings, checked (InvalidArgument)."""
-    stops = list(params.stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise errors.InvalidArgument(
-            f"sampling_params.stop has {len(stops)} strings, at most {MAX_STOP_STRINGS}")
-    for stop in stops:
-        if not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
-            raise errors.InvalidArgument(
-                f"sampling_params.stop strings must have 1 to {MAX_STOP_STRING_CHARS} "
-                f"characters, got {len(stop)}")
-    return stops
-
-
-def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
-                       max_model_len: int) -> SamplingParams:
-    """kvstash's sampling for a VllmEngine request; Unimplemented names a
-    field it cannot honour, InvalidArgument a bad value."""
-    for name, neutral in _UNSUPPORTED_SAMPLING.items():
-        if getattr(params, name) != neutral:
-            raise errors.Unimplemented(f"sampling_params.{name} is not supported")
-    if params.repetition_penalty not in (0.0, 1.0):
-        raise errors.Unimplemented("sampling_params.repetition_penalty is not supported")
-    for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
-        if params.HasField(name):
-            raise errors.Unimplemented(f"sampling_params.{name} is not supported")
-    if params.logit_bias:
-        raise errors.Unimplemented("sampling_params.logit_bias is not supported")
-    if params.WhichOneof("constraint") is not None:
-        raise errors.Unimplemented(
-            f"sampling_params.{params.WhichOneof('constraint')} (constrained decoding) "
-            "is not supported")
-    max_tokens = (params.max_tokens if params.HasField("max_tokens")
-                  else max_model_len - num_prompt_tokens)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        # Unset: vLLM's (and OpenAI's) default of 1.0; 0 is greedy.
-        temperature=params.temperature if params.HasField("temperature") else 1.0,
-        top_p=params.top_p or 1.0,
-        top_k=params.top_k,
-        seed=params.seed if params.HasField("seed") else None,
-        stop_token_ids=tuple(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-
-
-def children(request_id: str, n: int, sampling: SamplingParams
-             ) -> list[tuple[str, SamplingParams]]:
-    """The sequences of a request for `n` of them (0 counts as 1): their
-    request ids and sampling."""
-    if n > MAX_N:
-        raise errors.InvalidArgument(f"sampling_params.n {n}: at most {MAX_N} sequences")
-    if n <= 1:
-        return [(request_id, sampling)]
-    ids = [f"{request_id}:{i}" for i in range(n)]
-    check_request_id(ids[-1])  # the longest
-    return [(child_id, sampling if sampling.seed is None
-             else dataclasses.replace(sampling, seed=sampling.seed + i))
-            for i, child_id in enumerate(ids)]
+    ids: list[str]
+    aborted: bool = False
 
 
 @dataclass(slots=True)
@@ -162,7 +80,7 @@ class _Sequence:
     stream: RequestStream = field(default_factory=RequestStream)  # once admitted
     output: list[int] = field(default_factory=list)
     matched: str | None = None  # the stop string that ended it
-    _watch: StopStrings | None = None
+    _watch: StopStrings | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.stops:
@@ -215,8 +133,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._attached = attached
         self._tokenizer_zip = b""
         self._started = time.monotonic()
-        # A running Generate's request id -> its sequences' (itself, for n = 1).
-        self._families: dict[str, list[str]] = {}
+        # A running Generate's request id -> its sequences (itself, for n = 1);
+        # one call per request id at a time.
+        self._families: dict[str, _Family] = {}
 
     # -- generation ---------------------------------------------------------
 
@@ -238,11 +157,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             sequences = [
                 _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
                 for child_id, child in children(request_id, request.sampling_params.n, sampling)]
-            await self._admit(backend, prompt, sequences)
+            if request_id in self._families:  # its sequences' ids need not clash
+                raise errors.AlreadyExists(f"request_id {preview(request_id)} is running")
         except errors.KvstashError as exc:
             await rpc.abort_with(context, exc)
-        self._families[request_id] = [s.request_id for s in sequences]
+        family = self._families[request_id] = _Family([s.request_id for s in sequences])
         try:
+            await self._admit(backend, prompt, sequences, family)
             async with contextlib.aclosing(fan_in([
                     backend.updates(s.request_id, s.stream, s.timing) for s in sequences
             ])) as updates:
@@ -262,16 +183,31 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             del self._families[request_id]
 
     @staticmethod
-    async def _admit(backend: Backend, prompt: list[int], sequences: list[_Sequence]) -> None:
-        """Submits every sequence, or none: one refused aborts those before it."""
-        for i, seq in enumerate(sequences):
-            try:
+    async def _admit(backend: Backend, prompt: list[int], sequences: list[_Sequence],
+                     family: _Family) -> None:
+        """Submits every sequence: the first alone until its first token, when
+        its prompt's full blocks are in the prefix cache for the others. One
+        refused (or the call cancelled) aborts those submitted before it;
+        after an Abort, those not yet submitted end as aborted at once."""
+        admitted: list[_Sequence] = []
+        try:
+            for seq in sequences:
+                if family.aborted:
+                    seq.stream.end(RequestUpdate(seq.request_id, [], FINISHED_ABORTED, None))
+                    continue
                 seq.stream = await backend.admit(seq.request_id, prompt, seq.sampling)
-            except BaseException:
-                for earlier in sequences[:i]:
+                admitted.append(seq)
+                if family.aborted:  # it came while this one was being submitted
                     with contextlib.suppress(errors.NotFound):
-                        backend.engine.abort(earlier.request_id)
-                raise
+                        backend.engine.abort(seq.request_id)
+                elif seq is sequences[0] and len(sequences) > 1:
+                    await seq.stream.begun.wait()
+        except BaseException:
+            for seq in admitted:
+                with contextlib.suppress(errors.NotFound):
+                    backend.engine.abort(seq.request_id)
+                backend.metrics.observe_finished(FINISHED_ABORTED, None, seq.timing.arrival, 0.0)
+            raise
 
     @staticmethod
     def _prompt(request: pb.GenerateRequest, backend: Backend) -> list[int]:
@@ -298,7 +234,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self._attached().engine
         for request_id in request.request_ids:
             check_request_id(request_id)
-            for sequence_id in self._families.get(request_id, [request_id]):
+            family = self._families.get(request_id)
+            if family is not None:
+                family.aborted = True  # for those not submitted yet
+            for sequence_id in family.ids if family is not None else [request_id]:
                 with contextlib.suppress(errors.NotFound):
                     engine.abort(sequence_id)
         return pb.AbortResponse()

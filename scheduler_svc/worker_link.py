@@ -21,11 +21,16 @@ from dataclasses import dataclass
 import grpc
 
 from kvstash import errors, wire
+from kvstash.rpc import MAX_WORKER_INFO_BYTES
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# The scheduler's channel to its worker: reconnect fast after a restart, and
+# take a GetInfo as large as the worker may send (the tokenizer rides in it).
+WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
+                          ("grpc.max_receive_message_length", MAX_WORKER_INFO_BYTES)]
 # Offload failures after which the snapshot certainly does not exist.
 _NOT_STORED = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,

@@ -9,15 +9,17 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from tokenizers import Tokenizer, models
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.server import WorkerServer, create_worker_server
-from kvstash import errors
-from kvstash.rpc import insecure_channel
+from kvstash import errors, rpc
+from kvstash.rpc import MAX_MESSAGE_BYTES, insecure_channel
 from kvstash.sampling import SamplingParams
 from kvstash.v1 import cache_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from kvstash.wire import sampling_to_proto
+from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS
 from tests.gpu_worker.worker_factories import MemoryCache, blocks_for, make_runner, prompt
 
 
@@ -81,6 +83,28 @@ async def test_get_info(harness: Harness) -> None:
     assert info.device == "cpu" and info.tokenizer_json == b""
     assert info.kv_layout == common_pb2.KvLayout(num_layers=4, block_size=4, num_kv_heads=2,
                                                  head_dim=32, dtype="float32")
+
+
+async def test_a_tokenizer_larger_than_a_message_reaches_the_scheduler() -> None:
+    """Llama 3's tokenizer.json is ~9 MB, past the 8 MiB message limit: the
+    worker may send, and the scheduler's channel take, a GetInfo that big."""
+    words = {f"w{i:07d}": i for i in range(500_000)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0000000")).to_str()
+    assert len(tokenizer) > MAX_MESSAGE_BYTES
+    runner = make_runner()
+    runner.tokenizer_json = tokenizer
+    worker = await create_worker_server(WorkerConfig(), "127.0.0.1:0", runner, MemoryCache())
+    address = f"127.0.0.1:{worker.port}"
+    try:
+        async with rpc.channel(address, options=WORKER_CHANNEL_OPTIONS) as channel:
+            info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        assert info.tokenizer_json == tokenizer.encode()
+        async with insecure_channel(address) as other:  # any other client keeps the limit
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await worker_pb2_grpc.WorkerStub(other).GetInfo(worker_pb2.GetInfoRequest())
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await worker.server.stop(None)
 
 
 async def test_execute_matches_runner_and_streams_in_order(harness: Harness) -> None:

@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import time
-import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,12 +151,32 @@ async def test_n_sequences_stream_by_index_each_as_its_seed_makes_it(
                    for c in completes.values())
 
 
+async def test_n_sequences_share_the_prompts_blocks(
+        engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """The first sequence goes alone until its first token; the others then
+    find its prompt's full blocks in the prefix cache."""
+    prompt = [(i * 53 + 7) % 250 for i in range(40)]  # this test's own: two full blocks
+    cached = {r.complete.index: r.complete.cached_tokens
+              async for r in engine.Generate(pb.GenerateRequest(
+                  request_id="vllm-n-shared", tokenized=pb.TokenizedInput(input_ids=prompt),
+                  sampling_params=greedy(4, n=2), stream=True))
+              if r.WhichOneof("response") == "complete"}
+    assert cached == {0: 0, 1: 32}
+
+
 async def test_abort_by_the_request_id_ends_all_its_sequences(
         stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     call = engine.Generate(pb.GenerateRequest(
         request_id="vllm-n-abort", tokenized=pb.TokenizedInput(input_ids=PROMPT),
         sampling_params=greedy(400, n=2), stream=True))
     await call.read()
+    # One call per request id at a time, though its sequences' ids differ.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in engine.Generate(pb.GenerateRequest(
+                request_id="vllm-n-abort", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                sampling_params=greedy(4))):
+            pass
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     await engine.Abort(pb.AbortRequest(request_ids=["vllm-n-abort"]))
     finishes = []
     while (response := await call.read()) is not grpc.aio.EOF:
@@ -278,15 +297,6 @@ def gateway(pair: Stack) -> str:
     return pair.gateway.url
 
 
-def post(url: str, body: dict[str, object] | None = None) -> bytes:
-    """POSTs `body` as JSON (GET without one)."""
-    request = urllib.request.Request(
-        url, None if body is None else json.dumps(body).encode(),
-        {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        return bytes(reply.read())
-
-
 def shown(token_ids: list[int]) -> str:
     """The text smg shows for byte tokens: invalid bytes as U+FFFD, but none
     at the very end (its streaming decoder holds them back for good)."""
@@ -295,21 +305,18 @@ def shown(token_ids: list[int]) -> str:
 
 async def test_smg_lists_the_model_and_completes_as_kvstash_does(
         stack: Stack, gateway: str) -> None:
-    models = json.loads(await asyncio.to_thread(post, f"{gateway}/v1/models"))
+    models = await asyncio.to_thread(request_json, f"{gateway}/v1/models")
     assert [m["id"] for m in models["data"]] == ["tiny"]
     expected = await kvstash_tokens(stack, "hello kv", 16)
     body = {"model": "tiny", "prompt": "hello kv", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
-    reply = json.loads(await asyncio.to_thread(post, f"{gateway}/v1/completions", body))
+    reply = await asyncio.to_thread(request_json, f"{gateway}/v1/completions", body)
     [choice] = reply["choices"]
     assert choice["text"] == shown(expected) and choice["finish_reason"] == "length"
     assert reply["usage"]["completion_tokens"] == 16
-    streamed = (await asyncio.to_thread(
-        post, f"{gateway}/v1/completions", body | {"stream": True})).decode()
-    events = [json.loads(line[6:]) for line in streamed.splitlines()
-              if line.startswith("data: {")]
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == shown(expected)
-    assert streamed.rstrip().endswith("data: [DONE]")
+    streamed = await stream_completion(gateway, body)
+    assert (streamed.text, streamed.finish_reason, streamed.completion_tokens) == (
+        shown(expected), "length", 16)
 
 
 async def test_smg_passes_stop_strings_and_shows_the_text_before_them(
@@ -343,7 +350,7 @@ async def test_smg_chat_applies_the_tiny_template(stack: Stack, gateway: str) ->
     expected = await kvstash_tokens(stack, prompt, 8)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "temperature": 0, "ignore_eos": True}
-    reply = json.loads(await asyncio.to_thread(post, f"{gateway}/v1/chat/completions", body))
+    reply = await asyncio.to_thread(request_json, f"{gateway}/v1/chat/completions", body)
     assert reply["usage"]["prompt_tokens"] == len(prompt.encode())
     assert reply["choices"][0]["message"]["content"] == shown(expected)
 
@@ -359,10 +366,11 @@ async def test_smg_routes_a_shared_prefix_to_the_instance_that_holds_it(tmp_path
         url = gateway.url
         prefix = "".join(f"shared context line {i}; " for i in range(12))  # ~270 bytes
         body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        await asyncio.to_thread(post, f"{url}/v1/completions", body | {"prompt": prefix + "q0"})
+        await asyncio.to_thread(request_json, f"{url}/v1/completions",
+                                body | {"prompt": prefix + "q0"})
         await asyncio.sleep(1.0)  # its blocks' events reach smg
         for i in range(1, 5):
-            await asyncio.to_thread(post, f"{url}/v1/completions",
+            await asyncio.to_thread(request_json, f"{url}/v1/completions",
                                     body | {"prompt": prefix + f"q{i}"})
         hits = []
         for instance in (a, b):

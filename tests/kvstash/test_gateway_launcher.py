@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstash import gateway
+from kvstash.stack import StackConfig, start_stack
 
 
 def fake_smg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
@@ -60,3 +61,16 @@ def test_stop_kills_what_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.Mon
     time.sleep(0.3)  # the trap is set
     running.stop(timeout_s=0.5)
     assert process.returncode == -signal.SIGKILL
+
+
+def test_a_stack_checks_for_smg_before_starting_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without smg (or with a policy it lacks), `kvstash up --gateway` fails at
+    once, not after every worker has loaded its model."""
+    monkeypatch.setattr(gateway.shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(FileNotFoundError, match="smg"):
+        start_stack(StackConfig(gateway=True), tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="got 'fastest'"):
+        start_stack(StackConfig(gateway=True, gateway_policy="fastest"), tmp_path)
+    assert not list(tmp_path.iterdir())  # no service started, so no log either

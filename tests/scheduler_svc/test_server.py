@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from kvstash import rpc
 from kvstash.tokenizer import ByteTokenizer
@@ -167,3 +168,42 @@ def test_stats_proto_and_core_stats_have_the_same_fields() -> None:
     assert core_fields == proto_fields
     stats = make_scheduler().stats()
     assert stats_to_proto(stats).num_total_blocks == stats.num_total_blocks == 64
+
+
+async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
+    attached: SchedulerServer, channel: grpc.aio.Channel
+) -> None:
+    """The first of n sequences goes alone until its first token (never, here:
+    the engine does not run); an Abort then ends it and the others, which
+    are never submitted."""
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
+        request_id="n2", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=2), stream=True))
+    core = attached.servicer.attached().engine.core
+    async with asyncio.timeout(10):
+        while core.get_request("n2:0") is None:
+            await asyncio.sleep(0.01)
+    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n2"]))
+    completes = [r.complete async for r in call]
+    assert sorted((c.index, c.finish_reason) for c in completes) == [(0, "abort"), (1, "abort")]
+    assert core.get_request("n2:0") is None and core.get_request("n2:1") is None
+    assert core.stats().num_waiting == 0
+
+
+async def test_a_call_cancelled_while_n_sequences_are_submitted_leaves_none(
+    attached: SchedulerServer, channel: grpc.aio.Channel
+) -> None:
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
+        request_id="gone", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=3), stream=True))
+    core = attached.servicer.attached().engine.core
+    async with asyncio.timeout(10):
+        while core.get_request("gone:0") is None:
+            await asyncio.sleep(0.01)
+    call.cancel()
+    async with asyncio.timeout(10):  # the first is taken back; the others never came
+        while core.stats().num_waiting:
+            await asyncio.sleep(0.01)
+    assert all(core.get_request(f"gone:{i}") is None for i in range(3))
