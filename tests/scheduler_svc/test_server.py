@@ -20,6 +20,7 @@ from kvstash.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import (
@@ -170,6 +171,18 @@ def test_stats_proto_and_core_stats_have_the_same_fields() -> None:
     assert stats_to_proto(stats).num_total_blocks == stats.num_total_blocks == 64
 
 
+async def generate_n(engine: vllm_engine_pb2_grpc.VllmEngineStub, core: Scheduler,
+                     request_id: str, n: int) -> grpc.aio.UnaryStreamCall:
+    """A VllmEngine Generate of n sequences, once its first is queued."""
+    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=n), stream=True))
+    async with asyncio.timeout(10):
+        while core.get_request(f"{request_id}:0") is None:
+            await asyncio.sleep(0.01)
+    return call
+
+
 async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
@@ -177,13 +190,8 @@ async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
     the engine does not run); an Abort then ends it and the others, which
     are never submitted."""
     engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
-        request_id="n2", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
-        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=2), stream=True))
     core = attached.servicer.attached().engine.core
-    async with asyncio.timeout(10):
-        while core.get_request("n2:0") is None:
-            await asyncio.sleep(0.01)
+    call = await generate_n(engine, core, "n2", 2)
     await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n2"]))
     completes = [r.complete async for r in call]
     assert sorted((c.index, c.finish_reason) for c in completes) == [(0, "abort"), (1, "abort")]
@@ -194,14 +202,8 @@ async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
 async def test_a_call_cancelled_while_n_sequences_are_submitted_leaves_none(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
-    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
-        request_id="gone", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
-        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=3), stream=True))
     core = attached.servicer.attached().engine.core
-    async with asyncio.timeout(10):
-        while core.get_request("gone:0") is None:
-            await asyncio.sleep(0.01)
+    call = await generate_n(vllm_engine_pb2_grpc.VllmEngineStub(channel), core, "gone", 3)
     call.cancel()
     async with asyncio.timeout(10):  # the first is taken back; the others never came
         while core.stats().num_waiting:
