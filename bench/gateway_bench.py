@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import string
 import sys
@@ -58,7 +57,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from bench.load_test import Percentiles, percentiles
-from bench.pd_bench import fmt, ratio
+from bench.pd_bench import conclude, fmt, ratio, require_positive
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.gateway import running_gateway
@@ -265,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads of the worker; 0 = torch's default (one per core)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    for name in ("requests", "max_tokens", "min_prompt_chars", "rounds"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    require_positive(parser, args, "requests", "max_tokens", "min_prompt_chars", "rounds")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2: TPOT needs two tokens")
     if args.max_prompt_chars < args.min_prompt_chars:
@@ -285,17 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         model = served_model(gateway.url)
         sides, hits = asyncio.run(measure(stack.address, gateway.url, model, args))
     lines, figures = report(sides, hits, args)
-    problems = check_samples(sides, args.max_tokens)
-    print("\n".join(lines))
-    if not problems:
-        print(f"outputs: all {args.requests * args.rounds} requests' text identical through "
-              f"both paths, every one {args.max_tokens} tokens")
-    for problem in problems:
-        print(f"FAILED: {problem}", file=sys.stderr)
-    if args.json is not None:
-        figures["ok"] = not problems
-        args.json.write_text(json.dumps(figures, indent=1) + "\n")
-    return 1 if problems else 0
+    return conclude(lines, figures, check_samples(sides, args.max_tokens),
+                    f"outputs: all {args.requests * args.rounds} requests' text identical "
+                    f"through both paths, every one {args.max_tokens} tokens", args.json, "ok")
 
 
 if __name__ == "__main__":

@@ -262,6 +262,29 @@ def fmt(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.1f}"
 
 
+def conclude(lines: list[str], figures: dict[str, object], problems: list[str],
+             all_good: str, json_path: Path | None, ok_key: str) -> int:
+    """Prints the report, then `all_good` or each problem; writes the figures
+    (with `ok_key`: no problem) to `json_path`. The exit status: 1 on a problem."""
+    print("\n".join(lines))
+    if not problems:
+        print(all_good)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    if json_path is not None:
+        figures[ok_key] = not problems
+        json_path.write_text(json.dumps(figures, indent=1) + "\n")
+    return 1 if problems else 0
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     *names: str) -> None:
+    """parser.error for the first of these options that is not > 0."""
+    for name in names:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+
+
 def check_outputs(sides: dict[str, Side], max_tokens: int) -> list[str]:
     """What breaks the oracle: outputs that differ between the sides, or end short."""
     problems = []
@@ -317,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                              "core: P/D's two workers then oversubscribe them)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    for name in ("requests", "max_tokens", "min_prompt_tokens", "rounds"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    require_positive(parser, args, "requests", "max_tokens", "min_prompt_tokens", "rounds")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2: a one-token request is never handed off")
     if args.max_prompt_tokens < args.min_prompt_tokens:
@@ -344,17 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             pd = stacks.enter_context(running_stack(pd_config))
             sides, before, after = asyncio.run(measure(mixed, pd, metrics_port, args))
     lines, figures = report(sides, before, after, args)
-    problems = check_outputs(sides, args.max_tokens)
-    print("\n".join(lines))
-    if not problems:
-        print(f"outputs: all {args.requests * args.rounds} requests token-identical between "
-              "mixed and P/D")
-    for problem in problems:
-        print(f"FAILED: {problem}", file=sys.stderr)
-    if args.json is not None:
-        figures["outputs_identical"] = not problems
-        args.json.write_text(json.dumps(figures, indent=1) + "\n")
-    return 1 if problems else 0
+    return conclude(lines, figures, check_outputs(sides, args.max_tokens),
+                    f"outputs: all {args.requests * args.rounds} requests token-identical "
+                    "between mixed and P/D", args.json, "outputs_identical")
 
 
 if __name__ == "__main__":
