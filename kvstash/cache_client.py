@@ -24,12 +24,14 @@ only on disk, they stream over gRPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors, rpc
 from kvstash.chunk_codec import (
@@ -166,7 +168,7 @@ class CacheClient:
             commit = cache_pb2.SharedPutCommit(checksums=sums)
             await call.write(cache_pb2.PutSharedRequest(commit=commit))
             response = await self._next(call, snapshot_id)
-            await call.done_writing()
+            await _half_close(call)
             await self._finish(call)
         except errors.Unavailable:
             self._arena_known = False  # it may have changed: ask again next time
@@ -211,7 +213,7 @@ class CacheClient:
             await _to_the_end(read(response.header, extent, checksums))
             del extent
             await call.write(cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()))
-            await call.done_writing()
+            await _half_close(call)
             await self._finish(call)
         except errors.Unavailable:
             self._arena_known = False
@@ -287,7 +289,7 @@ class CacheClient:
             # keeps puts that wait for room from filling the server's buffers.
             metadata = await call.initial_metadata()
             if metadata is None or metadata.get(ADMITTED_KEY) is None:
-                await call.done_writing()
+                await _half_close(call)
                 response = await call  # raises the refusal
             else:
                 for index, start in enumerate(range(0, view.nbytes, self.chunk_bytes)):
@@ -295,7 +297,7 @@ class CacheClient:
                     # One copy, into the message; write() waits for HTTP/2
                     # flow control.
                     await call.write(encode_chunk(index, piece, checksum(piece)))
-                await call.done_writing()
+                await _half_close(call)
                 response = await call
         except asyncio.InvalidStateError:  # the server ended the call mid-stream
             try:
@@ -454,3 +456,12 @@ def _place_chunk(
         )
     target[start:end] = data
     return expected + 1
+
+
+async def _half_close(call: Any) -> None:
+    """Tells the server no more requests come. A call that has already ended
+    (its deadline passed, or the server answered) cannot take that; grpc
+    then raises InvalidStateError or its internal ExecuteBatchError, and
+    awaiting the call, next, says how it ended."""
+    with contextlib.suppress(asyncio.InvalidStateError, ExecuteBatchError):
+        await call.done_writing()
