@@ -28,6 +28,8 @@ from cache_helpers import (
 from cache_svc.arena import ALIGN, Arena, remove_stale
 from kvstash import errors
 from kvstash.cache_client import CacheClient
+from kvstash.chunk_codec import checksum
+from kvstash.shared_arena import copy_hashed, copy_verified
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
@@ -91,6 +93,25 @@ def test_an_arena_that_does_not_fit_fails_the_start_clearly() -> None:
         Arena(shm, too_big)
     # Nothing left behind (other caches' arenas may come and go meanwhile).
     assert not set(os.listdir(shm)) - before
+
+
+def test_copies_hash_every_chunk_in_order_and_verify_what_landed() -> None:
+    src = np.random.default_rng(3).integers(0, 256, 5 * MIB + 123, dtype=np.uint8)
+    want = [checksum(src[start : start + MIB]) for start in range(0, src.nbytes, MIB)]
+    for source in (memoryview(src), memoryview(src.tobytes())):  # writable, and read-only
+        dst = np.zeros_like(src)
+        assert copy_hashed(memoryview(dst), source, MIB) == want
+        assert np.array_equal(dst, src)
+    out = np.zeros_like(src)
+    copy_verified(memoryview(out), memoryview(src), MIB, want, "s")
+    assert np.array_equal(out, src)
+    bad = [*want[:4], want[4] ^ 1, want[5]]
+    with pytest.raises(errors.DataLoss, match="s: chunk 4 hashes to"):
+        copy_verified(memoryview(out), memoryview(src), MIB, bad, "s")
+    with pytest.raises(errors.DataLoss, match="5 checksums"):
+        copy_verified(memoryview(out), memoryview(src), MIB, want[:5], "s")
+    with pytest.raises(ValueError, match="into"):
+        copy_hashed(memoryview(dst[:-1]), memoryview(src), MIB)
 
 
 # -- the co-located path, in process ------------------------------------------------
