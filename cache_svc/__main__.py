@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a co-located put or get may hold its arena extent")
     p.add_argument("--put-idle", type=parse_duration, default=d.put_idle_s,
                    help="how long a streamed put may wait for its client's next chunk")
+    p.add_argument("--get-idle", type=parse_duration, default=d.get_idle_s,
+                   help="how long a streamed get may wait for its client to take a chunk")
     p.add_argument("--grace", type=parse_duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
@@ -112,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         arena_dir=args.arena_dir,
         shared_lease_s=args.shared_lease,
         put_idle_s=args.put_idle,
+        get_idle_s=args.get_idle,
     )
 
 

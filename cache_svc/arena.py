@@ -139,8 +139,20 @@ class Arena:
             raise ValueError("not an extent of this arena")
         return offset
 
-    def largest_free(self) -> int:
-        return max(self._free_lengths, default=0)
+    def largest_free(self, also: list[memoryview] | None = None) -> int:
+        """The longest free range, as it would be were the extents `also`
+        (handed out, none twice) free too."""
+        if not also:
+            return max(self._free_lengths, default=0)
+        ranges = sorted([*zip(self._free_offsets, self._free_lengths, strict=True),
+                         *((self.offset_of(e), _aligned(e.nbytes)) for e in also)])
+        longest = run = 0
+        end = -1
+        for offset, length in ranges:
+            run = run + length if offset == end else length
+            end = offset + length
+            longest = max(longest, run)
+        return longest
 
     def close(self) -> None:
         """Removes the file; the mapping goes once the last view of it does."""

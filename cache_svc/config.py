@@ -89,6 +89,10 @@ class CacheConfig:
     # How long a streamed put may wait for its client's next message (pacing
     # by bandwidth_limit included) before it is abandoned, DEADLINE_EXCEEDED.
     put_idle_s: float = 30.0
+    # How long a streamed get may wait for its client to take the next
+    # message before it is abandoned: a reader that stops reading holds a
+    # share of the in-flight budget and keeps its snapshot from moving.
+    get_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MAX_CHUNK_BYTES:
@@ -128,12 +132,9 @@ class CacheConfig:
             )
         if self.buffer_pool_bytes < 0:
             raise ValueError(f"buffer_pool_bytes is {self.buffer_pool_bytes}, must be >= 0")
-        if self.buffer_pool_idle_s <= 0:
-            raise ValueError(f"buffer_pool_idle_s is {self.buffer_pool_idle_s}, must be > 0")
-        if self.shared_lease_s <= 0:
-            raise ValueError(f"shared_lease_s is {self.shared_lease_s}, must be > 0")
-        if self.put_idle_s <= 0:
-            raise ValueError(f"put_idle_s is {self.put_idle_s}, must be > 0")
+        for name in ("buffer_pool_idle_s", "shared_lease_s", "put_idle_s", "get_idle_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")

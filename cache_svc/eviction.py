@@ -6,12 +6,13 @@ Walking memory snapshots from least to most recently used, each is either
   - evicted, if it is unpinned and the disk cannot take it; or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
 Busy snapshots (being read or already spilling) are never chosen. A plan is
-returned only when it frees enough; otherwise nothing is touched.
+returned only when it frees enough (`enough`: in bytes, or, in an arena,
+in one contiguous range); otherwise nothing is touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cache_svc.model import Entry, Residence
@@ -24,9 +25,12 @@ class Plan:
     evict_disk: list[Entry] = field(default_factory=list)  # dropped from disk first
 
 
-def plan_room(lru_entries: Iterable[Entry], shortfall: int, disk_free: int) -> Plan | None:
+def plan_room(lru_entries: Iterable[Entry], disk_free: int,
+              enough: Callable[[list[Entry]], bool]) -> Plan | None:
     """`lru_entries`: every listed entry, least recently used first.
-    `shortfall`: memory bytes still needed after in-progress spills complete."""
+    `enough(victims)`: whether moving those memory entries out (on top of
+    the spills in progress) makes the room the put needs. Victims are taken
+    in LRU order until it is; None if they never make it."""
     entries = list(lru_entries)
     disk_victims = [
         e for e in entries
@@ -34,9 +38,9 @@ def plan_room(lru_entries: Iterable[Entry], shortfall: int, disk_free: int) -> P
     ]
     disk_evictable = sum(e.size for e in disk_victims)
     plan = Plan()
-    freed = 0
+    victims: list[Entry] = []
     for entry in entries:
-        if freed >= shortfall:
+        if enough(victims):
             break
         if entry.residence is not Residence.MEMORY or entry.num_readers:
             continue
@@ -52,5 +56,5 @@ def plan_room(lru_entries: Iterable[Entry], shortfall: int, disk_free: int) -> P
             plan.evict_memory.append(entry)
         else:
             continue
-        freed += entry.size
-    return plan if freed >= shortfall else None
+        victims.append(entry)
+    return plan if enough(victims) else None

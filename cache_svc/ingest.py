@@ -84,6 +84,21 @@ class PutSession:
         return self.meta.chunk_size(self.num_received)
 
     def accept(self, index: int, data: bytes | memoryview, sent_checksum: int) -> None:
+        self.check_next(index, memoryview(data).nbytes)
+        start, end = self.meta.chunk_range(index)
+        actual = checksum(data)
+        if actual != sent_checksum:
+            raise DataLoss(
+                f"chunk {index} checksum mismatch: sent {sent_checksum:#018x}, "
+                f"data hashes to {actual:#018x}"
+            )
+        self.buffer[start:end] = data
+        self.checksums.append(actual)
+        self.num_received += 1
+
+    def check_next(self, index: int, size: int) -> None:
+        """Raises InvalidArgument unless chunk `index` of `size` bytes is the
+        one this put takes next."""
         meta = self.meta
         expected = self.num_received
         if index >= meta.num_chunks:
@@ -99,21 +114,11 @@ class PutSession:
                 "(chunks must arrive in order 0..n-1)"
             )
         start, end = meta.chunk_range(index)
-        size = memoryview(data).nbytes
         if size != end - start:
             raise InvalidArgument(
                 f"chunk {index} has {size} bytes, expected {end - start} "
                 f"(chunk_bytes {meta.chunk_bytes}, total_bytes {meta.total_bytes})"
             )
-        actual = checksum(data)
-        if actual != sent_checksum:
-            raise DataLoss(
-                f"chunk {index} checksum mismatch: sent {sent_checksum:#018x}, "
-                f"data hashes to {actual:#018x}"
-            )
-        self.buffer[start:end] = data
-        self.checksums.append(actual)
-        self.num_received += 1
 
     def accept_written(self, checksums: list[int]) -> None:
         """For a put whose client wrote the whole buffer itself (an arena

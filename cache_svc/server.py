@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,12 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+async def _end_call(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
+    """Sends `exc`'s status from outside the call's handler."""
+    with contextlib.suppress(Exception):  # grpc's AbortError once sent; or it had ended
+        await rpc.abort_with(context, exc)
+
+
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     def __init__(
         self, store: SnapshotStore, limiter: ByteLimiter, bandwidth: BandwidthLimiter,
@@ -65,6 +72,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         self._limiter = limiter  # bounds bytes in flight
         self._bandwidth = bandwidth  # bounds bytes per second
         self._metrics = metrics
+        self._endings: set[asyncio.Future[None]] = set()  # see _taken_within
 
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
@@ -75,7 +83,9 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         except errors.KvstashError as exc:
             # The reservation is already released. Closing the call while the
             # client is still sending makes grpc report a bare INTERNAL on its
-            # side, so read out (and drop) what it sends, briefly, first.
+            # side, so read out (and drop) what it sends, briefly, first; the
+            # refused chunk, still a local of _put's frame, goes before that.
+            traceback.clear_frames(exc.__traceback__)
             await self._drain(stream)
             await rpc.abort_with(context, exc)
         finally:
@@ -114,12 +124,9 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                         f"second header after {session.num_received} chunks; "
                         "a put has exactly one header"
                     )
-                if request.data.nbytes > meta.chunk_bytes:
-                    # Before asking for more: the share only covers chunks of
-                    # the size the header declared.
-                    raise errors.InvalidArgument(
-                        f"chunk {request.index} has {request.data.nbytes} bytes, more than "
-                        f"the header's chunk_bytes {meta.chunk_bytes}")
+                # Before asking for more: the put's share of the in-flight
+                # budget only covers chunks of the sizes its header declared.
+                session.check_next(request.index, request.data.nbytes)
                 # The next chunk crosses the network while this one is copied.
                 await stream.read_ahead(meta.chunk_size(session.num_received + 1))
                 # request.data is a view into gRPC's message: one copy, into
@@ -165,9 +172,11 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         # Set only once the last chunk's send is done: a get that ends earlier
         # (the client cancels, a read fails) does not consume the snapshot.
         finished = False
+        what = f"get of {errors.preview(request.snapshot_id)}"
         try:
             meta = reader.meta
-            yield cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta))
+            with self._taken_within(context, what):
+                yield cache_pb2.GetSnapshotResponse(header=meta_to_proto(meta))
             for index in range(request.start_chunk, meta.num_chunks):
                 start, end = meta.chunk_range(index)
                 await self._bandwidth.take(end - start)
@@ -178,12 +187,39 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                         await rpc.abort_with(context, exc)
                     message = encode_chunk(index, data, digest)  # the one copy
                     del data
-                    yield message
+                    with self._taken_within(context, what):
+                        yield message
                     del message
             finished = True
         finally:
             store.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def _taken_within(self, context: grpc.aio.ServicerContext, what: str) -> Iterator[None]:
+        """Ends the call unless its client takes the message yielded inside
+        within get_idle_s. grpc awaits a send until the client's flow control
+        lets it go, so a reader that stops reading would otherwise hold its
+        share of the in-flight budget, and its snapshot, for good."""
+        idle_s = self._store.config.get_idle_s
+        task = asyncio.current_task()
+        assert task is not None
+
+        def give_up() -> None:
+            exc = errors.DeadlineExceeded(f"{what}: the client took no message for {idle_s:g} s")
+            log.warning("%s; ending the call", exc)
+            # The status waits behind the unsent message, for a client that
+            # reads again; cancelling the handler lets go of the rest now.
+            ending = asyncio.ensure_future(_end_call(context, exc))
+            self._endings.add(ending)
+            ending.add_done_callback(self._endings.discard)
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(idle_s, give_up)
+        try:
+            yield
+        finally:
+            timer.cancel()
 
     # -- the co-located path (see cache.proto and cache_svc.arena) --------------
 
@@ -201,8 +237,11 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         store = self._store
         requests = aiter(request_iterator)
         try:
-            arena = self._arena()
+            # The first message is read before anything is refused: a client
+            # whose write of it met a call already ended would learn only
+            # grpc's internal error, not why.
             header = await self._expect(requests, "header", "shared put")
+            arena = self._arena()
             meta = meta_from_proto(header, store.config.default_ttl_s)
             await store.reserve_put(meta)
         except errors.KvstashError as exc:
@@ -234,8 +273,8 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         store = self._store
         requests = aiter(request_iterator)
         try:
+            request = await self._expect(requests, "open", "shared get")  # as in PutShared
             arena = self._arena()
-            request = await self._expect(requests, "open", "shared get")
             if request.start_chunk:
                 raise errors.InvalidArgument("a shared get reads the whole snapshot: "
                                              f"start_chunk is {request.start_chunk}, must be 0")
@@ -267,17 +306,18 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         return arena
 
     async def _expect(self, requests: Any, field: str, what: str, lease: bool = False) -> Any:
-        """The next request, which must be the `field` kind; with `lease`,
-        within the shared lease (the client holds an extent meanwhile)."""
+        """The next request, which must be the `field` kind, within the shared
+        lease: the one the client's extent is held for (`lease`), or, for a
+        call's first message, so that a silent client does not keep a call."""
         step = anext(requests, None)
         lease_s = self._store.config.shared_lease_s
         try:
-            async with asyncio.timeout(lease_s if lease else None):
+            async with asyncio.timeout(lease_s):
                 request = await step
         except TimeoutError:
+            held = "held its extent longer than" if lease else "sent nothing within"
             raise errors.DeadlineExceeded(
-                f"{what}: the client held its extent longer than the {lease_s:g} s lease"
-            ) from None
+                f"{what}: the client {held} the {lease_s:g} s lease") from None
         if request is None or not request.HasField(field):
             raise errors.InvalidArgument(f"{what}: expected a {field} message")
         return getattr(request, field)

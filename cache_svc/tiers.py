@@ -173,30 +173,24 @@ class Tiers:
                 if extent is not None:
                     self.reserved += size
                     return extent
-                # Room may exist but in pieces: count only the largest one.
-                free = self.arena.largest_free()
             elif self.memory_free() >= size:
                 # Pooled bytes count as free; as many as the put needs go now.
                 self.pool.release(size - (self.memory_free() - self.pool.num_bytes))
                 self.reserved += size
                 return None
-            else:
-                free = self.memory_free()
             changed = self._changed
-            spilling = sum(e.size for e in self._lru.values() if e.residence is Residence.SPILLING)
-            shortfall = size - free - spilling
-            if shortfall > 0:
-                plan = plan_room(self._lru.values(), shortfall, self.disk_free())
-                if plan is not None:
-                    for entry in plan.evict_disk + plan.evict_memory:
-                        self.num_evictions += 1
-                        self.drop(entry)
-                    for entry in plan.spill:
-                        self._start_spill(entry)
-                    continue
+            plan = plan_room(self._lru.values(), self.disk_free(), self._makes_room(size))
+            if plan is not None and (plan.spill or plan.evict_memory):
+                for entry in plan.evict_disk + plan.evict_memory:
+                    self.num_evictions += 1
+                    self.drop(entry)
+                for entry in plan.spill:
+                    self._start_spill(entry)
+                continue
             remaining = deadline - loop.time()
             if remaining <= 0 or not self._may_change():
-                pieces = "" if self.arena is None else f", the largest free range {free}"
+                pieces = ("" if self.arena is None
+                          else f", the largest free range {self.arena.largest_free()}")
                 raise ResourceExhausted(
                     f"need {size} bytes of memory, {self.memory_free()} free{pieces} of "
                     f"{self.config.memory_budget_bytes} ({self.reserved} reserved by puts "
@@ -205,6 +199,19 @@ class Tiers:
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
+
+    def _makes_room(self, size: int) -> Callable[[list[Entry]], bool]:
+        """Whether moving `victims` out of memory, with the spills in progress,
+        makes room for `size` bytes. In an arena room must be one range, so
+        only victims that make one long enough are worth moving."""
+        spilling = [e for e in self._lru.values() if e.residence is Residence.SPILLING]
+        if self.arena is not None:
+            arena = self.arena
+            return lambda victims: arena.largest_free(
+                [e.buffer for e in (*spilling, *victims) if isinstance(e.buffer, memoryview)]
+            ) >= size
+        free = self.memory_free() + sum(e.size for e in spilling)
+        return lambda victims: free + sum(e.size for e in victims) >= size
 
     def _may_change(self) -> bool:
         """Whether waiting could help: a spill, a get or another put is running."""

@@ -159,7 +159,13 @@ class CacheClient:
         call = self._stub.PutShared(timeout=self._timeout(timeout_s))
         try:
             await call.write(cache_pb2.PutSharedRequest(header=header))
-            extent = arena.view((await self._next(call, snapshot_id)).extent)
+            try:
+                reply = await self._next(call, snapshot_id)
+            except errors.FailedPrecondition:  # the cache has no arena now: stream
+                self._arena_known = False
+                call.cancel()
+                return None
+            extent = arena.view(reply.extent)
             sums = await _to_the_end(write(extent))
             if sums is None:
                 sums = await _to_the_end(

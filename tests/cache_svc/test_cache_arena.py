@@ -66,7 +66,11 @@ def test_fragmented_arena_refuses_what_no_single_range_holds(tmp_path) -> None:
     arena.free(pieces[2])  # type: ignore[arg-type]
     assert arena.free_bytes == 8 * ALIGN
     assert arena.alloc(5 * ALIGN) is None  # 8 units free, in two pieces of 4
+    # What freeing the middle piece would make: one range of all 12 units.
+    assert arena.largest_free() == 4 * ALIGN
+    assert arena.largest_free([pieces[1]]) == 12 * ALIGN  # type: ignore[list-item]
     assert arena.alloc(4 * ALIGN) is not None
+    assert arena.largest_free([pieces[1]]) == 8 * ALIGN  # type: ignore[list-item]
     arena.close()
 
 
@@ -243,6 +247,24 @@ async def test_fragmented_arena_evicts_until_one_range_fits(start_cache, tmp_pat
     running.cache.store.check_integrity()
 
 
+async def test_fragmented_arena_evicts_nothing_when_no_range_would_fit(start_cache,
+                                                                       tmp_path) -> None:
+    running = await start_cache(arena_dir=tmp_path / "arena", memory_budget_bytes=8 * MIB,
+                                disk_dir=None, disk_budget_bytes=0)
+    client = running.client
+    # 2 MiB each, filling the arena: pinned, unpinned, pinned, unpinned.
+    for name, pinned in (("p1", True), ("u1", False), ("p2", True), ("u2", False)):
+        await client.put(name, LAYOUT, 64, 16, make_payload(LAYOUT, 64), pinned=pinned)
+    # Evicting u1 and u2 frees 4 MiB, but in two ranges of 2: a 4 MiB put
+    # cannot fit, so it is refused without dropping either.
+    with pytest.raises(errors.ResourceExhausted, match="largest free range 0"):
+        await client.put("big", LAYOUT, 128, 16, make_payload(LAYOUT, 128), pinned=False)
+    for name in ("u1", "u2"):
+        assert (await client.stat(name)).tier == cache_pb2.TIER_MEMORY
+    assert (await client.stats()).num_evictions == 0
+    running.cache.store.check_integrity()
+
+
 async def test_client_without_access_streams(start_cache, tmp_path) -> None:
     running = await start_cache(arena_dir=tmp_path / "arena")
     arena = running.cache.store.arena
@@ -318,6 +340,16 @@ async def test_extent_lease_runs_out(start_cache, tmp_path) -> None:
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "lease" in (info.value.details() or "")
     await running.assert_nothing_left()
+
+
+@pytest.mark.parametrize("method", ["PutShared", "GetShared"])
+async def test_a_shared_call_that_sends_nothing_ends(start_cache, tmp_path, method) -> None:
+    running = await start_cache(arena_dir=tmp_path / "arena", shared_lease_s=0.3)
+    call = getattr(running.stub, method)()  # no deadline, and no first message
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(call.read(), 10)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "sent nothing within the 0.3 s lease" in (info.value.details() or "")
 
 
 async def test_shared_get_must_start_at_chunk_zero(start_cache, tmp_path) -> None:
@@ -418,3 +450,25 @@ async def test_restart_keeps_the_disk_tier_and_drops_the_arena(tmp_path, process
         assert (await client.stats()).num_shared_puts == 1
     assert second.terminate() == 0
     assert os.listdir(arena_dir) == []  # a clean stop removes it
+
+
+async def test_a_client_streams_once_its_cache_comes_back_without_an_arena(
+        tmp_path, processes) -> None:
+    first = start_cache_process("--memory-budget", "8MiB", "--arena-dir", str(tmp_path))
+    processes.append(first)
+    async with CacheClient(first.address) as client:  # one client, as a worker keeps
+        await client.put("a", LAYOUT, 16, 256, make_payload(LAYOUT, 16))
+        assert await client.arena() is not None  # mapped
+        first.kill()
+        second = start_cache_process("--memory-budget", "8MiB", "--listen", first.address)
+        processes.append(second)
+        for seed, name in enumerate(("b", "c")):
+            data = make_payload(LAYOUT, 16, seed=seed)
+            await client.put(name, LAYOUT, 16, 256, data)
+            out = np.zeros_like(data)
+            await client.get_into(name, memoryview(out))
+            assert out.tobytes() == data.tobytes()
+        stats = await client.stats()
+        assert (stats.num_puts, stats.num_shared_puts) == (2, 0)
+        assert await client.arena() is None
+

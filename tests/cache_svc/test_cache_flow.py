@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
+import pytest
 from cache_helpers import MIB, make_layout, make_payload
 
 from kvstash.cache_client import CacheClient
@@ -31,6 +33,28 @@ async def test_slow_reader_paces_the_server(start_cache) -> None:
     async for response in call:
         received += response.chunk.data
     assert bytes(received) == data.tobytes()
+
+
+async def test_a_reader_that_stops_reading_is_let_go(start_cache) -> None:
+    # No disk: the new put fits only once "big" is evicted, which its reader
+    # prevents while it holds it.
+    running = await start_cache(memory_budget_bytes=64 * MIB, disk_dir=None,
+                                disk_budget_bytes=0, get_idle_s=0.5, reserve_wait_s=3.0)
+    data = make_payload(LAYOUT, 1536)  # 48 MiB
+    await running.client.put("big", LAYOUT, 1536, 0, data, pinned=False)
+    call = running.stub.GetSnapshot(cache_pb2.GetSnapshotRequest(snapshot_id="big"))
+    async for response in call:
+        if response.HasField("chunk"):
+            break  # and read no more, without cancelling
+    other = make_payload(LAYOUT, 1024, seed=1)  # 32 MiB
+    await running.client.put("other", LAYOUT, 1024, 0, other, pinned=False, timeout_s=20)
+    assert (await running.client.stats()).num_evictions == 1  # big, let go by its reader
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # reading again, it learns why
+        async for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "took no message for 0.5 s" in (info.value.details() or "")
+    running.cache.store.check_integrity()
 
 
 async def test_slow_disk_makes_writers_wait(start_cache) -> None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from cache_helpers import (
     MIB,
+    bytes_per_block,
     chunk_msg,
     make_header,
     make_layout,
@@ -18,9 +19,12 @@ from cache_helpers import (
     wait_until,
 )
 
+from cache_svc.put_stream import PutStream
+from kvstash.chunk_codec import MAX_CHUNK_BYTES
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout()  # 32 KiB blocks
+BLOCK = bytes_per_block(LAYOUT)
 NUM_BLOCKS = 100  # 3.125 MiB: chunks of 1, 1, 1 and 0.125 MiB
 DATA = make_payload(LAYOUT, NUM_BLOCKS).tobytes()
 PIECES = split(DATA, MIB)
@@ -51,10 +55,8 @@ CASES = {
                     "chunk 1 has 1048575 bytes, expected 1048576"),
     "long_last_chunk": ([HEADER, *good([0, 1, 2]), chunk_msg(3, PIECES[3] + b"\0")], BAD,
                         "chunk 3 has 131073 bytes, expected 131072"),
-    # Refused before another chunk is asked for: the put's share of the
-    # in-flight budget covers chunks of the declared size only.
     "oversize_chunk": ([HEADER, chunk_msg(0, PIECES[0] + b"\0"), *good([1, 2, 3])], BAD,
-                       "more than the header's chunk_bytes 1048576"),
+                       "chunk 0 has 1048577 bytes, expected 1048576"),
     "checksum_mismatch": ([HEADER, *good([0, 1]), chunk_msg(2, PIECES[2], checksum=12345),
                            *good([3])], grpc.StatusCode.DATA_LOSS, "chunk 2 checksum mismatch"),
     "payload_before_header": ([*good([0]), HEADER, *good([1, 2, 3])], BAD,
@@ -102,6 +104,32 @@ async def test_malformed_put_is_rejected_and_leaves_nothing(start_cache, case) -
     await running.assert_nothing_left()
     # The same id still works afterwards: nothing half-made blocks it.
     assert await send(running.stub, [HEADER, *good([0, 1, 2, 3])]) is None
+
+
+async def test_a_chunk_larger_than_declared_is_refused_before_the_next_is_read(
+        start_cache, monkeypatch) -> None:
+    """The put's share of the in-flight budget covers chunks of the sizes its
+    header declared (here 64 KiB in all): a client sending 4 MiB chunks
+    regardless gets no second chunk read into the server."""
+    asked: list[int] = []
+    read_ahead = PutStream.read_ahead
+
+    async def counted(self, num_bytes: int) -> None:
+        asked.append(num_bytes)
+        await read_ahead(self, num_bytes)
+
+    monkeypatch.setattr(PutStream, "read_ahead", counted)
+    running = await start_cache()
+    header = make_header("snap", LAYOUT, 2, chunk_bytes=4 * MIB)  # 64 KiB, one chunk
+    big = bytes(4 * MIB)
+    error = await send(running.stub, [cache_pb2.PutSnapshotRequest(header=header),
+                                      *(chunk_msg(i, big) for i in range(3))])
+    assert error is not None and error.code() == BAD
+    assert "chunk 0 has 4194304 bytes, expected 65536" in (error.details() or "")
+    # The put asked for its one chunk, at its declared size; what follows is
+    # the refused put's drain (reading out and dropping, in its own share).
+    assert asked[0] == 2 * BLOCK and set(asked[1:]) <= {MAX_CHUNK_BYTES}
+    await running.assert_nothing_left()
 
 
 async def test_well_formed_control_case_is_accepted(start_cache) -> None:
