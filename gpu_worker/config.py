@@ -116,6 +116,9 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections have biases (Qwen2)
     eos_token_ids: tuple[int, ...]
     rope_scaling: Llama3RopeScaling | None = None
+    # config.json's model_type (hf_config.SUPPORTED_MODEL_TYPES); the tiny
+    # model is Llama-shaped.
+    model_type: str = "llama"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

@@ -17,7 +17,10 @@ from typing import Any
 
 from gpu_worker.config import Llama3RopeScaling, ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Each model type this worker runs -> its Hugging Face class, as vLLM names
+# the architecture to gateways.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Checkpoint dtypes `--dtype auto` takes as they are.
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -155,6 +158,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
             eos_token_ids=eos_token_ids(raw.get("eos_token_id"),
                                         (generation or {}).get("eos_token_id")),
             rope_scaling=_rope_scaling(rope, max_len),
+            model_type=raw["model_type"],
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks {exc.args[0]!r}") from None

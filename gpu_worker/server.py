@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.hf_config import ARCHITECTURES
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.runner import ModelRunner, SeqWork, build_runner
 from gpu_worker.transfer import KvTransfer, SnapshotClient
@@ -76,6 +77,8 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
         device=str(runner.kv_cache.device),
         tokenizer_json=runner.tokenizer_json.encode("utf-8"),
         tokenizer_config_json=runner.tokenizer_config_json.encode("utf-8"),
+        model_type=cfg.model_type,
+        architectures=[ARCHITECTURES[cfg.model_type]],
     )
 
 

@@ -7,7 +7,8 @@ quantities involved, e.g. "prompt has 900 tokens, max_model_len is 512".
 
 from __future__ import annotations
 
-# Longest id (request or snapshot) any service accepts; longer is INVALID_ARGUMENT.
+# Longest snapshot id any service accepts; longer is INVALID_ARGUMENT. (Request
+# ids have their own limit: kvstash.ids.)
 MAX_ID_CHARS = 128
 
 

@@ -1,7 +1,12 @@
 """Rules for ids that cross service boundaries: request ids and snapshot ids.
 
-Both may reach logs and (snapshot ids) file names, so each is a short string
-of a safe alphabet. Errors echo at most a short prefix of what was sent.
+Request ids are any visible ASCII (0x21-0x7E), so that a gateway's ids
+(smg's "<x-request-id>-<uuid7>", a client's own) pass as they are; no space,
+control or non-ASCII character, so a log line that names one stays one line.
+Every service and both APIs apply the same rule: a prefill instance's ids
+reach its decode instances and its worker unchanged. Snapshot ids also name
+files, so they keep a stricter alphabet; `snapshot_id_for` makes one from any
+request id. Errors echo at most a short prefix of what was sent.
 """
 
 from __future__ import annotations
@@ -10,9 +15,9 @@ import re
 
 from kvstash.errors import MAX_ID_CHARS, InvalidArgument, preview
 
-REQUEST_ID_CHARS = "A-Za-z0-9._:-"
+MAX_REQUEST_ID_CHARS = 256
+_REQUEST_ID = re.compile(f"[\\x21-\\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 SNAPSHOT_ID_CHARS = "A-Za-z0-9._-"
-_REQUEST_ID = re.compile(f"[{REQUEST_ID_CHARS}]+")
 _SNAPSHOT_ID = re.compile(f"[{SNAPSHOT_ID_CHARS}]+")
 _NOT_SNAPSHOT_CHAR = re.compile(f"[^{SNAPSHOT_ID_CHARS}]")
 # Longest piece of a request id kept inside a snapshot id.
@@ -20,10 +25,10 @@ _SNAPSHOT_REQUEST_PART = 64
 
 
 def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
+    if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgument(
-            f"request_id must be 1-{MAX_ID_CHARS} chars of [{REQUEST_ID_CHARS}], "
-            f"got {preview(request_id)}")
+            f"request_id must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters "
+            f"(0x21-0x7E), got {preview(request_id)}")
 
 
 def check_snapshot_id(snapshot_id: str) -> str:
@@ -44,6 +49,7 @@ def check_snapshot_id(snapshot_id: str) -> str:
 
 def snapshot_id_for(prefix: str, request_id: str, serial: int) -> str:
     """`prefix.request.serial`: unique per (prefix, serial), readable in the cache's
-    listings and on disk, and always a valid snapshot id."""
+    listings and on disk, and always a valid snapshot id (the request id's
+    other characters become "_", its first 64 kept)."""
     part = _NOT_SNAPSHOT_CHAR.sub("_", request_id)[:_SNAPSHOT_REQUEST_PART]
     return check_snapshot_id(f"{prefix}.{part}.{serial}")

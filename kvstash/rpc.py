@@ -158,21 +158,50 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: errors.KvstashError
     raise AssertionError("unreachable: context.abort raises")
 
 
+async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> NoReturn:
+    """Ends a call that `exc` broke: a domain error with its status, anything
+    else (a bug) as INTERNAL naming `what` failed, logged with its traceback."""
+    if isinstance(exc, errors.KvstashError):
+        await abort_with(context, exc)
+    log.error("%s failed", what, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"{what} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    raise AssertionError("unreachable: context.abort raises")
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def maps_errors(method: F) -> F:
-    """Decorates a unary (or client-streaming) async servicer method so that
-    domain errors become the matching gRPC status instead of UNKNOWN."""
+    """Decorates an async servicer method, its response unary or streamed, so
+    that whatever it raises ends the call as `_abort_for` says, never as grpc's
+    UNKNOWN; a status it set with context.abort stands."""
+    what = method.__qualname__
+    if inspect.isasyncgenfunction(method):  # grpc tells a stream by its shape: keep it
+
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:  # closed with the call, however it ends: its own `finally` runs now
+                async with contextlib.aclosing(method(self, request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort_for(context, exc, what)
+
+        return stream  # type: ignore[return-value]
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await method(self, request, context)
-        except errors.KvstashError as exc:
-            await abort_with(context, exc)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort_for(context, exc, what)
 
-    return wrapper  # type: ignore[return-value]
+    return unary  # type: ignore[return-value]
 
 
 class _Undecodable:

@@ -200,7 +200,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         scheduler.servicer.attach(Backend(
             engine, tokenizer, metrics, args.role, info.model_name,
             tokenizer_files(info.tokenizer_json.decode(), info.tokenizer_config_json.decode(),
-                            info.eos_token_ids), kv_events))
+                            info.eos_token_ids), kv_events,
+            model_type=info.model_type, architectures=tuple(info.architectures)))
         await engine.start()
         cleanup.push_async_callback(engine.close)
         async with asyncio.timeout(args.worker_wait):

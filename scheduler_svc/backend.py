@@ -40,6 +40,10 @@ class Backend(NamedTuple):
     tokenizer_files: Mapping[str, str] = {}
     # The prefix cache's events for gateways (None: not published).
     kv_events: KvEventHub | None = None
+    # What the model is, in config.json's words, for gateways: its model_type
+    # ("llama") and architecture class names; empty where unknown.
+    model_type: str = ""
+    architectures: tuple[str, ...] = ()
 
     async def admit(self, request_id: str, prompt: list[int],
                     sampling: SamplingParams) -> RequestStream:

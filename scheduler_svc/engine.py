@@ -187,7 +187,8 @@ class Engine:
         or handed to)."""
         usage = self._core.abort(request_id)
         if (stream := self._req_to_stream.pop(request_id, None)) is not None:
-            stream.end(RequestUpdate(request_id, [], reported_as, usage))
+            stream.end(RequestUpdate(request_id, [], reported_as, usage,
+                                     usage.num_cached_tokens))
         self._let_go_of_decoder(request_id)
         self._wake.set()
 

@@ -18,18 +18,29 @@ UNIMPLEMENTED, never silently ignored. n > 1 runs n requests; the first goes
 alone until its first token, so the others find its prompt's full blocks in
 the prefix cache. The token that completes a stop string is the last sent,
 and the request is released at once. Preemption stays invisible: a
-preempted request's stream only pauses.
+preempted request's stream only pauses. A failure that is no domain error (a
+bug) is INTERNAL, logged with its traceback (rpc.maps_errors).
+
+What Generate sends, as vLLM's own servicer does:
+    chunk      one per update with tokens: the delta, its index, the prompt's
+               length and its tokens found in the prefix cache
+    complete   streamed: as each sequence finishes, repeating the tokens of
+               the update that finished it; not streamed: all of them once
+               every sequence has finished, in index order, each with all
+               its tokens. matched_token_id only for a token of the
+               request's stop_token_ids (not for EOS)
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import io
 import json
 import time
 import zipfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -77,8 +88,11 @@ class _Sequence:
     sampling: SamplingParams
     stops: Sequence[str]
     tokenizer: Tokenizer
-    stream: RequestStream = field(default_factory=RequestStream)  # once admitted
+    stream: RequestStream | None = None  # once submitted
     output: list[int] = field(default_factory=list)
+    # The tokens sent for its latest update; once it finished, those of the
+    # update that finished it (the stop string's, if one did).
+    last_sent: list[int] = field(default_factory=list)
     matched: str | None = None  # the stop string that ended it
     _watch: StopStrings | None = field(init=False, default=None)
 
@@ -98,23 +112,38 @@ class _Sequence:
                 with contextlib.suppress(errors.NotFound):  # finished meanwhile
                     engine.abort(self.request_id, RequestStatus.FINISHED_STOPPED)
         self.output.extend(new)
+        self.last_sent = new
         return new
+
+    def updates(self, backend: Backend) -> AsyncGenerator[RequestUpdate, None]:
+        """Its updates; only its end if an Abort came before it was submitted
+        (the core never had it: nothing to abort, nothing for the metrics)."""
+        if self.stream is None:
+            return _aborted_unsubmitted(self.request_id)
+        return backend.updates(self.request_id, self.stream, self.timing)
 
     def complete(self, finish: RequestUpdate, num_prompt_tokens: int, streamed: bool,
                  index: int) -> pb.GenerateComplete:
-        """Its GenerateComplete, from its finishing update."""
+        """Its GenerateComplete, from its finishing update: streamed, with the
+        tokens just sent for the update that finished it (as vLLM's); not
+        streamed, with all of them."""
         status = finish.finish_status
         assert status is not None
         complete = pb.GenerateComplete(
-            output_ids=[] if streamed else self.output, index=index,
+            output_ids=self.last_sent if streamed else self.output, index=index,
             finish_reason="stop" if self.matched is not None else _FINISH_REASON[status],
             prompt_tokens=num_prompt_tokens, completion_tokens=len(self.output),
-            cached_tokens=finish.usage.num_cached_tokens if finish.usage else 0)
+            cached_tokens=finish.num_cached_tokens)
         if self.matched is not None:
             complete.matched_stop_str = self.matched
-        elif status is RequestStatus.FINISHED_STOPPED:
-            complete.matched_token_id = self.output[-1]
+        elif (status is RequestStatus.FINISHED_STOPPED and self.output
+              and self.output[-1] in self.sampling.stop_token_ids):
+            complete.matched_token_id = self.output[-1]  # not EOS: vLLM names none
         return complete
+
+
+async def _aborted_unsubmitted(request_id: str) -> AsyncGenerator[RequestUpdate, None]:
+    yield RequestUpdate(request_id, [], FINISHED_ABORTED)
 
 
 def tokenizer_zip(files: Mapping[str, str]) -> bytes:
@@ -133,52 +162,56 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._attached = attached
         self._tokenizer_zip = b""
         self._started = time.monotonic()
+        self._version = f"kvstash {importlib.metadata.version('kvstash')}"
         # A running Generate's request id -> its sequences (itself, for n = 1);
         # one call per request id at a time.
         self._families: dict[str, _Family] = {}
 
     # -- generation ---------------------------------------------------------
 
+    @rpc.maps_errors
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """n sequences (n > 1: request ids "<id>:<index>", seeds seed + index,
-        as vLLM does), each streamed with its index and ended by its own
-        GenerateComplete; sharing the prompt's blocks through the prefix cache."""
+        as vLLM does), sharing the prompt's blocks through the prefix cache;
+        each streamed with its index, or not streamed, all ending together."""
         arrival = time.monotonic()
         request_id = request.request_id
-        try:
-            check_request_id(request_id)
-            backend = self._attached()
-            prompt = self._prompt(request, backend)
-            sampling = sampling_from_vllm(request.sampling_params, len(prompt),
-                                          backend.engine.core.config.max_model_len)
-            stops = stop_strings(request.sampling_params)
-            sequences = [
-                _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
-                for child_id, child in children(request_id, request.sampling_params.n, sampling)]
-            if request_id in self._families:  # its sequences' ids need not clash
-                raise errors.AlreadyExists(f"request_id {preview(request_id)} is running")
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+        check_request_id(request_id)
+        backend = self._attached()
+        prompt = self._prompt(request, backend)
+        sampling = sampling_from_vllm(request.sampling_params, len(prompt),
+                                      backend.engine.core.config.max_servable_len)
+        stops = stop_strings(request.sampling_params)
+        sequences = [
+            _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
+            for child_id, child in children(request_id, request.sampling_params.n, sampling)]
+        if request_id in self._families:  # its sequences' ids need not clash
+            raise errors.AlreadyExists(f"request_id {preview(request_id)} is running")
         family = self._families[request_id] = _Family([s.request_id for s in sequences])
         try:
             await self._admit(backend, prompt, sequences, family)
-            async with contextlib.aclosing(fan_in([
-                    backend.updates(s.request_id, s.stream, s.timing) for s in sequences
-            ])) as updates:
+            completes: list[pb.GenerateComplete] = []  # not streamed: sent at the end
+            async with contextlib.aclosing(
+                    fan_in([s.updates(backend) for s in sequences])) as updates:
                 async for index, event in updates:
                     seq = sequences[index]
                     new = seq.take(event, backend.engine)
                     if request.stream and new:
                         yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
                             token_ids=new, prompt_tokens=len(prompt),
-                            completion_tokens=len(new), index=index))
-                    if event.finish_status is not None:
-                        yield pb.GenerateResponse(complete=seq.complete(
-                            event, len(prompt), request.stream, index))
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+                            completion_tokens=len(new), cached_tokens=event.num_cached_tokens,
+                            index=index))
+                    if event.finish_status is None:
+                        continue
+                    complete = seq.complete(event, len(prompt), request.stream, index)
+                    if request.stream:
+                        yield pb.GenerateResponse(complete=complete)
+                    else:
+                        completes.append(complete)
+            for complete in sorted(completes, key=lambda c: c.index):
+                yield pb.GenerateResponse(complete=complete)
         finally:
             del self._families[request_id]
 
@@ -188,20 +221,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Submits every sequence: the first alone until its first token, when
         its prompt's full blocks are in the prefix cache for the others. One
         refused (or the call cancelled) aborts those submitted before it;
-        after an Abort, those not yet submitted end as aborted at once."""
+        after an Abort, those not yet submitted never are (their stream stays
+        None)."""
         admitted: list[_Sequence] = []
         try:
             for seq in sequences:
                 if family.aborted:
-                    seq.stream.end(RequestUpdate(seq.request_id, [], FINISHED_ABORTED, None))
-                    continue
-                seq.stream = await backend.admit(seq.request_id, prompt, seq.sampling)
+                    break
+                stream = seq.stream = await backend.admit(seq.request_id, prompt, seq.sampling)
                 admitted.append(seq)
                 if family.aborted:  # it came while this one was being submitted
                     with contextlib.suppress(errors.NotFound):
                         backend.engine.abort(seq.request_id)
                 elif seq is sequences[0] and len(sequences) > 1:
-                    await seq.stream.begun.wait()
+                    await stream.begun.wait()
         except BaseException:
             for seq in admitted:
                 with contextlib.suppress(errors.NotFound):
@@ -230,10 +263,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Aborts those of the ids that are live; unknown ones are ignored (a
-        gateway aborts what may just have finished)."""
+        gateway aborts what may just have finished). All are checked first:
+        a bad one aborts none."""
         engine = self._attached().engine
         for request_id in request.request_ids:
             check_request_id(request_id)
+        for request_id in request.request_ids:
             family = self._families.get(request_id)
             if family is not None:
                 family.aborted = True  # for those not submitted yet
@@ -244,6 +279,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- what the gateway asks about the engine ------------------------------
 
+    @rpc.maps_errors
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         try:
@@ -256,17 +292,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     @rpc.maps_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        """The context length is what this instance serves: max_model_len, or
+        less where its KV pool holds fewer tokens."""
         backend = self._attached()
         config = backend.engine.core.config
+        max_len = config.max_servable_len
         return pb.GetModelInfoResponse(
             model_path=backend.model, served_model_name=backend.model, is_generation=True,
-            max_context_length=config.max_model_len, max_req_input_len=config.max_model_len - 1,
+            max_context_length=max_len, max_req_input_len=max_len - 1,
             vocab_size=config.vocab_size, eos_token_ids=list(config.eos_token_ids),
-            model_type="llama", architectures=["LlamaForCausalLM"])
+            model_type=backend.model_type, architectures=list(backend.architectures))
 
     @rpc.maps_errors
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        """No kv_connector, no kv_role, whatever this instance's P/D role:
+        kvstash hands KV off itself, so a gateway must not pair its instances
+        as vLLM prefill and decode workers."""
         backend = self._attached()
         config = backend.engine.core.config
         stats = backend.engine.core.stats()
@@ -274,8 +316,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             active_requests=stats.num_running_prefill + stats.num_running_decode
             + stats.num_waiting + stats.num_offloaded,
             uptime_seconds=time.monotonic() - self._started, server_type="vllm-grpc",
-            data_parallel_size=1, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            kv_role={"mixed": "", "prefill": "kv_producer", "decode": "kv_consumer"}[backend.role])
+            data_parallel_size=1, block_size=config.block_size, max_num_seqs=config.max_num_seqs)
 
     @rpc.maps_errors
     async def GetLoads(self, request: pb.GetLoadsRequest,
@@ -288,7 +329,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         waiting = stats.num_waiting + stats.num_offloaded
         num_free = stats.num_free_blocks + stats.num_evictable_blocks
         return pb.GetLoadsResponse(
-            timestamp=datetime.now(UTC).isoformat(), dp_rank_count=1, loads=[pb.SchedulerLoad(
+            timestamp=datetime.now(UTC).isoformat(), version=self._version, dp_rank_count=1,
+            loads=[pb.SchedulerLoad(
                 dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
                 num_total_reqs=running + waiting,
                 num_used_tokens=(stats.num_total_blocks - num_free) * stats.block_size,
@@ -296,13 +338,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 token_usage=stats.kv_usage_ratio,
                 max_running_requests=backend.engine.core.config.max_num_seqs)])
 
+    @rpc.maps_errors
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext,
                            ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        try:
-            files = self._attached().tokenizer_files
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+        files = self._attached().tokenizer_files
         if not self._tokenizer_zip:
             self._tokenizer_zip = tokenizer_zip(files)
         data = self._tokenizer_zip
@@ -321,24 +361,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return common_pb2.FlushCacheResponse(
             success=True, message=f"prefix cache flushed ({freed} blocks freed)")
 
-    # -- not served ----------------------------------------------------------
-
+    @rpc.maps_errors
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext,
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The prefix cache's events from batch start_sequence_number + 1 on
         (those still kept), then as they happen."""
-        try:
-            hub = self._attached().kv_events
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+        hub = self._attached().kv_events
         if hub is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off")
-            return
+            raise errors.Unimplemented("KV cache events are off")
         # Headers now: a gateway counts the stream as connected only then.
         await context.send_initial_metadata(())
         async for batch in hub.subscribe(after=request.start_sequence_number):
             yield batch
+
+    # -- not served ----------------------------------------------------------
 
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:

@@ -12,7 +12,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from kvstash import errors
 from kvstash.ids import check_request_id
-from kvstash.sampling import SamplingParams
+from kvstash.sampling import MAX_SEED, SamplingParams
 from kvstash.tokenizer import TextStream
 
 # SamplingParams fields kvstash has no counterpart for, with their neutral value.
@@ -24,6 +24,8 @@ _UNSUPPORTED_SAMPLING = {
 MAX_STOP_STRINGS = 32
 MAX_N = 16  # sequences per request
 MAX_STOP_STRING_CHARS = 1024
+_VLLM_NO_SEED = -1
+_NUM_SEEDS = MAX_SEED + 1  # kvstash's seeds are uint64
 
 
 class StopStrings:
@@ -63,9 +65,14 @@ def stop_strings(params: pb.SamplingParams) -> list[str]:
 
 
 def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
-                       max_model_len: int) -> SamplingParams:
-    """kvstash's sampling for a VllmEngine request; Unimplemented names a
-    field it cannot honour, InvalidArgument a bad value."""
+                       max_len: int) -> SamplingParams:
+    """kvstash's sampling for a VllmEngine request whose sequence may reach
+    `max_len` tokens; Unimplemented names a field it cannot honour,
+    InvalidArgument a bad value.
+
+    As vLLM: max_tokens (unset: no limit) is cut to the room the prompt
+    leaves below max_len, where the sequence then ends "length"; only a
+    prompt that leaves none is refused."""
     for name, neutral in _UNSUPPORTED_SAMPLING.items():
         if getattr(params, name) != neutral:
             raise errors.Unimplemented(f"sampling_params.{name} is not supported")
@@ -80,24 +87,36 @@ def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
         raise errors.Unimplemented(
             f"sampling_params.{params.WhichOneof('constraint')} (constrained decoding) "
             "is not supported")
-    max_tokens = (params.max_tokens if params.HasField("max_tokens")
-                  else max_model_len - num_prompt_tokens)
+    room = max_len - num_prompt_tokens
+    if room < 1:
+        raise errors.InvalidArgument(
+            f"prompt of {num_prompt_tokens} tokens leaves no room to generate: sequences "
+            f"here are at most {max_len} tokens (max_model_len, or what the KV pool holds)")
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=min(params.max_tokens, room) if params.HasField("max_tokens") else room,
         # Unset: vLLM's (and OpenAI's) default of 1.0; 0 is greedy.
         temperature=params.temperature if params.HasField("temperature") else 1.0,
         top_p=params.top_p or 1.0,
         top_k=params.top_k,
-        seed=params.seed if params.HasField("seed") else None,
+        seed=_seed(params),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
 
 
+def _seed(params: pb.SamplingParams) -> int | None:
+    """vLLM's int32 seed as kvstash's uint64 one: -1 (vLLM's "no seed") or
+    unset is None; any other negative seed, which vLLM accepts, is taken mod
+    2**64 (its two's complement bits, as torch's manual_seed takes it)."""
+    if not params.HasField("seed") or params.seed == _VLLM_NO_SEED:
+        return None
+    return params.seed % _NUM_SEEDS
+
+
 def children(request_id: str, n: int, sampling: SamplingParams
              ) -> list[tuple[str, SamplingParams]]:
     """The sequences of a request for `n` of them (0 counts as 1): their
-    request ids and sampling."""
+    request ids and sampling (seeds seed + index, mod 2**64)."""
     if n > MAX_N:
         raise errors.InvalidArgument(f"sampling_params.n {n}: at most {MAX_N} sequences")
     if n <= 1:
@@ -105,5 +124,5 @@ def children(request_id: str, n: int, sampling: SamplingParams
     ids = [f"{request_id}:{i}" for i in range(n)]
     check_request_id(ids[-1])  # the longest
     return [(child_id, sampling if sampling.seed is None
-             else dataclasses.replace(sampling, seed=sampling.seed + i))
+             else dataclasses.replace(sampling, seed=(sampling.seed + i) % _NUM_SEEDS))
             for i, child_id in enumerate(ids)]

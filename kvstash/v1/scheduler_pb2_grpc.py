@@ -71,8 +71,9 @@ class SchedulerServicer:
         """Streams a request's output: token deltas, then one final message carrying
         finish_reason and usage. Preemption is invisible here apart from a pause.
         INVALID_ARGUMENT: a request that does not decode, a request_id that is not
-        1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
-        ids outside the vocabulary, prompt + max_tokens that can never fit.
+        1-256 visible ASCII characters (0x21-0x7E), empty prompt, bad sampling
+        values, token ids outside the vocabulary, prompt + max_tokens that can
+        never fit.
         ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
         health service then answers NOT_SERVING), or it died mid-request.
         """
@@ -82,7 +83,7 @@ class SchedulerServicer:
 
     def Abort(self, request, context):
         """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
-        or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+        or finished; INVALID_ARGUMENT: not 1-256 visible ASCII characters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,14 +38,15 @@ class SchedulerStub:
     """Streams a request's output: token deltas, then one final message carrying
     finish_reason and usage. Preemption is invisible here apart from a pause.
     INVALID_ARGUMENT: a request that does not decode, a request_id that is not
-    1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
-    ids outside the vocabulary, prompt + max_tokens that can never fit.
+    1-256 visible ASCII characters (0x21-0x7E), empty prompt, bad sampling
+    values, token ids outside the vocabulary, prompt + max_tokens that can
+    never fit.
     ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
     health service then answers NOT_SERVING), or it died mid-request.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]
     """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
-    or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+    or finished; INVALID_ARGUMENT: not 1-256 visible ASCII characters.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]
     """A point-in-time view of the scheduler's queues and block pool."""
@@ -79,14 +80,15 @@ class SchedulerAsyncStub(SchedulerStub):
     """Streams a request's output: token deltas, then one final message carrying
     finish_reason and usage. Preemption is invisible here apart from a pause.
     INVALID_ARGUMENT: a request that does not decode, a request_id that is not
-    1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
-    ids outside the vocabulary, prompt + max_tokens that can never fit.
+    1-256 visible ASCII characters (0x21-0x7E), empty prompt, bad sampling
+    values, token ids outside the vocabulary, prompt + max_tokens that can
+    never fit.
     ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
     health service then answers NOT_SERVING), or it died mid-request.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]  # type: ignore[assignment]
     """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
-    or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+    or finished; INVALID_ARGUMENT: not 1-256 visible ASCII characters.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]  # type: ignore[assignment]
     """A point-in-time view of the scheduler's queues and block pool."""
@@ -123,8 +125,9 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         """Streams a request's output: token deltas, then one final message carrying
         finish_reason and usage. Preemption is invisible here apart from a pause.
         INVALID_ARGUMENT: a request that does not decode, a request_id that is not
-        1-128 chars of [A-Za-z0-9._:-], empty prompt, bad sampling values, token
-        ids outside the vocabulary, prompt + max_tokens that can never fit.
+        1-256 visible ASCII characters (0x21-0x7E), empty prompt, bad sampling
+        values, token ids outside the vocabulary, prompt + max_tokens that can
+        never fit.
         ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
         health service then answers NOT_SERVING), or it died mid-request.
         """
@@ -136,7 +139,7 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.AbortResponse, _abc.Awaitable[_scheduler_pb2.AbortResponse]]:
         """Stops a request in any state and frees what it holds. NOT_FOUND: unknown
-        or finished; INVALID_ARGUMENT: not 1-128 chars of [A-Za-z0-9._:-].
+        or finished; INVALID_ARGUMENT: not 1-256 visible ASCII characters.
         """
 
     @_abc_1.abstractmethod

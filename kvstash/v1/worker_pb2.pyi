@@ -47,6 +47,8 @@ class WorkerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    MODEL_TYPE_FIELD_NUMBER: _builtins.int
+    ARCHITECTURES_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     max_model_len: _builtins.int
@@ -61,10 +63,16 @@ class WorkerInfo(_message.Message):
     """The checkpoint's tokenizer_config.json (special tokens, chat template;
     a chat_template.jinja beside it folded in); empty: it has none.
     """
+    model_type: _builtins.str
+    """What the model is, as gateways are told (vLLM's GetModelInfo): the
+    checkpoint's model_type ("llama", "qwen2") and its architecture class.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def kv_layout(self) -> _common_pb2.KvLayout: ...
+    @_builtins.property
+    def architectures(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -77,10 +85,12 @@ class WorkerInfo(_message.Message):
         device: _builtins.str = ...,
         tokenizer_json: _builtins.bytes = ...,
         tokenizer_config_json: _builtins.bytes = ...,
+        model_type: _builtins.str = ...,
+        architectures: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architectures", b"architectures", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "model_type", b"model_type", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

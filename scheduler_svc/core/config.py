@@ -134,6 +134,13 @@ class SchedulerConfig:
                            _coerce(PreemptionMode, "preemption_mode", self.preemption_mode))
 
     @property
+    def max_servable_len(self) -> int:
+        """The longest sequence (prompt + output) a request can have here:
+        max_model_len, or fewer where the whole pool holds fewer tokens
+        (intake refuses a request that needs more blocks than the pool)."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    @property
     def min_new_token_ratio(self) -> float:
         return self.init_new_token_ratio * self.min_new_token_ratio_factor
 

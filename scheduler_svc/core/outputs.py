@@ -108,6 +108,9 @@ class RequestUpdate:
     finish_status: RequestStatus | None = None
     # Its figures, with finish_status.
     usage: RequestUsage | None = None
+    # Prompt tokens its first admission found in the prefix cache (as in
+    # usage), on every update: what a vLLM stream chunk reports.
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -247,7 +247,8 @@ class Scheduler:
             if token_id in req.stop_ids or len(output_ids) >= req.sampling.max_tokens:
                 add_update(self._finish(req, token_id))
             else:
-                add_update(RequestUpdate(request_id, [token_id]))
+                add_update(RequestUpdate(request_id, [token_id],
+                                         num_cached_tokens=req.num_cached_tokens))
         self._counters.num_generation_tokens += len(updates)  # one new token each
         return updates
 
@@ -255,7 +256,8 @@ class Scheduler:
         """token_id, just appended, ends req (a stop token, or max_tokens reached)."""
         status = FINISHED_STOPPED if token_id in req.stop_ids else FINISHED_LENGTH
         self.life.finish(req, status)
-        return RequestUpdate(req.request_id, [token_id], status, req.usage())
+        return RequestUpdate(req.request_id, [token_id], status, req.usage(),
+                             req.num_cached_tokens)
 
     def _record_chunk(self, req: Request, seq: ScheduledSeq) -> None:
         start = seq.start_pos
@@ -360,7 +362,8 @@ class Scheduler:
         self._check_remote_tokens(req, token_ids)
         req.output_token_ids.extend(token_ids)
         self._counters.num_generation_tokens += len(token_ids)
-        return RequestUpdate(request_id, list(token_ids))
+        return RequestUpdate(request_id, list(token_ids),
+                             num_cached_tokens=req.num_cached_tokens)
 
     def finish_remote(
         self, request_id: str, token_ids: Sequence[int], stopped: bool, remote: RequestUsage

@@ -16,6 +16,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.hf_config import parse_model_config
 from gpu_worker.model import CausalLM, fill_random
 from gpu_worker.runner import SeqWork, build_runner
+from gpu_worker.server import info_proto
 from kvstash.tokenizer import load_tokenizer
 
 WORDS = ["[UNK]", "<eos>", "hello", "world", "the", "cache", "stash", "kv", "blocks"]
@@ -83,6 +84,8 @@ def test_worker_config_directory_gives_runner_and_tokenizer(tmp_path: Path) -> N
     write_checkpoint(tmp_path, QWEN2, shards=1)
     runner = build_runner(WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8))
     assert runner.name == tmp_path.name
+    info = info_proto(runner)  # what the scheduler tells gateways the model is
+    assert (info.model_type, list(info.architectures)) == ("qwen2", ["Qwen2ForCausalLM"])
     assert runner.model_config.eos_token_ids == (1, 2)
     assert runner.max_model_len == 256
     tok = load_tokenizer(runner.tokenizer_json, runner.model_config.vocab_size,

@@ -81,6 +81,8 @@ async def test_get_info(harness: Harness) -> None:
     assert info.model_name == "tiny" and info.vocab_size == 258 and info.max_model_len == 1024
     assert list(info.eos_token_ids) == [257] and info.num_blocks == 64
     assert info.device == "cpu" and info.tokenizer_json == b""
+    # What gateways are told the model is: the tiny one is Llama-shaped.
+    assert (info.model_type, list(info.architectures)) == ("llama", ["LlamaForCausalLM"])
     assert info.kv_layout == common_pb2.KvLayout(num_layers=4, block_size=4, num_kv_heads=2,
                                                  head_dim=32, dtype="float32")
 
@@ -194,9 +196,9 @@ async def test_bad_ids_and_undecodable_bytes_are_short_invalid_arguments(
         (worker_pb2.OffloadRequest(request_id="a", snapshot_id="../etc", block_ids=[0],
                                    num_tokens=1), "has characters outside [A-Za-z0-9._-]"),
         (worker_pb2.OffloadRequest(request_id="", snapshot_id="s", block_ids=[0],
-                                   num_tokens=1), "request_id must be 1-128 chars"),
+                                   num_tokens=1), "request_id must be 1-256 visible ASCII"),
         (worker_pb2.RestoreRequest(request_id=long_id, snapshot_id="snap", block_ids=[0]),
-         "request_id must be 1-128 chars"),
+         "request_id must be 1-256 visible ASCII"),
         (worker_pb2.RestoreRequest(request_id="a", snapshot_id=".hidden", block_ids=[0]),
          "must not start with '.'"),
     ]

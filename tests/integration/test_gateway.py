@@ -58,8 +58,9 @@ async def test_generate_streams_the_tokens_kvstash_generates(
     assert all(c.chunk.prompt_tokens == len(PROMPT) for c in deltas)
     assert sum(c.chunk.completion_tokens for c in deltas) == 12
     complete = last.complete
-    assert (complete.finish_reason, complete.completion_tokens, list(complete.output_ids)) == (
-        "length", 12, [])
+    assert (complete.finish_reason, complete.completion_tokens) == ("length", 12)
+    # As vLLM's: the tokens of the update that finished it, just sent as a chunk.
+    assert list(complete.output_ids) == list(deltas[-1].chunk.token_ids) == expected[-1:]
     # Not streamed: one complete with every token; text input tokenized here.
     [only] = [r async for r in engine.Generate(pb.GenerateRequest(
         request_id="vllm-once", text="hello kv", sampling_params=greedy(12)))]
@@ -76,6 +77,12 @@ async def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(
             sampling_params=greedy(2)))]
         cached.append(only.complete.cached_tokens)
     assert cached == [0, 32]
+    # Streamed: on every chunk too, as vLLM sends it.
+    *chunks, last = [r async for r in engine.Generate(pb.GenerateRequest(
+        request_id="vllm-cached-streamed", tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=greedy(3), stream=True))]
+    assert [c.chunk.cached_tokens for c in chunks] == [32, 32, 32]
+    assert last.complete.cached_tokens == 32
 
 
 async def test_a_stop_token_is_reported_as_the_matched_stop(
@@ -87,6 +94,23 @@ async def test_a_stop_token_is_reported_as_the_matched_stop(
     complete = only.complete
     assert list(complete.output_ids) == tokens[:4]
     assert complete.finish_reason == "stop" and complete.matched_token_id == tokens[3]
+
+
+# Sampled at temperature 1.0 with this seed, the tiny model ends PROMPT with
+# its EOS (257) after 7 tokens; with SEED_EOS - 1, not in 64.
+SEED_EOS = 12
+
+
+async def test_the_models_eos_is_no_matched_stop(
+        engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """As vLLM's: matched_token_id is a token of the request's stop_token_ids
+    only; EOS ends a sequence as "stop" with no matched stop."""
+    [only] = [r async for r in engine.Generate(pb.GenerateRequest(
+        request_id="vllm-eos", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=pb.SamplingParams(temperature=1.0, seed=SEED_EOS, max_tokens=64)))]
+    complete = only.complete
+    assert (complete.finish_reason, complete.output_ids[-1]) == ("stop", 257)
+    assert complete.WhichOneof("matched_stop") is None
 
 
 def first_ascii_pair(tokens: list[int]) -> int:
@@ -109,8 +133,11 @@ async def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(
                 input_ids=PROMPT), sampling_params=greedy(64, stop=["never made", stop]),
             stream=stream))]
         complete = responses[-1].complete
-        sent = [t for r in responses[:-1] for t in r.chunk.token_ids] + list(complete.output_ids)
+        chunks = [list(r.chunk.token_ids) for r in responses[:-1]]
+        sent = [t for c in chunks for t in c] + ([] if stream else list(complete.output_ids))
         assert sent == tokens[:i + 2]
+        if stream:  # it repeats the chunk whose text completed the stop string
+            assert list(complete.output_ids) == chunks[-1]
         assert (complete.finish_reason, complete.matched_stop_str) == ("stop", stop)
         assert complete.completion_tokens == i + 2
     stats = await _settled(stack.address)
@@ -144,11 +171,36 @@ async def test_n_sequences_stream_by_index_each_as_its_seed_makes_it(
                 got[r.chunk.index] += r.chunk.token_ids
             else:
                 completes[r.complete.index] = r.complete
-                got[r.complete.index] += r.complete.output_ids
+                if stream:  # the tokens of its last chunk, again
+                    assert list(r.complete.output_ids) == expected[r.complete.index][-1:]
+                else:
+                    got[r.complete.index] += r.complete.output_ids
         assert [got[i] for i in range(3)] == expected
         assert sorted(completes) == [0, 1, 2]
         assert all(c.finish_reason == "length" and c.completion_tokens == 10
                    for c in completes.values())
+
+
+async def test_n_sequences_not_streamed_end_together_in_index_order(
+        stack: Stack, engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """Sequence 1 ends at its EOS long before sequence 0 ends at max_tokens;
+    not streamed, both come once the request is done, 0 first, as vLLM's."""
+    expected = await seeded_eos_tokens(stack, range(SEED_EOS - 1, SEED_EOS + 1), 64)
+    assert len(expected[1]) < len(expected[0]) == 64
+    responses = [r async for r in engine.Generate(pb.GenerateRequest(
+        request_id="vllm-n-order", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=pb.SamplingParams(temperature=1.0, seed=SEED_EOS - 1, n=2,
+                                          max_tokens=64)))]
+    assert [r.complete.index for r in responses] == [0, 1]
+    assert [list(r.complete.output_ids) for r in responses] == expected
+    assert [r.complete.finish_reason for r in responses] == ["length", "stop"]
+
+
+async def seeded_eos_tokens(stack: Stack, seeds: range, max_tokens: int) -> list[list[int]]:
+    """kvstash's own tokens for each seed at temperature 1.0, EOS applying."""
+    async with Client(stack.address) as client:
+        return [(await client.complete(PROMPT, max_tokens=max_tokens, temperature=1.0,
+                                       seed=seed)).token_ids for seed in seeds]
 
 
 async def test_n_sequences_share_the_prompts_blocks(
@@ -156,12 +208,31 @@ async def test_n_sequences_share_the_prompts_blocks(
     """The first sequence goes alone until its first token; the others then
     find its prompt's full blocks in the prefix cache."""
     prompt = [(i * 53 + 7) % 250 for i in range(40)]  # this test's own: two full blocks
-    cached = {r.complete.index: r.complete.cached_tokens
-              async for r in engine.Generate(pb.GenerateRequest(
-                  request_id="vllm-n-shared", tokenized=pb.TokenizedInput(input_ids=prompt),
-                  sampling_params=greedy(4, n=2), stream=True))
-              if r.WhichOneof("response") == "complete"}
-    assert cached == {0: 0, 1: 32}
+    cached: dict[int, set[int]] = {0: set(), 1: set()}
+    async for r in engine.Generate(pb.GenerateRequest(
+            request_id="vllm-n-shared", tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=greedy(4, n=2), stream=True)):
+        reply = getattr(r, r.WhichOneof("response"))
+        cached[reply.index].add(reply.cached_tokens)
+    assert cached == {0: {0}, 1: {32}}  # every chunk and the complete say it
+
+
+async def test_max_tokens_past_max_model_len_ends_there_as_length(
+        engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    """As vLLM: max_tokens is cut to what max_model_len (the tiny model's 1024)
+    leaves after the prompt; a prompt that leaves nothing is refused."""
+    prompt = [(i * 29 + 5) % 250 for i in range(1020)]
+    [only] = [r async for r in engine.Generate(pb.GenerateRequest(
+        request_id="vllm-to-the-end", tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=greedy(100)))]
+    assert (only.complete.finish_reason, len(only.complete.output_ids)) == ("length", 4)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in engine.Generate(pb.GenerateRequest(
+                request_id="vllm-no-room", tokenized=pb.TokenizedInput(input_ids=prompt * 2),
+                sampling_params=greedy(4))):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2040" in err.value.details() and "1024" in err.value.details()
 
 
 async def test_abort_by_the_request_id_ends_all_its_sequences(
@@ -236,9 +307,13 @@ async def test_info_loads_health_and_tokenizer(
     info = await engine.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.served_model_name, info.vocab_size, list(info.eos_token_ids)) == (
         "tiny", 258, [257])
+    assert (info.model_type, list(info.architectures)) == ("llama", ["LlamaForCausalLM"])
+    assert info.max_context_length == 1024
     server = await engine.GetServerInfo(pb.GetServerInfoRequest())
     assert server.block_size == 16 and server.server_type == "vllm-grpc"
+    assert server.kv_role == ""
     loads = await engine.GetLoads(pb.GetLoadsRequest())
+    assert loads.version.startswith("kvstash ")
     [load] = loads.loads
     assert load.max_total_num_tokens == 256 * 16 and 0 <= load.token_usage <= 1
     assert (await engine.HealthCheck(pb.HealthCheckRequest())).healthy
@@ -343,6 +418,16 @@ async def test_smg_returns_n_choices_for_one_request(stack: Stack, gateway: str)
     texts = {c["index"]: c["text"] for c in reply["choices"]}
     assert texts == {0: shown(expected[0]), 1: shown(expected[1])}
     assert reply["usage"]["completion_tokens"] == 24
+    # Streamed: each choice's text once (a complete repeats its last chunk's
+    # tokens, as vLLM's do), and the usage of both.
+    streamed = {0: "", 1: ""}
+    usage = {}
+    async for event in sse_events(f"{gateway}/v1/completions", body | {
+            "stream": True, "stream_options": {"include_usage": True}}):
+        for choice in event.get("choices") or []:
+            streamed[choice["index"]] += choice["text"]
+        usage = event.get("usage") or usage
+    assert streamed == texts and usage["completion_tokens"] == 24
 
 
 async def test_smg_chat_applies_the_tiny_template(stack: Stack, gateway: str) -> None:

@@ -1,5 +1,6 @@
 """kvstash.rpc over a real channel: undecodable requests, whatever the
-handler's shape, end with INVALID_ARGUMENT and a plain message."""
+handler's shape, end with INVALID_ARGUMENT and a plain message; a servicer's
+failures, unary or streamed, with their status (INTERNAL for a bug)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,74 @@ async def test_undecodable_message_in_a_stream_is_invalid_argument(
         await _call(channel, method, [b"a", b"bad", b"c"])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "<class" not in (caught.value.details() or "")
+
+
+class Failing:
+    """A servicer whose methods fail as the request says, after one response
+    for the streamed one."""
+
+    @staticmethod
+    async def _fail(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        if request == b"domain":
+            raise errors.NotFound("snapshot s is not there")
+        if request == b"aborted":
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+        if request == b"bug":
+            raise KeyError("a bug")
+
+    @rpc.maps_errors
+    async def Unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await self._fail(request, context)
+        return request
+
+    @rpc.maps_errors
+    async def Stream(self, request: bytes, context: grpc.aio.ServicerContext,
+                     ) -> AsyncIterator[bytes]:
+        yield b"first"
+        await self._fail(request, context)
+        yield request
+
+
+@pytest.fixture
+async def failing() -> AsyncIterator[grpc.aio.Channel]:
+    servicer = Failing()
+
+    def register(server: grpc.aio.Server) -> None:
+        handlers = {"Unary": grpc.unary_unary_rpc_method_handler(servicer.Unary),
+                    "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    server, port, _ = await rpc.create_server("127.0.0.1:0", [register], [SERVICE])
+    async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel
+    await server.stop(None)
+
+
+@pytest.mark.parametrize("method", ["Unary", "Stream"])
+@pytest.mark.parametrize(("sent", "code", "details"), [
+    (b"domain", grpc.StatusCode.NOT_FOUND, "snapshot s is not there"),
+    (b"aborted", grpc.StatusCode.PERMISSION_DENIED, "not yours"),
+    (b"bug", grpc.StatusCode.INTERNAL, "Failing.{method} failed: KeyError: 'a bug'"),
+])
+async def test_maps_errors_gives_each_failure_its_status(
+    failing: grpc.aio.Channel, caplog: pytest.LogCaptureFixture, method: str,
+    sent: bytes, code: grpc.StatusCode, details: str,
+) -> None:
+    """Before: a bug was UNKNOWN, "Unexpected <class 'KeyError'>", and a
+    streamed method's domain error too."""
+    path = f"/{SERVICE}/{method}"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        if method == "Unary":
+            await failing.unary_unary(path)(sent)
+        else:
+            assert [r async for r in failing.unary_stream(path)(sent)] == [b"first"]
+    assert (caught.value.code(), caught.value.details()) == (code, details.format(method=method))
+    logged = [r for r in caplog.records if r.name == "kvstash.rpc"]
+    if code == grpc.StatusCode.INTERNAL:  # a bug: logged with its traceback
+        [record] = logged
+        assert record.exc_info is not None and f"Failing.{method}" in record.getMessage()
+    else:
+        assert not logged
 
 
 def test_preview_clips_client_input() -> None:

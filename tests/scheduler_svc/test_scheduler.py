@@ -225,6 +225,15 @@ def test_identical_prompts_share_prefix_blocks() -> None:
     assert b.block_ids[:2] == a.block_ids[:2]  # [10, 11] [12, 13] computed by "a"
     [b_seq] = [s for s in output.seqs if s.request_id == "b"]
     assert (b_seq.start_pos, b_seq.token_ids) == (4, [14, 15])
+    # Every update of "b", not only the finishing one, says what it found cached.
+    updates = []
+    while scheduler.has_unfinished_requests:
+        updates += step(scheduler)[1]
+    cached = {u.request_id: set() for u in updates}
+    for u in updates:
+        cached[u.request_id].add(u.num_cached_tokens)
+        assert u.usage is None or u.usage.num_cached_tokens == u.num_cached_tokens
+    assert cached == {"a": {0}, "b": {4}}
 
 
 def test_check_integrity_catches_corrupted_scheduler_state() -> None:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
 from kvstash import rpc
 from kvstash.tokenizer import ByteTokenizer
@@ -55,13 +58,26 @@ async def channel(server: SchedulerServer) -> AsyncIterator[grpc.aio.Channel]:
 
 
 @pytest.fixture
-async def attached(server: SchedulerServer) -> AsyncIterator[SchedulerServer]:
-    core = make_scheduler(vocab_size=258, max_num_waiting=2)
-    async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere:
-        engine = Engine(core, WorkerLink(nowhere), None)
-        server.servicer.attach(Backend(engine, ByteTokenizer(),
-                                       SchedulerMetrics(core, asyncio.get_running_loop())))
-        yield server
+async def nowhere() -> AsyncIterator[grpc.aio.Channel]:
+    """A worker channel that never connects: the engine is never started."""
+    async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+        yield channel
+
+
+def attach(server: SchedulerServer, nowhere: grpc.aio.Channel, core: Scheduler,
+           **fields: Any) -> SchedulerServer:
+    """`server` serving `core` (through an engine that never runs), the
+    Backend's other fields as `fields` say."""
+    backend = Backend(Engine(core, WorkerLink(nowhere), None), fields.pop("tokenizer",
+                      ByteTokenizer()), SchedulerMetrics(core, asyncio.get_running_loop()),
+                      **fields)
+    server.servicer.attach(backend)
+    return server
+
+
+@pytest.fixture
+async def attached(server: SchedulerServer, nowhere: grpc.aio.Channel) -> SchedulerServer:
+    return attach(server, nowhere, make_scheduler(vocab_size=258, max_num_waiting=2))
 
 
 def generate_request(request_id: str) -> scheduler_pb2.GenerateRequest:
@@ -94,7 +110,8 @@ async def test_not_serving_and_unavailable_until_attached(
 
 
 @pytest.mark.parametrize("method", ["Generate", "Abort"])
-@pytest.mark.parametrize("request_id", [HUGE_ID, "bad id", "x" * 129])
+@pytest.mark.parametrize("request_id", [HUGE_ID, "bad id", "x" * 257, "tab\there", "nul\x00",
+                                        "del\x7f", "caf\u00e9"])
 async def test_bad_request_id_is_a_short_invalid_argument(
     attached: SchedulerServer, channel: grpc.aio.Channel, method: str, request_id: str
 ) -> None:
@@ -129,11 +146,17 @@ async def test_a_full_waiting_queue_is_resource_exhausted_and_nothing_is_lost(
             await asyncio.sleep(0.01)
 
 
+# Any visible ASCII, up to 256 characters: the ids gateways make (smg's
+# "<x-request-id>-<uuid7>", a client's own rid) pass as they are.
+GATEWAY_IDS = ["x" * 256, "cmpl/7Q+z9w==", "!~\"#$%&'()*,;<>?@[\\]^`{|}"]
+
+
+@pytest.mark.parametrize("request_id", GATEWAY_IDS)
 async def test_abort_of_an_unknown_request_is_not_found(
-    attached: SchedulerServer, channel: grpc.aio.Channel
+    attached: SchedulerServer, channel: grpc.aio.Channel, request_id: str
 ) -> None:
     call = scheduler_pb2_grpc.SchedulerStub(channel).Abort(
-        scheduler_pb2.AbortRequest(request_id="x" * 128))
+        scheduler_pb2.AbortRequest(request_id=request_id))
     assert (await rpc_error(call)).code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -183,20 +206,32 @@ async def generate_n(engine: vllm_engine_pb2_grpc.VllmEngineStub, core: Schedule
     return call
 
 
+async def finished_by_reason(server: SchedulerServer, reason: str) -> float:
+    """The scheduler's finished_requests_by_reason counter (read off the loop:
+    its collector reads the core through it)."""
+    registry = server.servicer.attached().metrics.registry
+    value = await asyncio.to_thread(
+        registry.get_sample_value, "kvstash_scheduler_finished_requests_by_reason_total",
+        {"reason": reason})
+    return value or 0.0
+
+
 async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
     """The first of n sequences goes alone until its first token (never, here:
     the engine does not run); an Abort then ends it and the others, which
-    are never submitted."""
+    are never submitted, so the metrics count the first only."""
     engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     core = attached.servicer.attached().engine.core
-    call = await generate_n(engine, core, "n2", 2)
-    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n2"]))
+    call = await generate_n(engine, core, "n3", 3)
+    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n3"]))
     completes = [r.complete async for r in call]
-    assert sorted((c.index, c.finish_reason) for c in completes) == [(0, "abort"), (1, "abort")]
-    assert core.get_request("n2:0") is None and core.get_request("n2:1") is None
+    assert sorted((c.index, c.finish_reason) for c in completes) == [
+        (0, "abort"), (1, "abort"), (2, "abort")]
+    assert all(core.get_request(f"n3:{i}") is None for i in range(3))
     assert core.stats().num_waiting == 0
+    assert await finished_by_reason(attached, "abort") == 1
 
 
 async def test_a_call_cancelled_while_n_sequences_are_submitted_leaves_none(
@@ -209,3 +244,99 @@ async def test_a_call_cancelled_while_n_sequences_are_submitted_leaves_none(
         while core.stats().num_waiting:
             await asyncio.sleep(0.01)
     assert all(core.get_request(f"gone:{i}") is None for i in range(3))
+
+
+def vllm_generate(request_id: str, prompt: list[int], stream: bool = True,
+                  **sampling: Any) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
+        sampling_params=vllm_engine_pb2.SamplingParams(**sampling), stream=stream)
+
+
+async def queued(core: Scheduler, request_id: str) -> None:
+    async with asyncio.timeout(10):
+        while core.get_request(request_id) is None:
+            await asyncio.sleep(0.01)
+
+
+async def test_an_abort_naming_a_bad_id_aborts_none(
+    attached: SchedulerServer, channel: grpc.aio.Channel
+) -> None:
+    """Every id is checked before any is aborted: one bad id leaves no batch
+    half done. Ids as gateways make them are accepted."""
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    core = attached.servicer.attached().engine.core
+    call = engine.Generate(vllm_generate("keep-1", [1, 2, 3], max_tokens=4))
+    await queued(core, "keep-1")
+    error = await rpc_error(engine.Abort(vllm_engine_pb2.AbortRequest(
+        request_ids=["keep-1", "bad id"])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'bad id'" in (
+        error.details() or "")
+    assert core.get_request("keep-1") is not None
+    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["keep-1", *GATEWAY_IDS]))
+    assert [r.complete.finish_reason async for r in call] == ["abort"]
+
+
+async def test_max_tokens_past_the_pool_is_cut_to_the_room_left(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
+) -> None:
+    """A pool of 16 blocks of 4 holds 64 tokens, fewer than max_model_len 256:
+    VllmEngine advertises 64, cuts max_tokens to what is left below it (a
+    sequence then ends "length" there, as vLLM's do at max_model_len) and
+    refuses a prompt that leaves nothing; kvstash's own API stays strict."""
+    core = make_scheduler(vocab_size=258, num_blocks=16, max_model_len=256)
+    attach(server, nowhere, core)
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
+    assert (info.max_context_length, info.max_req_input_len) == (64, 63)
+    call = engine.Generate(vllm_generate("long", [1, 2, 3], max_tokens=1000))
+    await queued(core, "long")
+    request = core.get_request("long")
+    assert request is not None and request.sampling.max_tokens == 61
+    call.cancel()
+    error = await rpc_error(engine.Generate(vllm_generate("no-room", [1] * 70, max_tokens=4)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "70" in (error.details() or "") and "64" in (error.details() or "")
+    native = scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
+        request_id="strict", token_ids=scheduler_pb2.TokenIds(ids=[1, 2, 3]),
+        sampling=common_pb2.SamplingParams(max_tokens=1000)))
+    assert (await rpc_error(native)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_info_names_the_model_and_no_vllm_kv_role(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
+) -> None:
+    """A P/D prefill instance hands KV off itself: to a gateway it is no vLLM
+    KV producer (which it would pair with vLLM decode workers)."""
+    attach(server, nowhere, make_scheduler(vocab_size=258), role="prefill",
+           model_type="qwen2", architectures=("Qwen2ForCausalLM",))
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
+    assert (info.model_type, list(info.architectures)) == ("qwen2", ["Qwen2ForCausalLM"])
+    server_info = await engine.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
+    assert (server_info.kv_role, server_info.kv_connector) == ("", "")
+    loads = await engine.GetLoads(vllm_engine_pb2.GetLoadsRequest())
+    assert loads.version == f"kvstash {importlib.metadata.version('kvstash')}"
+
+
+async def test_an_unexpected_failure_is_internal_with_a_message(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bug (here: a backend without a tokenizer, and with a tokenizer file
+    that is no text) is INTERNAL with what failed, logged with its traceback,
+    never grpc's UNKNOWN."""
+    attach(server, nowhere, make_scheduler(vocab_size=258), tokenizer=None,
+           tokenizer_files={"tokenizer.json": None})
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    calls = {
+        "Generate": engine.Generate(vllm_engine_pb2.GenerateRequest(
+            request_id="text", text="hello", sampling_params=vllm_engine_pb2.SamplingParams(
+                max_tokens=4))),
+        "GetTokenizer": engine.GetTokenizer(vllm_common_pb2.GetTokenizerRequest()),
+    }
+    for name, call in calls.items():
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.INTERNAL, name
+        assert name in (error.details() or "") and "Error" in (error.details() or ""), name
+        assert any(name in r.getMessage() and r.exc_info for r in caplog.records), name

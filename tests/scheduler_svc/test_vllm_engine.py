@@ -39,6 +39,10 @@ def test_what_smg_sends_by_default_is_the_vllm_default() -> None:
     ({"max_tokens": 7}, {"max_tokens": 7}),
     ({}, {"max_tokens": MAX_MODEL_LEN - 10}),  # unset: to the end of the context
     ({"seed": 42}, {"seed": 42}),
+    ({"seed": -1}, {"seed": None}),  # vLLM's "no seed"
+    ({"seed": -7}, {"seed": 2**64 - 7}),  # other negative seeds: as uint64
+    ({"seed": -2**31}, {"seed": 2**64 - 2**31}),
+    ({"max_tokens": 600}, {"max_tokens": MAX_MODEL_LEN - 10}),  # cut to the room left
     ({"stop_token_ids": [7, 9]}, {"stop_token_ids": (7, 9)}),
     ({"ignore_eos": True}, {"ignore_eos": True}),
     ({"n": 1}, {}),
@@ -108,10 +112,25 @@ def test_n_sequences_get_their_own_ids_and_seeds() -> None:
     assert all(s.temperature == 0.8 for _, s in three)
     unseeded = SamplingParams(max_tokens=4)
     assert [s.seed for _, s in children("r", 2, unseeded)] == [None, None]
+    # A negative seed's children, as vLLM seeds them (seed + index), as uint64.
+    wrapping = mapped(max_tokens=4, seed=-2)
+    assert [s.seed for _, s in children("r", 3, wrapping)] == [2**64 - 2, 2**64 - 1, 0]
     with pytest.raises(InvalidArgument, match="n 17: at most 16"):
         children("r", 17, seeded)
     with pytest.raises(InvalidArgument, match="request_id must be"):
-        children("x" * 127, 2, seeded)  # "x...x:1" is too long
+        children("x" * 255, 2, seeded)  # "x...x:1" is too long
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [MAX_MODEL_LEN, MAX_MODEL_LEN + 1])
+def test_a_prompt_that_leaves_no_room_names_both_lengths(num_prompt_tokens: int) -> None:
+    # Before: "max_tokens must be positive, got 0" (unset) or a clamp to nothing.
+    for fields in ({}, {"max_tokens": 4}):
+        with pytest.raises(InvalidArgument,
+                           match=f"prompt of {num_prompt_tokens} tokens .*{MAX_MODEL_LEN}"):
+            sampling_from_vllm(pb.SamplingParams(**fields), num_prompt_tokens,  # type: ignore[arg-type]
+                               MAX_MODEL_LEN)
+    last = sampling_from_vllm(pb.SamplingParams(max_tokens=4), MAX_MODEL_LEN - 1, MAX_MODEL_LEN)
+    assert last.max_tokens == 1
 
 
 @pytest.mark.parametrize("fields", [{"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 0}])
