@@ -19,13 +19,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import mmap
+from collections.abc import Callable
 
 
 class BufferPool:
     """Idle buffers, least recently given back first, at most `max_bytes` in all."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int,
+                 unmap: Callable[[mmap.mmap], None] | None = None) -> None:
+        """`unmap(buffer)` disposes of a buffer the pool lets go of (default:
+        `close_now`; `Tiers` does it off the event loop)."""
         self.max_bytes = max_bytes
+        self._dispose = unmap or close_now
         # (buffer, when it was given back) in the order they were given back.
         self._idle: collections.deque[tuple[mmap.mmap, float]] = collections.deque()
         self.num_bytes = 0  # bytes of all idle buffers
@@ -48,7 +53,7 @@ class BufferPool:
         max_bytes; a buffer bigger than max_bytes is released at once."""
         size = len(buffer)
         if size > self.max_bytes:
-            _close(buffer)
+            self._dispose(buffer)
             return
         self.release(self.num_bytes + size - self.max_bytes)
         self._idle.append((buffer, now))
@@ -75,7 +80,7 @@ class BufferPool:
         size = len(buffer)
         self.num_bytes -= size
         self.num_released += 1
-        _close(buffer)
+        self._dispose(buffer)
         return size
 
     def check_integrity(self) -> None:
@@ -83,7 +88,7 @@ class BufferPool:
         assert 0 <= self.num_bytes <= self.max_bytes, (self.num_bytes, self.max_bytes)
 
 
-def _close(buffer: mmap.mmap) -> None:
+def close_now(buffer: mmap.mmap) -> None:
     """Unmaps `buffer` now rather than at garbage collection, so the room is
     real at once. A populating thread may still hold it for a few milliseconds
     (`ingest.populate`); then its last reference unmaps it."""

@@ -74,6 +74,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         self._metrics = metrics
         self._endings: set[asyncio.Future[None]] = set()  # see _taken_within
 
+    @rpc.maps_errors
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         stream = PutStream(aiter(request_iterator), context, self._limiter, self._bandwidth,
@@ -159,6 +160,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     # An async generator, the handler shape grpc's interceptors (tracing's
     # among them) support. grpc awaits each send before asking for the next
     # message, so a slow reader slows this loop instead of growing a buffer.
+    @rpc.maps_errors
     async def GetSnapshot(  # type: ignore[override]
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -223,6 +225,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
 
     # -- the co-located path (see cache.proto and cache_svc.arena) --------------
 
+    @rpc.maps_errors
     async def GetArena(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         arena = self._store.arena
         if arena is None:
@@ -230,6 +233,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         return cache_pb2.ArenaInfo(path=str(arena.path), size_bytes=arena.size,
                                    arena_id=arena.arena_id)
 
+    @rpc.maps_errors
     async def PutShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -266,6 +270,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                 await store.abort_put(session)
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
+    @rpc.maps_errors
     async def GetShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -335,6 +340,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     async def StatSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return info_to_proto(self._store.stat(request.snapshot_id))
 
+    @rpc.maps_errors
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self._store.stats())
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cache_svc.arena import Arena
-from cache_svc.buffers import BufferPool
+from cache_svc.buffers import BufferPool, close_now
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import plan_room
@@ -57,7 +57,11 @@ class Tiers:
         self.arena = (
             Arena(config.arena_dir, config.memory_budget_bytes) if config.arena_dir else None
         )
-        self.pool = BufferPool(0 if self.arena else config.buffer_pool_bytes)
+        self.pool = BufferPool(0 if self.arena else config.buffer_pool_bytes,
+                               unmap=self._unmap_soon)
+        # Bytes of buffers let go of but not yet unmapped: still resident, so
+        # not free, but soon (see `_unmap_soon`).
+        self.unmapping = 0
         self.num_evictions = 0
         self.num_spills = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -77,11 +81,12 @@ class Tiers:
             log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
 
     async def close(self) -> None:
-        """Lets running spills and unlinks finish, then stops the I/O threads."""
+        """Lets running spills, unlinks and unmaps finish, then stops the I/O
+        threads."""
+        self.pool.release(self.pool.num_bytes)
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._io.shutdown(wait=True)
-        self.pool.release(self.pool.num_bytes)
         if self.arena is not None:
             self.arena.close()
 
@@ -174,10 +179,13 @@ class Tiers:
                     self.reserved += size
                     return extent
             elif self.memory_free() >= size:
-                # Pooled bytes count as free; as many as the put needs go now.
-                self.pool.release(size - (self.memory_free() - self.pool.num_bytes))
-                self.reserved += size
-                return None
+                pooled_needed = size - (self.memory_free() - self.pool.num_bytes)
+                if pooled_needed <= 0:
+                    self.reserved += size
+                    return None
+                # Pooled bytes count as free: as many as the put needs are
+                # unmapped, and it waits below until they are.
+                self.pool.release(pooled_needed)
             changed = self._changed
             plan = plan_room(self._lru.values(), self.disk_free(), self._makes_room(size))
             if plan is not None and (plan.spill or plan.evict_memory):
@@ -210,7 +218,7 @@ class Tiers:
             return lambda victims: arena.largest_free(
                 [e.buffer for e in (*spilling, *victims) if isinstance(e.buffer, memoryview)]
             ) >= size
-        free = self.memory_free() + sum(e.size for e in spilling)
+        free = self.memory_free() + self.unmapping + sum(e.size for e in spilling)
         return lambda victims: free + sum(e.size for e in victims) >= size
 
     def _may_change(self) -> bool:
@@ -251,8 +259,26 @@ class Tiers:
         self.notify()
 
     def memory_free(self) -> int:
-        """Budget bytes a put can reserve: pooled buffers count as free."""
-        return self.config.memory_budget_bytes - self.memory_used - self.reserved
+        """Budget bytes a put can reserve: pooled buffers count as free,
+        those being unmapped do not yet."""
+        return (self.config.memory_budget_bytes - self.memory_used - self.reserved
+                - self.unmapping)
+
+    def _unmap_soon(self, buffer: mmap.mmap) -> None:
+        """Unmaps a buffer on another thread: that takes ~70 ms per GiB, which
+        every other call would otherwise wait out. Its bytes stay counted
+        until it is gone, so resident memory never exceeds the budget."""
+        size = len(buffer)
+        self.unmapping += size
+
+        async def unmap() -> None:
+            try:
+                await asyncio.to_thread(close_now, buffer)
+            finally:
+                self.unmapping -= size
+                self.notify()
+
+        self.spawn(unmap())
 
     def trim_pool(self, idle_s: float) -> None:
         """Unmaps pooled buffers nobody reused for `idle_s` seconds."""
@@ -271,7 +297,7 @@ class Tiers:
         on_disk = sum(e.size for e in listed if e.path is not None)
         assert self.memory_used >= in_memory, (self.memory_used, in_memory)
         assert self.disk_used == on_disk, (self.disk_used, on_disk)
-        assert (self.memory_used + self.reserved + self.pool.num_bytes
+        assert (self.memory_used + self.reserved + self.pool.num_bytes + self.unmapping
                 <= self.config.memory_budget_bytes)
         self.pool.check_integrity()
         if self.arena is not None:

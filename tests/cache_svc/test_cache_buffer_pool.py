@@ -3,7 +3,9 @@ bytes, stays within the memory budget, and yields to puts that need room."""
 
 from __future__ import annotations
 
+import asyncio
 import mmap
+import threading
 
 import grpc
 import numpy as np
@@ -17,9 +19,11 @@ from cache_helpers import (
     make_payload,
     send,
     split,
+    wait_until,
 )
 
-from cache_svc.buffers import BufferPool
+from cache_svc import tiers
+from cache_svc.buffers import BufferPool, close_now
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
@@ -147,3 +151,35 @@ def test_buffer_pool_takes_exact_sizes_and_releases_oldest_first() -> None:
     pool.give(mmap.mmap(-1, 4 * MIB), now=4.0)  # bigger than the whole pool
     assert pool.num_bytes == 0
     pool.check_integrity()
+
+
+async def test_buffers_are_unmapped_off_the_event_loop_and_count_until_gone(
+        start_cache, monkeypatch) -> None:
+    """Unmapping takes ~70 ms per GiB, which every other call would wait out
+    on the event loop; meanwhile the bytes are still resident, so a put that
+    needs them waits until they are gone instead of exceeding the budget."""
+    unmapped_on: list[threading.Thread] = []
+    go = threading.Event()
+
+    def slow_close(buffer: mmap.mmap) -> None:
+        unmapped_on.append(threading.current_thread())
+        go.wait(30)
+        close_now(buffer)
+
+    monkeypatch.setattr(tiers, "close_now", slow_close)
+    running = await start_cache(memory_budget_bytes=8 * MIB, buffer_pool_bytes=0,
+                                disk_dir=None, disk_budget_bytes=0)
+    store = running.cache.store
+    await put(running, "a", num_blocks=192)  # 6 MiB
+    await running.client.delete("a")
+    await wait_until(lambda: bool(unmapped_on), "the unmap started")
+    assert unmapped_on[0] is not threading.main_thread()
+    assert (await running.client.stats()).free_bytes == 2 * MIB  # a's 6 still resident
+    store.check_integrity()
+    waiting = asyncio.ensure_future(put(running, "b", num_blocks=192, seed=1))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # it cannot have its room before a's bytes are gone
+    go.set()
+    await asyncio.wait_for(waiting, 30)
+    assert (await running.client.stats()).num_refused == 0
+    store.check_integrity()
