@@ -38,7 +38,6 @@ from kvstash.ids import check_request_id, check_snapshot_id
 from kvstash.metrics import MetricsServer
 from kvstash.rpc import (
     MAX_WORKER_INFO_BYTES,
-    abort_with,
     create_server,
     maps_errors,
     set_serving,
@@ -128,21 +127,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # thread ends on its own once the step is done.
         self._compute.shutdown(wait=False, cancel_futures=True)
 
+    @maps_errors
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         await self._model_ready.wait()
         return self._loaded().info
 
+    @maps_errors
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
-        try:
-            runner = self._loaded().runner
-        except errors.Unavailable as exc:
-            await abort_with(context, exc)
+        runner = self._loaded().runner
         if self._driven:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "another scheduler is driving this worker (one Execute stream "
-                                "at a time: its block pool owns this KV cache)")
+            raise errors.FailedPrecondition(
+                "another scheduler is driving this worker (one Execute stream at a time: its "
+                "block pool owns this KV cache)")
         self._driven = True
         try:
             async for result in self._execute(runner, request_iterator, context):
@@ -169,11 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 tokens = await loop.run_in_executor(self._compute, self._step, runner, seqs)
             except errors.KvstashError as exc:
                 log.warning("step %d rejected: %s", plan.step_id, exc)
-                await abort_with(context, exc)
-            except Exception as exc:
-                log.exception("step %d failed", plan.step_id)
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    f"step {plan.step_id} failed: {type(exc).__name__}: {exc}")
+                raise
             yield worker_pb2.StepResult(
                 step_id=plan.step_id,
                 sampled=[worker_pb2.SampledToken(request_id=s.request_id, token_id=t)

@@ -91,58 +91,49 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("prompt is missing: set text or token_ids")
 
+    @rpc.maps_errors
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         timing = Timing(time.monotonic())
         request_id = request.request_id or uuid.uuid4().hex
-        try:
-            check_request_id(request_id)
-            backend = self.attached()
-            span = trace.get_current_span()  # the Generate span, when tracing
-            if span.is_recording():
-                span.set_attribute("kvstash.request_id", request_id)
-            stream = await backend.admit(request_id, self._prompt_ids(request, backend.tokenizer),
-                                         sampling_from_proto(request.sampling))
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
-        async for response in self._responses(request_id, stream, timing, backend, context):
+        check_request_id(request_id)
+        backend = self.attached()
+        span = trace.get_current_span()  # the Generate span, when tracing
+        if span.is_recording():
+            span.set_attribute("kvstash.request_id", request_id)
+        stream = await backend.admit(request_id, self._prompt_ids(request, backend.tokenizer),
+                                     sampling_from_proto(request.sampling))
+        async for response in self._responses(request_id, stream, timing, backend):
             yield response
 
+    @rpc.maps_errors
     async def Decode(
         self, request: scheduler_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         timing = Timing(time.monotonic())
-        try:
-            backend = self._decode_instance()
-            check_request_id(request.request_id)
-            check_snapshot_id(request.snapshot_id)
-            stream = backend.engine.decode(request.request_id, request.snapshot_id,
-                                           request.num_tokens, request.first_token_id)
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
-        async for response in self._responses(
-                request.request_id, stream, timing, backend, context):
+        backend = self._decode_instance()
+        check_request_id(request.request_id)
+        check_snapshot_id(request.snapshot_id)
+        stream = backend.engine.decode(request.request_id, request.snapshot_id,
+                                       request.num_tokens, request.first_token_id)
+        async for response in self._responses(request.request_id, stream, timing, backend):
             yield response
 
     async def _responses(
         self, request_id: str, stream: RequestStream, timing: Timing, backend: Backend,
-        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         text = backend.tokenizer.stream()
-        try:
-            async with contextlib.aclosing(backend.updates(request_id, stream, timing)) as updates:
-                async for event in updates:
-                    response = scheduler_pb2.GenerateResponse(
-                        request_id=request_id, token_ids=event.new_token_ids,
-                        text="".join(text.push(t) for t in event.new_token_ids))
-                    if event.finish_status is not None:
-                        self._finish(response, event, timing)
-                        yield response
-                    elif response.token_ids:
-                        yield response
-        except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+        async with contextlib.aclosing(backend.updates(request_id, stream, timing)) as updates:
+            async for event in updates:
+                response = scheduler_pb2.GenerateResponse(
+                    request_id=request_id, token_ids=event.new_token_ids,
+                    text="".join(text.push(t) for t in event.new_token_ids))
+                if event.finish_status is not None:
+                    self._finish(response, event, timing)
+                    yield response
+                elif response.token_ids:
+                    yield response
 
     @staticmethod
     def _finish(response: scheduler_pb2.GenerateResponse, event: RequestUpdate,

@@ -377,20 +377,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- not served ----------------------------------------------------------
 
+    @rpc.maps_errors
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "kvstash serves generation only")
-        raise AssertionError("unreachable")
+        raise errors.Unimplemented("kvstash serves generation only")
 
+    @rpc.maps_errors
     async def StartProfile(self, request: common_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
-        raise AssertionError("unreachable")
+        raise errors.Unimplemented("profiling is not supported")
 
+    @rpc.maps_errors
     async def StopProfile(self, request: common_pb2.StopProfileRequest,
                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
-        raise AssertionError("unreachable")
+        raise errors.Unimplemented("profiling is not supported")
 
 
 def tokenizer_files(tokenizer_json: str, tokenizer_config_json: str,

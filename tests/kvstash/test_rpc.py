@@ -4,11 +4,13 @@ failures, unary or streamed, with their status (INTERNAL for a bug)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
 
 from kvstash import errors, rpc
 
@@ -162,6 +164,25 @@ async def test_maps_errors_gives_each_failure_its_status(
         assert record.exc_info is not None and f"Failing.{method}" in record.getMessage()
     else:
         assert not logged
+
+
+SERVICERS = [  # (module, servicer class, the service it implements)
+    ("scheduler_svc.server", "SchedulerServicer", "kvstash.v1.Scheduler"),
+    ("scheduler_svc.vllm_engine", "VllmEngineServicer", "vllm.grpc.engine.VllmEngine"),
+    ("gpu_worker.server", "WorkerServicer", "kvstash.v1.Worker"),
+    ("cache_svc.server", "CacheServicer", "kvstash.v1.KVCache"),
+]
+
+
+@pytest.mark.parametrize(("module", "servicer", "service"), SERVICERS)
+def test_every_rpc_of_every_service_maps_its_errors(module, servicer, service) -> None:
+    """Whatever a handler raises, its client gets a status it can act on (and
+    a bug INTERNAL), never grpc's UNKNOWN: every RPC goes through maps_errors."""
+    cls = getattr(importlib.import_module(module), servicer)  # registers its protos
+    methods = descriptor_pool.Default().FindServiceByName(service).methods
+    unmapped = [m.name for m in methods
+                if getattr(cls, m.name).__code__.co_filename != rpc.__file__]
+    assert not unmapped, f"{servicer} methods without rpc.maps_errors: {unmapped}"
 
 
 def test_preview_clips_client_input() -> None:
