@@ -105,7 +105,9 @@ def start_cache(
     proc = subprocess.Popen(
         [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0",
          "--memory-budget", str(memory_budget), "--log-level", "warning", *extra_args],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+        stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
     for line in proc.stdout:

@@ -9,7 +9,11 @@ Two implementations, one contract (`PagedAttention.__call__`):
   into one packed tensor (FlashAttention-2 reads paged caches only with blocks
   of 256 tokens). `num_splits=1` when batch invariance is asked for: the kernel
   then never splits a row's keys across thread blocks, so a row's reduction
-  order depends on its own length only.
+  order depends on its own length only. Older torch lacks some of the
+  kernel's keywords (`varlen_options`): grouped K/V heads are then repeated,
+  and where it can neither take `num_splits` nor an explicit causal window
+  (which keeps the kernel off its split-KV path), batch invariance takes the
+  torch path.
 - `torch`: plain torch, any device and dtype, the CPU path. Rows go in tiles of
   `row_tile` queries, keys in chunks of `kv_chunk` positions aligned at 0, with
   an online softmax across chunks:
@@ -25,8 +29,11 @@ Two implementations, one contract (`PagedAttention.__call__`):
 from __future__ import annotations
 
 import enum
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,12 +46,48 @@ class AttentionBackend(enum.Enum):
     FLASH = "flash"  # torch's FlashAttention varlen kernel: CUDA, fp16/bf16
 
 
-def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    batch_invariant: bool = False) -> bool:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     if head_dim % 8 or head_dim > 256:
         return False
+    if varlen_options(_varlen_attn(), batch_invariant) is None:
+        return False
     return bool(torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def _varlen_attn() -> Callable[..., Any]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenOptions:
+    keywords: dict[str, Any]  # causal attention, one split per row if asked
+    repeat_kv: bool  # the kernel takes no grouped K/V heads: repeat them first
+
+
+def varlen_options(varlen_attn: Callable[..., Any],
+                   batch_invariant: bool) -> VarlenOptions | None:
+    """How to call this torch's `varlen_attn` (its keywords changed from
+    release to release: torch 2.10 has `is_causal`, 2.11 `window_size`, 2.12
+    also `enable_gqa` and `num_splits`); None where it cannot keep a row's
+    result independent of the batch when that is asked for."""
+    params = inspect.signature(varlen_attn).parameters
+    keywords: dict[str, Any] = {}
+    if "window_size" in params:
+        keywords["window_size"] = (-1, 0)  # causal, bottom-right aligned
+    elif batch_invariant and "num_splits" not in params:
+        return None  # is_causal alone lets the kernel split a row's keys
+    else:
+        keywords["is_causal"] = True
+    if batch_invariant and "num_splits" in params:
+        keywords["num_splits"] = 1
+    if "enable_gqa" in params:
+        keywords["enable_gqa"] = True
+    return VarlenOptions(keywords, repeat_kv="enable_gqa" not in params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +133,11 @@ class PagedAttention:
         self.row_tile = row_tile
         self.kv_chunk = kv_chunk
         self.scale = 1.0 / math.sqrt(head_dim)
+        if backend is AttentionBackend.FLASH:  # looked up once, not per layer and step
+            self._varlen = _varlen_attn()
+            options = varlen_options(self._varlen, row_tile is not None)
+            assert options is not None  # flash_supported said so
+            self._varlen_options = options
 
     def prepare(self, step: DeviceStep) -> StepKeys:
         length = step.host.max_context_len
@@ -112,16 +160,16 @@ class PagedAttention:
 
     def _flash(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
                keys: StepKeys) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-
+        options = self._varlen_options
         n = step.host.num_tokens
         k = cache[0].index_select(0, keys.packed_slots)
         v = cache[1].index_select(0, keys.packed_slots)
-        attended = varlen_attn(
+        if options.repeat_kv and self.num_kv_heads != self.num_heads:
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attended = self._varlen(
             q[:n], k, v, keys.cu_queries, keys.cu_keys, step.host.max_query_len,
-            step.host.max_context_len, window_size=(-1, 0), enable_gqa=True,
-            num_splits=1 if self.row_tile else None,
-        )
+            step.host.max_context_len, **options.keywords)
         assert isinstance(attended, torch.Tensor)  # no aux outputs were asked for
         out = torch.zeros_like(q)
         out[:n] = attended

@@ -47,10 +47,13 @@ class BatchedForward:
         cfg = model.config
         if row_tile is not None and row_tile < 1:
             raise ValueError(f"row_tile must be >= 1 or None, got {row_tile}")
-        flash = flash_supported(model.device, model.dtype, cfg.head_dim)
+        flash = flash_supported(model.device, model.dtype, cfg.head_dim,
+                                batch_invariant=row_tile is not None)
         if attention is AttentionBackend.FLASH and not flash:
             raise ValueError(f"flash attention needs CUDA (sm80+) and fp16/bf16 with head_dim "
-                             f"<= 256; got {model.device}, {model.dtype}, {cfg.head_dim}")
+                             f"<= 256 (and, for batch invariance, a torch whose varlen_attn "
+                             f"takes num_splits or window_size); got {model.device}, "
+                             f"{model.dtype}, {cfg.head_dim}")
         if attention is None:
             attention = AttentionBackend.FLASH if flash else AttentionBackend.TORCH
         self.model = model

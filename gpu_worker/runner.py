@@ -31,11 +31,11 @@ from gpu_worker.batched import BatchedForward, default_row_tile
 from gpu_worker.checkpoint import load_model
 from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
+from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
-from kvstash.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class ModelRunner:
                                       attention)
         self._staging = StepStaging(self.device)
         self._pinned_region: object | None = None  # see pin_host_memory
+        self._pinned_key: Key | None = None
         self.host_pool = HostBlockPool(
             (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype,
             pinned=self.device.type == "cuda", max_idle_bytes=host_pool_bytes)
@@ -227,20 +228,15 @@ class ModelRunner:
 
     def pin_host_memory(self, region: object) -> None:
         """On CUDA, registers `region` (a host mapping: the cache's arena) as
-        pinned memory, so copies to and from it are DMA; the previous region
-        is unregistered. Nothing on CPU. Compute thread only."""
+        pinned memory, so copies to and from it are DMA; lets go of the
+        previous region (`host_pinning`). Nothing on CPU. Compute thread
+        only: a failed registration's error is cleared on this thread."""
         if self.device.type != "cuda" or region is self._pinned_region:
             return
-        cudart = torch.cuda.cudart()
-        if self._pinned_region is not None:
-            cudart.cudaHostUnregister(buffer_address(self._pinned_region))
-            self._pinned_region = None
-        view = memoryview(region)  # type: ignore[arg-type]
-        error = cudart.cudaHostRegister(buffer_address(region), view.nbytes, 0)
-        if int(error) != 0:  # copies still work, staged through pageable memory
-            log.warning("pinning %d bytes of host memory failed (%s); KV copies to the "
-                        "cache's arena will be slower", view.nbytes, error)
-        self._pinned_region = region
+        regions = cuda_regions()
+        if self._pinned_key is not None:
+            regions.release(self._pinned_key)
+        self._pinned_region, self._pinned_key = region, regions.acquire(region)
 
     def empty_host_blocks(self, num_blocks: int) -> torch.Tensor:
         """A new host buffer for `num_blocks` blocks, pinned when the cache lives on

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gpu_worker.attention import AttentionBackend
+from gpu_worker.attention import AttentionBackend, varlen_options
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import GREEDY
 from tests.gpu_worker.worker_factories import BLOCK_SIZE, make_runner, prompt, tiny_model
@@ -205,3 +205,40 @@ def test_flash_attention_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match=r"flash attention needs CUDA .* got cpu"):
         ModelRunner(tiny_model(), block_size=BLOCK_SIZE, num_blocks=8,
                     attention=AttentionBackend.FLASH)
+
+
+# varlen_attn's keyword-only parameters as torch releases have them.
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                 return_aux=None): ...
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                 scale=None, window_size=(-1, -1)): ...
+
+
+def _varlen_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                 scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                 block_table=None, num_splits=None): ...
+
+
+@pytest.mark.parametrize(("varlen", "invariant", "keywords", "repeat_kv"), [
+    (_varlen_2_12, True, {"window_size": (-1, 0), "num_splits": 1, "enable_gqa": True}, False),
+    (_varlen_2_12, False, {"window_size": (-1, 0), "enable_gqa": True}, False),
+    (_varlen_2_11, True, {"window_size": (-1, 0)}, True),
+    (_varlen_2_10, False, {"is_causal": True}, True),
+    (_varlen_2_10, True, None, None),  # may split a row's keys: the torch path then
+])
+def test_flash_is_called_as_the_installed_torch_takes_it(varlen, invariant, keywords,
+                                                          repeat_kv) -> None:
+    """The GPU machine's torch may be older than this one's: every keyword
+    passed must exist there, and batch invariance must not be promised where
+    the kernel cannot keep it."""
+    options = varlen_options(varlen, invariant)
+    if keywords is None:
+        assert options is None
+        return
+    assert options is not None
+    assert (options.keywords, options.repeat_kv) == (keywords, repeat_kv)
+    # This machine's torch: whatever its release, its signature is understood.
+    from torch.nn.attention.varlen import varlen_attn
+    assert varlen_options(varlen_attn, invariant) is not None

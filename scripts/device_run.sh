@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# On a lent CUDA machine (no network; python3 with torch and CUDA): installs
+# the wheels scripts/device_wheels.sh fetched, then runs the GPU checks with
+# that python3, logging to $OUT when set. The device call carries .whl:
+#
+#   bash scripts/device_run.sh [versions|tests|worker|transfer|pd|all] ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+log=${OUT:-/tmp}/gpu_checks.log
+bash scripts/gpu_checks.sh python3 "$@" 2>&1 | tee "$log"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks, one step or all, with the python given (the .venv's here,
+# a CUDA machine's own python3 there: see scripts/device_run.sh):
+#
+#   scripts/gpu_checks.sh PYTHON [versions|tests|worker|transfer|pd|all] ...
+#
+# Each step runs even when an earlier one failed (a device lease is short);
+# the exit status says whether any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${1:?usage: $0 PYTHON [versions|tests|worker|transfer|pd|all] ...}
+shift
+steps=("${@:-all}")
+[[ ${steps[0]} == all ]] && steps=(versions tests worker transfer pd)
+failed=()
+for step in "${steps[@]}"; do
+    echo "=== $step"
+    case $step in
+        versions) "$python" -c 'import inspect, sys, torch
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+from torch.nn.attention.varlen import varlen_attn
+print("varlen_attn", inspect.signature(varlen_attn))' ;;
+        tests) "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
+        worker) "$python" -m bench.worker_bench --model llama-1b --device cuda ;;
+        transfer) "$python" -m bench.kv_transfer_bench --device cuda ;;
+        # 4096 blocks of 16 tokens per worker: the 32 requests' prompts and
+        # outputs fit, so the run measures P/D, not preemption.
+        pd) "$python" -m bench.pd_bench --model llama-1b --device cuda --num-blocks 4096 \
+                --max-prompt-tokens 1024 --max-tokens 128 ;;
+        *) echo "unknown step $step" >&2; false ;;
+    esac || failed+=("$step")
+done
+if (( ${#failed[@]} )); then
+    echo "=== failed: ${failed[*]}" >&2
+    exit 1
+fi
