@@ -142,17 +142,14 @@ class Arena:
     def largest_free(self, also: list[memoryview] | None = None) -> int:
         """The longest free range, as it would be were the extents `also`
         (handed out, none twice) free too."""
-        if not also:
-            return max(self._free_lengths, default=0)
-        ranges = sorted([*zip(self._free_offsets, self._free_lengths, strict=True),
-                         *((self.offset_of(e), _aligned(e.nbytes)) for e in also)])
-        longest = run = 0
-        end = -1
-        for offset, length in ranges:
-            run = run + length if offset == end else length
-            end = offset + length
-            longest = max(longest, run)
-        return longest
+        runs = self.runs()
+        for extent in also or ():
+            runs.free(extent)
+        return runs.longest
+
+    def runs(self) -> FreeRuns:
+        """The free ranges, to ask what freeing more extents would make."""
+        return FreeRuns(self)
 
     def close(self) -> None:
         """Removes the file; the mapping goes once the last view of it does."""
@@ -174,6 +171,31 @@ class Arena:
             assert offsets[i - 1] + lengths[i - 1] < offsets[i], (offsets, lengths)
         assert self.free_bytes == sum(lengths), (self.free_bytes, lengths)
         assert self.size - self.free_bytes >= num_extent_bytes
+
+
+class FreeRuns:
+    """An arena's free ranges as they would be with more extents freed, each
+    merged with its neighbours in O(1): eviction asks this victim by victim."""
+
+    def __init__(self, arena: Arena) -> None:
+        self._arena = arena
+        self._end_of = {o: o + n for o, n in zip(arena._free_offsets, arena._free_lengths,
+                                                 strict=True)}
+        self._start_of = {end: start for start, end in self._end_of.items()}
+        self.longest = max(arena._free_lengths, default=0)
+
+    def free(self, extent: memoryview) -> None:
+        """Counts `extent` (handed out, not counted before) as free."""
+        start = self._arena.offset_of(extent)
+        end = start + _aligned(extent.nbytes)
+        if end in self._end_of:  # a run right after it
+            end = self._end_of.pop(end)
+            del self._start_of[end]
+        if start in self._start_of:  # a run right before it
+            start = self._start_of.pop(start)
+            del self._end_of[start]
+        self._end_of[start], self._start_of[end] = end, start
+        self.longest = max(self.longest, end - start)
 
 
 def _aligned(num_bytes: int) -> int:

@@ -6,14 +6,15 @@ Walking memory snapshots from least to most recently used, each is either
   - evicted, if it is unpinned and the disk cannot take it; or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
 Busy snapshots (being read or already spilling) are never chosen. A plan is
-returned only when it frees enough (`enough`: in bytes, or, in an arena,
-in one contiguous range); otherwise nothing is touched.
+returned only when it frees enough (`Room`: in bytes, or, in an arena, in
+one contiguous range); otherwise nothing is touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cache_svc.model import Entry, Residence
 
@@ -25,12 +26,19 @@ class Plan:
     evict_disk: list[Entry] = field(default_factory=list)  # dropped from disk first
 
 
-def plan_room(lru_entries: Iterable[Entry], disk_free: int,
-              enough: Callable[[list[Entry]], bool]) -> Plan | None:
-    """`lru_entries`: every listed entry, least recently used first.
-    `enough(victims)`: whether moving those memory entries out (on top of
-    the spills in progress) makes the room the put needs. Victims are taken
-    in LRU order until it is; None if they never make it."""
+class Room(Protocol):
+    """The room a put needs, counting the memory entries moved out so far
+    (on top of the spills in progress)."""
+
+    def enough(self) -> bool: ...
+
+    def add(self, victim: Entry) -> None: ...
+
+
+def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room) -> Plan | None:
+    """`lru_entries`: every listed entry, least recently used first. Victims
+    are added to `room` in LRU order until it has enough; None if they never
+    make it."""
     entries = list(lru_entries)
     disk_victims = [
         e for e in entries
@@ -38,9 +46,8 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int,
     ]
     disk_evictable = sum(e.size for e in disk_victims)
     plan = Plan()
-    victims: list[Entry] = []
     for entry in entries:
-        if enough(victims):
+        if room.enough():
             break
         if entry.residence is not Residence.MEMORY or entry.num_readers:
             continue
@@ -56,5 +63,5 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int,
             plan.evict_memory.append(entry)
         else:
             continue
-        victims.append(entry)
-    return plan if enough(victims) else None
+        room.add(entry)
+    return plan if room.enough() else None

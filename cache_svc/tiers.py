@@ -27,17 +27,43 @@ import logging
 import mmap
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from cache_svc.arena import Arena
+from cache_svc.arena import Arena, FreeRuns
 from cache_svc.buffers import BufferPool, close_now
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
-from cache_svc.eviction import plan_room
+from cache_svc.eviction import Room, plan_room
 from cache_svc.model import Buffer, Entry, Residence
 from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _BytesRoom:
+    free: int
+    size: int
+
+    def enough(self) -> bool:
+        return self.free >= self.size
+
+    def add(self, victim: Entry) -> None:
+        self.free += victim.size
+
+
+@dataclass(slots=True)
+class _ArenaRoom:
+    runs: FreeRuns
+    size: int
+
+    def enough(self) -> bool:
+        return self.runs.longest >= self.size
+
+    def add(self, victim: Entry) -> None:
+        assert isinstance(victim.buffer, memoryview)  # in an arena, every buffer is
+        self.runs.free(victim.buffer)
 
 
 class Tiers:
@@ -208,18 +234,18 @@ class Tiers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    def _makes_room(self, size: int) -> Callable[[list[Entry]], bool]:
-        """Whether moving `victims` out of memory, with the spills in progress,
-        makes room for `size` bytes. In an arena room must be one range, so
-        only victims that make one long enough are worth moving."""
+    def _makes_room(self, size: int) -> Room:
+        """The room for `size` bytes, counting the spills in progress. In an
+        arena room must be one range, so only victims that make one long
+        enough are worth moving."""
         spilling = [e for e in self._lru.values() if e.residence is Residence.SPILLING]
         if self.arena is not None:
-            arena = self.arena
-            return lambda victims: arena.largest_free(
-                [e.buffer for e in (*spilling, *victims) if isinstance(e.buffer, memoryview)]
-            ) >= size
-        free = self.memory_free() + self.unmapping + sum(e.size for e in spilling)
-        return lambda victims: free + sum(e.size for e in victims) >= size
+            room: Room = _ArenaRoom(self.arena.runs(), size)
+        else:
+            room = _BytesRoom(self.memory_free() + self.unmapping, size)
+        for entry in spilling:
+            room.add(entry)
+        return room
 
     def _may_change(self) -> bool:
         """Whether waiting could help: a spill, a get or another put is running."""
