@@ -3,7 +3,8 @@
 For each batch size: decode tokens/s (every sequence one token per step, with
 `--context` tokens already cached) and prefill tokens/s (every sequence's
 `--prompt-len` prompt, packed into steps of at most `--max-step-tokens`).
-Modes: `per-seq` (one forward and one sync per sequence, the old path),
+Modes: `per-seq` (one forward and one sync per sequence: the old path, now
+the tests' oracle, tests/gpu_worker/oracle.py),
 `batched` (one forward per step, batch-invariant), `batched-fast` (one forward,
 no row tiles: not invariant). Also the prefill FLOP/s of a plain batched torch
 forward of the same shapes (dense, no paging) and, on CUDA, the share of decode
@@ -35,6 +36,7 @@ from gpu_worker.checkpoint import load_checkpoint, resolve_device
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
 from gpu_worker.runner import ModelRunner, SeqWork
+from tests.gpu_worker.oracle import execute_per_sequence
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
@@ -110,16 +112,21 @@ def tables(batch: int, tokens: int) -> list[list[int]]:
     return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
 
 
+def execute(runner: ModelRunner, seqs: list[SeqWork], batched: bool) -> list[int | None]:
+    """One step: the runner's batched step, or the oracle's one forward per sequence."""
+    return runner.execute(seqs) if batched else execute_per_sequence(runner, seqs)
+
+
 def prefill(runner: ModelRunner, ids: list[list[int]], blocks: list[list[int]],
             max_step_tokens: int, batched: bool) -> None:
     """Whole prompts, as many per step as fit (one prompt may fill a step alone)."""
     step: list[SeqWork] = []
     for i, prompt in enumerate(ids):
         if step and sum(len(s.token_ids) for s in step) + len(prompt) > max_step_tokens:
-            runner.execute(step, batched=batched)
+            execute(runner, step, batched)
             step = []
         step.append(SeqWork(f"r{i}", prompt, 0, blocks[i], True))
-    runner.execute(step, batched=batched)
+    execute(runner, step, batched)
 
 
 def decode(runner: ModelRunner, batch: int, context: int, blocks: list[list[int]],
@@ -127,7 +134,7 @@ def decode(runner: ModelRunner, batch: int, context: int, blocks: list[list[int]
     last = [1] * batch
     for s in range(steps):
         seqs = [SeqWork(f"r{i}", [last[i]], context + s, blocks[i], True) for i in range(batch)]
-        last = [t or 1 for t in runner.execute(seqs, batched=batched)]
+        last = [t or 1 for t in execute(runner, seqs, batched)]
 
 
 def dense_forward(model: CausalLM, ids: list[list[int]]) -> None:

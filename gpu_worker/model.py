@@ -13,16 +13,15 @@ num_kv_heads, head_dim]`. A sequence's block table maps positions to slots:
                [ already in the cache ][ written by this call  ]
                [ read by attention (causal: query i sees keys <= its position) ]
 
-`forward_paged` computes one sequence per call: the per-sequence path, kept as
-the reference the batched one is measured and checked against. The runner's
-batched path (one forward for the whole step, see `batched.py`) reuses these
-modules' weights and `apply_rotary`.
+These modules hold the weights and the token-wise pieces (norms, projections,
+MLP, `apply_rotary`); the one forward over them is the runner's batched step
+(`batched.py`), attention included. The per-sequence and plain causal forwards
+the tests check it against live with the tests (tests/gpu_worker/oracle.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -93,16 +92,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-@dataclass(slots=True)
-class PagedKv:
-    """One layer's view of the paged cache for one sequence."""
-
-    cache: torch.Tensor  # [2, num_blocks * block_size, num_kv_heads, head_dim]
-    write_slots: torch.Tensor  # slot of each new token, [n]
-    read_slots: torch.Tensor  # slot of every position 0..last, [start_pos + n]
-
-
 class Attention(nn.Module):
+    """The projections of one attention layer; the attention itself over the
+    paged cache is `attention.PagedAttention`, run by `batched.py`."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -114,48 +107,6 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_size, bias, dtype, device)
         self.v_proj = Linear(cfg.hidden_size, kv_size, bias, dtype, device)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, device)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, paged: PagedKv | None) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if paged is None:
-            out = self._full_causal(q, k, v)
-        else:
-            paged.cache[0].index_copy_(0, paged.write_slots, k)
-            paged.cache[1].index_copy_(0, paged.write_slots, v)
-            keys = paged.cache[0].index_select(0, paged.read_slots)
-            values = paged.cache[1].index_select(0, paged.read_slots)
-            out = self._masked(q, keys, values, positions)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-
-    def _masked(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        """q: [n, heads, d]; keys/values: [T, kv_heads, d] for positions 0..T-1."""
-        n, group = q.shape[0], self.num_heads // self.num_kv_heads
-        acc = compute_dtype(q.dtype)
-        qg = q.view(n, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).to(acc)
-        kt = keys.permute(1, 2, 0).unsqueeze(1).to(acc)  # [kv_heads, 1, d, T]
-        scores = (qg @ kt) * (1.0 / math.sqrt(self.head_dim))  # [kv_heads, group, n, T]
-        key_pos = torch.arange(keys.shape[0], device=q.device)
-        scores = scores.masked_fill(key_pos[None, :] > positions[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = probs @ values.permute(1, 0, 2).unsqueeze(1).to(acc)  # [kv_heads, group, n, d]
-        return out.permute(2, 0, 1, 3).to(q.dtype)
-
-    def _full_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Reference path: ordinary causal attention over this call's tokens only,
-        through torch's own kernel so that it checks the paged path independently."""
-        group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        return out.transpose(0, 1)
 
 
 class Mlp(nn.Module):
@@ -177,11 +128,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = Mlp(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, paged: PagedKv | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, paged)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -195,8 +141,8 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its output head. `forward_paged` is the per-sequence
-    path; `reference_forward` is plain full causal attention, for tests."""
+    """The decoder plus its output head: weights and rotary angles; the
+    runner's batched step (`batched.py`) runs them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -218,40 +164,6 @@ class CausalLM(nn.Module):
         angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [n, 1, head_dim]
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-    def _run(self, token_ids: torch.Tensor, positions: torch.Tensor,
-             paged_for_layer: list[PagedKv] | None, all_logits: bool) -> torch.Tensor:
-        x = self.model.embed_tokens(token_ids)
-        cos, sin = self.rotary(positions)
-        for i, layer in enumerate(self.model.layers):
-            paged = None if paged_for_layer is None else paged_for_layer[i]
-            x = layer(x, positions, cos, sin, paged)
-        x = x if all_logits else x[-1:]
-        logits = self.lm_head(self.model.norm(x))
-        return logits if all_logits else logits[0]
-
-    @torch.inference_mode()
-    def forward_paged(self, token_ids: torch.Tensor, start_pos: int, kv_cache: torch.Tensor,
-                      block_table: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Computes tokens at positions start_pos..start_pos+n-1, writes their K/V
-        into the blocks of `block_table` and attends over every cached position.
-
-        Returns the last token's logits [vocab], or [n, vocab] with all_logits.
-        Inputs are trusted: the runner validates them."""
-        num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-        n = token_ids.shape[0]
-        end = start_pos + n
-        all_pos = torch.arange(end, device=self.device)
-        slots = block_table[all_pos // block_size] * block_size + all_pos % block_size
-        flat = kv_cache.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
-        paged = [PagedKv(flat[i], slots[start_pos:], slots) for i in range(num_layers)]
-        return self._run(token_ids, all_pos[start_pos:], paged, all_logits)
-
-    @torch.inference_mode()
-    def reference_forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] for a whole sequence from position 0, no cache."""
-        positions = torch.arange(token_ids.shape[0], device=self.device)
-        return self._run(token_ids, positions, None, all_logits=True)
 
 
 @torch.no_grad()

@@ -4,12 +4,12 @@ Domain-level only (no grpc, no protos): the server converts plans into `SeqWork`
 and calls `execute`. Every input is validated before anything is written, so
 a rejected step leaves the cache untouched.
 
-A step (`execute`, batched) is: pack every sequence's tokens on the host into
-one staged buffer, one copy to the device, one forward over all rows
+A step (`execute`) is: pack every sequence's tokens on the host into one
+staged buffer, one copy to the device, one forward over all rows
 (`batched.py`), sampling of every sampling row on the device, and one copy of
-the sampled ids back: the step's only host<->device sync. `execute(...,
-batched=False)` is the per-sequence path (one forward and one sync per
-sequence), kept to compare against.
+the sampled ids back: the step's only host<->device sync. It is the worker's
+one forward path; the per-sequence and plain causal forwards it is checked
+against are the tests' oracle (tests/gpu_worker/oracle.py).
 
 Calls are not thread-safe; the server funnels steps, gathers and scatters
 through one thread so that a copy never races a step writing the same blocks.
@@ -33,13 +33,11 @@ from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
 from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.model import CausalLM
-from gpu_worker.sampling import GREEDY, SamplingParams, sample, sample_rows
+from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
-
-# Idle pooled host buffers kept for reuse by offload and restore.
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,14 +171,11 @@ class ModelRunner:
 
     # ---- steps ------------------------------------------------------------
 
-    def execute(self, seqs: Sequence[SeqWork], batched: bool = True) -> list[int | None]:
-        """Runs one step; the sampled token per sequence (None where sample is unset).
-        batched=False: the per-sequence path (one forward and one sync each)."""
+    def execute(self, seqs: Sequence[SeqWork]) -> list[int | None]:
+        """Runs one step; the sampled token per sequence (None where sample is unset)."""
         self.check_step(seqs)
         if not seqs:
             return []
-        if not batched:
-            return self._execute_per_sequence(seqs)
         host = pack_step(seqs, self.block_size, self.row_tile, self._process_gen)
         step = self._staging.stage(host)
         hidden = self.batched.hidden(step, self.kv_cache)
@@ -205,24 +200,6 @@ class ModelRunner:
         rows = torch.zeros(host.num_rows, dtype=torch.long, device=self.device)
         rows[: len(seqs)] = last
         return self.batched.logits(hidden[rows])[: len(seqs)]
-
-    def _execute_per_sequence(self, seqs: Sequence[SeqWork]) -> list[int | None]:
-        out: list[int | None] = []
-        for seq in seqs:
-            logits = self.forward(seq)
-            if not seq.sample:
-                out.append(None)
-                continue
-            position = seq.start_pos + len(seq.token_ids)
-            out.append(sample(logits, seq.sampling, position, self._process_gen))
-        return out
-
-    def forward(self, seq: SeqWork, all_logits: bool = False) -> torch.Tensor:
-        """Per-sequence path: logits after the last token ([vocab]) or for every
-        token ([n, vocab]). Trusts its input; `execute` validates."""
-        tokens = torch.tensor(list(seq.token_ids), dtype=torch.long, device=self.device)
-        table = torch.tensor(list(seq.block_ids), dtype=torch.long, device=self.device)
-        return self.model.forward_paged(tokens, seq.start_pos, self.kv_cache, table, all_logits)
 
     # ---- block copies for offload / restore -------------------------------
 

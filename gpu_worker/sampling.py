@@ -30,8 +30,8 @@ import torch
 
 from kvstash.sampling import GREEDY, SamplingParams
 
-__all__ = ["GREEDY", "SamplingBatch", "SamplingParams", "draw_seed", "filtered_probs",
-           "filtered_rows", "sample", "sample_rows", "seeded_uniform"]
+__all__ = ["GREEDY", "SamplingBatch", "SamplingParams", "draw_seed", "filtered_rows",
+           "sample_rows", "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -160,25 +160,10 @@ def _rows(s: DeviceSampling, start: int, count: int) -> DeviceSampling:
 
 
 def to_device(batch: SamplingBatch, device: torch.device) -> DeviceSampling:
-    """For single rows and tests; the runner stages its columns with the step."""
+    """For tests; the runner stages its columns with the step."""
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
     return DeviceSampling(put(batch.temperature), put(batch.top_k), put(batch.top_p),
                           put(batch.uniform), batch.any_random, batch.any_filter)
 
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [vocab] (float64) of one row after temperature, top-k and
-    top-p; filtered-out tokens get exactly 0."""
-    batch = SamplingBatch.build([params], [0], torch.Generator())
-    s = to_device(batch, logits.device)
-    return filtered_rows(logits[None], s, batch.any_filter)[0]
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, position: int,
-           process_gen: torch.Generator) -> int:
-    """The token to place at `position`, given the logits [vocab] that predict it
-    (one row, one host sync: the per-sequence path)."""
-    batch = SamplingBatch.build([params], [position], process_gen)
-    return int(sample_rows(logits[None], to_device(batch, logits.device), None)[0])

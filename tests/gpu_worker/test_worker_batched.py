@@ -18,6 +18,7 @@ import torch
 from gpu_worker.attention import AttentionBackend, varlen_options
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import GREEDY
+from tests.gpu_worker.oracle import execute_per_sequence, reference_forward
 from tests.gpu_worker.worker_factories import BLOCK_SIZE, make_runner, prompt, tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -37,7 +38,7 @@ def test_packed_prefill_equals_each_prompt_alone(dtype: torch.dtype) -> None:
     together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
     for row, (rid, ids) in zip(together, PROMPTS.items(), strict=True):
         assert torch.equal(row, alone.logits([SeqWork(rid, ids, 0, table[rid])])[0])
-        reference = tiny_model(dtype).reference_forward(torch.tensor(ids))[-1]
+        reference = reference_forward(tiny_model(dtype), torch.tensor(ids))[-1]
         tolerance = 1e-4 if dtype == torch.float32 else 0.1
         torch.testing.assert_close(row, reference, atol=tolerance, rtol=tolerance)
 
@@ -96,7 +97,7 @@ def test_batched_and_per_sequence_paths_agree_in_float64() -> None:
     seqs = [SeqWork(r, ids, 0, table[r], True) for r, ids in PROMPTS.items()]
     for _ in range(8):
         tokens_new = new.execute(seqs)
-        assert old.execute(seqs, batched=False) == tokens_new
+        assert execute_per_sequence(old, seqs) == tokens_new
         seqs = [SeqWork(s.request_id, [t], s.start_pos + len(s.token_ids), s.block_ids, True)
                 for s, t in zip(seqs, tokens_new, strict=True) if t is not None]
 
@@ -108,7 +109,7 @@ def test_fast_mode_is_correct_but_not_row_invariant() -> None:
     table = tables()
     together = fast.logits([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
     for row, ids in zip(together, PROMPTS.values(), strict=True):
-        reference = tiny_model().reference_forward(torch.tensor(ids))[-1]
+        reference = reference_forward(tiny_model(), torch.tensor(ids))[-1]
         torch.testing.assert_close(row, reference, atol=1e-4, rtol=1e-4)
 
 

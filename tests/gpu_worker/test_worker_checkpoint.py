@@ -18,6 +18,7 @@ from gpu_worker.model import CausalLM, fill_random
 from gpu_worker.runner import SeqWork, build_runner
 from gpu_worker.server import info_proto
 from kvstash.tokenizer import load_tokenizer
+from tests.gpu_worker.oracle import reference_forward
 
 WORDS = ["[UNK]", "<eos>", "hello", "world", "the", "cache", "stash", "kv", "blocks"]
 
@@ -77,7 +78,7 @@ def test_loaded_checkpoint_matches_model_built_from_same_tensors(
     assert loaded.model.model.layers[0].self_attn.k_proj.weight.shape[0] == (
         raw["num_key_value_heads"] * cfg.head_dim)
     tokens = torch.tensor([2, 3, 4, 5, 6, 7, 8, 3, 2, 30, 31])
-    assert torch.equal(loaded.model.reference_forward(tokens), source.reference_forward(tokens))
+    assert torch.equal(reference_forward(loaded.model, tokens), reference_forward(source, tokens))
 
 
 def test_worker_config_directory_gives_runner_and_tokenizer(tmp_path: Path) -> None:
@@ -101,7 +102,7 @@ def test_bfloat16_load_casts(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, LLAMA)
     loaded = load_checkpoint(tmp_path, torch.bfloat16, torch.device("cpu"))
     assert loaded.model.lm_head.weight.dtype == torch.bfloat16
-    logits = loaded.model.reference_forward(torch.tensor([2, 3, 4]))
+    logits = reference_forward(loaded.model, torch.tensor([2, 3, 4]))
     assert torch.isfinite(logits).all()
 
 
@@ -129,7 +130,7 @@ def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:
     source = write_checkpoint(tmp_path, LLAMA, edit=stale)
     loaded = load_checkpoint(tmp_path, torch.float32, torch.device("cpu")).model
     tokens = torch.tensor([2, 3, 4, 5, 6, 7, 8])
-    torch.testing.assert_close(loaded.reference_forward(tokens), source.reference_forward(tokens))
+    torch.testing.assert_close(reference_forward(loaded, tokens), reference_forward(source, tokens))
 
 
 def test_directory_problems_are_explained(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gpu_worker.checkpoint import load_checkpoint
+from tests.gpu_worker.oracle import forward_paged, reference_forward
 from tests.gpu_worker.test_worker_checkpoint import tokenizer_json
 
 # transformers computes rotary angles in float32 even in a float64 model, which
@@ -77,13 +78,13 @@ def save_reference(directory: Path, model: Any, legacy: bool) -> torch.Tensor:
 def test_logits_match_transformers(tmp_path: Path, build: Any, legacy: bool) -> None:
     expected = save_reference(tmp_path, build(), legacy)
     loaded = load_checkpoint(tmp_path, torch.float64, torch.device("cpu"))
-    got = loaded.model.reference_forward(torch.tensor(TOKENS))
+    got = reference_forward(loaded.model, torch.tensor(TOKENS))
     assert (got - expected).abs().max().item() < TOLERANCE
     # The paged path the runner uses agrees too (one 100-token prefill).
     cache = torch.zeros(2, 2, 8, 16, loaded.model.config.num_kv_heads,
                         loaded.model.config.head_dim, dtype=torch.float64)
-    paged = loaded.model.forward_paged(torch.tensor(TOKENS), 0, cache, torch.arange(8),
-                                       all_logits=True)
+    paged = forward_paged(loaded.model, torch.tensor(TOKENS), 0, cache, torch.arange(8),
+                          all_logits=True)
     assert (paged - expected).abs().max().item() < TOLERANCE
 
 

@@ -8,6 +8,7 @@ import torch
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import byte_view
+from tests.gpu_worker.oracle import forward, reference_forward
 from tests.gpu_worker.worker_factories import (
     BLOCK_SIZE,
     blocks_for,
@@ -26,8 +27,8 @@ def test_paged_prefill_and_decode_match_reference() -> None:
     table = [17, 3, 40, 8, 22, 1, 30, 12, 5, 60, 9, 44, 2, 33, 50, 7, 25, 6, 11]
     out = greedy_generate(runner, PROMPT, 24, table)
     full = torch.tensor(PROMPT + out)
-    ref = tiny_model(torch.float32).reference_forward(full)
-    paged = runner.forward(SeqWork("r", list(full[:-1]), 0, table), all_logits=True)
+    ref = reference_forward(tiny_model(torch.float32), full)
+    paged = forward(runner, SeqWork("r", list(full[:-1]), 0, table), all_logits=True)
     torch.testing.assert_close(paged, ref[:-1], atol=1e-4, rtol=1e-4)
     batched = runner.logits([SeqWork("r", PROMPT, 0, table)])  # the batched path, too
     torch.testing.assert_close(batched[0], ref[len(PROMPT) - 1], atol=1e-4, rtol=1e-4)
@@ -79,7 +80,7 @@ def test_chunked_prefill_matches_full_in_float64(chunk: int) -> None:
     chunked_out = greedy_generate(chunked_runner, PROMPT, 32, table, chunk=chunk)
     assert chunked_out == full_out
     seq = SeqWork("r", [full_out[-1]], len(PROMPT) + 31, table)
-    diff = (full_runner.forward(seq) - chunked_runner.forward(seq)).abs().max().item()
+    diff = (forward(full_runner, seq) - forward(chunked_runner, seq)).abs().max().item()
     assert diff < 1e-10
 
 
@@ -98,7 +99,7 @@ def test_gather_scatter_round_trip_continues_identically() -> None:
     for _ in range(16):
         moved = SeqWork("r", [token_moved], pos, new_table, True)
         stayed = SeqWork("r", [token_ref], pos, old_table, True)
-        assert torch.equal(runner.forward(moved), reference.forward(stayed))
+        assert torch.equal(forward(runner, moved), forward(reference, stayed))
         [token_moved] = runner.execute([moved])
         [token_ref] = reference.execute([stayed])
         assert token_moved == token_ref

@@ -11,14 +11,13 @@ from gpu_worker.sampling import (
     GREEDY,
     SamplingBatch,
     SamplingParams,
-    filtered_probs,
     filtered_rows,
-    sample,
     sample_rows,
     seeded_uniform,
     to_device,
 )
 from kvstash.errors import InvalidArgument
+from tests.gpu_worker.oracle import filtered_probs, sample
 from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_runner, prompt
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.5, 2.9, -1.0])
