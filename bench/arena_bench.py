@@ -30,14 +30,14 @@ import numpy as np
 
 from bench.cache_bench import start_cache, vm_kib
 from kvstash.cache_client import CacheClient
+from kvstash.layout import Layout
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.stack import SHARED_MEMORY_DIR
 from kvstash.units import MIB, parse_bytes
-from kvstash.v1 import common_pb2
 
 PATHS = ("memcpy", "arena", "grpc")
-LAYOUT = common_pb2.KvLayout(num_layers=1, block_size=1, num_kv_heads=1,
-                             head_dim=MIB // 4, dtype="float16")  # 1 MiB blocks
+LAYOUT = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4,
+                dtype="float16")  # 1 MiB blocks
 
 
 def memcpy_round(data: np.ndarray, scratch: np.ndarray, out: np.ndarray) -> tuple[float, float]:

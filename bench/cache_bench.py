@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from kvstash.cache_client import CacheClient
+from kvstash.layout import Layout
 from kvstash.malloc_tuning import tune_malloc
 from kvstash.units import MIB, parse_bytes
-from kvstash.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 _IO_BYTES = 4 * MIB
@@ -126,8 +126,8 @@ def vm_kib(pid: int, field: str) -> int:
 async def cache_round(
     client: CacheClient, name: str, data: np.ndarray, out: np.ndarray
 ) -> tuple[float, float]:
-    layout = common_pb2.KvLayout(num_layers=1, block_size=1, num_kv_heads=1,
-                                 head_dim=MIB // 4, dtype="float16")  # 1 MiB blocks
+    layout = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4,
+                    dtype="float16")  # 1 MiB blocks
     num_blocks = data.nbytes // MIB
     started = time.perf_counter()
     await client.put(name, layout, num_blocks, num_blocks, data)

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstash import rpc
-from kvstash.layout import Layout
 from kvstash.sampling import SamplingParams
 from kvstash.stack import SHARED_MEMORY_DIR, Service, start_service
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from kvstash.wire import layout_from_proto
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.seq import ScheduledSeq
@@ -165,7 +165,7 @@ async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> 
     try:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(),
                                                                  timeout=60)
-        layout = Layout.of(info.kv_layout)
+        layout = layout_from_proto(info.kv_layout)
         kept = sorted(n for n in lengths if n <= info.max_model_len)
         skipped = [n for n in lengths if n > info.max_model_len]
         if not kept:

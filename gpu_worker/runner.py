@@ -36,6 +36,7 @@ from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.errors import InvalidArgument
+from kvstash.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,6 @@ class SeqWork:
     block_ids: Sequence[int]  # block table covering every position up to the last
     sample: bool = False  # sample the token that follows the last position
     sampling: SamplingParams = field(default=GREEDY)  # used when sample is set
-
-
-@dataclass(frozen=True, slots=True)
-class KvLayoutSpec:
-    """Shape of one block; a snapshot of n blocks is [L, 2, n, block_size, heads, dim]."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32", "bfloat16", ...
 
 
 class ModelRunner:
@@ -105,10 +95,11 @@ class ModelRunner:
             pinned=self.device.type == "cuda", max_idle_bytes=host_pool_bytes)
 
     @property
-    def layout(self) -> KvLayoutSpec:
+    def layout(self) -> Layout:
+        """Shape of one block; a snapshot of n blocks is [L, 2, n, block_size, heads, dim]."""
         cfg = self.model_config
-        return KvLayoutSpec(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                            str(self.dtype).removeprefix("torch."))
+        return Layout(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                      str(self.dtype).removeprefix("torch."))
 
     # ---- validation -------------------------------------------------------
 

@@ -33,8 +33,9 @@ import torch
 
 from gpu_worker.runner import ModelRunner
 from kvstash import errors
-from kvstash.v1 import cache_pb2, common_pb2
-from kvstash.wire import layout_to_proto
+from kvstash.layout import Layout
+from kvstash.v1 import cache_pb2
+from kvstash.wire import layout_from_proto
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ class SnapshotClient(Protocol):
     """What the worker needs of `kvstash.cache_client.CacheClient`: every
     call is bounded by the `timeout_s` it is given."""
 
-    async def put(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
+    async def put(self, snapshot_id: str, layout: Layout, num_blocks: int,
                   num_tokens: int, data: memoryview, pinned: bool = True,
                   ttl_s: int = 0, timeout_s: float | None = None) -> int: ...
 
@@ -51,7 +52,7 @@ class SnapshotClient(Protocol):
                        consume: bool = False,
                        timeout_s: float | None = None) -> cache_pb2.SnapshotHeader: ...
 
-    async def put_shared(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
+    async def put_shared(self, snapshot_id: str, layout: Layout, num_blocks: int,
                          num_tokens: int, total_bytes: int,
                          write: Callable[[memoryview], Awaitable[list[int] | None]],
                          pinned: bool = True,
@@ -116,7 +117,7 @@ class KvTransfer:
                 f"({len(block_ids)} blocks of {self.runner.block_size})"
             )
         self.runner.check_copy_blocks(block_ids, what)  # before a buffer is sized by them
-        layout = layout_to_proto(self.runner.layout)
+        layout = self.runner.layout
         pool = self.runner.host_pool
         num_blocks = len(block_ids)
 
@@ -202,18 +203,12 @@ class KvTransfer:
         return flat.view(layers, kv, num_blocks, block_size, heads, dim)
 
     def check_header(self, header: cache_pb2.SnapshotHeader, num_blocks: int, what: str) -> None:
-        want = layout_to_proto(self.runner.layout)
-        if header.layout != want:
+        got, want = layout_from_proto(header.layout), self.runner.layout
+        if got != want:
             raise errors.FailedPrecondition(
-                f"{what}: snapshot layout ({_describe(header.layout)}) differs from this "
-                f"worker's ({_describe(want)})"
-            )
+                f"{what}: snapshot layout ({got}) differs from this worker's ({want})")
         if header.num_blocks != num_blocks:
             raise errors.InvalidArgument(
                 f"{what}: snapshot holds {header.num_blocks} blocks, request names {num_blocks}"
             )
 
-
-def _describe(layout: common_pb2.KvLayout) -> str:
-    return (f"{layout.num_layers} layers, block_size {layout.block_size}, "
-            f"{layout.num_kv_heads} kv heads, head_dim {layout.head_dim}, {layout.dtype}")

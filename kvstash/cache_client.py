@@ -44,6 +44,7 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
+from kvstash.layout import Layout
 from kvstash.security import PLAINTEXT, Security
 from kvstash.shared_arena import (
     SharedArena,
@@ -53,6 +54,7 @@ from kvstash.shared_arena import (
     verify_chunks,
 )
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvstash.wire import layout_to_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,7 +143,7 @@ class CacheClient:
         self._arena_known = True
 
     async def put_shared(
-        self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, num_tokens: int,
+        self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
         total_bytes: int, write: Callable[[memoryview], Awaitable[list[int] | None]],
         pinned: bool = True, ttl_s: int = 0, timeout_s: float | None = None,
     ) -> int | None:
@@ -250,11 +252,11 @@ class CacheClient:
             raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
 
     def _header(
-        self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, num_tokens: int,
+        self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
         total_bytes: int, pinned: bool, ttl_s: int,
     ) -> cache_pb2.SnapshotHeader:
         return cache_pb2.SnapshotHeader(
-            snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
+            snapshot_id=snapshot_id, layout=layout_to_proto(layout), num_blocks=num_blocks,
             num_tokens=num_tokens, total_bytes=total_bytes, chunk_bytes=self.chunk_bytes,
             checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64, pinned=pinned, ttl_s=ttl_s,
         )
@@ -264,7 +266,7 @@ class CacheClient:
     async def put(
         self,
         snapshot_id: str,
-        layout: common_pb2.KvLayout,
+        layout: Layout,
         num_blocks: int,
         num_tokens: int,
         data: object,

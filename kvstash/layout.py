@@ -1,35 +1,21 @@
-"""The KV block layout every service agrees on (common.proto `KvLayout`), without torch.
+"""The KV block layout: one type for every service, without torch or protos.
 
 A worker's cache tensor is [num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]; one block of it is `bytes_per_block` bytes, which
 sizes snapshots in the scheduler (offload decisions) and in the cache service
-(put validation).
+(put validation). The worker reports its layout as this type, the scheduler
+sizes its pool and checks decode peers with it, the cache client puts with
+it, the cache stores it. Its wire form is common.proto `KvLayout`, converted
+in `kvstash.wire` only (`layout_to_proto`, `layout_from_proto`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvstash.errors import InvalidArgument, preview
 
 ITEMSIZE_FOR_DTYPE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-
-
-class LayoutFields(Protocol):
-    """Anything shaped like a `KvLayout` message, read-only: a message, a
-    `Layout`, a worker's frozen layout spec."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def dtype(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +38,11 @@ class Layout:
                 f"{sorted(ITEMSIZE_FOR_DTYPE)}"
             )
 
-    @classmethod
-    def of(cls, fields: LayoutFields) -> Layout:
-        """From a `KvLayout` message (or anything with its fields)."""
-        return cls(fields.num_layers, fields.block_size, fields.num_kv_heads, fields.head_dim,
-                   fields.dtype)
-
     @property
     def bytes_per_block(self) -> int:
         itemsize = ITEMSIZE_FOR_DTYPE[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def __str__(self) -> str:
+        return (f"{self.num_layers} layers, block_size {self.block_size}, "
+                f"{self.num_kv_heads} kv heads, head_dim {self.head_dim}, {self.dtype}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from kvstash.layout import Layout, LayoutFields
+from kvstash.layout import Layout
 from kvstash.sampling import SamplingParams
 from kvstash.v1 import common_pb2
 
@@ -39,7 +39,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return proto
 
 
-def layout_to_proto(layout: LayoutFields) -> common_pb2.KvLayout:
+def layout_to_proto(layout: Layout) -> common_pb2.KvLayout:
     return common_pb2.KvLayout(
         num_layers=layout.num_layers, block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
@@ -48,4 +48,5 @@ def layout_to_proto(layout: LayoutFields) -> common_pb2.KvLayout:
 
 def layout_from_proto(proto: common_pb2.KvLayout) -> Layout:
     """Raises InvalidArgument naming a bad field."""
-    return Layout.of(proto)
+    return Layout(proto.num_layers, proto.block_size, proto.num_kv_heads, proto.head_dim,
+                  proto.dtype)

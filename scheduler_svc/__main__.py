@@ -19,10 +19,10 @@ import grpc
 
 from kvstash import rpc, security, settings, telemetry
 from kvstash.cache_client import CacheClient
-from kvstash.layout import Layout
 from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.tokenizer import load_tokenizer
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from kvstash.wire import layout_from_proto
 from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
@@ -130,7 +130,7 @@ async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_
 
 
 def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
-    layout = Layout.of(info.kv_layout)
+    layout = layout_from_proto(info.kv_layout)
     if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
         raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
                          f"got {args.num_blocks}")
@@ -187,7 +187,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             cache = CacheLink(client)
         peers: DecodePeers | None = None
         if args.role == "prefill":
-            peers = DecodePeers(args.decode_address.split(","), Layout.of(info.kv_layout),
+            peers = DecodePeers(args.decode_address.split(","), layout_from_proto(info.kv_layout),
                                 secured, wait_s=args.handoff_wait)
             cleanup.push_async_callback(peers.close)
         worker = WorkerLink(worker_channel, info)

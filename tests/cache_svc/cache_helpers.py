@@ -20,7 +20,8 @@ import numpy as np
 from kvstash import chunk_codec
 from kvstash.layout import Layout
 from kvstash.units import MIB
-from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from kvstash.v1 import cache_pb2, cache_pb2_grpc
+from kvstash.wire import layout_to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,18 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 def make_layout(
     dtype: str = "float16", num_layers: int = 2, block_size: int = 16,
     num_kv_heads: int = 4, head_dim: int = 64,
-) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(
-        num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, dtype=dtype,
-    )
+) -> Layout:
+    return Layout(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, dtype=dtype)
 
 
-def bytes_per_block(layout: common_pb2.KvLayout) -> int:
-    return Layout.of(layout).bytes_per_block
+def bytes_per_block(layout: Layout) -> int:
+    return layout.bytes_per_block
 
 
-def make_payload(layout: common_pb2.KvLayout, num_blocks: int, seed: int = 0) -> np.ndarray:
+def make_payload(layout: Layout, num_blocks: int, seed: int = 0) -> np.ndarray:
     """A KV tensor of the layout's dtype, as raw bytes. bfloat16 (which numpy
     lacks) is built as the top halves of float32 values, as torch stores it."""
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
@@ -53,11 +52,11 @@ def make_payload(layout: common_pb2.KvLayout, num_blocks: int, seed: int = 0) ->
 
 
 def make_header(
-    snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int, chunk_bytes: int = MIB,
+    snapshot_id: str, layout: Layout, num_blocks: int, chunk_bytes: int = MIB,
     pinned: bool = True, ttl_s: int = 0, total_bytes: int | None = None,
 ) -> cache_pb2.SnapshotHeader:
     return cache_pb2.SnapshotHeader(
-        snapshot_id=snapshot_id, layout=layout, num_blocks=num_blocks,
+        snapshot_id=snapshot_id, layout=layout_to_proto(layout), num_blocks=num_blocks,
         num_tokens=num_blocks * layout.block_size,
         total_bytes=num_blocks * bytes_per_block(layout) if total_bytes is None else total_bytes,
         chunk_bytes=chunk_bytes, checksum_algorithm=cache_pb2.CHECKSUM_ALGORITHM_XXH3_64,

@@ -368,11 +368,11 @@ async def test_shared_get_must_start_at_chunk_zero(start_cache, tmp_path) -> Non
 _HALF_WRITER = textwrap.dedent("""
     import asyncio, sys
     from kvstash.cache_client import CacheClient
-    from kvstash.v1 import common_pb2
+    from kvstash.layout import Layout
 
     async def main():
-        layout = common_pb2.KvLayout(num_layers=2, block_size=16, num_kv_heads=4,
-                                     head_dim=64, dtype="bfloat16")
+        layout = Layout(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64,
+                        dtype="bfloat16")
         client = CacheClient(sys.argv[1])
 
         async def write_half(extent):

@@ -11,7 +11,8 @@ import pytest
 
 from kvstash import errors, rpc
 from kvstash.cache_client import CacheClient
-from kvstash.v1 import cache_pb2_grpc, common_pb2
+from kvstash.layout import Layout
+from kvstash.v1 import cache_pb2_grpc
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -62,8 +63,7 @@ async def test_each_call_takes_its_callers_timeout() -> None:
         "127.0.0.1:0", [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(StalledCache(), s)],
         [])
     loop = asyncio.get_running_loop()
-    layout = common_pb2.KvLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64,
-                                 dtype="float16")
+    layout = Layout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64, dtype="float16")
     try:
         # No client-wide deadline: only the callers' bound these calls.
         async with CacheClient(f"127.0.0.1:{port}", timeout_s=None) as client:

@@ -23,15 +23,15 @@ from cache_svc.config import CacheConfig
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.chunk_codec import checksum, encode_chunk
-from kvstash.v1 import cache_pb2, common_pb2
+from kvstash.layout import Layout
+from kvstash.v1 import cache_pb2
 
 BUDGET = 256 * MIB
 NUM_PUTS = 32
 NUM_CONNECTIONS = 4
 CHUNK = 2 * MIB
 # 1 MiB blocks, so that a put of 64 blocks is 64 MiB in 32 chunks of 2 MiB.
-LAYOUT = common_pb2.KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4,
-                             dtype="float16")
+LAYOUT = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4, dtype="float16")
 NUM_BLOCKS = 64
 CHUNKS = NUM_BLOCKS * MIB // CHUNK
 

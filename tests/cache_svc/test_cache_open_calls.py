@@ -12,10 +12,10 @@ import grpc
 import pytest
 from cache_helpers import MIB, wait_until
 
-from kvstash.v1 import cache_pb2, common_pb2
+from kvstash.layout import Layout
+from kvstash.v1 import cache_pb2
 
-LAYOUT = common_pb2.KvLayout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4,
-                             dtype="float16")
+LAYOUT = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4, dtype="float16")
 
 
 async def test_cancelled_get_releases_its_reader_and_share(start_cache) -> None:

@@ -9,6 +9,7 @@ from cache_helpers import MIB, bytes_per_block, make_layout, make_payload
 from kvstash import errors
 from kvstash.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
+from kvstash.wire import layout_from_proto
 
 LAYOUTS = [
     make_layout("float16"),
@@ -36,7 +37,7 @@ async def test_round_trip_through_memory_and_disk(start_cache, layout) -> None:
         out = np.zeros_like(data)
         header = await client.get_into(name, memoryview(out))
         assert out.tobytes() == data.tobytes()
-        assert header.layout == layout and header.num_blocks == num_blocks
+        assert layout_from_proto(header.layout) == layout and header.num_blocks == num_blocks
         assert header.num_tokens == 7 and header.total_bytes == data.nbytes
     header, got = await client.get("a")
     assert got == first.tobytes()

@@ -17,8 +17,10 @@ from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from kvstash import errors
+from kvstash.layout import Layout
 from kvstash.sampling import GREEDY, SamplingParams
-from kvstash.v1 import cache_pb2, common_pb2
+from kvstash.v1 import cache_pb2
+from kvstash.wire import layout_to_proto
 
 BLOCK_SIZE = 4
 REPO = Path(__file__).resolve().parents[2]
@@ -81,11 +83,11 @@ class MemoryCache:
         self.timeouts.append(timeout_s)
         await asyncio.sleep(3600 if self.delay_s is None else self.delay_s)
 
-    async def put(self, snapshot_id: str, layout: common_pb2.KvLayout, num_blocks: int,
+    async def put(self, snapshot_id: str, layout: Layout, num_blocks: int,
                   num_tokens: int, data: memoryview, pinned: bool = True, ttl_s: int = 0,
                   timeout_s: float | None = None) -> int:
         await self._wait(timeout_s)
-        header = cache_pb2.SnapshotHeader(snapshot_id=snapshot_id, layout=layout,
+        header = cache_pb2.SnapshotHeader(snapshot_id=snapshot_id, layout=layout_to_proto(layout),
                                           num_blocks=num_blocks, num_tokens=num_tokens,
                                           total_bytes=len(data), pinned=pinned, ttl_s=ttl_s)
         self.snapshots[snapshot_id] = (header, bytes(data))

@@ -19,6 +19,7 @@ from kvstash.client import Client
 from kvstash.layout import Layout
 from kvstash.stack import Service, Stack, StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvstash.wire import layout_from_proto
 from tests.integration.reference import reference_greedy
 from tests.integration.workload import cache_stats, expected_outputs, run_workload
 
@@ -97,7 +98,7 @@ def decode_stub(stack: Stack) -> tuple[grpc.aio.Channel, scheduler_pb2_grpc.Sche
 async def kv_layout(stack: Stack) -> Layout:
     async with grpc.aio.insecure_channel(stack.worker.address) as channel:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
-    return Layout.of(info.kv_layout)
+    return layout_from_proto(info.kv_layout)
 
 
 def reserve_request(request_id: str, prompt: list[int], layout: Layout, max_tokens: int = 8,

@@ -121,10 +121,9 @@ def _cert_of(ca: trustme.CA, name: str) -> tuple[bytes, bytes]:
 
 
 def _layout():  # type: ignore[no-untyped-def]
-    from kvstash.v1 import common_pb2
+    from kvstash.layout import Layout
 
-    return common_pb2.KvLayout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64,
-                               dtype="float16")
+    return Layout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64, dtype="float16")
 
 
 def _block_bytes() -> int:
