@@ -92,7 +92,7 @@ async def one_round(runner: ModelRunner, transfers: dict[str, KvTransfer],
             await loop.run_in_executor(compute, raw)
         else:
             deadline = loop.time() + 600
-            await transfers[path].offload(f"{name}-{path}", src, tokens, True, 0, deadline)
+            await transfers[path].offload(f"{name}-{path}", src, tokens, deadline)
             await transfers[path].restore(f"{name}-{path}", dst, deadline)
             await loop.run_in_executor(compute, sync, runner.device)
         seconds[path] = time.perf_counter() - started

@@ -135,7 +135,7 @@ class Bench:
         snapshot_id = f"bench.{self.num_snapshots}"
         offload = OffloadCommand("victim", snapshot_id, source, num_tokens)
         started = time.monotonic()
-        outcome = await self.link.offload(offload, 0, 60.0)
+        outcome = await self.link.offload(offload, 60.0)
         offload_s = time.monotonic() - started
         if outcome.num_bytes is None:
             raise RuntimeError(f"offload failed: {outcome.error}")

@@ -183,9 +183,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         transfer = self._loaded().transfer
         start = time.perf_counter()
         num_bytes = await transfer.offload(
-            request.snapshot_id, list(request.block_ids), request.num_tokens,
-            pinned=request.pinned, ttl_s=request.ttl_s, deadline=deadline,
-        )
+            request.snapshot_id, list(request.block_ids), request.num_tokens, deadline)
         self._metrics.observe_offload(num_bytes, time.perf_counter() - start)
         log.info("offloaded %s: %d blocks, %d bytes", request.request_id,
                  len(request.block_ids), num_bytes)

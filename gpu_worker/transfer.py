@@ -42,11 +42,14 @@ T = TypeVar("T")
 
 class SnapshotClient(Protocol):
     """What the worker needs of `kvstash.cache_client.CacheClient`: every
-    call is bounded by the `timeout_s` it is given."""
+    call is bounded by the `timeout_s` it is given. Puts say nothing of how
+    the cache keeps a snapshot: that is the cache's admission policy
+    (CacheClient's defaults: kept until read or deleted, expired after the
+    cache's --default-ttl), neither the worker's nor relayed through it."""
 
     async def put(self, snapshot_id: str, layout: Layout, num_blocks: int,
-                  num_tokens: int, data: memoryview, pinned: bool = True,
-                  ttl_s: int = 0, timeout_s: float | None = None) -> int: ...
+                  num_tokens: int, data: memoryview, *,
+                  timeout_s: float | None = None) -> int: ...
 
     async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
                        consume: bool = False,
@@ -54,9 +57,8 @@ class SnapshotClient(Protocol):
 
     async def put_shared(self, snapshot_id: str, layout: Layout, num_blocks: int,
                          num_tokens: int, total_bytes: int,
-                         write: Callable[[memoryview], Awaitable[list[int] | None]],
-                         pinned: bool = True,
-                         ttl_s: int = 0, timeout_s: float | None = None) -> int | None: ...
+                         write: Callable[[memoryview], Awaitable[list[int] | None]], *,
+                         timeout_s: float | None = None) -> int | None: ...
 
     async def get_shared(
         self, snapshot_id: str,
@@ -104,10 +106,12 @@ class KvTransfer:
             raise errors.Unavailable(f"{what}: cache service call failed: {exc}") from None
 
     async def offload(self, snapshot_id: str, block_ids: Sequence[int], num_tokens: int,
-                      pinned: bool, ttl_s: int, deadline: float) -> int:
+                      deadline: float) -> int:
         """Returns the bytes the cache service committed. Until this returns the
         caller must not reuse the blocks (they may still be being read). The
-        put must finish by `deadline` (event-loop time)."""
+        put must finish by `deadline` (event-loop time). A refusal raises the
+        cache's own error unchanged (worker.proto Offload: nothing stored);
+        no answer in time raises Unavailable (maybe stored)."""
         what = f"offload of snapshot {errors.preview(snapshot_id)}"
         cache = self._cache(what)
         capacity = len(block_ids) * self.runner.block_size
@@ -128,7 +132,7 @@ class KvTransfer:
         stored = await self._bounded(
             lambda timeout_s: cache.put_shared(
                 snapshot_id, layout, num_blocks, num_tokens, num_blocks * pool.block_bytes,
-                gather_into, pinned=pinned, ttl_s=ttl_s, timeout_s=timeout_s),
+                gather_into, timeout_s=timeout_s),
             deadline, what,
         )
         if stored is not None:
@@ -140,8 +144,7 @@ class KvTransfer:
             await self._on_compute(self.runner.gather_blocks_into, list(block_ids), loan.blocks)
             return await self._bounded(
                 lambda timeout_s: cache.put(snapshot_id, layout, len(block_ids), num_tokens,
-                                            byte_view(loan.blocks), pinned=pinned, ttl_s=ttl_s,
-                                            timeout_s=timeout_s),
+                                            byte_view(loan.blocks), timeout_s=timeout_s),
                 deadline, what,
             )
         finally:

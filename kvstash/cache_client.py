@@ -8,6 +8,15 @@ side), never grpc exceptions:
                         timeout_s=remaining)
         header = await cache.get_into("req-7", memoryview(host_buf), consume=True)
 
+Admission belongs to the cache: `put`'s defaults are its policy for a KV
+snapshot, which a request waits for (a preempted one, or one handed off to a
+decode instance): `pinned` (kept until read or deleted: spilled to disk under
+pressure, never evicted) and `ttl_s` 0 (expired after the cache's own
+--default-ttl without access, so the snapshots of a scheduler that died do
+not stay forever). The worker's offloads take them as they are (worker.proto
+Offload); only a writer that can afford to lose a snapshot passes
+pinned=False, or a ttl_s of its own.
+
 Deadlines belong to the caller: every call takes `timeout_s` (seconds for the
 whole call, from the header to the last chunk), so a transfer made on behalf
 of an RPC is bounded by that RPC's remaining time. A call given none gets the

@@ -95,8 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="free blocks per running decode request kept before a resume")
     p.add_argument("--transfer-timeout", type=float, default=_ENGINE.transfer_timeout_s,
                    help="seconds one offload or restore may take, end to end")
-    p.add_argument("--snapshot-ttl", type=int, default=_ENGINE.snapshot_ttl_s,
-                   help="seconds an idle snapshot is kept; 0 = the cache service's default")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the scheduler's invariants whenever it goes idle; exit with "
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
@@ -177,8 +175,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         config = build_config(args, info)
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
-        engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout,
-                                     snapshot_ttl_s=args.snapshot_ttl, tracing=tracing,
+        engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
                                      check_integrity=args.check_integrity)
         cache: CacheLink | None = None
         if args.cache_address:

@@ -84,9 +84,6 @@ _HANDOFF_ATTEMPTS = 3
 class EngineConfig:
     # One offload or restore, end to end: the worker bounds its cache calls by it.
     transfer_timeout_s: float = 60.0
-    # Expiry of a stashed snapshot since its last access; 0 = the cache
-    # service's own default (its --default-ttl).
-    snapshot_ttl_s: int = 0
     # Emit phase and transfer spans (kvstash.telemetry is on). Off, the step
     # loop builds no span data at all.
     tracing: bool = False
@@ -338,8 +335,7 @@ class Engine:
         with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.offload",
                                    cmd) as span:
             try:
-                outcome = await self._worker.offload(
-                    cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
+                outcome = await self._worker.offload(cmd, self._config.transfer_timeout_s)
             finally:
                 seconds = time.monotonic() - started
                 self._report("offload", cmd, outcome, span, seconds)
@@ -409,8 +405,7 @@ class Engine:
         with tracing.transfer_span(self._traced(cmd.request_id), "kvstash.handoff",
                                    cmd) as span:
             try:
-                outcome = await self._worker.offload(
-                    cmd, self._config.snapshot_ttl_s, self._config.transfer_timeout_s)
+                outcome = await self._worker.offload(cmd, self._config.transfer_timeout_s)
             finally:
                 self._report("handoff", cmd, outcome, span, time.monotonic() - started)
                 if outcome.maybe_stored:

@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 # take a GetInfo as large as the worker may send (the tokenizer rides in it).
 WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
                           ("grpc.max_receive_message_length", MAX_WORKER_INFO_BYTES)]
-# Offload failures after which the snapshot certainly does not exist.
+# Offload failures after which the snapshot certainly does not exist: the
+# cache (or the worker) refused the put, and a refused put stores nothing
+# (worker.proto Offload). The worker passes the cache's status on unchanged,
+# so this is the one place a failure's meaning is read.
 _NOT_STORED = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -47,8 +50,9 @@ class CopyOutcome:
     num_bytes: int | None
     # Why it failed ("CODE: details"); empty on success.
     error: str = ""
-    # A failed offload whose snapshot may have been stored after all (the
-    # call broke after the put started): delete it.
+    # A failed offload whose snapshot may have been stored after all (no
+    # answer in time, or the call broke after the put started): the owner of
+    # the snapshot, the engine, deletes it.
     maybe_stored: bool = False
 
 
@@ -139,10 +143,12 @@ class WorkerLink:
             raise
         return StepStream(call)
 
-    async def offload(self, cmd: OffloadCommand, ttl_s: int, timeout_s: float) -> CopyOutcome:
+    async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
+        """The blocks into the cache, which keeps them by its own admission
+        policy (worker.proto Offload): nothing here or in the worker says how."""
         request = worker_pb2.OffloadRequest(
             request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids,
-            num_tokens=cmd.num_tokens, pinned=True, ttl_s=ttl_s)
+            num_tokens=cmd.num_tokens)
         try:
             response = await self._stub.Offload(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -225,16 +225,10 @@ class OffloadRequest(_message.Message):
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    PINNED_FIELD_NUMBER: _builtins.int
-    TTL_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     snapshot_id: _builtins.str
     num_tokens: _builtins.int
     """tokens whose KV the blocks hold"""
-    pinned: _builtins.bool
-    """the cache must spill, never drop, it"""
-    ttl_s: _builtins.int
-    """orphan expiry; 0 = the cache's default"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """in block-table order"""
@@ -246,12 +240,10 @@ class OffloadRequest(_message.Message):
         snapshot_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_tokens: _builtins.int = ...,
-        pinned: _builtins.bool = ...,
-        ttl_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens", "pinned", b"pinned", "request_id", b"request_id", "snapshot_id", b"snapshot_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens", "request_id", b"request_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

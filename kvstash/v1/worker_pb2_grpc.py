@@ -82,7 +82,17 @@ class WorkerServicer:
     def Offload(self, request, context):
         """Copies the given blocks out and streams them to the cache service as one
         snapshot. Returns once the cache service committed it; until then the
-        caller must not reuse the blocks.
+        caller must not reuse the blocks. How the cache keeps it is the cache's
+        admission policy for snapshots, not the caller's nor the worker's: kept
+        until read or deleted (spilled to disk under pressure, never evicted),
+        expired after the cache's --default-ttl without access.
+
+        A failure carries the cache's own status where the cache answered: a put
+        it refused (RESOURCE_EXHAUSTED, ALREADY_EXISTS, INVALID_ARGUMENT,
+        FAILED_PRECONDITION, DATA_LOSS; the same for a request the worker
+        rejects) stored nothing. Any other status (UNAVAILABLE, DEADLINE_EXCEEDED:
+        no answer in time) leaves it unknown whether the snapshot was committed;
+        the caller deletes it if it no longer wants it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

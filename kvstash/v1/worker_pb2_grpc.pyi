@@ -43,7 +43,17 @@ class WorkerStub:
     Offload: _grpc.UnaryUnaryMultiCallable[_worker_pb2.OffloadRequest, _worker_pb2.OffloadResponse]
     """Copies the given blocks out and streams them to the cache service as one
     snapshot. Returns once the cache service committed it; until then the
-    caller must not reuse the blocks.
+    caller must not reuse the blocks. How the cache keeps it is the cache's
+    admission policy for snapshots, not the caller's nor the worker's: kept
+    until read or deleted (spilled to disk under pressure, never evicted),
+    expired after the cache's --default-ttl without access.
+
+    A failure carries the cache's own status where the cache answered: a put
+    it refused (RESOURCE_EXHAUSTED, ALREADY_EXISTS, INVALID_ARGUMENT,
+    FAILED_PRECONDITION, DATA_LOSS; the same for a request the worker
+    rejects) stored nothing. Any other status (UNAVAILABLE, DEADLINE_EXCEEDED:
+    no answer in time) leaves it unknown whether the snapshot was committed;
+    the caller deletes it if it no longer wants it.
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]
     """Reads a snapshot from the cache service into the given (fresh) blocks.
@@ -65,7 +75,17 @@ class WorkerAsyncStub(WorkerStub):
     Offload: _aio.UnaryUnaryMultiCallable[_worker_pb2.OffloadRequest, _worker_pb2.OffloadResponse]  # type: ignore[assignment]
     """Copies the given blocks out and streams them to the cache service as one
     snapshot. Returns once the cache service committed it; until then the
-    caller must not reuse the blocks.
+    caller must not reuse the blocks. How the cache keeps it is the cache's
+    admission policy for snapshots, not the caller's nor the worker's: kept
+    until read or deleted (spilled to disk under pressure, never evicted),
+    expired after the cache's --default-ttl without access.
+
+    A failure carries the cache's own status where the cache answered: a put
+    it refused (RESOURCE_EXHAUSTED, ALREADY_EXISTS, INVALID_ARGUMENT,
+    FAILED_PRECONDITION, DATA_LOSS; the same for a request the worker
+    rejects) stored nothing. Any other status (UNAVAILABLE, DEADLINE_EXCEEDED:
+    no answer in time) leaves it unknown whether the snapshot was committed;
+    the caller deletes it if it no longer wants it.
     """
     Restore: _aio.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]  # type: ignore[assignment]
     """Reads a snapshot from the cache service into the given (fresh) blocks.
@@ -102,7 +122,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.OffloadResponse, _abc.Awaitable[_worker_pb2.OffloadResponse]]:
         """Copies the given blocks out and streams them to the cache service as one
         snapshot. Returns once the cache service committed it; until then the
-        caller must not reuse the blocks.
+        caller must not reuse the blocks. How the cache keeps it is the cache's
+        admission policy for snapshots, not the caller's nor the worker's: kept
+        until read or deleted (spilled to disk under pressure, never evicted),
+        expired after the cache's --default-ttl without access.
+
+        A failure carries the cache's own status where the cache answered: a put
+        it refused (RESOURCE_EXHAUSTED, ALREADY_EXISTS, INVALID_ARGUMENT,
+        FAILED_PRECONDITION, DATA_LOSS; the same for a request the worker
+        rejects) stored nothing. Any other status (UNAVAILABLE, DEADLINE_EXCEEDED:
+        no answer in time) leaves it unknown whether the snapshot was committed;
+        the caller deletes it if it no longer wants it.
         """
 
     @_abc_1.abstractmethod

@@ -22,6 +22,8 @@ from kvstash.cache_client import CacheClient
 from kvstash.rpc import insecure_channel
 from kvstash.units import MIB
 from kvstash.v1 import cache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.outputs import OffloadCommand
+from scheduler_svc.worker_link import WorkerLink
 from tests.gpu_worker.test_worker_server import run_steps
 from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_runner, prompt
 
@@ -29,6 +31,7 @@ from tests.gpu_worker.worker_factories import blocks_for, greedy_generate, make_
 @dataclass
 class Services:
     stub: worker_pb2_grpc.WorkerStub
+    link: WorkerLink  # the scheduler's side of the same worker
     cache: CacheClient  # straight to the cache service, to look at what the worker left
     shared: bool  # the cache has an arena the worker maps
 
@@ -44,7 +47,7 @@ async def services(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
     worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
     channel = insecure_channel(f"127.0.0.1:{worker.port}")
     client = CacheClient(f"127.0.0.1:{cache_port}")
-    yield Services(worker_pb2_grpc.WorkerStub(channel), client, shared)
+    yield Services(worker_pb2_grpc.WorkerStub(channel), WorkerLink(channel), client, shared)
     await client.close()
     await channel.close()
     await worker.server.stop(None)
@@ -65,9 +68,12 @@ async def test_offloaded_request_resumes_with_identical_tokens(services: Service
     num_tokens = len(ids) + len(out) - 1  # the last sampled token has no KV yet
     used = old[: -(-num_tokens // 4)]
     off = await stub.Offload(worker_pb2.OffloadRequest(
-        request_id="a", snapshot_id="req-a", block_ids=used, num_tokens=num_tokens,
-        pinned=True))
+        request_id="a", snapshot_id="req-a", block_ids=used, num_tokens=num_tokens))
     assert off.num_bytes == len(used) * 8192
+    # Kept by the cache's own admission policy, which nobody relayed: pinned,
+    # expiring after the cache's default TTL.
+    header = (await services.cache.stat("req-a")).header
+    assert header.pinned and header.ttl_s == CacheConfig().default_ttl_s
     # Someone else's step overwrites the old blocks before the request resumes.
     await run_steps(stub, [[SeqWork("intruder", [7] * len(used) * 4, 0, used)]])
     restored = await stub.Restore(worker_pb2.RestoreRequest(
@@ -105,6 +111,23 @@ async def test_cache_side_errors_keep_their_codes(services: Services) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_refused_offload_stored_nothing_so_nothing_is_deleted(services: Services) -> None:
+    """A failure's meaning is read once, by the scheduler's WorkerLink, from the
+    status the worker passes on unchanged: a put the cache refused (here, the id
+    is taken) or the worker rejected stored nothing, and the snapshot already
+    under that id is not someone the scheduler may delete."""
+    link = services.link
+    stored = await link.offload(OffloadCommand("r", "dup", [0, 1], 8), timeout_s=10)
+    assert stored.num_bytes == 2 * 8192 and not stored.maybe_stored
+    taken = await link.offload(OffloadCommand("r", "dup", [2, 3], 8), timeout_s=10)
+    assert taken.num_bytes is None and not taken.maybe_stored
+    assert taken.error.startswith("ALREADY_EXISTS")
+    rejected = await link.offload(OffloadCommand("r", "big", [0, 1], 9), timeout_s=10)
+    assert rejected.num_bytes is None and not rejected.maybe_stored
+    assert rejected.error.startswith("INVALID_ARGUMENT")
+    assert (await services.cache.stat("dup")).header.num_blocks == 2
+
+
 class StalledCache(cache_pb2_grpc.KVCacheServicer):
     """Takes puts and never answers them; records the deadline each one had."""
 
@@ -138,6 +161,11 @@ async def test_a_stalled_cache_fails_the_offload_at_the_callers_deadline() -> No
         # The cache was told the caller's deadline, not the worker's 30 s.
         [remaining] = stalled.time_remaining
         assert remaining is not None and remaining < 1.5
+        # No answer in time: the snapshot may have been committed after all,
+        # so the scheduler's link says to delete it.
+        async with insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            outcome = await WorkerLink(channel).offload(OffloadCommand("r", "s2", [0], 1), 1.0)
+        assert outcome.num_bytes is None and outcome.maybe_stored
     finally:
         await worker.server.stop(None)
         await worker.servicer.close()

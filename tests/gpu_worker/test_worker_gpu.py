@@ -129,8 +129,7 @@ async def test_offload_and_restore_through_the_arena_are_pinned_dma(tmp_path) ->
         with ThreadPoolExecutor(1) as compute:
             transfer = KvTransfer(runner, compute, client)
             deadline = asyncio.get_running_loop().time() + 60
-            stored = await transfer.offload("s", [1, 2, 3, 4, 5, 6], 6 * BLOCK_SIZE, True, 0,
-                                            deadline)
+            stored = await transfer.offload("s", [1, 2, 3, 4, 5, 6], 6 * BLOCK_SIZE, deadline)
             assert await transfer.restore("s", [11, 12, 13, 14, 15, 16], deadline) == stored
         region = runner._pinned_region
         assert region is not None  # the arena, registered with CUDA

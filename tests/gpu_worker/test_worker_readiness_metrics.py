@@ -108,8 +108,7 @@ async def test_real_worker_is_serving_once_ready_and_exports_metrics() -> None:
                            SeqWork("b", [66], len(b) + i, [8, 9, 10], True)] for i in range(3)]
                 await run_steps(stub, steps)
                 off = await stub.Offload(worker_pb2.OffloadRequest(
-                    request_id="a", snapshot_id="snap-a", block_ids=[0, 1, 2, 3], num_tokens=13,
-                    pinned=True))
+                    request_id="a", snapshot_id="snap-a", block_ids=[0, 1, 2, 3], num_tokens=13))
                 back = await stub.Restore(worker_pb2.RestoreRequest(
                     request_id="a", snapshot_id="snap-a", block_ids=[20, 21, 22, 23]))
             m = await asyncio.to_thread(scrape, metrics_port)

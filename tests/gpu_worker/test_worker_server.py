@@ -226,7 +226,7 @@ async def test_offload_then_restore_into_other_blocks_continues_identically(
     [[(_, first)]] = await run_steps(harness.stub, [[SeqWork("a", ids, 0, old, True)]])
     used = old[: -(-len(ids) // 4)]
     off = await harness.stub.Offload(worker_pb2.OffloadRequest(
-        request_id="a", snapshot_id="snap-a", block_ids=used, num_tokens=len(ids), pinned=True))
+        request_id="a", snapshot_id="snap-a", block_ids=used, num_tokens=len(ids)))
     assert off.num_bytes == len(used) * 2 * 4 * 4 * 2 * 32 * 4
     assert harness.cache is not None
     header = harness.cache.snapshots["snap-a"][0]

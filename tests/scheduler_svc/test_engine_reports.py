@@ -57,7 +57,7 @@ class FakeWorkerLink:
     async def open(self) -> FakeStream:
         return FakeStream()
 
-    async def offload(self, cmd: OffloadCommand, ttl_s: int, timeout_s: float) -> CopyOutcome:
+    async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
         await asyncio.sleep(0.002)
         return CopyOutcome(100 * len(cmd.block_ids))
 
