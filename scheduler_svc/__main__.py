@@ -25,7 +25,7 @@ from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from kvstash.wire import layout_from_proto
 from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
-from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
@@ -151,6 +151,7 @@ def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> Sched
         clip_max_new_tokens=args.clip_max_new_tokens,
         retract_steps=args.retract_steps,
         resume_headroom=args.resume_headroom,
+        role=Role(args.role),
         reservation_timeout_s=args.reservation_timeout,
         bytes_per_block=layout.bytes_per_block,
     )

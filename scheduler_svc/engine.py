@@ -410,7 +410,7 @@ class Engine:
                 self._report("handoff", cmd, outcome, span, time.monotonic() - started)
                 if outcome.maybe_stored:
                     self._delete_snapshots([cmd.snapshot_id])
-                handed_off = self._core.finish_handoff(
+                handed_off = self._core.pd.finish_handoff(
                     cmd, outcome.num_bytes, time.monotonic() - started)
                 self._landed()
         decoder = self._decoders.get(cmd.request_id)
@@ -440,7 +440,7 @@ class Engine:
                     break
                 self._decoders[request_id] = decoder
             log.warning("request %s: finishing it here", request_id)
-            self._core.take_back(request_id)
+            self._core.pd.take_back(request_id)
             self._wake.set()
         finally:
             if token is not None:
@@ -470,12 +470,12 @@ class Engine:
                     reason = "aborted there"
                     break
                 if finish:
-                    update = core.finish_remote(
+                    update = core.pd.finish_remote(
                         request_id, response.token_ids, finish == scheduler_pb2.FINISH_REASON_STOP,
                         _remote_usage(response.usage))
                     stream = self._req_to_stream.pop(request_id, None)
                 else:
-                    update = core.remote_tokens(request_id, response.token_ids)
+                    update = core.pd.remote_tokens(request_id, response.token_ids)
                     stream = self._req_to_stream.get(request_id)
                 if update is not None and stream is not None:
                     stream.push(update)
@@ -491,7 +491,7 @@ class Engine:
             return reason
         log.warning("request %s: decode instance %s lost (%s); finishing it here",
                     request_id, decoder.address, reason)
-        core.take_back(request_id)
+        core.pd.take_back(request_id)
         self._wake.set()
         return None
 
@@ -515,7 +515,7 @@ class Engine:
     ) -> bool:
         """Holds blocks for a prefill instance's request (Scheduler.reserve);
         False: refused, ask again later."""
-        if not self._core.reserve(request_id, prompt_token_ids, sampling):
+        if not self._core.pd.reserve(request_id, prompt_token_ids, sampling):
             return False
         # The step loop expires it if unused: wake it then.
         asyncio.get_running_loop().call_later(
@@ -527,8 +527,8 @@ class Engine:
     ) -> RequestStream:
         """Restores a reserved request's prompt KV and decodes it: its stream
         (raises NotFound / InvalidArgument as Scheduler.start_remote_decode)."""
-        cmd = self._core.start_remote_decode(request_id, snapshot_id, num_tokens,
-                                             first_token_id)
+        cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
+                                                first_token_id)
         stream = self._new_stream(request_id)
         self._spawn(self._restore(cmd))
         return stream

@@ -5,6 +5,8 @@ engine drives it, and the gRPC edges convert to and from its dataclasses.
 
     scheduler.py   one step: preempt -> decode -> resume -> prefill; update()
     lifecycle.py   every request's status, queue, blocks and snapshot
+    pd.py          P/D disaggregation: hand-offs (prefill), reservations (decode)
+    intake.py      a new request's checks and arrival stamp
     preemption.py  victims, offload or recompute, resume order (policy)
     costs.py       offload + restore vs recompute seconds, fitted to measurements
     admission.py   chunked prefill and admission under budget and reservation

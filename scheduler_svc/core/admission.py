@@ -15,7 +15,7 @@
                         + reserved_blocks(requests RESERVED for a prefill instance)
 
 A P/D decode instance accepts a reservation under the same rule
-(`Scheduler.reserve`): its prompt's blocks, keeping back the above plus its
+(`PdManager.reserve`, pd.py): its prompt's blocks, keeping back the above plus its
 own reserved_blocks.
 
 A request admitted this way never needs another block before it decodes, so

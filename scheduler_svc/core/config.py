@@ -26,6 +26,14 @@ class ReservationPolicy(enum.Enum):
     FIXED_BLOCKS = "fixed_blocks"  # fixed_blocks_per_decode blocks
 
 
+class Role(enum.Enum):
+    """What this instance does in P/D disaggregation (core/pd.py)."""
+
+    MIXED = "mixed"  # prefills and decodes its requests: no P/D at all
+    PREFILL = "prefill"  # hands prefilled requests off to decode instances
+    DECODE = "decode"  # reserves blocks for, and decodes, a prefill instance's requests
+
+
 class PreemptionMode(enum.Enum):
     """What happens to a preempted decode request's KV blocks."""
 
@@ -100,6 +108,9 @@ class SchedulerConfig:
     # Blocks per running decode request kept free, on top of its reservation,
     # before an offloaded request resumes (one step of growth each).
     resume_headroom: int = 1
+    # P/D disaggregation: a PREFILL or DECODE scheduler composes a P/D manager
+    # (core/pd.py); a MIXED one has none.
+    role: Role = Role.MIXED
     # P/D, decode instance: seconds a block reservation waits for its KV
     # before its blocks go back (the prefill instance died or gave up).
     reservation_timeout_s: float = 30.0
@@ -132,6 +143,7 @@ class SchedulerConfig:
         object.__setattr__(self, "reservation_policy", policy)
         object.__setattr__(self, "preemption_mode",
                            _coerce(PreemptionMode, "preemption_mode", self.preemption_mode))
+        object.__setattr__(self, "role", _coerce(Role, "role", self.role))
 
     @property
     def max_servable_len(self) -> int:

@@ -1,14 +1,54 @@
-"""Admission-time checks: a request that can never fit is refused here, with a clear error.
+"""Intake: what every new request goes through before the scheduler holds it.
 
-Anything that passes can always be scheduled eventually (alone, with the whole
-pool), so no request ever fails later because memory ran short.
+`check` refuses a request that can never fit, with a clear error; anything
+that passes can always be scheduled eventually (alone, with the whole pool),
+so no request ever fails later because memory ran short. `create` stamps its
+arrival: the clock's time and its place in the order of arrivals, which
+preempted requests keep (lifecycle.py). A request added with `add_request`
+and one reserved for a prefill instance (pd.py) come in the same way.
 """
 
 from __future__ import annotations
 
-from kvstash.errors import InvalidArgument
+from collections.abc import Callable, Mapping, Sequence
+
+from kvstash.errors import AlreadyExists, InvalidArgument
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import Request, RequestStatus
+
+
+class Intake:
+    def __init__(
+        self, config: SchedulerConfig, requests: Mapping[str, Request],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self._requests = requests  # the live requests by id (Lifecycle.requests)
+        self._clock = clock
+        self._num_arrivals = 0
+
+    def check(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> None:
+        """InvalidArgument (check_new_request), AlreadyExists for a live id;
+        changes nothing."""
+        check_new_request(self.config, request_id, tuple(prompt_token_ids), sampling)
+        if request_id in self._requests:
+            raise AlreadyExists(f"request {request_id} already exists")
+
+    def create(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        status: RequestStatus = RequestStatus.WAITING,
+    ) -> Request:
+        """A new request, stamped with its arrival; not yet held by anyone."""
+        req = Request.create(
+            request_id, prompt_token_ids, sampling, arrival_time=self._clock(),
+            arrival_seq=self._num_arrivals, eos_token_ids=self.config.eos_token_ids,
+            status=status,
+        )
+        self._num_arrivals += 1
+        return req
 
 
 def check_new_request(

@@ -15,7 +15,9 @@ what it may hold:
     handed_off  HANDED_OFF                   none                     yes
 
 and every copy in flight belongs to a request in offloading, resuming or
-handing_off, or to an aborted request that is in no queue.
+handing_off, or to an aborted request that is in no queue. P/D (pd.py): only
+a DECODE scheduler holds RESERVED requests, only a PREFILL one hands off, and
+the requests its manager is to hand off are live and not yet handed off.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from collections.abc import Mapping, Sequence
 from itertools import chain
 
 from scheduler_svc.core.block_pool import IntegrityError
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.lifecycle import Lifecycle
+from scheduler_svc.core.pd import PdManager
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.reservation import Reservation
 
@@ -44,9 +47,12 @@ _COPYING = ("offloading", "resuming", "handing_off")
 _WITH_SNAPSHOT = (*_COPYING, "offloaded", "handed_off")
 
 
-def check_scheduler(config: SchedulerConfig, life: Lifecycle, reservation: Reservation) -> None:
+def check_scheduler(
+    config: SchedulerConfig, life: Lifecycle, reservation: Reservation, pd: PdManager | None
+) -> None:
     """Every invariant of a scheduler's state; raises IntegrityError naming the first broken."""
-    check_requests(config, life.queues(), life.requests, life.copies)
+    check_requests(config, queues_of(life), life.requests, life.copies)
+    check_pd(config.role, life, pd)
     holders = chain(life.prefilling.values(), life.decoding.values(), life.reserved.values(),
                     life.copies.values())
     life.kv.pool.check_integrity(r.block_ids for r in holders)
@@ -56,6 +62,42 @@ def check_scheduler(config: SchedulerConfig, life: Lifecycle, reservation: Reser
     if life.num_running > config.max_num_seqs:
         raise IntegrityError(
             f"{life.num_running} requests running, max_num_seqs is {config.max_num_seqs}")
+
+
+def queues_of(life: Lifecycle) -> dict[str, list[Request]]:
+    """Every queue by name."""
+    return {
+        "waiting": list(life.waiting), "prefilling": list(life.prefilling.values()),
+        "decoding": list(life.decoding.values()),
+        "offloading": list(life.offloading.values()), "offloaded": list(life.offloaded),
+        "resuming": list(life.resuming.values()), "reserved": list(life.reserved.values()),
+        "handing_off": list(life.handing_off.values()),
+        "handed_off": list(life.handed_off.values()),
+    }
+
+
+def check_pd(role: Role, life: Lifecycle, pd: PdManager | None) -> None:
+    """P/D state only where the role has it; what the manager is to hand off
+    is live, in the status that stage allows."""
+    if (pd is None) != (role is Role.MIXED):
+        raise IntegrityError(f"a {role.value} scheduler {'has' if pd else 'lacks'} a P/D manager")
+    if life.reserved and role is not Role.DECODE:
+        raise IntegrityError(f"a {role.value} scheduler holds reserved requests "
+                             f"{sorted(life.reserved)}")
+    if (life.handing_off or life.handed_off) and role is not Role.PREFILL:
+        raise IntegrityError(f"a {role.value} scheduler hands off requests "
+                             f"{sorted([*life.handing_off, *life.handed_off])}")
+    if pd is None:
+        return
+    stages = ((pd.awaiting_prefill, (RequestStatus.WAITING, RequestStatus.RUNNING_PREFILL)),
+              (pd.to_hand_off, (RequestStatus.RUNNING_DECODE,)))
+    for held, allowed in stages:
+        for rid, req in held.items():
+            if life.requests.get(rid) is not req or req.status not in allowed:
+                raise IntegrityError(f"request {rid}, to be handed off, is "
+                                     f"{req.status.value} or not the registered request")
+    if (pd.awaiting_prefill or pd.to_hand_off) and role is not Role.PREFILL:
+        raise IntegrityError(f"a {role.value} scheduler is to hand off requests")
 
 
 def check_requests(

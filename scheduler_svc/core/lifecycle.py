@@ -10,16 +10,8 @@
        │                   OFFLOADED ──────── resume ──────────┘  │
        │◀──────────────────────────────────── restore failed ─────┘
 
-P/D disaggregation adds two paths (a decode instance's request enters RESERVED):
-
-    prefill instance:  RUNNING_DECODE ──handoff──▶ HANDING_OFF ──committed──▶ HANDED_OFF
-                       (its first token sampled)      │ copy failed             │ decoded there
-                            ▲                         ▼                         ▼
-                            └──────────────── RUNNING_DECODE          FINISHED_STOPPED/LENGTH
-                       HANDED_OFF ──decode instance lost──▶ OFFLOADED (no token came back),
-                                                            WAITING (recompute) otherwise
-    decode instance:   RESERVED ──its snapshot arrives──▶ RESUMING ──▶ RUNNING_DECODE ...
-                       RESERVED ──unused until reserved_until──▶ FINISHED_ABORTED
+P/D disaggregation (pd.py pictures its paths) adds RESERVED on a decode
+instance and HANDING_OFF, HANDED_OFF on a prefill instance; _NEXT holds them all.
 
     any live status ──abort──▶ FINISHED_ABORTED
 
@@ -127,21 +119,11 @@ class Lifecycle:
         if req.status is not RESERVED:
             raise IntegrityError(f"request {req.request_id} is {req.status.value}, not reserved")
         if self.kv.allocate_slots(req, req.num_prompt_tokens, (), num_reserved_blocks) is None:
-            self.counters.num_reservations_refused += 1
             return False
-        self.counters.num_reservations_accepted += 1
         req.reserved_until = until
         self.requests[req.request_id] = req
         self.reserved[req.request_id] = req
         return True
-
-    def expire_reservations(self, now: float) -> None:
-        """Reservations unused at `now` end, their blocks back in the pool."""
-        expired = [r for r in self.reserved.values() if r.reserved_until <= now]
-        for req in expired:
-            self.counters.num_reservations_expired += 1
-            self.kv.free(req)
-            self.move(req, FINISHED_ABORTED)
 
     def move(self, req: Request, to: RequestStatus) -> None:
         """The only status writer: leaves the old queue, joins the new one."""
@@ -292,7 +274,6 @@ class Lifecycle:
         elif num_bytes is None:
             self.counters.num_handoff_failures += 1
             req.snapshot = None
-            req.handoff = False
             self.move(req, RUNNING_DECODE)
         else:
             self.kv.free(req)
@@ -307,12 +288,17 @@ class Lifecycle:
         the snapshot if no token came back (OFFLOADED; a snapshot it already
         read fails the restore, which recomputes), else recomputed (WAITING)."""
         self.counters.num_handoff_failures += 1
-        req.handoff = False
         if req.num_computed_tokens == req.num_tokens - 1:
             self.move(req, OFFLOADED)
         else:
             self._drop_snapshot(req)
             self.recompute(req)
+
+    def finish_remote(self, req: Request, status: RequestStatus) -> None:
+        """Prefill instance: a HANDED_OFF request finished on its decode
+        instance (FINISHED_STOPPED or FINISHED_LENGTH), which read its snapshot."""
+        req.snapshot = None  # consumed there: nothing to delete
+        self.finish(req, status)
 
     def start_remote_decode(
         self, req: Request, snapshot_id: str, first_token_id: int
@@ -361,14 +347,3 @@ class Lifecycle:
     def is_idle(self) -> bool:
         """No request held, no copy in flight, no snapshot left to delete."""
         return not self.requests and not self.copies and not self._snapshots_to_delete
-
-    def queues(self) -> dict[str, list[Request]]:
-        """Every queue by name, for the invariants."""
-        return {
-            "waiting": list(self.waiting), "prefilling": list(self.prefilling.values()),
-            "decoding": list(self.decoding.values()),
-            "offloading": list(self.offloading.values()), "offloaded": list(self.offloaded),
-            "resuming": list(self.resuming.values()), "reserved": list(self.reserved.values()),
-            "handing_off": list(self.handing_off.values()),
-            "handed_off": list(self.handed_off.values()),
-        }

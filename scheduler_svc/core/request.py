@@ -111,7 +111,8 @@ class Request:
     # Re-prefilling positions below this counts as recomputation (set on a
     # recompute preemption to the positions that had KV; 0 otherwise).
     recompute_until: int = 0
-    # Where the KV lives while OFFLOADING / OFFLOADED / RESUMING.
+    # Where the KV lives while OFFLOADING / OFFLOADED / RESUMING (and, P/D,
+    # HANDING_OFF / HANDED_OFF); written only by Lifecycle.
     snapshot: Snapshot | None = None
     # Times this request was preempted (either mode).
     num_preemptions: int = 0
@@ -123,8 +124,6 @@ class Request:
     first_scheduled_time: float | None = None
     # Clock value when the first output token arrived.
     first_token_time: float | None = None
-    # P/D: hand the KV to a decode instance once prefilled (prefill instance).
-    handoff: bool = False
     # P/D: clock value when the RESERVED blocks go back (decode instance).
     reserved_until: float = 0.0
     # Its decode work item, refreshed in place by every schedule() that decodes

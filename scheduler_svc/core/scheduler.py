@@ -13,16 +13,9 @@
 An output never updated changes nothing but the blocks it allocated. Every
 status change goes through `Lifecycle.move` (lifecycle.py).
 
-P/D disaggregation, the same core in either role:
-    prefill instance  a request added with handoff=True is, once its first
-                      token is sampled, handed off at the next schedule():
-                      its blocks are copied out (`out.handoffs`), then it is
-                      HANDED_OFF while a decode instance decodes it
-                      (`remote_tokens`, `finish_remote`; `take_back` if lost)
-    decode instance   `reserve()` holds a prompt's blocks under admission's
-                      rule (never by preempting); `start_remote_decode()`
-                      restores the prefill instance's snapshot into them;
-                      unused reservations expire at schedule()
+P/D disaggregation lives in pd.py: a scheduler in a P/D role composes a
+`PdManager` (`self.pd`), whose hooks schedule() and update() call; a MIXED
+scheduler has none and never enters P/D code.
 """
 
 from __future__ import annotations
@@ -31,27 +24,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, islice
 
-from kvstash.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from kvstash.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstash.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.costs import CostEstimates
-from scheduler_svc.core.intake import check_new_request
+from scheduler_svc.core.intake import Intake
 from scheduler_svc.core.invariants import check_scheduler
 from scheduler_svc.core.kv_events import KvEvent, KvEventLog
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.lifecycle import (
     FINISHED_LENGTH,
     FINISHED_STOPPED,
-    HANDED_OFF,
-    HANDING_OFF,
-    RESERVED,
     RUNNING_DECODE,
     RUNNING_PREFILL,
     Lifecycle,
@@ -65,8 +49,9 @@ from scheduler_svc.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from scheduler_svc.core.pd import PdManager
 from scheduler_svc.core.preemption import Preemption
-from scheduler_svc.core.request import Request, RequestStatus, RequestUsage
+from scheduler_svc.core.request import Request, RequestUsage
 from scheduler_svc.core.reservation import Reservation
 
 
@@ -81,51 +66,50 @@ class Scheduler:
         self.life = Lifecycle(config, self.kv, self._counters)
         self.preemption = Preemption(config, self.life, self.reservation)
         self.admission = Admission(config, self.life, self.reservation, clock)
+        self.intake = Intake(config, self.life.requests, clock)
+        # None on a MIXED instance: every hook call below is skipped.
+        self._pd = None if config.role is Role.MIXED else PdManager(
+            config, self.life, self.intake, self.admission, self.preemption.costs, clock)
         self._clock = clock
-        self._num_arrivals = 0
         self._step_id = 0
         self._updated_step_id = 0
         # The requests behind the latest output's seqs: its decodes, then its prefills.
         self._scheduled_decodes: list[Request] = []
         self._scheduled_prefills: list[Request] = []
-        # Prefilled requests to hand off at the next schedule() (P/D).
-        self._to_hand_off: list[Request] = []
+
+    @property
+    def pd(self) -> PdManager:
+        """The P/D manager (pd.py); FailedPrecondition on a MIXED instance."""
+        if self._pd is None:
+            raise FailedPrecondition("this scheduler runs in role mixed: no P/D disaggregation")
+        return self._pd
 
     def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> None:
         """What add_request checks before it changes anything: InvalidArgument,
         AlreadyExists."""
-        check_new_request(self.config, request_id, tuple(prompt_token_ids), sampling)
-        if request_id in self.life.requests:
-            raise AlreadyExists(f"request {request_id} already exists")
+        self.intake.check(request_id, prompt_token_ids, sampling)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
         *, handoff: bool = False,
     ) -> Request:
-        """A new request, WAITING. `handoff`: a decode instance reserved blocks
-        for it; once prefilled it goes there (P/D)."""
+        """A new request, WAITING. `handoff` (PREFILL instance only, else
+        FailedPrecondition): a decode instance reserved blocks for it; once
+        prefilled it goes there (PdManager.hand_off_once_prefilled)."""
         self.check_request(request_id, prompt_token_ids, sampling)
+        pd = self.pd if handoff else None
+        if pd is not None:
+            pd.require(Role.PREFILL, "hands requests off")
         if len(self.life.waiting) >= self.config.max_num_waiting:
             raise ResourceExhausted(
                 f"request {request_id}: the waiting queue is full ({len(self.life.waiting)} "
                 f"requests, max_num_waiting {self.config.max_num_waiting}); retry later")
-        req = self._new_request(request_id, prompt_token_ids, sampling)
-        req.handoff = handoff
+        req = self.intake.create(request_id, prompt_token_ids, sampling)
         self.life.add(req)
-        return req
-
-    def _new_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        status: RequestStatus = RequestStatus.WAITING,
-    ) -> Request:
-        req = Request.create(
-            request_id, prompt_token_ids, sampling, arrival_time=self._clock(),
-            arrival_seq=self._num_arrivals, eos_token_ids=self.config.eos_token_ids,
-            status=status,
-        )
-        self._num_arrivals += 1
+        if pd is not None:
+            pd.hand_off_once_prefilled(req)
         return req
 
     def get_request(self, request_id: str) -> Request | None:
@@ -139,12 +123,8 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id)
         self.reservation.on_step(idle=not life.requests)
-        if life.reserved:
-            life.expire_reservations(self._clock())
-        if self._to_hand_off:
-            out.handoffs = [life.start_offload(r, HANDING_OFF) for r in self._to_hand_off
-                            if r.status is RUNNING_DECODE]
-            self._to_hand_off = []
+        if self._pd is not None:
+            self._pd.on_schedule(out)
         out.preempted, out.offloads = self.preemption.preempt_for_decodes()
         victims = out.preempted
         counters = self._counters
@@ -226,12 +206,12 @@ class Scheduler:
                 continue
             req.recompute_until = 0
             self.life.move(req, RUNNING_DECODE)
-            if req.handoff:
-                self._to_hand_off.append(req)
             if req.first_token_time is None:
                 req.first_token_time = self._clock()
                 self._counters.num_prompt_tokens += req.num_prompt_tokens
             completed.append(req)
+        if completed and self._pd is not None:
+            self._pd.on_prefilled(completed)
         updates: list[RequestUpdate] = []
         add_update = updates.append
         for req in chain(decodes, completed):
@@ -256,6 +236,8 @@ class Scheduler:
         """token_id, just appended, ends req (a stop token, or max_tokens reached)."""
         status = FINISHED_STOPPED if token_id in req.stop_ids else FINISHED_LENGTH
         self.life.finish(req, status)
+        if self._pd is not None:
+            self._pd.on_finish(req)
         return RequestUpdate(req.request_id, [token_id], status, req.usage(),
                              req.num_cached_tokens)
 
@@ -274,7 +256,10 @@ class Scheduler:
     def abort(self, request_id: str) -> RequestUsage:
         """Finishes a live request in any state (NotFound otherwise); returns its
         figures. A copy in flight keeps its blocks until it lands."""
-        return self.life.abort(request_id).usage()
+        req = self.life.abort(request_id)
+        if self._pd is not None:
+            self._pd.on_abort(req)
+        return req.usage()
 
     def finish_offload(
         self, cmd: OffloadCommand, num_bytes: int | None, seconds: float | None = None
@@ -293,132 +278,6 @@ class Scheduler:
         self.life.finish_restore(cmd, num_bytes)
         if num_bytes is not None and seconds is not None:
             self.preemption.costs.observe_restore(len(cmd.block_ids), seconds)
-
-    # ------------------------------------------------------------------ P/D
-
-    def reserve(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> bool:
-        """Decode instance: holds the blocks a prefill instance's request needs
-        (raises as add_request does). Accepted only if admission's reservations
-        (the request's own included) still fit after it, a seat is free and no
-        preempted request waits; False otherwise: nothing changed, ask again later."""
-        self.check_request(request_id, prompt_token_ids, sampling)
-        if sampling.max_tokens < 2:
-            raise InvalidArgument(f"request {request_id}: max_tokens {sampling.max_tokens} "
-                                  "leaves nothing to decode after prefill")
-        req = self._new_request(request_id, prompt_token_ids, sampling, RESERVED)
-        life = self.life
-        # As admission: nothing new while a preempted request waits to come back.
-        if (life.num_running >= self.config.max_num_seqs or life.waiting or life.offloaded
-                or life.offloading):
-            self._counters.num_reservations_refused += 1
-            return False
-        # Its own growth beyond the prompt's blocks, which life.reserve allocates.
-        growth = self.reservation.reserved_blocks(
-            req, num_held=self.kv.num_blocks_for(req.num_prompt_tokens))
-        kept_back = self.admission.blocks_kept_back() + growth
-        return life.reserve(req, kept_back, self._clock() + self.config.reservation_timeout_s)
-
-    def start_remote_decode(
-        self, request_id: str, snapshot_id: str, num_tokens: int, first_token_id: int
-    ) -> RestoreCommand:
-        """Decode instance: the KV of a RESERVED request's prompt is in
-        snapshot_id and its first token was sampled; the copy into its blocks
-        starts (answered with finish_restore), then it decodes here."""
-        req = self.life.requests.get(request_id)
-        if req is None or req.status is not RESERVED:
-            raise NotFound(f"request {request_id} holds no reservation (never made, "
-                           "expired, or already used)")
-        if num_tokens != req.num_prompt_tokens:
-            raise InvalidArgument(f"request {request_id}: the snapshot holds {num_tokens} "
-                                  f"tokens, its prompt has {req.num_prompt_tokens}")
-        if snapshot_id in self.life.copies:
-            raise AlreadyExists(f"request {request_id}: snapshot {snapshot_id} is already "
-                                "being copied here")
-        if not 0 <= first_token_id < self.config.vocab_size or first_token_id in req.stop_ids:
-            raise InvalidArgument(f"request {request_id}: first token {first_token_id} is "
-                                  "outside the vocabulary or ends the request")
-        return self.life.start_remote_decode(req, snapshot_id, first_token_id)
-
-    def finish_handoff(
-        self, cmd: OffloadCommand, num_bytes: int | None, seconds: float | None = None
-    ) -> bool:
-        """Prefill instance: the handoff copy landed. True: the request is
-        HANDED_OFF (ask the decode instance to decode it); False: it decodes
-        here (the copy failed) or was aborted."""
-        req = self.life.finish_handoff(cmd, num_bytes)
-        if num_bytes is not None and seconds is not None:
-            self.preemption.costs.observe_offload(len(cmd.block_ids), seconds)
-        return req.status is HANDED_OFF
-
-    def remote_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestUpdate | None:
-        """Prefill instance: tokens the decode instance generated; None if the
-        request is no longer HANDED_OFF (aborted). InvalidArgument for tokens
-        it could not have generated (_check_remote_tokens)."""
-        req = self._handed_off(request_id)
-        if req is None:
-            return None
-        self._check_remote_tokens(req, token_ids)
-        req.output_token_ids.extend(token_ids)
-        self._counters.num_generation_tokens += len(token_ids)
-        return RequestUpdate(request_id, list(token_ids),
-                             num_cached_tokens=req.num_cached_tokens)
-
-    def finish_remote(
-        self, request_id: str, token_ids: Sequence[int], stopped: bool, remote: RequestUsage
-    ) -> RequestUpdate | None:
-        """Prefill instance: the decode instance finished the request with
-        token_ids (stop token or length, `stopped` says which); its
-        preemptions there count in the usage. InvalidArgument (nothing
-        recorded) for an end that does not match the tokens."""
-        req = self._handed_off(request_id)
-        if req is None:
-            return None
-        output = [*req.output_token_ids, *token_ids]
-        if stopped != (output[-1] in req.stop_ids) or (
-                not stopped and len(output) != req.sampling.max_tokens):
-            raise InvalidArgument(
-                f"request {request_id}: a remote {'stop' if stopped else 'length'} finish "
-                f"after {len(output)} tokens ending in {output[-1]} (max_tokens "
-                f"{req.sampling.max_tokens})")
-        update = self.remote_tokens(request_id, token_ids)
-        assert update is not None
-        req.num_preemptions += remote.num_preemptions
-        req.num_recomputed_tokens += remote.num_recomputed_tokens
-        req.bytes_offloaded += remote.bytes_offloaded
-        req.snapshot = None  # the decode instance read it
-        self.life.finish(req, FINISHED_STOPPED if stopped else FINISHED_LENGTH)
-        update.finish_status = req.status
-        update.usage = req.usage()
-        return update
-
-    def _check_remote_tokens(self, req: Request, token_ids: Sequence[int]) -> None:
-        """What a decode instance sends must be possible: InvalidArgument (and
-        nothing recorded) for tokens outside the vocabulary, beyond max_tokens
-        or after a stop token."""
-        vocab_size = self.config.vocab_size
-        num_output = len(req.output_token_ids)
-        for i, token_id in enumerate(token_ids):
-            if not 0 <= token_id < vocab_size:
-                raise InvalidArgument(f"request {req.request_id}: remote token {token_id} is "
-                                      f"outside the vocabulary [0, {vocab_size})")
-            if i < len(token_ids) - 1 and token_id in req.stop_ids:
-                raise InvalidArgument(f"request {req.request_id}: remote tokens go on after "
-                                      f"stop token {token_id}")
-        if num_output + len(token_ids) > req.sampling.max_tokens:
-            raise InvalidArgument(f"request {req.request_id}: {num_output} + {len(token_ids)} "
-                                  f"remote tokens exceed max_tokens {req.sampling.max_tokens}")
-
-    def take_back(self, request_id: str) -> None:
-        """Prefill instance: the decode instance was lost; the request finishes
-        here (Lifecycle.take_back). Nothing if it is no longer HANDED_OFF."""
-        if (req := self._handed_off(request_id)) is not None:
-            self.life.take_back(req)
-
-    def _handed_off(self, request_id: str) -> Request | None:
-        req = self.life.requests.get(request_id)
-        return req if req is not None and req.status is HANDED_OFF else None
 
     # ------------------------------------------------------------- measures
 
@@ -506,4 +365,4 @@ class Scheduler:
         """Raises IntegrityError naming the first broken invariant (invariants.py).
 
         O(pool + requests): call it in tests and when idle, not every step."""
-        check_scheduler(self.config, self.life, self.reservation)
+        check_scheduler(self.config, self.life, self.reservation, self._pd)

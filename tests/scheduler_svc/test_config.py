@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
+from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
 from tests.scheduler_svc.factories import make_config
 
 
@@ -20,12 +20,15 @@ def test_defaults_and_derived_values() -> None:
     assert config.min_new_token_ratio == pytest.approx(0.7 * 0.14)
     assert config.new_token_ratio_decay == pytest.approx((0.7 - 0.098) / 600)
     assert config.clip_max_new_tokens == 4096
+    assert config.role is Role.MIXED
 
 
 def test_enum_values_given_as_strings_are_coerced() -> None:
-    config = make_config(preemption_mode="offload", reservation_policy="fixed_blocks")
+    config = make_config(preemption_mode="offload", reservation_policy="fixed_blocks",
+                         role="prefill")
     assert config.preemption_mode is PreemptionMode.OFFLOAD
     assert config.reservation_policy is ReservationPolicy.FIXED_BLOCKS
+    assert config.role is Role.PREFILL
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,7 @@ def test_enum_values_given_as_strings_are_coerced() -> None:
         ({"eos_token_ids": (100,)}, "eos token id 100 is outside vocab_size 100"),
         ({"preemption_mode": "swap"}, "preemption_mode must be one of auto, offload, recompute"),
         ({"bytes_per_block": -1}, "bytes_per_block must be >= 0, got -1"),
+        ({"role": "both"}, "role must be one of mixed, prefill, decode, got 'both'"),
     ],
 )
 def test_invalid_values_are_named(overrides: dict[str, object], message: str) -> None:

@@ -1,9 +1,9 @@
-"""P/D disaggregation in the scheduler core (scheduler.py, lifecycle.py, admission.py).
+"""P/D disaggregation in the scheduler core (pd.py, lifecycle.py, admission.py).
 
-    decode instance   reserve() under admission's rule, expiry at schedule(),
-                      start_remote_decode() + finish_restore(), then decodes
-    prefill instance  add_request(handoff=True) -> out.handoffs -> finish_handoff();
-                      remote_tokens / finish_remote / take_back while HANDED_OFF
+    decode instance   pd.reserve() under admission's rule, expiry at schedule(),
+                      pd.start_remote_decode() + finish_restore(), then decodes
+    prefill instance  add_request(handoff=True) -> out.handoffs -> pd.finish_handoff();
+                      pd.remote_tokens / finish_remote / take_back while HANDED_OFF
     both              `PD` wires a prefill core and a decode core as their
                       engines do, in memory: each core has a FakeWorker whose
                       KV slots hold the tokens they encode, the cache service
@@ -34,7 +34,7 @@ from kvstash.errors import (
     NotFound,
 )
 from kvstash.sampling import SamplingParams
-from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.core.config import PreemptionMode, Role, SchedulerConfig
 from scheduler_svc.core.outputs import (
     OffloadCommand,
     RequestUpdate,
@@ -63,11 +63,17 @@ class Clock:
 
 
 def pd_config(**overrides: object) -> SchedulerConfig:
-    """make_config, with admission (so reserve) keeping back every block a
-    decode may still need: new_token_ratio frozen at 1.0."""
-    values: dict[str, object] = {"init_new_token_ratio": 1.0, "min_new_token_ratio_factor": 1.0}
+    """make_config for a decode instance, with admission (so reserve) keeping
+    back every block a decode may still need: new_token_ratio frozen at 1.0."""
+    values: dict[str, object] = {"init_new_token_ratio": 1.0, "min_new_token_ratio_factor": 1.0,
+                                 "role": Role.DECODE}
     values.update(overrides)
     return make_config(**values)
+
+
+def prefill_config(**overrides: object) -> SchedulerConfig:
+    """make_config for a prefill instance."""
+    return make_config(role=Role.PREFILL, **overrides)
 
 
 def prompt_of(num_tokens: int, seed: int = 0) -> list[int]:
@@ -159,7 +165,7 @@ class Side:
 
 def reserve(core: Scheduler, request_id: str, prompt_len: int, max_tokens: int,
             seed: int = 0) -> bool:
-    accepted = core.reserve(request_id, prompt_of(prompt_len, seed), greedy(max_tokens))
+    accepted = core.pd.reserve(request_id, prompt_of(prompt_len, seed), greedy(max_tokens))
     core.check_integrity()
     return accepted
 
@@ -174,7 +180,7 @@ def start_remote(side: Side, request_id: str, land: bool = True,
     prompt = list(req.prompt_token_ids)
     first = next_token(prompt, VOCAB)
     snapshot_id = snapshot_id or f"pre.{request_id}.0"
-    cmd = core.start_remote_decode(request_id, snapshot_id, len(prompt), first)
+    cmd = core.pd.start_remote_decode(request_id, snapshot_id, len(prompt), first)
     core.check_integrity()
     assert req.status is S.RESUMING and cmd.block_ids == req.block_ids
     side.truth[request_id] = [*prompt, first]
@@ -366,7 +372,7 @@ def test_an_unused_reservation_expires_at_schedule_and_its_blocks_return() -> No
     assert (stats.num_reserved, stats.num_reservations_expired, stats.num_finished) == (1, 1, 1)
     assert stats.num_free_blocks == 15
     with pytest.raises(NotFound, match="request a holds no reservation"):
-        core.start_remote_decode("a", "pre.a.0", 9, 5)
+        core.pd.start_remote_decode("a", "pre.a.0", 9, 5)
     with pytest.raises(NotFound):
         core.abort("a")
     core.check_integrity()
@@ -412,7 +418,7 @@ def test_reserve_refuses_bad_requests_changing_nothing(
 ) -> None:
     core = Side(pd_config(num_blocks=16)).core
     with pytest.raises(InvalidArgument) as excinfo:
-        core.reserve("r", prompt, greedy(max_tokens))
+        core.pd.reserve("r", prompt, greedy(max_tokens))
     assert message in str(excinfo.value)
     stats = core.stats()
     assert core.get_request("r") is None and stats.num_free_blocks == 16
@@ -425,10 +431,10 @@ def test_reserve_refuses_a_live_id_and_a_refused_id_stays_free() -> None:
     core = Side(pd_config(num_blocks=4, max_num_seqs=2)).core
     assert reserve(core, "a", 4, 4)
     with pytest.raises(AlreadyExists, match="request a already exists"):
-        core.reserve("a", [1], greedy(2))
+        core.pd.reserve("a", [1], greedy(2))
     core.add_request("m", [1, 2], greedy(2))  # a local request's id is taken too
     with pytest.raises(AlreadyExists, match="request m already exists"):
-        core.reserve("m", [1], greedy(2))
+        core.pd.reserve("m", [1], greedy(2))
     core.abort("m")  # a waiting request keeps reservations out (test_...waiting below)
     assert not reserve(core, "z", 8, 4)  # 2 + 1 + 1 kept back > 3
     assert core.get_request("z") is None
@@ -439,32 +445,32 @@ def test_reserve_refuses_a_live_id_and_a_refused_id_stays_free() -> None:
 
 def test_start_remote_decode_checks_the_request_the_snapshot_and_the_first_token() -> None:
     core = Side(pd_config()).core
-    assert core.reserve("a", [5, 6, 7, 8, 9, 10], greedy(4, ignore_eos=False, stop=(7,)))
+    assert core.pd.reserve("a", [5, 6, 7, 8, 9, 10], greedy(4, ignore_eos=False, stop=(7,)))
     core.add_request("m", [1, 2], greedy(2))
     before = core.stats()
     with pytest.raises(NotFound, match="request zz holds no reservation"):
-        core.start_remote_decode("zz", "pre.zz.0", 6, 3)
+        core.pd.start_remote_decode("zz", "pre.zz.0", 6, 3)
     with pytest.raises(NotFound, match="request m holds no reservation"):
-        core.start_remote_decode("m", "pre.m.0", 2, 3)
+        core.pd.start_remote_decode("m", "pre.m.0", 2, 3)
     for num_tokens in (5, 7):
         with pytest.raises(InvalidArgument,
                            match=f"the snapshot holds {num_tokens} tokens, its prompt has 6"):
-            core.start_remote_decode("a", "pre.a.0", num_tokens, 3)
+            core.pd.start_remote_decode("a", "pre.a.0", num_tokens, 3)
     for first in (EOS, 7, -1, VOCAB):  # EOS, a stop token, outside the vocabulary
         with pytest.raises(InvalidArgument, match=f"first token {first} is outside"):
-            core.start_remote_decode("a", "pre.a.0", 6, first)
+            core.pd.start_remote_decode("a", "pre.a.0", 6, first)
     req = core.get_request("a")
     assert req is not None and req.status is S.RESERVED and req.output_token_ids == []
     assert req.num_computed_tokens == 0 and req.snapshot is None and not core.life.copies
     assert core.stats() == before
     core.check_integrity()
-    cmd = core.start_remote_decode("a", "pre.a.0", 6, 3)
+    cmd = core.pd.start_remote_decode("a", "pre.a.0", 6, 3)
     assert (cmd.request_id, cmd.snapshot_id, cmd.block_ids) == ("a", "pre.a.0", req.block_ids)
     with pytest.raises(NotFound, match="request a holds no reservation"):  # used already
-        core.start_remote_decode("a", "pre.a.1", 6, 3)
+        core.pd.start_remote_decode("a", "pre.a.1", 6, 3)
     core.finish_restore(cmd, 128)
     with pytest.raises(NotFound):
-        core.start_remote_decode("a", "pre.a.1", 6, 3)
+        core.pd.start_remote_decode("a", "pre.a.1", 6, 3)
     core.check_integrity()
 
 
@@ -476,11 +482,11 @@ def test_a_snapshot_id_already_in_flight_is_refused() -> None:
     requests ... resuming"), the first restore to land resumes the wrong
     request, and the other stays RESUMING with its blocks forever."""
     core = Side(pd_config()).core
-    assert core.reserve("a", [1, 2, 3], greedy(4))
-    assert core.reserve("b", [4, 5, 6], greedy(4))
-    core.start_remote_decode("a", "pre.x.0", 3, 7)
+    assert core.pd.reserve("a", [1, 2, 3], greedy(4))
+    assert core.pd.reserve("b", [4, 5, 6], greedy(4))
+    core.pd.start_remote_decode("a", "pre.x.0", 3, 7)
     with pytest.raises(KvstashError):
-        core.start_remote_decode("b", "pre.x.0", 3, 7)
+        core.pd.start_remote_decode("b", "pre.x.0", 3, 7)
     core.check_integrity()
     assert status(core, "b") is S.RESERVED
 
@@ -489,13 +495,13 @@ def test_a_request_that_fits_the_pool_alone_is_reserved_on_an_idle_instance() ->
     core = Side(pd_config(num_blocks=2)).core  # blocks of 4 tokens
     prompt, sampling = [1] * 5, greedy(3)  # KV of at most 5 + 3 - 1 = 7 positions: 2 blocks
     core.check_request("a", prompt, sampling)
-    assert core.reserve("a", prompt, sampling)
+    assert core.pd.reserve("a", prompt, sampling)
 
 
 def test_eos_may_come_first_when_the_request_ignores_it() -> None:
     core = Side(pd_config()).core
-    assert core.reserve("a", [5, 6, 7], greedy(3, ignore_eos=True))
-    core.start_remote_decode("a", "pre.a.0", 3, EOS)
+    assert core.pd.reserve("a", [5, 6, 7], greedy(3, ignore_eos=True))
+    core.pd.start_remote_decode("a", "pre.a.0", 3, EOS)
     core.check_integrity()
 
 
@@ -509,7 +515,7 @@ def test_a_remote_decode_whose_restore_fails_is_recomputed_here(committed: bool)
     side = Side(pd_config())
     core = side.core
     prompt = prompt_of(6, 4)
-    assert core.reserve("a", prompt, greedy(5))
+    assert core.pd.reserve("a", prompt, greedy(5))
     cmd = start_remote(side, "a", land=False)
     if committed:
         side.worker.write(cmd.block_ids, 0, prompt)
@@ -542,7 +548,7 @@ def test_abort_while_reserved_or_resuming_leaks_nothing(committed: bool) -> None
     assert core.stats().num_free_blocks == 16 and core.is_idle
     assert core.stats().num_reservations_expired == 0
     with pytest.raises(NotFound):
-        core.start_remote_decode("a", "pre.a.0", 8, 3)
+        core.pd.start_remote_decode("a", "pre.a.0", 8, 3)
     # Aborted while its KV is being copied in: the copy keeps the blocks until it lands.
     assert reserve(core, "b", 8, 4, seed=1)
     cmd = start_remote(side, "b", land=False)
@@ -591,7 +597,7 @@ def handed_off(side: Side, request_id: str = "a", prompt_len: int = 6, max_token
 
 
 def test_a_prefilled_request_is_handed_off_at_the_next_schedule() -> None:
-    side = Side(make_config(num_blocks=16))
+    side = Side(prefill_config(num_blocks=16))
     core = side.core
     prompt = prompt_of(6, 2)
     add_handoff(side, "a", prompt, greedy(6))
@@ -610,7 +616,7 @@ def test_a_prefilled_request_is_handed_off_at_the_next_schedule() -> None:
     assert (stats.num_handed_off, stats.num_running_decode, stats.num_handoffs) == (1, 0, 0)
     output, _ = side.step()  # nothing to do meanwhile, and no second handoff
     assert output.handoffs == [] and output.seqs == []
-    assert core.finish_handoff(cmd, 512) is True
+    assert core.pd.finish_handoff(cmd, 512) is True
     core.check_integrity()
     assert req.status is S.HANDED_OFF and req.block_ids == [] and pool_is_clean(core)
     stats = core.stats()
@@ -623,12 +629,12 @@ def test_a_prefilled_request_is_handed_off_at_the_next_schedule() -> None:
 
 @pytest.mark.parametrize("stopped", [True, False])
 def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: bool) -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side, max_tokens=5, stop=(STOP,))
-    assert core.finish_handoff(cmd, 512)
+    assert core.pd.finish_handoff(cmd, 512)
     first = side.truth["a"][-1]
-    assert core.remote_tokens("a", [31, 32]) == RequestUpdate("a", [31, 32])
+    assert core.pd.remote_tokens("a", [31, 32]) == RequestUpdate("a", [31, 32])
     core.check_integrity()
     req = core.get_request("a")
     assert req is not None and req.output_token_ids == [first, 31, 32]
@@ -636,7 +642,7 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     remote = RequestUsage(6, 4, num_preemptions=2, num_recomputed_tokens=3,
                           bytes_offloaded=700, queue_time_s=None)
     last = STOP if stopped else 34
-    update = core.finish_remote("a", [33, last], stopped, remote)
+    update = core.pd.finish_remote("a", [33, last], stopped, remote)
     core.check_integrity()
     assert update is not None and update.new_token_ids == [33, last]
     assert update.finish_status is (S.FINISHED_STOPPED if stopped else S.FINISHED_LENGTH)
@@ -648,9 +654,9 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     assert core.take_snapshots_to_delete() == []  # the decode instance read it
     assert core.is_idle and pool_is_clean(core)
     # Finished: nothing more arrives for it.
-    assert core.remote_tokens("a", [1]) is None
-    assert core.finish_remote("a", [1], True, remote) is None
-    core.take_back("a")
+    assert core.pd.remote_tokens("a", [1]) is None
+    assert core.pd.finish_remote("a", [1], True, remote) is None
+    core.pd.take_back("a")
     core.check_integrity()
 
 
@@ -658,7 +664,7 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
 def test_a_request_whose_first_token_ends_it_is_never_handed_off(
     sampling: SamplingParams | str
 ) -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     prompt = prompt_of(6, 3)
     if sampling == "stop":
@@ -675,7 +681,7 @@ def test_a_request_whose_first_token_ends_it_is_never_handed_off(
 
 
 def test_a_request_aborted_before_its_handoff_is_not_handed_off() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     add_handoff(side, "a", prompt_of(6), greedy(5))
     side.step()
@@ -687,7 +693,7 @@ def test_a_request_aborted_before_its_handoff_is_not_handed_off() -> None:
 
 
 def test_a_handoff_frees_its_seat_at_once() -> None:
-    side = Side(make_config(max_num_seqs=1))
+    side = Side(prefill_config(max_num_seqs=1))
     core = side.core
     add_handoff(side, "a", prompt_of(6), greedy(5))
     add_handoff(side, "b", prompt_of(5, 1), greedy(5), handoff=False)
@@ -700,7 +706,7 @@ def test_a_handoff_frees_its_seat_at_once() -> None:
 
 
 def test_a_chunked_prefill_is_handed_off_after_its_last_chunk() -> None:
-    side = Side(make_config(max_num_batched_tokens=16))
+    side = Side(prefill_config(max_num_batched_tokens=16))
     core = side.core
     add_handoff(side, "a", prompt_of(40), greedy(5))
     for _ in range(3):  # chunks of 16, 16, 8
@@ -714,15 +720,16 @@ def test_a_chunked_prefill_is_handed_off_after_its_last_chunk() -> None:
 
 
 def test_a_failed_handoff_copy_decodes_here_with_the_same_tokens() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side)
     req = core.get_request("a")
     assert req is not None
     held = list(req.block_ids)
-    assert core.finish_handoff(cmd, None) is False
+    assert core.pd.finish_handoff(cmd, None) is False
     core.check_integrity()
-    assert req.status is S.RUNNING_DECODE and req.block_ids == held and not req.handoff
+    assert req.status is S.RUNNING_DECODE and req.block_ids == held
+    assert not core.pd.will_hand_off("a")
     assert req.snapshot is None and core.take_snapshots_to_delete() == []
     stats = core.stats()
     assert (stats.num_handoff_failures, stats.num_handoffs, stats.num_handed_off) == (1, 0, 0)
@@ -737,17 +744,17 @@ def test_taken_back_before_any_remote_token_resumes_from_the_snapshot(
 ) -> None:
     """snapshot_kept: the decode instance never read it; else it consumed
     it, the restore fails and the request is recomputed. Same tokens."""
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, kv = handed_off(side)
-    assert core.finish_handoff(cmd, 512)
+    assert core.pd.finish_handoff(cmd, 512)
     if snapshot_kept:
         side.cache[cmd.snapshot_id] = kv
-    core.take_back("a")
+    core.pd.take_back("a")
     core.check_integrity()
     req = core.get_request("a")
     assert req is not None and req.status is S.OFFLOADED and req.snapshot_id == cmd.snapshot_id
-    assert not req.handoff and core.take_snapshots_to_delete() == []
+    assert not core.pd.will_hand_off("a") and core.take_snapshots_to_delete() == []
     stats = core.stats()
     assert (stats.num_handoff_failures, stats.num_offloaded, stats.num_handed_off) == (1, 1, 0)
     output, _ = side.step(side.land_restores)
@@ -765,14 +772,14 @@ def test_taken_back_before_any_remote_token_resumes_from_the_snapshot(
 
 
 def test_taken_back_after_remote_tokens_is_recomputed_with_the_same_tokens() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side)
-    assert core.finish_handoff(cmd, 512)
+    assert core.pd.finish_handoff(cmd, 512)
     want = expected(prompt_of(6, 2), greedy(6))
-    core.remote_tokens("a", want[1:3])
+    core.pd.remote_tokens("a", want[1:3])
     side.truth["a"].extend(want[1:3])
-    core.take_back("a")
+    core.pd.take_back("a")
     core.check_integrity()
     req = core.get_request("a")
     assert req is not None and req.status is S.WAITING and req.snapshot is None
@@ -792,7 +799,7 @@ def test_taken_back_after_remote_tokens_is_recomputed_with_the_same_tokens() -> 
 
 
 def test_a_handoff_copy_lands_once_and_only_as_a_handoff() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side)
     with pytest.raises(FailedPrecondition, match="no copy of snapshot"):
@@ -801,20 +808,20 @@ def test_a_handoff_copy_lands_once_and_only_as_a_handoff() -> None:
         core.finish_restore(RestoreCommand("a", cmd.snapshot_id, cmd.block_ids), 10)
     core.check_integrity()
     assert status(core, "a") is S.HANDING_OFF
-    assert core.finish_handoff(cmd, 10)
+    assert core.pd.finish_handoff(cmd, 10)
     with pytest.raises(FailedPrecondition, match="no copy of snapshot"):
-        core.finish_handoff(cmd, 10)
+        core.pd.finish_handoff(cmd, 10)
     core.check_integrity()
     assert core.stats().num_handoffs == 1
 
 
 def test_remote_calls_for_a_request_not_handed_off_change_nothing() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     usage = RequestUsage(6, 2, 0, 0, 0, None)
-    assert core.remote_tokens("zz", [1]) is None
-    assert core.finish_remote("zz", [1], True, usage) is None
-    core.take_back("zz")
+    assert core.pd.remote_tokens("zz", [1]) is None
+    assert core.pd.finish_remote("zz", [1], True, usage) is None
+    core.pd.take_back("zz")
     handed_off(side)  # "a" is HANDING_OFF
     add_handoff(side, "local", prompt_of(4, 5), greedy(4), handoff=False)
     side.step()  # "local" decoding
@@ -822,9 +829,9 @@ def test_remote_calls_for_a_request_not_handed_off_change_nothing() -> None:
         req = core.get_request(rid)
         assert req is not None
         before = (req.status, list(req.output_token_ids))
-        assert core.remote_tokens(rid, [1]) is None
-        assert core.finish_remote(rid, [1], True, usage) is None
-        core.take_back(rid)
+        assert core.pd.remote_tokens(rid, [1]) is None
+        assert core.pd.finish_remote(rid, [1], True, usage) is None
+        core.pd.take_back(rid)
         assert (req.status, req.output_token_ids) == before
         core.check_integrity()
     assert core.stats().num_handoff_failures == 0
@@ -832,7 +839,7 @@ def test_remote_calls_for_a_request_not_handed_off_change_nothing() -> None:
 
 @pytest.mark.parametrize("committed", [True, False])
 def test_abort_while_handing_off_lets_the_copy_free_the_blocks(committed: bool) -> None:
-    side = Side(make_config(num_blocks=16))
+    side = Side(prefill_config(num_blocks=16))
     core = side.core
     cmd, _ = handed_off(side)
     core.abort("a")
@@ -845,13 +852,13 @@ def test_abort_while_handing_off_lets_the_copy_free_the_blocks(committed: bool) 
     output, _ = side.step()
     [new_cmd] = output.handoffs
     assert new_cmd.snapshot_id != cmd.snapshot_id
-    assert core.finish_handoff(cmd, 512 if committed else None) is False
+    assert core.pd.finish_handoff(cmd, 512 if committed else None) is False
     core.check_integrity()
     assert status(core, "a") is S.HANDING_OFF
     assert core.take_snapshots_to_delete() == ([cmd.snapshot_id] if committed else [])
     stats = core.stats()
     assert (stats.num_handoffs, stats.num_handoff_failures, stats.bytes_handed_off) == (0, 0, 0)
-    assert core.finish_handoff(new_cmd, 256)
+    assert core.pd.finish_handoff(new_cmd, 256)
     core.abort("a")
     core.check_integrity()
     assert core.take_snapshots_to_delete() == [new_cmd.snapshot_id]
@@ -859,18 +866,18 @@ def test_abort_while_handing_off_lets_the_copy_free_the_blocks(committed: bool) 
 
 
 def test_abort_when_handed_off_deletes_the_snapshot() -> None:
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side)
-    assert core.finish_handoff(cmd, 512)
-    core.remote_tokens("a", [4])
+    assert core.pd.finish_handoff(cmd, 512)
+    core.pd.remote_tokens("a", [4])
     usage = core.abort("a")
     core.check_integrity()
     assert usage.num_output_tokens == 2
     assert core.take_snapshots_to_delete() == [cmd.snapshot_id]
-    assert core.remote_tokens("a", [5]) is None
-    assert core.finish_remote("a", [5], True, RequestUsage(6, 3, 0, 0, 0, None)) is None
-    core.take_back("a")
+    assert core.pd.remote_tokens("a", [5]) is None
+    assert core.pd.finish_remote("a", [5], True, RequestUsage(6, 3, 0, 0, 0, None)) is None
+    core.pd.take_back("a")
     core.check_integrity()
     assert core.stats().num_handed_off == 0 and pool_is_clean(core) and core.is_idle
 
@@ -910,8 +917,9 @@ class PD:
         mixed: bool = False, seed: int = 0, max_delay: int = 0,
     ) -> None:
         self.clock = Clock()
-        self.prefill = Side(prefill, self.clock)
-        self.decode = Side(decode or prefill, self.clock)
+        self.prefill = Side(replace(prefill, role=Role.MIXED if mixed else Role.PREFILL),
+                            self.clock)
+        self.decode = Side(replace(decode or prefill, role=Role.DECODE), self.clock)
         self.mixed = mixed
         self.rng = random.Random(seed)
         self.max_delay = max_delay
@@ -977,7 +985,7 @@ class PD:
             rid = job.request_id
             remote = not self.mixed and job.sampling.max_tokens >= 2
             if remote:
-                if not decode.reserve(rid, job.prompt, job.sampling):
+                if not decode.pd.reserve(rid, job.prompt, job.sampling):
                     self.num_refusals += 1
                     still.append(job)
                     continue
@@ -1021,13 +1029,13 @@ class PD:
         assert rid in self.on_decode
         prefill = self.prefill.core
         if update.finish_status is None:
-            answer = prefill.remote_tokens(rid, update.new_token_ids)
+            answer = prefill.pd.remote_tokens(rid, update.new_token_ids)
         else:
             self.on_decode.discard(rid)
             assert update.usage is not None
-            answer = prefill.finish_remote(rid, update.new_token_ids,
-                                           update.finish_status is S.FINISHED_STOPPED,
-                                           update.usage)
+            answer = prefill.pd.finish_remote(rid, update.new_token_ids,
+                                              update.finish_status is S.FINISHED_STOPPED,
+                                              update.usage)
             assert answer is not None and answer.finish_status is update.finish_status
         prefill.check_integrity()
         assert answer is not None and answer.new_token_ids == update.new_token_ids
@@ -1092,7 +1100,7 @@ class PD:
             core.finish_offload(cmd, num_bytes)
             core.check_integrity()
             return
-        handed = core.finish_handoff(cmd, num_bytes)
+        handed = core.pd.finish_handoff(cmd, num_bytes)
         core.check_integrity()
         if not handed:
             self._release(rid)  # it decodes here, or it was aborted
@@ -1105,8 +1113,8 @@ class PD:
             return
         first = req.output_token_ids[-1]
         try:
-            restore = self.decode.core.start_remote_decode(rid, cmd.snapshot_id,
-                                                           cmd.num_tokens, first)
+            restore = self.decode.core.pd.start_remote_decode(rid, cmd.snapshot_id,
+                                                              cmd.num_tokens, first)
         except NotFound:  # the reservation expired: as a lost decode instance
             assert status(self.decode.core, rid) is None
             self._lose(rid)
@@ -1127,7 +1135,7 @@ class PD:
         if status(self.prefill.core, request_id) is not S.HANDED_OFF:
             return
         self._release(request_id)
-        self.prefill.core.take_back(request_id)
+        self.prefill.core.pd.take_back(request_id)
         self.prefill.core.check_integrity()
         self.lost.add(request_id)
 
@@ -1352,7 +1360,7 @@ def test_random_decode_instance_histories_keep_every_invariant(
         {"init_new_token_ratio": 0.3, "new_token_ratio_decay_steps": 3})
     config = make_config(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
                          reservation_timeout_s=0.5, preemption_mode=PreemptionMode.RECOMPUTE,
-                         **ratio)
+                         role=Role.DECODE, **ratio)
     side = Side(config, clock)
     core = side.core
     restores: list[RestoreCommand] = []
@@ -1375,7 +1383,7 @@ def test_random_decode_instance_histories_keep_every_invariant(
             rid = f"r{n}"
             prompt, sampling = prompt_of(1 + x % 9, n), greedy(2 + x % 7)
             try:
-                accepted = core.reserve(rid, prompt, sampling)
+                accepted = core.pd.reserve(rid, prompt, sampling)
             except InvalidArgument:
                 continue  # too big for the pool
             num_answers += 1
@@ -1444,19 +1452,19 @@ def test_a_decode_instance_cannot_send_impossible_tokens(
         tokens: list[int], finish: str | None) -> None:
     """What a decode instance could not have generated is refused, nothing
     recorded: the engine then takes the request back (a lost instance)."""
-    side = Side(make_config())
+    side = Side(prefill_config())
     core = side.core
     cmd, _ = handed_off(side, max_tokens=5, stop=(STOP,))
-    assert core.finish_handoff(cmd, 512)
+    assert core.pd.finish_handoff(cmd, 512)
     req = core.get_request("a")
     assert req is not None
     before = list(req.output_token_ids)
     with pytest.raises(InvalidArgument):
         if finish is None:
-            core.remote_tokens("a", tokens)
+            core.pd.remote_tokens("a", tokens)
         else:
-            core.finish_remote("a", tokens, finish == "stop", RequestUsage(6, 5, 0, 0, 0, None))
+            core.pd.finish_remote("a", tokens, finish == "stop", RequestUsage(6, 5, 0, 0, 0, None))
     assert req.output_token_ids == before and req.status is S.HANDED_OFF
-    core.take_back("a")
+    core.pd.take_back("a")
     core.check_integrity()
     assert req.status is S.OFFLOADED  # no token was recorded: resumes from the snapshot
