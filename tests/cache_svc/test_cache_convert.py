@@ -6,7 +6,9 @@ import dataclasses
 
 from cache_svc.convert import stats_to_proto
 from cache_svc.model import CacheStats
+from kvstash.stats import declared
 from kvstash.v1 import cache_pb2
+from tests.stats_helpers import proto_mismatches
 
 
 def test_stats_proto_and_domain_stats_have_the_same_fields() -> None:
@@ -17,3 +19,8 @@ def test_stats_proto_and_domain_stats_have_the_same_fields() -> None:
     stats = CacheStats(**{name: i + 1 for i, name in enumerate(sorted(domain))})
     proto = stats_to_proto(stats)
     assert all(getattr(proto, name) == getattr(stats, name) for name in domain)
+
+
+def test_stats_proto_matches_the_declared_stats_one_to_one() -> None:
+    """Adding a stat without its proto field (or one of the wrong type) fails here."""
+    assert proto_mismatches(declared(CacheStats), cache_pb2.CacheStats.DESCRIPTOR) == []
