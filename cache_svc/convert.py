@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from cache_svc.model import CacheStats, SnapshotInfo, TierName
 from cache_svc.snapshot import SnapshotMeta
 from kvstash import errors
 from kvstash.chunk_codec import CHECKSUM_XXH3_64
+from kvstash.stats import values
 from kvstash.v1 import cache_pb2
 from kvstash.wire import layout_from_proto, layout_to_proto
 
@@ -57,5 +56,6 @@ def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
 
 
 def stats_to_proto(stats: CacheStats) -> cache_pb2.CacheStats:
-    """Field by field, by name (a test keeps both sides' fields equal)."""
-    return cache_pb2.CacheStats(**{f.name: getattr(stats, f.name) for f in fields(stats)})
+    """Every declared stat (kvstash.stats) into the proto field of its name; a
+    test keeps the two one to one, in names and types."""
+    return cache_pb2.CacheStats(**values(stats))

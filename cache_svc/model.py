@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import SnapshotMeta
+from kvstash.stats import counter, gauge
 
 # A snapshot's bytes in memory: a private mapping, or an extent of the arena.
 Buffer = mmap.mmap | memoryview
@@ -56,44 +57,42 @@ class SnapshotInfo:
     tier: TierName
 
 
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """Mirrors kvstash.v1.CacheStats; see cache.proto for each field."""
-
-    memory_bytes: int
-    memory_budget_bytes: int
-    memory_snapshots: int
-    disk_bytes: int
-    disk_budget_bytes: int
-    disk_snapshots: int
-    pinned_bytes: int
-    reserved_bytes: int
-    num_puts: int
-    num_gets: int
-    num_refused: int
-    num_failed_puts: int
-    num_evictions: int
-    num_spills: int
-    num_expired: int
-    bytes_in: int
-    bytes_out: int
-    free_bytes: int
-    num_consumed: int
-    num_shared_puts: int
-    num_shared_gets: int
-
-
 @dataclass(slots=True)
 class Counters:
-    """The store's event counts (evictions and spills are counted by `Tiers`)."""
+    """The store's event counts, incremented in place. Each field is declared
+    once, here, with its metric (kvstash.stats); CacheStats carries them all."""
 
-    num_puts: int = 0
-    num_gets: int = 0
-    num_refused: int = 0
-    num_failed_puts: int = 0
-    num_expired: int = 0
-    num_consumed: int = 0  # snapshots deleted by the get that consumed them
-    num_shared_puts: int = 0  # puts and gets through the arena
-    num_shared_gets: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+    num_puts: int = counter("puts", "Completed puts")
+    num_gets: int = counter("gets", "Gets started")
+    num_refused: int = counter("refused_puts", "Puts refused for capacity")
+    num_failed_puts: int = counter("failed_puts",
+                                   "Puts aborted: bad chunk, checksum, cancellation")
+    num_expired: int = counter("expired", "Snapshots deleted after their TTL")
+    num_consumed: int = counter("consumed", "Snapshots deleted by the get that consumed them")
+    num_shared_puts: int = counter("shared_puts",
+                                   "Of the puts, those through the shared-memory arena")
+    num_shared_gets: int = counter("shared_gets",
+                                   "Of the gets, those through the shared-memory arena")
+    bytes_in: int = counter("bytes_in", "Chunk payload bytes received")
+    bytes_out: int = counter("bytes_out", "Chunk payload bytes sent")
+
+
+@dataclass(slots=True, kw_only=True)
+class CacheStats(Counters):
+    """A snapshot: every counter as it stood, plus the figures read from the
+    tiers at the time. The service reports it over GetStats (kvstash.v1.CacheStats,
+    field by field) and exports it as metrics; each field is declared once,
+    here or in Counters (kvstash.stats)."""
+
+    # Counted by Tiers, which evicts and spills.
+    num_evictions: int = counter("evictions", "Unpinned snapshots evicted under pressure")
+    num_spills: int = counter("spills", "Snapshots spilled from memory to disk")
+    memory_bytes: int = gauge("Bytes held by the memory tier")
+    memory_budget_bytes: int = gauge("Memory tier budget in bytes")
+    memory_snapshots: int = gauge("Snapshots in the memory tier")
+    disk_bytes: int = gauge("Bytes held by the disk tier")
+    disk_budget_bytes: int = gauge("Disk tier budget in bytes")
+    disk_snapshots: int = gauge("Snapshots in the disk tier")
+    pinned_bytes: int = gauge("Bytes of pinned snapshots, both tiers")
+    reserved_bytes: int = gauge("Bytes reserved by puts in progress")
+    free_bytes: int = gauge("Bytes a new put can still reserve, both tiers")

@@ -42,6 +42,7 @@ from kvstash.errors import (
 )
 from kvstash.ids import check_snapshot_id
 from kvstash.malloc_tuning import trim_heap
+from kvstash.stats import values
 
 log = logging.getLogger(__name__)
 
@@ -329,10 +330,13 @@ class SnapshotStore:
         return self._tiers.pool
 
     def stats(self) -> CacheStats:
+        """Every counter as it stands, and the tiers' figures now."""
         tiers = self._tiers
         listed = list(tiers.entries())
-        c = self._counters
         return CacheStats(
+            **values(self._counters),
+            num_evictions=tiers.num_evictions,
+            num_spills=tiers.num_spills,
             memory_bytes=tiers.memory_used,
             memory_budget_bytes=self.config.memory_budget_bytes,
             memory_snapshots=sum(1 for e in listed if e.residence is not Residence.DISK),
@@ -341,12 +345,6 @@ class SnapshotStore:
             disk_snapshots=sum(1 for e in listed if e.residence is Residence.DISK),
             pinned_bytes=sum(e.size for e in listed if e.meta.pinned),
             reserved_bytes=tiers.reserved,
-            num_puts=c.num_puts, num_gets=c.num_gets, num_refused=c.num_refused,
-            num_failed_puts=c.num_failed_puts, num_evictions=tiers.num_evictions,
-            num_spills=tiers.num_spills, num_expired=c.num_expired,
-            num_consumed=c.num_consumed, num_shared_puts=c.num_shared_puts,
-            num_shared_gets=c.num_shared_gets,
-            bytes_in=c.bytes_in, bytes_out=c.bytes_out,
             free_bytes=tiers.memory_free() + tiers.disk_free(),
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -19,31 +19,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstash.errors import preview
+from kvstash.stats import Kind, Stat
 
 
 class StatsCollector(Collector):
-    """Gauges and counters named `prefix + key`, valued from `read()`'s fields.
-
-    `gauges` maps metric key -> help text (the field has the key's name);
-    `counters` maps metric key -> (field, help text)."""
+    """A metric named `prefix + stat.metric` for each exported stat of `stats`
+    (kvstash.stats), valued from the same field of `read()`'s snapshot."""
 
     def __init__(self, prefix: str, read: Callable[[], Any], loop: asyncio.AbstractEventLoop,
-                 gauges: Mapping[str, str], counters: Mapping[str, tuple[str, str]]) -> None:
-        self._prefix = prefix
+                 stats: Sequence[Stat]) -> None:
         self._read = read
         self._loop = loop
-        self._gauges = gauges
-        self._counters = counters
+        self._exported = [(prefix + s.metric, s) for s in stats if s.metric is not None]
 
     def collect(self) -> Iterator[Metric]:
         async def read() -> Any:
             return self._read()
 
-        stats = asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
-        for key, doc in self._gauges.items():
-            yield GaugeMetricFamily(self._prefix + key, doc, value=getattr(stats, key))
-        for key, (field, doc) in self._counters.items():
-            yield CounterMetricFamily(self._prefix + key, doc, value=getattr(stats, field))
+        snapshot = asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
+        for name, stat in self._exported:
+            family = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
+            yield family(name, stat.doc, value=getattr(snapshot, stat.name))
 
 
 # Where /metrics listens unless told otherwise: this host only.

@@ -21,54 +21,28 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
+from kvstash.stats import Kind, Stat, declared
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.costs import CostEstimates
-from scheduler_svc.core.outputs import Preempted, PreemptReason
+from scheduler_svc.core.outputs import Preempted, PreemptReason, SchedulerStats
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 
 _PREFIX = "kvstash_scheduler_"
-_GAUGES = {
-    "num_total_blocks": "KV blocks in the pool",
-    "num_free_blocks": "KV blocks never used or fully released",
-    "num_evictable_blocks": "Cached prefix blocks nobody holds (reclaimed LRU)",
-    "kv_usage_ratio": "Share of KV blocks held by requests (neither free nor evictable)",
-    "num_running_prefill": "Requests computing their prompt",
-    "num_running_decode": "Requests generating",
-    "num_waiting": "Requests queued for (re)prefill",
-    "num_offloaded": "Requests offloading, offloaded or resuming",
-    "new_token_ratio": "Share of each decode request's remaining tokens reserved at admission",
-    "cache_available": "1 while the cache service answers; 0: preemptions recompute",
-    "num_reserved": "P/D decode instance: requests holding blocks reserved for their KV",
-    "num_handed_off": "P/D prefill instance: requests handing off or decoding elsewhere",
-}
-_COUNTERS = {
-    "preemptions_offload": ("num_preemptions_offload", "Preemptions that stashed KV"),
-    "preemptions_recompute": ("num_preemptions_recompute", "Preemptions that dropped KV"),
-    "offload_failures": ("num_offload_failures", "Offloads that failed (fell back to recompute)"),
-    "restore_failures": ("num_restore_failures", "Restores that failed (fell back to recompute)"),
-    "recomputed_tokens": ("num_recomputed_tokens", "Tokens prefilled again after preemption"),
-    "finished_requests": ("num_finished", "Requests finished, any reason"),
-    "prompt_tokens": ("num_prompt_tokens", "Prompt tokens of requests whose prefill completed"),
-    "generation_tokens": ("num_generation_tokens", "Output tokens generated"),
-    "prefix_hit_tokens": ("num_prefix_hit_tokens",
-                          "Prompt tokens whose KV a prefix-cache hit supplied"),
-    "offloaded_bytes": ("bytes_offloaded", "KV bytes stashed in the cache service"),
-    "restored_bytes": ("bytes_restored", "KV bytes brought back from the cache service"),
-    "steps": ("num_steps", "Engine steps scheduled"),
-    "reservations_accepted": ("num_reservations_accepted",
-                              "P/D: block reservations a decode instance accepted"),
-    "reservations_refused": ("num_reservations_refused",
-                             "P/D: block reservations refused (too few blocks or seats)"),
-    "reservations_expired": ("num_reservations_expired",
-                             "P/D: block reservations released unused after the timeout"),
-    "handoffs": ("num_handoffs", "P/D: prefilled requests whose KV went to a decode instance"),
-    "handoff_bytes": ("bytes_handed_off", "P/D: KV bytes handed to decode instances"),
-    "handoff_failures": ("num_handoff_failures",
-                         "P/D: handoffs that failed (the request finished on this instance)"),
-}
+
+
+def _gauge(name: str, doc: str) -> Stat:
+    """A gauge read from a snapshot's attribute `name` that GetStats does not carry."""
+    return Stat(name, Kind.GAUGE, doc, name, float)
+
+
+# Every figure of GetStats (declared with SchedulerStats), and one derived from them.
+_STATS = (
+    *declared(SchedulerStats),
+    _gauge("kv_usage_ratio", "Share of KV blocks held by requests (neither free nor evictable)"),
+)
 # Fields of the core's CostEstimates; NaN until measured.
-_COST_GAUGES = {
+_COST_GAUGES = tuple(_gauge(name, doc) for name, doc in {
     "offload_s_fixed": "Learned fixed seconds of one offload",
     "offload_s_per_block": "Learned seconds per KV block offloaded",
     "restore_s_fixed": "Learned fixed seconds of one restore",
@@ -76,7 +50,7 @@ _COST_GAUGES = {
     "prefill_s_per_token": "Learned prefill seconds per token (a in a*L + b*L^2)",
     "prefill_s_per_token_squared": "Learned prefill seconds per token squared (b)",
     "crossover_tokens": "Context length above which AUTO predicts offload cheaper than recompute",
-}
+}.items())
 # (mode, reason) of every preemption the core can choose.
 _PREEMPTIONS = (
     (PreemptionMode.OFFLOAD, PreemptReason.FORCED),
@@ -98,9 +72,9 @@ _REASONS = {
 class SchedulerMetrics:
     def __init__(self, core: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
         self.registry = r = CollectorRegistry()
-        r.register(StatsCollector(_PREFIX, core.stats, loop, _GAUGES, _COUNTERS))
+        r.register(StatsCollector(_PREFIX, core.stats, loop, _STATS))
         r.register(StatsCollector(_PREFIX + "cost_", lambda: _nan_if_none(core.cost_estimates()),
-                                  loop, _COST_GAUGES, {}))
+                                  loop, _COST_GAUGES))
 
         def latency(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(_PREFIX + name, doc, buckets=buckets, registry=r)

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
@@ -30,6 +30,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from kvstash import errors, rpc
 from kvstash.ids import check_request_id, check_snapshot_id
 from kvstash.security import PLAINTEXT, Security
+from kvstash.stats import values
 from kvstash.tokenizer import Tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstash.wire import sampling_from_proto
@@ -54,9 +55,9 @@ _FINISH_REASON = {
 
 
 def stats_to_proto(stats: SchedulerStats) -> scheduler_pb2.SchedulerStats:
-    """Field by field, by name: a field of one missing in the other fails here
-    (and in tests), never silently."""
-    return scheduler_pb2.SchedulerStats(**{f.name: getattr(stats, f.name) for f in fields(stats)})
+    """Every declared stat (kvstash.stats) into the proto field of its name; a
+    test keeps the two one to one, in names and types."""
+    return scheduler_pb2.SchedulerStats(**values(stats))
 
 
 def usage_to_proto(usage: RequestUsage, ttft_s: float) -> scheduler_pb2.Usage:

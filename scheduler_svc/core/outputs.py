@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvstash.stats import counter, gauge
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.seq import ScheduledSeq
@@ -115,89 +116,77 @@ class RequestUpdate:
 
 @dataclass(slots=True)
 class Counters:
-    """The scheduler's cumulative figures, reported in SchedulerStats (see its fields)."""
+    """The scheduler's cumulative figures, incremented in place as things happen
+    (plain attribute increments: the step loop counts every token). Each field
+    is declared once, here, with its metric (kvstash.stats); SchedulerStats
+    carries them all."""
 
-    num_preemptions_offload: int = 0
-    num_preemptions_recompute: int = 0
-    num_offload_failures: int = 0
-    num_restore_failures: int = 0
-    num_recomputed_tokens: int = 0
-    num_finished: int = 0
-    bytes_offloaded: int = 0
-    bytes_restored: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_reservations_accepted: int = 0
-    num_reservations_refused: int = 0
-    num_reservations_expired: int = 0
-    num_handoffs: int = 0
-    num_handoff_failures: int = 0
-    bytes_handed_off: int = 0
+    num_preemptions_offload: int = counter("preemptions_offload", "Preemptions that stashed KV")
+    num_preemptions_recompute: int = counter("preemptions_recompute",
+                                             "Preemptions that dropped KV")
+    num_offload_failures: int = counter("offload_failures",
+                                        "Offloads that failed (fell back to recompute)")
+    num_restore_failures: int = counter("restore_failures",
+                                        "Restores that failed (fell back to recompute)")
+    num_recomputed_tokens: int = counter("recomputed_tokens",
+                                         "Tokens prefilled again after preemption")
+    # Aborted ones included.
+    num_finished: int = counter("finished_requests", "Requests finished, any reason")
+    # Once per request.
+    num_prompt_tokens: int = counter("prompt_tokens",
+                                     "Prompt tokens of requests whose prefill completed")
+    num_generation_tokens: int = counter("generation_tokens", "Output tokens generated")
+    # Recomputed tokens included.
+    num_prefix_hit_tokens: int = counter("prefix_hit_tokens",
+                                         "Prompt tokens whose KV a prefix-cache hit supplied")
+    # Snapshot bytes the cache service committed, and bytes restored into blocks.
+    bytes_offloaded: int = counter("offloaded_bytes", "KV bytes stashed in the cache service")
+    bytes_restored: int = counter("restored_bytes",
+                                  "KV bytes brought back from the cache service")
+    # P/D, decode instance: ReserveBlocks calls.
+    num_reservations_accepted: int = counter(
+        "reservations_accepted", "P/D: block reservations a decode instance accepted")
+    num_reservations_refused: int = counter(
+        "reservations_refused", "P/D: block reservations refused (too few blocks or seats)")
+    num_reservations_expired: int = counter(
+        "reservations_expired", "P/D: block reservations released unused after the timeout")
+    # P/D, prefill instance: handoffs whose snapshot was committed, their
+    # bytes, and those that failed.
+    num_handoffs: int = counter(
+        "handoffs", "P/D: prefilled requests whose KV went to a decode instance")
+    bytes_handed_off: int = counter("handoff_bytes", "P/D: KV bytes handed to decode instances")
+    num_handoff_failures: int = counter(
+        "handoff_failures", "P/D: handoffs that failed (the request finished on this instance)")
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    """Point-in-time counters; the service exports them as metrics."""
+@dataclass(slots=True, kw_only=True)
+class SchedulerStats(Counters):
+    """A snapshot: every counter as it stood, plus the figures read from the
+    scheduler's state at the time. The service reports it over GetStats
+    (kvstash.v1.SchedulerStats, field by field) and exports it as metrics;
+    each field is declared once, here or in Counters (kvstash.stats)."""
 
-    # Blocks in the pool.
-    num_total_blocks: int
-    # Tokens per block.
-    block_size: int
-    # Blocks never used or fully released (no cached prefix).
-    num_free_blocks: int
-    # Cached prefix blocks nobody holds; reclaimed LRU.
-    num_evictable_blocks: int
-    # Requests computing their prompt.
-    num_running_prefill: int
-    # Requests generating.
-    num_running_decode: int
-    # Requests queued for (re)prefill.
-    num_waiting: int
+    # schedule() calls: the step id, which the scheduler keeps itself.
+    num_steps: int = counter("steps", "Engine steps scheduled")
+    num_total_blocks: int = gauge("KV blocks in the pool")
+    block_size: int = gauge("Tokens per block", exported=False)
+    num_free_blocks: int = gauge("KV blocks never used or fully released")
+    num_evictable_blocks: int = gauge("Cached prefix blocks nobody holds (reclaimed LRU)")
+    num_running_prefill: int = gauge("Requests computing their prompt")
+    num_running_decode: int = gauge("Requests generating")
+    num_waiting: int = gauge("Requests queued for (re)prefill")
     # OFFLOADING + OFFLOADED + RESUMING.
-    num_offloaded: int
-    # Current decode-growth estimate used by admission.
-    new_token_ratio: float
-    # Preemptions that stashed KV in the cache.
-    num_preemptions_offload: int
-    # Preemptions that dropped KV at once.
-    num_preemptions_recompute: int
-    # Offloads that failed and fell back to recompute.
-    num_offload_failures: int
-    # Restores that failed and fell back to recompute.
-    num_restore_failures: int
-    # Tokens prefilled again because of recompute preemptions.
-    num_recomputed_tokens: int
-    # Requests finished in any way, aborted included.
-    num_finished: int
-    # Snapshot bytes committed by the cache service.
-    bytes_offloaded: int
-    # Snapshot bytes restored into blocks.
-    bytes_restored: int
-    # schedule() calls.
-    num_steps: int
-    # The cache service answered at the latest probe; False when none is
-    # configured or it is unreachable (AUTO preemptions then recompute).
-    cache_available: bool
-    # Prompt tokens of requests whose prefill completed (once per request).
-    num_prompt_tokens: int
-    # Output tokens generated.
-    num_generation_tokens: int
-    # Prompt (and recomputed) tokens whose KV a prefix-cache hit supplied.
-    num_prefix_hit_tokens: int
-    # P/D, decode instance: requests holding reserved blocks now, and
-    # ReserveBlocks calls accepted, refused (too few blocks) and expired unused.
-    num_reserved: int
-    num_reservations_accepted: int
-    num_reservations_refused: int
-    num_reservations_expired: int
-    # P/D, prefill instance: requests handing off or decoding on a decode
-    # instance now; handoffs whose snapshot was committed, and their bytes;
-    # handoffs that failed (the request came back to be finished here).
-    num_handed_off: int
-    num_handoffs: int
-    bytes_handed_off: int
-    num_handoff_failures: int
+    num_offloaded: int = gauge("Requests offloading, offloaded or resuming")
+    # The decode-growth estimate admission uses now.
+    new_token_ratio: float = gauge(
+        "Share of each decode request's remaining tokens reserved at admission")
+    # False when no cache is configured, or it did not answer the latest probe.
+    cache_available: bool = gauge("1 while the cache service answers; 0: preemptions recompute")
+    num_reserved: int = gauge(
+        "P/D decode instance: requests holding blocks reserved for their KV")
+    # HANDING_OFF + HANDED_OFF.
+    num_handed_off: int = gauge(
+        "P/D prefill instance: requests handing off or decoding elsewhere")
 
     @property
     def kv_usage_ratio(self) -> float:

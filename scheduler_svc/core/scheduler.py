@@ -26,6 +26,7 @@ from itertools import chain, islice
 
 from kvstash.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstash.sampling import SamplingParams
+from kvstash.stats import values
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.costs import CostEstimates
@@ -325,10 +326,12 @@ class Scheduler:
         return self.preemption.costs.estimates()
 
     def stats(self) -> SchedulerStats:
+        """Every counter as it stands, and the figures read from the state now."""
         pool = self.kv.pool
         life = self.life
-        c = self._counters
         return SchedulerStats(
+            **values(self._counters),
+            num_steps=self._step_id,
             num_total_blocks=pool.num_blocks,
             block_size=self.config.block_size,
             num_free_blocks=pool.num_free_blocks,
@@ -338,27 +341,9 @@ class Scheduler:
             num_waiting=len(life.waiting),
             num_offloaded=life.num_preempted,
             new_token_ratio=self.reservation.new_token_ratio,
-            num_preemptions_offload=c.num_preemptions_offload,
-            num_preemptions_recompute=c.num_preemptions_recompute,
-            num_offload_failures=c.num_offload_failures,
-            num_restore_failures=c.num_restore_failures,
-            num_recomputed_tokens=c.num_recomputed_tokens,
-            num_finished=c.num_finished,
-            bytes_offloaded=c.bytes_offloaded,
-            bytes_restored=c.bytes_restored,
-            num_steps=self._step_id,
             cache_available=self.preemption.cache_available,
-            num_prompt_tokens=c.num_prompt_tokens,
-            num_generation_tokens=c.num_generation_tokens,
-            num_prefix_hit_tokens=c.num_prefix_hit_tokens,
             num_reserved=len(life.reserved),
-            num_reservations_accepted=c.num_reservations_accepted,
-            num_reservations_refused=c.num_reservations_refused,
-            num_reservations_expired=c.num_reservations_expired,
             num_handed_off=len(life.handing_off) + len(life.handed_off),
-            num_handoffs=c.num_handoffs,
-            bytes_handed_off=c.bytes_handed_off,
-            num_handoff_failures=c.num_handoff_failures,
         )
 
     def check_integrity(self) -> None:

@@ -1,10 +1,11 @@
-"""The cache's /metrics endpoint: bound to the configured address only, and
-serving transfer durations and bytes per tier with values that match what
-happened."""
+"""The cache's /metrics endpoint: bound to the configured address only,
+exporting every declared stat, and serving transfer durations and bytes per
+tier with values that match what happened."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +13,13 @@ from cache_helpers import MIB, make_layout, make_payload
 
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
+from cache_svc.metrics import TransferMetrics, serve_metrics
+from cache_svc.model import CacheStats
+from cache_svc.store import SnapshotStore
 from kvstash import settings
+from kvstash.stats import Kind, declared
 from tests.metrics_helpers import free_port, scrape
+from tests.stats_helpers import count_distinct
 
 LAYOUT = make_layout()  # 32 KiB blocks
 NUM_BLOCKS = 128  # 4 MiB
@@ -42,6 +48,23 @@ async def test_endpoint_binds_the_chosen_host_and_reports_transfers(start_cache)
     # Bound to the chosen address only: another loopback address is refused.
     with pytest.raises(OSError):
         await asyncio.to_thread(scrape, port, "127.0.0.2")
+
+
+async def test_every_declared_stat_is_exported_under_its_metric(tmp_path: Path) -> None:
+    store = SnapshotStore(CacheConfig(memory_budget_bytes=4 * MIB, disk_dir=tmp_path,
+                                      disk_budget_bytes=8 * MIB))
+    count_distinct(store._counters)
+    port = free_port()
+    server = serve_metrics(store, TransferMetrics(), port, "127.0.0.1")
+    try:
+        m = await asyncio.to_thread(scrape, port)
+    finally:
+        server.stop()
+        await store.close()
+    stats = store.stats()
+    exported = {f"kvstash_cache_{s.metric}" + ("_total" if s.kind is Kind.COUNTER else ""):
+                getattr(stats, s.name) for s in declared(CacheStats)}
+    assert {name: m[name] for name in exported} == exported
 
 
 def test_metrics_host_comes_from_flag_or_environment() -> None:

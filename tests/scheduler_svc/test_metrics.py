@@ -1,5 +1,6 @@
-"""The scheduler's Prometheus endpoint over a real stack and a preempting
-workload: every figure agrees with the requests sent and with GetStats."""
+"""The scheduler's Prometheus endpoint: every declared stat exported as
+declared, and over a real stack and a preempting workload, every figure
+agrees with the requests sent and with GetStats."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstash import settings
 from kvstash.client import Client
 from kvstash.stack import StackConfig, running_stack
+from kvstash.stats import declared
 from scheduler_svc.__main__ import parse_args
+from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.metrics import SchedulerMetrics
 from tests.integration.workload import (
     MAX_TOKENS,
     PRESSURED_BLOCKS,
@@ -20,11 +26,36 @@ from tests.integration.workload import (
     wait_drained,
 )
 from tests.metrics_helpers import free_port, scrape
+from tests.scheduler_svc.factories import make_scheduler
+from tests.stats_helpers import count_distinct
 
 P = "kvstash_scheduler_"
 # A third of the integration workload: enough to preempt, quick on 2 cores.
 PROMPTS = prompts()[:8]
 NUM_REQUESTS = len(PROMPTS)
+
+
+async def test_every_declared_stat_is_exported_with_its_kind_help_and_value() -> None:
+    core = make_scheduler()
+    count_distinct(core._counters)
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+    text = (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    stats = core.stats()
+    for stat in declared(SchedulerStats):
+        if stat.metric is None:
+            assert P + stat.name not in families
+            continue
+        family = families.pop(P + stat.metric)
+        assert (family.type, family.documentation) == (stat.kind.value, stat.doc), stat.name
+        assert [s.value for s in family.samples] == [getattr(stats, stat.name)], stat.name
+    assert families.pop(P + "kv_usage_ratio").samples[0].value == stats.kv_usage_ratio
+    # Besides the learned costs, histograms and their _created times, only
+    # the labelled counters are left.
+    rest = {name for name, family in families.items()
+            if family.type in ("counter", "gauge") and not name.endswith("_created")
+            and not name.startswith(P + "cost_")}
+    assert rest == {P + "finished_requests_by_reason", P + "preemptions"}
 
 
 async def test_metrics_agree_with_a_preempting_workload(tmp_path: Path) -> None:
