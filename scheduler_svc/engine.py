@@ -5,29 +5,18 @@ I/O is awaited outside the core, so nothing is held across I/O and a slow
 copy never stalls the steps of other requests.
 
     core.schedule() --> WorkerLink.step() --> core.update() --> request streams
-        |
-        +-- offloads / restores (copies.py): their own tasks; each outcome
-        |   goes back into the core and wakes the loop
-        +-- hand-offs (handoff.py, a P/D prefill instance only)
+        +-- offloads / restores (copies.py), hand-offs (handoff.py, a P/D
+            prefill instance only): their own tasks; each outcome goes back
+            into the core and wakes the loop
 
-The engine keeps one record per in-flight request (inflight.py): made when
-the core takes a request, dropped when the core lets go of it, by the
-engine's `_end` (or the hand-off, once the decode instance finished it).
-
-Every step's wall time and every successful copy's duration go back into the
-core (`observe_step`, `finish_offload` / `finish_restore`): they are what its
-cost model learns AUTO preemption's choice from. Each preemption, either mode,
-is a "preempted" event on the request's trace and a count by mode and reason.
-
-Roles (P/D disaggregation): a prefill instance has a PrefillSide, a decode
-instance a DecodeSide (handoff.py); a mixed instance neither, and never
-enters P/D code.
-
-Tracing (only with EngineConfig.tracing; see kvstash.telemetry): each request
-keeps the trace context it was submitted in (its Generate span). Its copies
-run inside that context as "kvstash.offload" / "kvstash.restore" spans, so
-the worker's and the cache's spans join the request's trace, as do its
-phases in the scheduler (tracing.RequestPhases: queued, prefill, decode).
+One record per in-flight request (inflight.py), made when the core takes it
+and dropped when the core lets go of it (`_end`). A prefill instance has a
+PrefillSide, a decode instance a DecodeSide; a mixed one neither, and never
+enters P/D code. Every step's wall time goes back into the core
+(`observe_step`) for its cost model; each preemption is a "preempted" event
+on the request's trace and a count by mode and reason. With
+EngineConfig.tracing each request keeps the trace context it was submitted
+in (kvstash.telemetry): its copies' spans and its phases join its trace.
 """
 
 from __future__ import annotations
@@ -101,21 +90,20 @@ class Engine:
         self._on_worker_change = on_worker_change
         self._worker_up = asyncio.Event()
         self._wake = asyncio.Event()
-        self._requests = InFlightRequests(config.tracing)
-        self._tasks = Tasks()
+        self._requests = requests = InFlightRequests(config.tracing)
+        self._tasks = tasks = Tasks()
         self._cache = cache
-        self._copies = Copies(
-            core, worker, cache, self._requests, self._tasks, self._wake.set,
-            transfer_timeout_s=config.transfer_timeout_s,
-            snapshot_ttl_s=config.snapshot_ttl_s, metrics=metrics)
+        wake = self._wake.set
+        self._copies = copies = Copies(
+            core, worker, cache, requests, tasks, wake, metrics=metrics,
+            transfer_timeout_s=config.transfer_timeout_s, snapshot_ttl_s=config.snapshot_ttl_s)
         self._kv_events = kv_events
         if kv_events is not None:
             core.record_kv_events()
         self._prefill = None if decode_peers is None else PrefillSide(
-            core, decode_peers, self._copies, self._requests, self._tasks, self._wake.set,
-            metrics)
-        self._decode = DecodeSide(core, self._copies, self._requests, self._tasks,
-                                  self._wake.set) if role is Role.DECODE else None
+            core, decode_peers, copies, requests, tasks, wake, metrics)
+        self._decode = DecodeSide(core, copies, requests, tasks, wake) if (
+            role is Role.DECODE) else None
 
     @property
     def core(self) -> Scheduler:
@@ -165,9 +153,7 @@ class Engine:
               reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Aborts a live request (NotFound otherwise); its stream ends with an
         update of status `reported_as` (FINISHED_STOPPED where the edge found
-        a stop string, which only it can see). Blocks and snapshot are
-        released by the core (and by the decode instance it was reserved on
-        or handed to)."""
+        a stop string, which only it can see)."""
         usage = self._core.abort(request_id)
         if (stream := self._end(request_id)) is not None:
             stream.end(RequestUpdate(request_id, [], reported_as, usage,
@@ -189,9 +175,7 @@ class Engine:
     def decode_side(self) -> DecodeSide:
         """A decode instance's reserve and decode (FailedPrecondition elsewhere)."""
         if self._decode is None:
-            raise errors.FailedPrecondition(
-                f"this scheduler runs in role {self.role}; only a decode instance "
-                "reserves blocks and decodes for a prefill instance")
+            raise errors.FailedPrecondition(f"role {self.role} is no decode instance")
         return self._decode
 
     # -- the step loop ------------------------------------------------------
@@ -295,8 +279,7 @@ class Engine:
             self._kv_events(events)
 
     def check_integrity(self) -> None:
-        """IntegrityError for a broken invariant of the core, or records
-        that do not match its requests."""
+        """IntegrityError: the core's invariants, or the records vs its requests."""
         self._core.check_integrity()
         self._requests.check(self._core)
 
