@@ -31,8 +31,8 @@ from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.server import ROLES, create_scheduler_server
-from scheduler_svc.vllm_engine import tokenizer_files
+from scheduler_svc.serving import create_scheduler_server
+from scheduler_svc.vllm_info import tokenizer_files
 from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS, WorkerLink
 
 log = logging.getLogger("scheduler_svc")
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port; port 0 = any free")
     p.add_argument("--worker-address", default="127.0.0.1:50061")
     p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
-    p.add_argument("--role", choices=ROLES, default="mixed",
+    p.add_argument("--role", choices=[r.value for r in Role], default=Role.MIXED.value,
                    help="P/D disaggregation: a prefill instance hands each prefilled request "
                         "to a decode instance (both need the same --cache-address)")
     p.add_argument("--decode-address", default="",
@@ -193,10 +193,10 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
         kv_events = KvEventHub(config.block_size)
         engine = Engine(core, worker, cache, engine_config, metrics=metrics,
-                        on_worker_change=scheduler.set_serving, decode_peers=peers,
-                        kv_events=kv_events.publish)
-        scheduler.servicer.attach(Backend(
-            engine, tokenizer, metrics, args.role, info.model_name,
+                        on_worker_change=scheduler.set_serving,
+                        decode_peers=peers, kv_events=kv_events.publish)
+        scheduler.attach(Backend(
+            engine, tokenizer, metrics, info.model_name,
             tokenizer_files(info.tokenizer_json.decode(), info.tokenizer_config_json.decode(),
                             info.eos_token_ids), kv_events,
             model_type=info.model_type, architectures=tuple(info.architectures)))

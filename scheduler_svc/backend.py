@@ -1,18 +1,26 @@
 """What the public APIs (kvstash.v1.Scheduler and vllm.grpc.engine.VllmEngine)
-share once the worker has been found: admission and a request's updates."""
+serve with once the worker has been found: one façade over the engine, so
+that both servicers, peers, ask it alone (never the engine or the core).
+
+    requests   admit, abort, updates; reserve and decode (a decode instance)
+    the model  config (its limits: max_servable_len, block_size, ...),
+               tokenizer and its files, names, vocabulary, EOS ids
+    the state  worker_up, stats, flush_prefix_cache, kv_events
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 from kvstash import errors
 from kvstash.sampling import SamplingParams
 from kvstash.tokenizer import Tokenizer
-from scheduler_svc.core.outputs import RequestUpdate
+from scheduler_svc.core.config import Role, SchedulerConfig
+from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine import Engine
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
@@ -27,17 +35,14 @@ class Timing:
     ttft_s: float = 0.0  # arrival to first token; 0 until one arrives
 
 
-class Backend(NamedTuple):
-    """What the public calls (kvstash's and VllmEngine's) need once the worker
-    has been found."""
-
+@dataclass(frozen=True, slots=True)
+class Backend:
     engine: Engine
     tokenizer: Tokenizer
     metrics: SchedulerMetrics
-    role: str = "mixed"
     model: str = "kvstash"  # the model's name, as gateways list it
     # The tokenizer's files (name -> text) for gateways that tokenize.
-    tokenizer_files: Mapping[str, str] = {}
+    tokenizer_files: Mapping[str, str] = field(default_factory=dict)
     # The prefix cache's events for gateways (None: not published).
     kv_events: KvEventHub | None = None
     # What the model is, in config.json's words, for gateways: its model_type
@@ -45,12 +50,48 @@ class Backend(NamedTuple):
     model_type: str = ""
     architectures: tuple[str, ...] = ()
 
+    @property
+    def role(self) -> Role:
+        return self.engine.role
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The model's and this instance's limits, as the core was built."""
+        return self.engine.core.config
+
+    @property
+    def worker_up(self) -> bool:
+        return self.engine.worker_up
+
+    def stats(self) -> SchedulerStats:
+        return self.engine.core.stats()
+
+    def flush_prefix_cache(self) -> int:
+        """Forgets every cached prefix (the KV events say so); blocks freed."""
+        freed = self.engine.core.reset_prefix_cache()
+        self.engine.publish_kv_events()
+        return freed
+
     async def admit(self, request_id: str, prompt: list[int],
                     sampling: SamplingParams) -> RequestStream:
-        """Submits a request (a P/D prefill instance first has a decode
-        instance reserve blocks for it); raises as Engine.submit."""
-        decoder = await self.engine.find_decoder(request_id, prompt, sampling)
-        return self.engine.submit(request_id, prompt, sampling, decoder)
+        """Engine.admit: its stream, or InvalidArgument / AlreadyExists /
+        ResourceExhausted."""
+        return await self.engine.admit(request_id, prompt, sampling)
+
+    def abort(self, request_id: str,
+              reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Engine.abort (NotFound for a request not live)."""
+        self.engine.abort(request_id, reported_as)
+
+    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> bool:
+        """A decode instance holds blocks for a prefill instance's request."""
+        return self.engine.decode_side.reserve(request_id, prompt, sampling)
+
+    def decode(self, request_id: str, snapshot_id: str, num_tokens: int,
+               first_token_id: int) -> RequestStream:
+        """A decode instance decodes a request it reserved blocks for."""
+        return self.engine.decode_side.decode(request_id, snapshot_id, num_tokens,
+                                              first_token_id)
 
     async def updates(
         self, request_id: str, stream: RequestStream, timing: Timing,
@@ -74,3 +115,19 @@ class Backend(NamedTuple):
                     self.engine.abort(request_id)
             self.metrics.observe_finished(
                 stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
+
+
+class BackendSlot:
+    """Where both servicers find the backend: empty until the worker has been
+    found, and calls answer UNAVAILABLE until then."""
+
+    def __init__(self) -> None:
+        self._backend: Backend | None = None
+
+    def attach(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def __call__(self) -> Backend:
+        if self._backend is None:
+            raise errors.Unavailable("the scheduler is still waiting for its worker")
+        return self._backend

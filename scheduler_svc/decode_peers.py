@@ -8,7 +8,9 @@
                `wait_s` is spent: then None, and the prefill instance decodes
                the request itself. A request is never dropped for want of a
                decode instance.
-    decode()   Decode on the instance that reserved: its token stream
+    decode()   Decode on the instance that reserved: its stream as domain
+               events (RemoteTokens, then RemoteFinished or RemoteAborted);
+               a failed call raises its kvstash.errors class
     release()  Abort there, best effort, for a reservation that will not be
                used (it would expire anyway)
 
@@ -24,7 +26,7 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +36,8 @@ from kvstash.layout import Layout
 from kvstash.sampling import SamplingParams
 from kvstash.security import PLAINTEXT, Security
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.v1_wire import FINISH_STATUS, usage_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,39 @@ class DecodePeer:
 
     address: str  # host:port as dialled
     stub: scheduler_pb2_grpc.SchedulerStub
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTokens:
+    """Tokens the decode instance generated."""
+
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFinished:
+    """The decode instance finished the request with these last tokens."""
+
+    token_ids: list[int]
+    status: RequestStatus  # FINISHED_STOPPED or FINISHED_LENGTH
+    usage: RequestUsage  # its part of the request
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAborted:
+    """The request was aborted there (not by us: we cancel the call)."""
+
+
+RemoteEvent = RemoteTokens | RemoteFinished | RemoteAborted
+
+
+def remote_event(response: scheduler_pb2.GenerateResponse) -> RemoteEvent:
+    if not response.finish_reason:
+        return RemoteTokens(list(response.token_ids))
+    status = FINISH_STATUS[response.finish_reason]
+    if status is RequestStatus.FINISHED_ABORTED:
+        return RemoteAborted()
+    return RemoteFinished(list(response.token_ids), status, usage_from_proto(response.usage))
 
 
 class DecodePeers:
@@ -127,15 +164,24 @@ class DecodePeers:
             await peer.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
                                   timeout=_RESERVE_TIMEOUT_S)
 
-    def decode(
+    async def decode(
         self, peer: DecodePeer, request_id: str, snapshot_id: str, num_tokens: int,
         first_token_id: int,
-    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """The decode instance's stream for the request: cancelling it (or the
-        task reading it) aborts the request there."""
-        return peer.stub.Decode(scheduler_pb2.DecodeRequest(
+    ) -> AsyncGenerator[RemoteEvent, None]:
+        """The decode instance's stream for the request, as events; a failed
+        call raises its kvstash.errors class ("decode instance: ..."). Closing
+        it before its end (or cancelling the task reading it) aborts the
+        request there."""
+        call = peer.stub.Decode(scheduler_pb2.DecodeRequest(
             request_id=request_id, snapshot_id=snapshot_id, num_tokens=num_tokens,
             first_token_id=first_token_id))
+        try:
+            async for response in call:
+                yield remote_event(response)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc.error_from_rpc(exc, "decode instance") from None
+        finally:
+            call.cancel()
 
     async def _resolve(self) -> list[DecodePeer]:
         """Every address of every configured name, in configuration order."""

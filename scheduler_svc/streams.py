@@ -26,9 +26,7 @@ class RequestStream:
 
     events: asyncio.Queue[RequestUpdate | errors.KvstashError] = field(
         default_factory=asyncio.Queue)
-    # Set once the last event is queued.
-    finished: bool = False
-    # How it ended (FINISHED_*) and its figures, once finished.
+    # How it ended (FINISHED_*), set with its last event, and its figures.
     finish_status: RequestStatus | None = None
     usage: RequestUsage | None = None
     # The context the request was submitted in (its Generate span) and its
@@ -37,6 +35,11 @@ class RequestStream:
     phases: tracing.RequestPhases | None = None
     # Set at its first tokens (its prompt's KV is then computed) or its end.
     begun: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        """Its last event is queued."""
+        return self.finish_status is not None
 
     def push(self, update: RequestUpdate) -> None:
         """A step's update; one that finishes the request ends the stream."""
@@ -50,18 +53,17 @@ class RequestStream:
             self.events.put_nowait(update)
 
     def end(self, update: RequestUpdate) -> None:
+        assert update.finish_status is not None, "an end names how it ended"
         self.begun.set()
-        self.finished = True
         self.finish_status = update.finish_status
         self.usage = update.usage
         self.events.put_nowait(update)
-        if self.phases is not None and update.finish_status is not None:
+        if self.phases is not None:
             self.phases.end(update.finish_status.name)
 
     def fail(self, error: errors.KvstashError, usage: RequestUsage | None) -> None:
         """Ends the stream with `error` (the request was aborted for it)."""
         self.begun.set()
-        self.finished = True
         self.finish_status = RequestStatus.FINISHED_ABORTED
         self.usage = usage
         self.events.put_nowait(error)

@@ -5,12 +5,7 @@ engines with, from the `smg-grpc-proto` package's generated code.
     Generate        token ids (or text) in; streamed GenerateStreamChunk
                     deltas then a GenerateComplete, or one complete
     Abort           by request ids (a gateway's client disconnected)
-    HealthCheck, GetModelInfo, GetServerInfo, GetLoads
-    GetTokenizer    the model's tokenizer files, zipped, SHA-256 on the last chunk
-    FlushCache      forgets the prefix cache (a Cleared event)
-    SubscribeKvEvents  the prefix cache's blocks stored, removed, cleared
-                    (kv_event_hub.py), for cache-aware routing
-    Embed, StartProfile, StopProfile: UNIMPLEMENTED, with a message
+    the rest       what a gateway asks about the engine (vllm_info.py)
 
 Sampling fields are mapped one by one (vllm_sampling.py); one kvstash
 cannot honour (penalties, min_p, logprobs, constraints, multimodal input) is
@@ -34,41 +29,33 @@ What Generate sends, as vLLM's own servicer does:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.metadata
-import io
-import json
 import time
-import zipfile
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
-from smg_grpc_proto import vllm_engine_pb2_grpc
-from smg_grpc_proto.generated import common_pb2
 
 from kvstash import errors, rpc
 from kvstash.errors import preview
 from kvstash.ids import check_request_id
 from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import Tokenizer, byte_tokenizer_config, byte_tokenizer_json
+from kvstash.tokenizer import Tokenizer
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.core.request import RequestStatus
-from scheduler_svc.engine import Engine
 from scheduler_svc.streams import RequestStream, fan_in
+from scheduler_svc.vllm_info import VllmInfo
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
-_FINISH_REASON = {
+# How a request ended, in vLLM's words.
+FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-_TOKENIZER_CHUNK_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -100,7 +87,7 @@ class _Sequence:
         if self.stops:
             self._watch = StopStrings(self.stops, self.tokenizer.stream())
 
-    def take(self, event: RequestUpdate, engine: Engine) -> list[int]:
+    def take(self, event: RequestUpdate, backend: Backend) -> list[int]:
         """The event's tokens to send: those up to a stop string, none after
         one (the request is released at the match)."""
         if self.matched is not None:
@@ -110,7 +97,7 @@ class _Sequence:
             new, self.matched = self._watch.cut(new)
             if self.matched is not None:
                 with contextlib.suppress(errors.NotFound):  # finished meanwhile
-                    engine.abort(self.request_id, RequestStatus.FINISHED_STOPPED)
+                    backend.abort(self.request_id, RequestStatus.FINISHED_STOPPED)
         self.output.extend(new)
         self.last_sent = new
         return new
@@ -131,7 +118,7 @@ class _Sequence:
         assert status is not None
         complete = pb.GenerateComplete(
             output_ids=self.last_sent if streamed else self.output, index=index,
-            finish_reason="stop" if self.matched is not None else _FINISH_REASON[status],
+            finish_reason="stop" if self.matched is not None else FINISH_REASON[status],
             prompt_tokens=num_prompt_tokens, completion_tokens=len(self.output),
             cached_tokens=finish.num_cached_tokens)
         if self.matched is not None:
@@ -146,23 +133,11 @@ async def _aborted_unsubmitted(request_id: str) -> AsyncGenerator[RequestUpdate,
     yield RequestUpdate(request_id, [], FINISHED_ABORTED)
 
 
-def tokenizer_zip(files: Mapping[str, str]) -> bytes:
-    """The tokenizer files as the zip GetTokenizer streams (flat names)."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, text in files.items():
-            archive.writestr(name, text)
-    return buffer.getvalue()
-
-
-class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+class VllmEngineServicer(VllmInfo):
     def __init__(self, attached: Callable[[], Backend]) -> None:
         """Serves with the backend `attached()` returns (Unavailable until the
         scheduler has one)."""
-        self._attached = attached
-        self._tokenizer_zip = b""
-        self._started = time.monotonic()
-        self._version = f"kvstash {importlib.metadata.version('kvstash')}"
+        super().__init__(attached)
         # A running Generate's request id -> its sequences (itself, for n = 1);
         # one call per request id at a time.
         self._families: dict[str, _Family] = {}
@@ -182,7 +157,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         backend = self._attached()
         prompt = self._prompt(request, backend)
         sampling = sampling_from_vllm(request.sampling_params, len(prompt),
-                                      backend.engine.core.config.max_servable_len)
+                                      backend.config.max_servable_len)
         stops = stop_strings(request.sampling_params)
         sequences = [
             _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
@@ -197,7 +172,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     fan_in([s.updates(backend) for s in sequences])) as updates:
                 async for index, event in updates:
                     seq = sequences[index]
-                    new = seq.take(event, backend.engine)
+                    new = seq.take(event, backend)
                     if request.stream and new:
                         yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
                             token_ids=new, prompt_tokens=len(prompt),
@@ -232,13 +207,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 admitted.append(seq)
                 if family.aborted:  # it came while this one was being submitted
                     with contextlib.suppress(errors.NotFound):
-                        backend.engine.abort(seq.request_id)
+                        backend.abort(seq.request_id)
                 elif seq is sequences[0] and len(sequences) > 1:
                     await stream.begun.wait()
         except BaseException:
             for seq in admitted:
                 with contextlib.suppress(errors.NotFound):
-                    backend.engine.abort(seq.request_id)
+                    backend.abort(seq.request_id)
                 backend.metrics.observe_finished(FINISHED_ABORTED, None, seq.timing.arrival, 0.0)
             raise
 
@@ -265,7 +240,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Aborts those of the ids that are live; unknown ones are ignored (a
         gateway aborts what may just have finished). All are checked first:
         a bad one aborts none."""
-        engine = self._attached().engine
+        backend = self._attached()
         for request_id in request.request_ids:
             check_request_id(request_id)
         for request_id in request.request_ids:
@@ -274,135 +249,5 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 family.aborted = True  # for those not submitted yet
             for sequence_id in family.ids if family is not None else [request_id]:
                 with contextlib.suppress(errors.NotFound):
-                    engine.abort(sequence_id)
+                    backend.abort(sequence_id)
         return pb.AbortResponse()
-
-    # -- what the gateway asks about the engine ------------------------------
-
-    @rpc.maps_errors
-    async def HealthCheck(self, request: pb.HealthCheckRequest,
-                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
-        try:
-            up = self._attached().engine.worker_up
-        except errors.Unavailable as exc:
-            return pb.HealthCheckResponse(healthy=False, message=str(exc))
-        return pb.HealthCheckResponse(
-            healthy=up, message="serving" if up else "the worker is unavailable")
-
-    @rpc.maps_errors
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        """The context length is what this instance serves: max_model_len, or
-        less where its KV pool holds fewer tokens."""
-        backend = self._attached()
-        config = backend.engine.core.config
-        max_len = config.max_servable_len
-        return pb.GetModelInfoResponse(
-            model_path=backend.model, served_model_name=backend.model, is_generation=True,
-            max_context_length=max_len, max_req_input_len=max_len - 1,
-            vocab_size=config.vocab_size, eos_token_ids=list(config.eos_token_ids),
-            model_type=backend.model_type, architectures=list(backend.architectures))
-
-    @rpc.maps_errors
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
-        """No kv_connector, no kv_role, whatever this instance's P/D role:
-        kvstash hands KV off itself, so a gateway must not pair its instances
-        as vLLM prefill and decode workers."""
-        backend = self._attached()
-        config = backend.engine.core.config
-        stats = backend.engine.core.stats()
-        return pb.GetServerInfoResponse(
-            active_requests=stats.num_running_prefill + stats.num_running_decode
-            + stats.num_waiting + stats.num_offloaded,
-            uptime_seconds=time.monotonic() - self._started, server_type="vllm-grpc",
-            data_parallel_size=1, block_size=config.block_size, max_num_seqs=config.max_num_seqs)
-
-    @rpc.maps_errors
-    async def GetLoads(self, request: pb.GetLoadsRequest,
-                       context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
-        if request.HasField("dp_rank") and request.dp_rank != 0:
-            raise errors.InvalidArgument(f"dp_rank {request.dp_rank}: this engine has rank 0 only")
-        backend = self._attached()
-        stats = backend.engine.core.stats()
-        running = stats.num_running_prefill + stats.num_running_decode
-        waiting = stats.num_waiting + stats.num_offloaded
-        num_free = stats.num_free_blocks + stats.num_evictable_blocks
-        return pb.GetLoadsResponse(
-            timestamp=datetime.now(UTC).isoformat(), version=self._version, dp_rank_count=1,
-            loads=[pb.SchedulerLoad(
-                dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
-                num_total_reqs=running + waiting,
-                num_used_tokens=(stats.num_total_blocks - num_free) * stats.block_size,
-                max_total_num_tokens=stats.num_total_blocks * stats.block_size,
-                token_usage=stats.kv_usage_ratio,
-                max_running_requests=backend.engine.core.config.max_num_seqs)])
-
-    @rpc.maps_errors
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext,
-                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        files = self._attached().tokenizer_files
-        if not self._tokenizer_zip:
-            self._tokenizer_zip = tokenizer_zip(files)
-        data = self._tokenizer_zip
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), _TOKENIZER_CHUNK_BYTES):
-            end = start + _TOKENIZER_CHUNK_BYTES
-            yield common_pb2.GetTokenizerChunk(
-                data=data[start:end], sha256=digest if end >= len(data) else "")
-
-    @rpc.maps_errors
-    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
-                         context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        engine = self._attached().engine
-        freed = engine.core.reset_prefix_cache()
-        engine.publish_kv_events()
-        return common_pb2.FlushCacheResponse(
-            success=True, message=f"prefix cache flushed ({freed} blocks freed)")
-
-    @rpc.maps_errors
-    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
-                                context: grpc.aio.ServicerContext,
-                                ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        """The prefix cache's events from batch start_sequence_number + 1 on
-        (those still kept), then as they happen."""
-        hub = self._attached().kv_events
-        if hub is None:
-            raise errors.Unimplemented("KV cache events are off")
-        # Headers now: a gateway counts the stream as connected only then.
-        await context.send_initial_metadata(())
-        async for batch in hub.subscribe(after=request.start_sequence_number):
-            yield batch
-
-    # -- not served ----------------------------------------------------------
-
-    @rpc.maps_errors
-    async def Embed(self, request: pb.EmbedRequest,
-                    context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        raise errors.Unimplemented("kvstash serves generation only")
-
-    @rpc.maps_errors
-    async def StartProfile(self, request: common_pb2.StartProfileRequest,
-                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
-        raise errors.Unimplemented("profiling is not supported")
-
-    @rpc.maps_errors
-    async def StopProfile(self, request: common_pb2.StopProfileRequest,
-                          context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
-        raise errors.Unimplemented("profiling is not supported")
-
-
-def tokenizer_files(tokenizer_json: str, tokenizer_config_json: str,
-                    eos_token_ids: Sequence[int]) -> dict[str, str]:
-    """What GetTokenizer zips for a worker's tokenizer ("" = the tiny model's
-    bytes): tokenizer.json; tokenizer_config.json, the checkpoint's (with its
-    chat template) or the tiny model's; config.json with the EOS ids (where
-    gateways read them)."""
-    if not tokenizer_json:
-        tokenizer_json = byte_tokenizer_json()
-        tokenizer_config_json = json.dumps(byte_tokenizer_config())
-    elif not tokenizer_config_json:
-        tokenizer_config_json = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config_json,
-            "config.json": json.dumps({"eos_token_id": list(eos_token_ids)})}

@@ -8,6 +8,8 @@ proto or a status code.
                    layout the core was built for
     open()         an Execute stream, proven by an empty handshake step
     StepStream.step(output) -> sampled token per request
+                   (a broken stream, or one that fails to open, raises
+                   errors.Unavailable "CODE: details": never a grpc error)
     offload(cmd) / restore(cmd) -> CopyOutcome (raises only when cancelled)
 """
 
@@ -90,9 +92,12 @@ class StepStream:
         self._call.add_done_callback(lambda _: callback())
 
     async def step(self, output: SchedulerOutput) -> dict[str, int]:
-        """Raises errors.Unavailable (or the call's AioRpcError) when the stream broke."""
-        await self._call.write(plan_to_proto(output))
-        result = await self._call.read()
+        """Raises errors.Unavailable when the stream broke."""
+        try:
+            await self._call.write(plan_to_proto(output))
+            result = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _unavailable(exc) from exc
         if result is grpc.aio.EOF:
             raise errors.Unavailable("worker closed the Execute stream")
         return {t.request_id: t.token_id for t in result.sampled}
@@ -138,6 +143,9 @@ class WorkerLink:
             await call.write(worker_pb2.StepPlan())
             if await call.read() is grpc.aio.EOF:
                 raise errors.Unavailable("worker closed the Execute stream")
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise _unavailable(exc) from exc
         except BaseException:
             call.cancel()
             raise
@@ -171,3 +179,10 @@ class WorkerLink:
 
 def _describe(exc: grpc.aio.AioRpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
+
+
+def _unavailable(exc: grpc.aio.AioRpcError) -> errors.Unavailable:
+    """A broken Execute stream, whatever its status: the worker is gone for now."""
+    error = errors.Unavailable(_describe(exc))
+    error.code = exc.code().name
+    return error

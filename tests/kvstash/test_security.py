@@ -19,7 +19,7 @@ from kvstash.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.security import Security, Tls
 from kvstash.units import MIB
-from scheduler_svc.server import create_scheduler_server
+from scheduler_svc.serving import create_scheduler_server
 
 TOKEN = "s3cret-token"
 

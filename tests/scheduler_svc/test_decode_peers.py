@@ -1,6 +1,7 @@
-"""DecodePeers, the prefill instance's side of ReserveBlocks, over real gRPC
-to scripted decode instances: which instance is asked, in which order, how
-long it keeps asking, and what it releases."""
+"""DecodePeers, the prefill instance's side of ReserveBlocks and Decode, over
+real gRPC to scripted decode instances: which instance is asked, in which
+order, how long it keeps asking, what it releases, and what a Decode stream
+becomes (domain events, domain errors)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from kvstash import errors
 from kvstash.layout import Layout
 from kvstash.sampling import SamplingParams
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.decode_peers import DecodePeers
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.decode_peers import (
+    DecodePeers,
+    RemoteAborted,
+    RemoteEvent,
+    RemoteFinished,
+    RemoteTokens,
+)
 
 LAYOUT = Layout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
 SAMPLING = SamplingParams(max_tokens=8)
@@ -169,3 +178,51 @@ async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> No
 def test_no_address_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one decode instance"):
         DecodePeers([], LAYOUT)
+
+
+@dataclass(slots=True)
+class DecodingInstance(ScriptedDecode):
+    """A decode instance that sends `responses` for Decode, then fails with
+    `error` if set."""
+
+    responses: list[scheduler_pb2.GenerateResponse] = field(default_factory=list)
+    error: grpc.StatusCode | None = None
+
+    async def Decode(self, request: scheduler_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext,
+                     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        for response in self.responses:
+            yield response
+        if self.error is not None:
+            await context.abort(self.error, "its worker went away")
+
+
+async def decoded(serve: Serve, instance: DecodingInstance) -> list[RemoteEvent]:
+    peers = DecodePeers([f"127.0.0.1:{await serve(instance)}"], LAYOUT, wait_s=5)
+    try:
+        peer = await peers.reserve("r", [1, 2, 3], SAMPLING)
+        assert peer is not None
+        return [event async for event in peers.decode(peer, "r", "s", 3, 7)]
+    finally:
+        await peers.close()
+
+
+async def test_a_decode_stream_arrives_as_domain_events(serve: Serve) -> None:
+    usage = scheduler_pb2.Usage(prompt_tokens=3, completion_tokens=4, num_preemptions=1,
+                                num_recomputed_tokens=2, bytes_offloaded=64)
+    events = await decoded(serve, DecodingInstance(accept, responses=[
+        scheduler_pb2.GenerateResponse(token_ids=[8, 9]),
+        scheduler_pb2.GenerateResponse(
+            token_ids=[5], finish_reason=scheduler_pb2.FINISH_REASON_STOP, usage=usage)]))
+    assert events == [RemoteTokens([8, 9]), RemoteFinished(
+        [5], RequestStatus.FINISHED_STOPPED, RequestUsage(3, 4, 1, 2, 64, None))]
+    aborted = await decoded(serve, DecodingInstance(accept, responses=[
+        scheduler_pb2.GenerateResponse(finish_reason=scheduler_pb2.FINISH_REASON_ABORT)]))
+    assert aborted == [RemoteAborted()]
+
+
+async def test_a_failed_decode_call_raises_its_domain_error(serve: Serve) -> None:
+    with pytest.raises(errors.Unavailable, match="decode instance: its worker went away"):
+        await decoded(serve, DecodingInstance(accept, error=grpc.StatusCode.UNAVAILABLE))
+    with pytest.raises(errors.NotFound):
+        await decoded(serve, DecodingInstance(accept, error=grpc.StatusCode.NOT_FOUND))

@@ -19,19 +19,18 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
 from kvstash import rpc
+from kvstash.layout import Layout
 from kvstash.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
+from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.server import (
-    SERVICE_NAME,
-    SchedulerServer,
-    create_scheduler_server,
-    stats_to_proto,
-)
+from scheduler_svc.server import SERVICE_NAME, stats_to_proto
+from scheduler_svc.serving import SchedulerServer, create_scheduler_server
 from scheduler_svc.worker_link import WorkerLink
 from tests.scheduler_svc.factories import make_scheduler
 
@@ -42,6 +41,8 @@ HUGE_ID = "r" * 10_000
 GARBAGE = b"\xff\xff\xff\xff"
 BAD_ID = b"\x0a\x02r\xff"
 BAD_TEXT = b"\x12\x03ab\xff"
+# A prefill instance's decode instances' layout (never dialled here).
+LAYOUT = Layout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
 
 @pytest.fixture
@@ -66,12 +67,13 @@ async def nowhere() -> AsyncIterator[grpc.aio.Channel]:
 
 def attach(server: SchedulerServer, nowhere: grpc.aio.Channel, core: Scheduler,
            **fields: Any) -> SchedulerServer:
-    """`server` serving `core` (through an engine that never runs), the
-    Backend's other fields as `fields` say."""
-    backend = Backend(Engine(core, WorkerLink(nowhere), None), fields.pop("tokenizer",
-                      ByteTokenizer()), SchedulerMetrics(core, asyncio.get_running_loop()),
-                      **fields)
-    server.servicer.attach(backend)
+    """`server` serving `core` (through an engine that never runs, in the
+    core's role), the Backend's other fields as `fields` say."""
+    peers = DecodePeers(["127.0.0.1:1"], LAYOUT) if core.config.role is Role.PREFILL else None
+    engine = Engine(core, WorkerLink(nowhere), None, decode_peers=peers)
+    backend = Backend(engine, fields.pop("tokenizer", ByteTokenizer()),
+                      SchedulerMetrics(core, asyncio.get_running_loop()), **fields)
+    server.attach(backend)
     return server
 
 
@@ -131,7 +133,7 @@ async def test_a_full_waiting_queue_is_resource_exhausted_and_nothing_is_lost(
 ) -> None:
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     waiting = [stub.Generate(generate_request(f"w{i}")) for i in range(2)]
-    core = attached.servicer.attached().engine.core
+    core = attached.attached().engine.core
     async with asyncio.timeout(10):  # the engine never runs: both stay queued
         while core.stats().num_waiting < 2:
             await asyncio.sleep(0.01)
@@ -209,7 +211,7 @@ async def generate_n(engine: vllm_engine_pb2_grpc.VllmEngineStub, core: Schedule
 async def finished_by_reason(server: SchedulerServer, reason: str) -> float:
     """The scheduler's finished_requests_by_reason counter (read off the loop:
     its collector reads the core through it)."""
-    registry = server.servicer.attached().metrics.registry
+    registry = server.attached().metrics.registry
     value = await asyncio.to_thread(
         registry.get_sample_value, "kvstash_scheduler_finished_requests_by_reason_total",
         {"reason": reason})
@@ -223,7 +225,7 @@ async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
     the engine does not run); an Abort then ends it and the others, which
     are never submitted, so the metrics count the first only."""
     engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    core = attached.servicer.attached().engine.core
+    core = attached.attached().engine.core
     call = await generate_n(engine, core, "n3", 3)
     await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n3"]))
     completes = [r.complete async for r in call]
@@ -237,7 +239,7 @@ async def test_an_abort_while_n_sequences_are_submitted_ends_every_one(
 async def test_a_call_cancelled_while_n_sequences_are_submitted_leaves_none(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
-    core = attached.servicer.attached().engine.core
+    core = attached.attached().engine.core
     call = await generate_n(vllm_engine_pb2_grpc.VllmEngineStub(channel), core, "gone", 3)
     call.cancel()
     async with asyncio.timeout(10):  # the first is taken back; the others never came
@@ -265,7 +267,7 @@ async def test_an_abort_naming_a_bad_id_aborts_none(
     """Every id is checked before any is aborted: one bad id leaves no batch
     half done. Ids as gateways make them are accepted."""
     engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    core = attached.servicer.attached().engine.core
+    core = attached.attached().engine.core
     call = engine.Generate(vllm_generate("keep-1", [1, 2, 3], max_tokens=4))
     await queued(core, "keep-1")
     error = await rpc_error(engine.Abort(vllm_engine_pb2.AbortRequest(
@@ -308,7 +310,7 @@ async def test_info_names_the_model_and_no_vllm_kv_role(
 ) -> None:
     """A P/D prefill instance hands KV off itself: to a gateway it is no vLLM
     KV producer (which it would pair with vLLM decode workers)."""
-    attach(server, nowhere, make_scheduler(vocab_size=258), role="prefill",
+    attach(server, nowhere, make_scheduler(vocab_size=258, role=Role.PREFILL),
            model_type="qwen2", architectures=("Qwen2ForCausalLM",))
     engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvstash.errors import InvalidArgument, Unimplemented
 from kvstash.sampling import SamplingParams
 from kvstash.tokenizer import ByteTokenizer
-from scheduler_svc.vllm_engine import tokenizer_files, tokenizer_zip
+from scheduler_svc.vllm_info import tokenizer_files, tokenizer_zip
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
 MAX_MODEL_LEN = 512

@@ -1,0 +1,115 @@
+"""KV copies between the worker's blocks and the cache, for the engine (offload,
+restore) and the hand-off (the prefill side's put of a prefilled request).
+
+Each copy runs as its own task; whatever happens (success, failure, the task
+cancelled), the core hears back: the blocks stay pinned until it does. Then
+the snapshot deletes the core queued are sent and the step loop is woken.
+
+    put(cmd, kind, finish)  worker.offload -> report -> delete a snapshot that
+                            may exist but will never be read -> finish(...)
+    restore(cmd)            worker.restore -> report -> core.finish_restore
+
+A copy's report: a failure is logged and marks its span failed; a success
+marks its span with the bytes copied and times the offload or restore
+histogram (a hand-off has its own: time to the decode instance's first token).
+Each copy runs in the request's trace context as a "kvstash.<kind>" span.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from opentelemetry import trace
+
+from scheduler_svc import tracing
+from scheduler_svc.cache_link import CacheLink
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.inflight import InFlightRequests, Tasks
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.worker_link import CopyOutcome, WorkerLink
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# What the core is told of a put: (command, bytes or None, seconds) -> its answer.
+Finish = Callable[[OffloadCommand, int | None, float], T]
+
+
+class Copies:
+    def __init__(
+        self, core: Scheduler, worker: WorkerLink, cache: CacheLink | None,
+        requests: InFlightRequests, tasks: Tasks, wake: Callable[[], None], *,
+        transfer_timeout_s: float, metrics: SchedulerMetrics | None,
+    ) -> None:
+        """`wake`: wakes the step loop (a copy landed); `transfer_timeout_s`
+        as EngineConfig says."""
+        self._core = core
+        self._worker = worker
+        self._cache = cache
+        self._requests = requests
+        self._tasks = tasks
+        self._wake = wake
+        self._timeout_s = transfer_timeout_s
+        self._metrics = metrics
+
+    async def offload(self, cmd: OffloadCommand) -> None:
+        await self.put(cmd, "offload", self._core.finish_offload)
+
+    async def put(self, cmd: OffloadCommand, kind: str, finish: Finish[T]) -> T:
+        """Copies cmd's blocks into the cache (`kind`: offload or handoff)
+        and returns what `finish` (the core's answer to it) returns."""
+        outcome = CopyOutcome(None, "cancelled", maybe_stored=True)
+        started = time.monotonic()
+        with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
+                                   f"kvstash.{kind}", cmd) as span:
+            try:
+                outcome = await self._worker.offload(cmd, self._timeout_s)
+            finally:
+                seconds = time.monotonic() - started
+                self._report(kind, cmd, outcome, span, seconds)
+                if outcome.maybe_stored:
+                    self.delete_snapshots([cmd.snapshot_id])
+                answer = finish(cmd, outcome.num_bytes, seconds)
+                self._landed()
+        return answer
+
+    async def restore(self, cmd: RestoreCommand) -> None:
+        outcome = CopyOutcome(None, "cancelled")
+        started = time.monotonic()
+        with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
+                                   "kvstash.restore", cmd) as span:
+            try:
+                outcome = await self._worker.restore(cmd, self._timeout_s)
+            finally:
+                seconds = time.monotonic() - started
+                self._report("restore", cmd, outcome, span, seconds)
+                self._core.finish_restore(cmd, outcome.num_bytes, seconds)
+                self._landed()
+
+    def _report(
+        self, kind: str, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome,
+        span: trace.Span, seconds: float,
+    ) -> None:
+        """A copy's outcome to the log, its span and the duration metric."""
+        if outcome.num_bytes is None:
+            log.warning("%s of %s failed (%s); %s instead", kind, cmd.request_id, outcome.error,
+                        "decoding here" if kind == "handoff" else "recomputing")
+            tracing.set_failed(span, outcome.error)
+            return
+        if self._metrics is not None and kind != "handoff":
+            histogram = self._metrics.offload_s if kind == "offload" else self._metrics.restore_s
+            histogram.observe(seconds)
+        tracing.set_copied(span, outcome.num_bytes)
+
+    def _landed(self) -> None:
+        """After the core heard of a copy: send the deletes it queued, wake the loop."""
+        self.delete_snapshots(self._core.take_snapshots_to_delete())
+        self._wake()
+
+    def delete_snapshots(self, snapshot_ids: list[str]) -> None:
+        if self._cache is not None and snapshot_ids:
+            self._tasks.spawn(self._cache.delete(snapshot_ids))

@@ -1,0 +1,223 @@
+"""P/D disaggregation at the edge: the two sides of a hand-off,
+each built by the engine for its role only (a mixed instance has neither).
+
+    PrefillSide  find_decoder: a decode instance reserves blocks for the
+                 request before it is submitted (`submit`). Once prefilled,
+                 the core hands it off (`hand_off`): its KV is put in the
+                 cache, then the decode instance's events are relayed into
+                 the request's stream. A failed put decodes here; a decode
+                 instance lost before its first token (expired reservation,
+                 gone) is replaced by another reservation; one lost later, or
+                 no reservation in time, gives the request back to the core
+                 (take_back): never lost. `let_go` when the request will not
+                 (or no longer) decode there: the relay is cancelled (which
+                 aborts it there) or the reservation released.
+    DecodeSide   reserve and decode (a restore into the reserved blocks, then
+                 decoding as usual); a timer wakes the step loop when a
+                 reservation may have expired.
+
+Every call to the core's P/D API is in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from opentelemetry import context as otel_context
+
+from kvstash import errors
+from kvstash.sampling import SamplingParams
+from scheduler_svc.copies import Copies
+from scheduler_svc.core.outputs import OffloadCommand
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import DecodePeer, DecodePeers, RemoteAborted, RemoteFinished
+from scheduler_svc.inflight import Handoff, InFlight, InFlightRequests, Tasks
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.streams import RequestStream
+
+log = logging.getLogger(__name__)
+
+# Decode instances a handed-off request is offered to, one after another, while
+# each is lost before sending a token (its reservation expired, it went away).
+_HANDOFF_ATTEMPTS = 3
+
+
+class PrefillSide:
+    def __init__(
+        self, core: Scheduler, peers: DecodePeers, copies: Copies, requests: InFlightRequests,
+        tasks: Tasks, wake: Callable[[], None], metrics: SchedulerMetrics | None,
+    ) -> None:
+        self._core = core
+        self._peers = peers
+        self._copies = copies
+        self._requests = requests
+        self._tasks = tasks
+        self._wake = wake
+        self._metrics = metrics
+
+    async def find_decoder(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> DecodePeer | None:
+        """A decode instance that reserved blocks for the request (checked
+        first as the core's admission would: InvalidArgument, AlreadyExists),
+        or None: decode here (one token only, or none reserved in time)."""
+        if sampling.max_tokens < 2:
+            return None
+        self._core.check_request(request_id, prompt_token_ids, sampling)
+        return await self._peers.reserve(request_id, prompt_token_ids, sampling)
+
+    def submit(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        decoder: DecodePeer,
+    ) -> RequestStream:
+        """Admits a request `decoder` reserved blocks for (raises as
+        Engine.submit, releasing the reservation)."""
+        try:
+            self._core.add_request(request_id, prompt_token_ids, sampling, handoff=True)
+        except errors.KvstashError:
+            self.let_go(request_id, Handoff(decoder))
+            raise
+        return self._requests.open(request_id, Handoff(decoder))
+
+    def let_go(self, request_id: str, handoff: Handoff) -> None:
+        """The request will not (or no longer) decode on its decode instance."""
+        if handoff.relay is not None:
+            handoff.relay.cancel()
+        else:
+            self._tasks.spawn(self._peers.release(handoff.decoder, request_id))
+
+    def _decode_here(self, request_id: str, record: InFlight) -> None:
+        if (handoff := record.handoff) is not None:
+            record.handoff = None
+            self.let_go(request_id, handoff)
+
+    async def hand_off(self, cmd: OffloadCommand) -> None:
+        """Puts a prefilled request's KV in the cache for its decode instance,
+        then relays that instance's tokens. The core hears of the copy
+        whatever happens, as for an offload."""
+        started = time.monotonic()
+        handed_off = await self._copies.put(cmd, "handoff", self._core.pd.finish_handoff)
+        request_id = cmd.request_id
+        record = self._requests.get(request_id)
+        if record is None or record.handoff is None:
+            return  # aborted, or failed with its worker: let go of already
+        if not handed_off:  # the copy failed
+            self._decode_here(request_id, record)
+            return
+        req = self._core.get_request(request_id)
+        assert req is not None
+        first_token_id = req.output_token_ids[-1]
+        handoff = record.handoff
+        handoff.relay = asyncio.current_task()
+        # The Decode call joins the request's trace.
+        trace_context = self._requests.trace_context(request_id)
+        token = None if trace_context is None else otel_context.attach(trace_context)
+        try:
+            for attempt in range(1, _HANDOFF_ATTEMPTS + 1):
+                reason = await self._relay(handoff.decoder, cmd, first_token_id, started)
+                if reason is None:
+                    return  # finished there, or taken back after its tokens began
+                log.warning("request %s: decode instance %s lost before its first token (%s)%s",
+                            request_id, handoff.decoder.address, reason,
+                            "; trying again" if attempt < _HANDOFF_ATTEMPTS else "")
+                # Its reservation expired, or the instance went away: the
+                # snapshot is still in the cache for another reservation.
+                if attempt == _HANDOFF_ATTEMPTS or (decoder := await self._peers.reserve(
+                        request_id, req.prompt_token_ids, req.sampling)) is None:
+                    break
+                handoff.decoder = decoder
+            log.warning("request %s: finishing it here", request_id)
+            self._take_back(request_id)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+            if (record := self._requests.get(request_id)) is not None and (
+                    record.handoff is handoff):
+                record.handoff = None  # decoding here now
+
+    async def _relay(
+        self, decoder: DecodePeer, cmd: OffloadCommand, first_token_id: int, started: float
+    ) -> str | None:
+        """The decode instance's tokens into the request's stream. None once
+        the request finished there, or was lost there after some tokens (the
+        core took it back: it is recomputed here); else why it was lost
+        before sending any."""
+        request_id = cmd.request_id
+        core = self._core
+        first = True
+        try:
+            async with contextlib.aclosing(self._peers.decode(
+                    decoder, request_id, cmd.snapshot_id, cmd.num_tokens,
+                    first_token_id)) as events:
+                async for event in events:
+                    if first and self._metrics is not None:
+                        self._metrics.handoff_s.observe(time.monotonic() - started)
+                    first = False
+                    if isinstance(event, RemoteAborted):
+                        reason = "aborted there"
+                        break
+                    if isinstance(event, RemoteFinished):
+                        update = core.pd.finish_remote(
+                            request_id, event.token_ids,
+                            event.status is RequestStatus.FINISHED_STOPPED, event.usage)
+                        record = self._requests.close(request_id)
+                        if update is not None and record is not None:
+                            record.stream.push(update)
+                        return None
+                    update = core.pd.remote_tokens(request_id, event.token_ids)
+                    if update is not None and (stream := self._requests.stream(
+                            request_id)) is not None:
+                        stream.push(update)
+                else:
+                    reason = "its stream ended early"
+        except errors.KvstashError as exc:  # the call failed, or impossible tokens
+            reason = str(exc)
+        if first:
+            return reason
+        log.warning("request %s: decode instance %s lost (%s); finishing it here",
+                    request_id, decoder.address, reason)
+        self._take_back(request_id)
+        return None
+
+    def _take_back(self, request_id: str) -> None:
+        self._core.pd.take_back(request_id)
+        self._wake()
+
+
+class DecodeSide:
+    def __init__(self, core: Scheduler, copies: Copies, requests: InFlightRequests,
+                 tasks: Tasks, wake: Callable[[], None]) -> None:
+        self._core = core
+        self._copies = copies
+        self._requests = requests
+        self._tasks = tasks
+        self._wake = wake
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> bool:
+        """Holds blocks for a prefill instance's request (Scheduler.reserve);
+        False: refused, ask again later."""
+        if not self._core.pd.reserve(request_id, prompt_token_ids, sampling):
+            return False
+        # The step loop expires it if unused: wake it then.
+        asyncio.get_running_loop().call_later(self._core.config.reservation_timeout_s,
+                                              self._wake)
+        return True
+
+    def decode(
+        self, request_id: str, snapshot_id: str, num_tokens: int, first_token_id: int
+    ) -> RequestStream:
+        """Restores a reserved request's prompt KV and decodes it: its stream
+        (raises NotFound / InvalidArgument as Scheduler.start_remote_decode)."""
+        cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
+                                             first_token_id)
+        stream = self._requests.open(request_id)
+        self._tasks.spawn(self._copies.restore(cmd))
+        self._wake()
+        return stream

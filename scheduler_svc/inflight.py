@@ -1,0 +1,126 @@
+"""The edge's one record per in-flight request, and the engine's background tasks.
+
+    InFlight     a request the core holds, as the edge sees it: the stream its
+                 call reads and, on a P/D prefill instance, its hand-off (the
+                 decode instance that reserved blocks for it, and the task
+                 relaying that instance's tokens once handed off)
+    InFlightRequests  request id -> InFlight: `open` is the one place a record
+                 is made, `close` the one place it is dropped
+    Tasks        every task the engine runs beside its step loop (copies,
+                 deletes, hand-offs, releases), cancelled together at close
+
+The records hold exactly the core's live requests but the RESERVED ones (a
+decode instance's reservations, which no call reads yet): `check` says so,
+and the engine runs it with its integrity check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import context as otel_context
+
+from scheduler_svc import tracing
+from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import DecodePeer
+from scheduler_svc.streams import RequestStream
+
+
+@dataclass(slots=True)
+class Handoff:
+    """Where a prefill instance's request decodes (P/D)."""
+
+    decoder: DecodePeer  # the decode instance holding its reservation
+    # The task relaying that instance's tokens, once the request is handed
+    # off; cancelling it aborts the request there.
+    relay: asyncio.Task[None] | None = None
+
+
+@dataclass(slots=True)
+class InFlight:
+    stream: RequestStream
+    # Set from admission until the request no longer decodes elsewhere
+    # (decoding here, or its relay ended); always None on other roles.
+    handoff: Handoff | None = None
+
+    @property
+    def relayed(self) -> bool:
+        """It decodes on a decode instance: this worker is no longer needed."""
+        return self.handoff is not None and self.handoff.relay is not None
+
+
+class InFlightRequests:
+    def __init__(self, tracing_on: bool) -> None:
+        """`tracing_on`: each stream keeps the trace context it was opened in."""
+        self._tracing_on = tracing_on
+        self._req_to_record: dict[str, InFlight] = {}
+
+    def open(self, request_id: str, handoff: Handoff | None = None) -> RequestStream:
+        """The record of a request the core just took; its stream."""
+        stream = RequestStream()
+        if self._tracing_on:
+            stream.trace_context = otel_context.get_current()
+            stream.phases = tracing.RequestPhases(stream.trace_context)
+        self._req_to_record[request_id] = InFlight(stream, handoff)
+        return stream
+
+    def close(self, request_id: str) -> InFlight | None:
+        """Drops the record of a request the core no longer holds (None: it
+        had none, or was dropped already)."""
+        return self._req_to_record.pop(request_id, None)
+
+    def get(self, request_id: str) -> InFlight | None:
+        return self._req_to_record.get(request_id)
+
+    def stream(self, request_id: str) -> RequestStream | None:
+        record = self._req_to_record.get(request_id)
+        return None if record is None else record.stream
+
+    def trace_context(self, request_id: str) -> otel_context.Context | None:
+        """The request's trace context: None unless tracing is on and it is live."""
+        if not self._tracing_on or (record := self._req_to_record.get(request_id)) is None:
+            return None
+        return record.stream.trace_context
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._req_to_record))
+
+    def __len__(self) -> int:
+        return len(self._req_to_record)
+
+    def check(self, core: Scheduler) -> None:
+        """IntegrityError unless the records are the core's live requests but
+        its reservations: none leaked, none lost."""
+        for request_id in self._req_to_record:
+            if core.get_request(request_id) is None:
+                raise IntegrityError(f"request {request_id} has a record at the edge, "
+                                     "but the core no longer holds it")
+        stats = core.stats()
+        num_live = (stats.num_waiting + stats.num_running_prefill + stats.num_running_decode
+                    + stats.num_offloaded + stats.num_handed_off)
+        if num_live != len(self._req_to_record):
+            raise IntegrityError(f"the core holds {num_live} requests besides reservations, "
+                                 f"the edge has records of {len(self._req_to_record)}")
+
+
+class Tasks:
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,256 @@
+"""The edge's records of in-flight requests match the core's live requests
+however a request ends: finished, aborted, stopped by a stop string, failed
+with its worker, or (P/D) finished, aborted or lost on a decode instance.
+
+A fake worker link runs the steps (test_engine_reports.py); a prefill
+instance hands off to scripted, in-memory decode instances."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvstash import errors
+from kvstash.sampling import SamplingParams
+from scheduler_svc import handoff
+from scheduler_svc.core.block_pool import IntegrityError
+from scheduler_svc.core.config import Role
+from scheduler_svc.core.outputs import SchedulerOutput
+from scheduler_svc.core.request import RequestStatus, RequestUsage
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.decode_peers import (
+    DecodePeer,
+    RemoteAborted,
+    RemoteEvent,
+    RemoteFinished,
+    RemoteTokens,
+)
+from scheduler_svc.engine import Engine
+from scheduler_svc.inflight import InFlightRequests
+from scheduler_svc.streams import RequestStream
+from tests.scheduler_svc.factories import make_scheduler
+from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink
+
+PROMPT = [1, 2, 3, 4]
+HANG = "hang"  # in a script: the decode instance sends nothing more until cancelled
+
+
+def sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+@dataclass
+class FakePeers:
+    """Decode instances that reserve while `reservations` lasts and decode
+    as `scripts` says, one script per Decode call."""
+
+    scripts: list[list[RemoteEvent | Exception | str]]
+    reservations: int = 1
+    reserved: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+
+    async def reserve(self, request_id: str, prompt: Sequence[int],
+                      sampling: SamplingParams) -> DecodePeer | None:
+        if len(self.reserved) == self.reservations:
+            return None
+        self.reserved.append(request_id)
+        return DecodePeer(f"decode-{len(self.reserved)}", None)  # type: ignore[arg-type]
+
+    async def release(self, peer: DecodePeer, request_id: str) -> None:
+        self.released.append(request_id)
+
+    async def decode(self, peer: DecodePeer, request_id: str, snapshot_id: str,
+                     num_tokens: int, first_token_id: int) -> AsyncGenerator[RemoteEvent, None]:
+        try:
+            for item in self.scripts.pop(0):
+                if isinstance(item, Exception):
+                    raise item
+                if item == HANG:
+                    await asyncio.Event().wait()
+                assert not isinstance(item, str)
+                yield item
+        finally:
+            self.closed.append(request_id)
+
+
+class FailingStream(FakeStream):
+    """An Execute stream that breaks at its `fail_at`th step."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.num_steps = 0
+        self.fail_at = fail_at
+
+    async def step(self, output: SchedulerOutput) -> dict[str, int]:
+        self.num_steps += 1
+        if self.num_steps == self.fail_at:
+            raise errors.Unavailable("UNAVAILABLE: the worker went away")
+        return await super().step(output)
+
+
+@pytest.fixture
+async def mixed() -> AsyncIterator[Engine]:
+    engine = Engine(make_scheduler(), FakeWorkerLink(), None)  # type: ignore[arg-type]
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+def prefill_engine(peers: FakePeers, core: Scheduler | None = None) -> Engine:
+    return Engine(core or make_scheduler(role=Role.PREFILL),  # type: ignore[arg-type]
+                  FakeWorkerLink(), None, decode_peers=peers)  # type: ignore[arg-type]
+
+
+async def events_of(stream: RequestStream) -> tuple[list[int], RequestStatus | Exception]:
+    tokens: list[int] = []
+    while True:
+        event = await asyncio.wait_for(stream.events.get(), 10)
+        if isinstance(event, Exception):
+            return tokens, event
+        tokens.extend(event.new_token_ids)
+        if event.finish_status is not None:
+            return tokens, event.finish_status
+
+
+async def until(condition: object, timeout_s: float = 10) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.001)
+
+
+async def test_finished_aborted_and_stopped_requests_leave_no_record(mixed: Engine) -> None:
+    streams = {rid: await mixed.admit(rid, PROMPT, sampling(6)) for rid in "abc"}
+    mixed.check_integrity()
+    await until(lambda: all(s.begun.is_set() for s in streams.values()))
+    mixed.abort("b")
+    mixed.abort("c", RequestStatus.FINISHED_STOPPED)  # a stop string, seen at the edge
+    mixed.check_integrity()
+    results = {rid: await events_of(s) for rid, s in streams.items()}
+    assert results["a"] == ([7] * 6, RequestStatus.FINISHED_LENGTH)
+    assert results["b"][1] is RequestStatus.FINISHED_ABORTED
+    assert results["c"][1] is RequestStatus.FINISHED_STOPPED
+    await until(lambda: mixed.core.is_idle)
+    mixed.check_integrity()
+    assert all(s.finished for s in streams.values())
+
+
+async def test_requests_failed_with_their_worker_leave_no_record() -> None:
+    class Link(FakeWorkerLink):
+        async def open(self) -> FakeStream:
+            return FailingStream(fail_at=3)
+
+    engine = Engine(make_scheduler(), Link(), None)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        streams = [await engine.admit(rid, PROMPT, sampling(50)) for rid in "ab"]
+        for stream in streams:
+            _, end = await events_of(stream)
+            assert isinstance(end, errors.Unavailable) and "went away" in str(end)
+        engine.check_integrity()
+    finally:
+        await engine.close()
+
+
+def test_a_record_without_a_request_or_a_request_without_one_is_caught() -> None:
+    core = make_scheduler()
+    records = InFlightRequests(tracing_on=False)
+    records.check(core)
+    records.open("ghost")
+    with pytest.raises(IntegrityError, match="ghost"):
+        records.check(core)
+    records.close("ghost")
+    core.add_request("unseen", PROMPT, sampling(4))
+    with pytest.raises(IntegrityError, match="holds 1 requests"):
+        records.check(core)
+
+
+async def test_a_mixed_instance_never_enters_pd_code(
+        mixed: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("P/D code entered")
+
+    for side in (handoff.PrefillSide, handoff.DecodeSide):
+        for name in [n for n in vars(side) if not n.startswith("__")]:
+            monkeypatch.setattr(side, name, never)
+    stream = await mixed.admit("a", PROMPT, sampling(4))
+    assert await events_of(stream) == ([7] * 4, RequestStatus.FINISHED_LENGTH)
+    with pytest.raises(errors.FailedPrecondition):
+        mixed.decode_side.reserve("b", PROMPT, sampling(4))
+
+
+async def test_a_request_finished_on_its_decode_instance_leaves_no_record() -> None:
+    usage = RequestUsage(4, 5, 0, 0, 0, None)
+    peers = FakePeers([[RemoteTokens([8, 9]),
+                        RemoteFinished([9, 8], RequestStatus.FINISHED_LENGTH, usage)]])
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(5))
+        engine.check_integrity()
+        assert await events_of(stream) == ([7, 8, 9, 9, 8], RequestStatus.FINISHED_LENGTH)
+        engine.check_integrity()
+        assert (peers.reserved, peers.released, peers.closed) == (["a"], [], ["a"])
+    finally:
+        await engine.close()
+
+
+async def test_an_abort_while_relaying_cancels_the_relay_and_leaves_no_record() -> None:
+    peers = FakePeers([[RemoteTokens([8]), HANG]])
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(5))
+        await until(lambda: stream.events.qsize() >= 2)  # its first token, then one relayed
+        engine.abort("a")
+        assert await events_of(stream) == ([7, 8], RequestStatus.FINISHED_ABORTED)
+        await until(lambda: peers.closed == ["a"])  # the Decode call is closed: aborted there
+        engine.check_integrity()
+        assert peers.released == []
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("lost", [
+    errors.Unavailable("decode instance: gone"), RemoteAborted()], ids=["gone", "aborted"])
+async def test_a_decode_instance_lost_before_its_first_token_finishes_here(
+        lost: RemoteEvent | Exception) -> None:
+    """No other instance reserves: the request is taken back and decodes here."""
+    peers = FakePeers([[lost]])
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(5))
+        assert await events_of(stream) == ([7] * 5, RequestStatus.FINISHED_LENGTH)
+        engine.check_integrity()
+        assert peers.closed == ["a"]
+    finally:
+        await engine.close()
+
+
+async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> None:
+    peers = FakePeers([[RemoteTokens([8]), errors.Unavailable("decode instance: gone")]])
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(5))
+        assert await events_of(stream) == ([7, 8, 7, 7, 7], RequestStatus.FINISHED_LENGTH)
+        engine.check_integrity()
+    finally:
+        await engine.close()
+
+
+async def test_a_refused_admission_releases_its_reservation() -> None:
+    peers = FakePeers([], reservations=2)
+    engine = prefill_engine(peers, make_scheduler(max_num_waiting=1, role=Role.PREFILL))
+    await engine.admit("a", PROMPT, sampling(5))  # never started: it stays waiting
+    with pytest.raises(errors.ResourceExhausted):
+        await engine.admit("b", PROMPT, sampling(5))
+    await until(lambda: peers.released == ["b"])
+    engine.check_integrity()
+    engine.abort("a")
+    await until(lambda: peers.released == ["b", "a"])
+    engine.check_integrity()
+    await engine.close()
