@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstash import rpc
+from kvstash.processes import Service, start_service
 from kvstash.sampling import SamplingParams
-from kvstash.stack import SHARED_MEMORY_DIR, Service, start_service
+from kvstash.stack import SHARED_MEMORY_DIR
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from kvstash.wire import layout_from_proto
 from scheduler_svc.core.costs import CostModel

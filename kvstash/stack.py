@@ -26,26 +26,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
-from kvstash.rpc import READY_MARKER
+from kvstash.gateway import Gateway, check_gateway, start_gateway
+from kvstash.processes import Service, start_service
 from kvstash.units import parse_bytes
 
-if TYPE_CHECKING:
-    from kvstash.gateway import Gateway
-
 SHARED_MEMORY_DIR = "/dev/shm"
-# The name each service's module announces itself by when ready.
-_ANNOUNCED = {"cache_svc": "cache", "gpu_worker": "worker", "scheduler_svc": "scheduler"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,34 +88,6 @@ class StackConfig:
                      "instances"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-@dataclass(slots=True)
-class Service:
-    name: str
-    process: subprocess.Popen[str]
-    address: str
-    log_path: Path
-    module: str
-    args: tuple[str, ...]  # as started; "--listen" may name port 0
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        stop_process(self.process, timeout_s)
-
-    def kill(self) -> None:
-        """SIGKILL, for fault tests."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def restart(self, flags: Mapping[str, str] | None = None) -> Service:
-        """Stops this service and starts it again on the address it had;
-        `flags` ({"--num-blocks": "48"}) replace values it was started with."""
-        self.stop()
-        args = list(self.args)
-        for flag, value in {**(flags or {}), "--listen": self.address}.items():
-            args[args.index(flag) + 1] = value
-        return start_service(self.name, self.module, args, self.log_path.parent)
 
 
 class Instance(NamedTuple):
@@ -193,80 +157,6 @@ class Stack:
             time.sleep(poll_s)
 
 
-def stop_process(process: subprocess.Popen[Any], timeout_s: float) -> None:
-    """SIGTERM; SIGKILL if still running after `timeout_s`."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def start_service(
-    name: str, module: str, args: Sequence[str], log_dir: Path, timeout_s: float = 120.0
-) -> Service:
-    """Runs `python -m module args`, waits for its ready line, returns it running."""
-    log_path = log_dir / f"{name}.log"
-    log_path.write_text("")
-    # Append mode for the child's stderr too: its lines and the stdout that
-    # _copy appends then never overwrite each other.
-    log_file = log_path.open("a")
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log_file,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log_file.close()
-    assert process.stdout is not None
-    try:
-        address = _wait_ready(name, _ANNOUNCED.get(module, name), process, process.stdout,
-                              log_path, timeout_s)
-    except BaseException:  # not ready, or a stop signal while waiting
-        process.kill()
-        process.wait()
-        raise
-    # Keep draining stdout, into the log: a chatty child never blocks on a
-    # full pipe, and what it prints (a console span exporter's output) is kept.
-    threading.Thread(target=_copy, args=(process.stdout, log_path), daemon=True).start()
-    return Service(name, process, address, log_path, module, tuple(args))
-
-
-def _wait_ready(
-    name: str, announced: str, process: subprocess.Popen[str], stdout: IO[str],
-    log_path: Path, timeout_s: float,
-) -> str:
-    found: list[str] = []
-
-    def read() -> None:
-        for line in stdout:
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == READY_MARKER and parts[1] == announced:
-                found.append(parts[2])
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if found:
-        return found[0]
-    code = process.poll()
-    why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
-    tail = log_path.read_text()[-3000:]
-    raise RuntimeError(f"{name} {why}; its log ({log_path}):\n{tail}")
-
-
-def _copy(stdout: IO[str], log_path: Path) -> None:
-    with contextlib.suppress(ValueError, OSError), log_path.open("a") as log:
-        for line in stdout:
-            log.write(line)
-            log.flush()
-
-
 def arena_args(config: StackConfig) -> list[str]:
     """--arena-dir /dev/shm where it is a tmpfs with room for the budget."""
     shm = Path(SHARED_MEMORY_DIR)
@@ -282,8 +172,6 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, workers, schedulers and the gateway (as configured); on
     any failure stops what started."""
     if config.gateway:  # before anything starts: smg installed, the policy known
-        from kvstash.gateway import check_gateway  # (it imports this module)
-
         check_gateway(config.gateway_policy)
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
     # Logs live apart from the data (the cache's disk tier), so they can
@@ -313,8 +201,6 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             scheduler_port=0 if k else config.scheduler_port)) for k in range(config.instances)]
         gateway = None
         if config.gateway:
-            from kvstash.gateway import start_gateway
-
             gateway = start_gateway([i.scheduler.address for i in front], logs,
                                     host=config.host, port=config.gateway_port,
                                     policy=config.gateway_policy)

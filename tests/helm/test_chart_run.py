@@ -21,7 +21,7 @@ from chart_helpers import REPO, container, env, instances, one, pod_labels, rend
 from fake_kubernetes import FakeKubernetes, ready_pod
 
 from kvstash.gateway import smg_executable
-from kvstash.stack import Service, start_service, stop_process
+from kvstash.processes import Service, start_service, stop_process
 
 MODULES = {"cache": "cache_svc", "worker": "gpu_worker", "scheduler": "scheduler_svc"}
 

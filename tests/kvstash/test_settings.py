@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstash import settings
-from kvstash.stack import start_service
+from kvstash.processes import start_service
 from kvstash.units import MIB
 from tests.integration.workload import cache_stats
 

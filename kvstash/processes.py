@@ -1,0 +1,131 @@
+"""Process control for the launcher: start a service module as a child process,
+wait for its ready line, stop it (SIGTERM, then SIGKILL).
+
+The stack and the gateway launcher both stop their children through
+`stop_process`; the stack starts each service with `start_service`, which runs
+`python -m module`, reads the child's stdout until the service announces its
+address (`kvstash.rpc.announce_ready`), then keeps copying that stdout into the
+service's log file so a chatty child never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from kvstash.rpc import READY_MARKER
+
+# The name each service's module announces itself by when ready.
+_ANNOUNCED = {"cache_svc": "cache", "gpu_worker": "worker", "scheduler_svc": "scheduler"}
+
+
+@dataclass(slots=True)
+class Service:
+    """A running service process: `address` is what it announced (host:port)."""
+
+    name: str
+    process: subprocess.Popen[str]
+    address: str
+    log_path: Path
+    module: str
+    args: tuple[str, ...]  # as started; "--listen" may name port 0
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        stop_process(self.process, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, for fault tests."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def restart(self, flags: Mapping[str, str] | None = None) -> Service:
+        """Stops this service and starts it again on the address it had;
+        `flags` ({"--num-blocks": "48"}) replace values it was started with."""
+        self.stop()
+        args = list(self.args)
+        for flag, value in {**(flags or {}), "--listen": self.address}.items():
+            args[args.index(flag) + 1] = value
+        return start_service(self.name, self.module, args, self.log_path.parent)
+
+
+def stop_process(process: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM; SIGKILL if still running after `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def start_service(
+    name: str, module: str, args: Sequence[str], log_dir: Path, timeout_s: float = 120.0
+) -> Service:
+    """Runs `python -m module args`, waits for its ready line, returns it running."""
+    log_path = log_dir / f"{name}.log"
+    log_path.write_text("")
+    # Append mode for the child's stderr too: its lines and the stdout that
+    # _copy appends then never overwrite each other.
+    log_file = log_path.open("a")
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log_file.close()
+    assert process.stdout is not None
+    try:
+        address = _wait_ready(name, _ANNOUNCED.get(module, name), process, process.stdout,
+                              log_path, timeout_s)
+    except BaseException:  # not ready, or a stop signal while waiting
+        process.kill()
+        process.wait()
+        raise
+    # Keep draining stdout, into the log: a chatty child never blocks on a
+    # full pipe, and what it prints (a console span exporter's output) is kept.
+    threading.Thread(target=_copy, args=(process.stdout, log_path), daemon=True).start()
+    return Service(name, process, address, log_path, module, tuple(args))
+
+
+def _wait_ready(
+    name: str, announced: str, process: subprocess.Popen[str], stdout: IO[str],
+    log_path: Path, timeout_s: float,
+) -> str:
+    found: list[str] = []
+
+    def read() -> None:
+        for line in stdout:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == READY_MARKER and parts[1] == announced:
+                found.append(parts[2])
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if found:
+        return found[0]
+    code = process.poll()
+    why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
+    tail = log_path.read_text()[-3000:]
+    raise RuntimeError(f"{name} {why}; its log ({log_path}):\n{tail}")
+
+
+def _copy(stdout: IO[str], log_path: Path) -> None:
+    with contextlib.suppress(ValueError, OSError), log_path.open("a") as log:
+        for line in stdout:
+            log.write(line)
+            log.flush()
