@@ -29,11 +29,11 @@ import time
 import numpy as np
 
 from bench.cache_bench import start_cache, vm_kib
-from kvstash.cache_client import CacheClient
-from kvstash.layout import Layout
-from kvstash.malloc_tuning import tune_malloc
-from kvstash.stack import SHARED_MEMORY_DIR
-from kvstash.units import MIB, parse_bytes
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.layout import Layout
+from kvstash.common.malloc_tuning import tune_malloc
+from kvstash.common.units import MIB, parse_bytes
+from kvstash.launch.stack import SHARED_MEMORY_DIR
 
 PATHS = ("memcpy", "arena", "grpc")
 LAYOUT = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4,

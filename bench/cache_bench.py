@@ -18,7 +18,7 @@ with a feature turned off) and runs it in the same rounds, in alternating
 order, against the same raw-socket times: a before/after comparison on a
 shared, noisy machine.
 
-This process calls kvstash.malloc_tuning.tune_malloc() like the server: any process
+This process calls kvstash.common.malloc_tuning.tune_malloc() like the server: any process
 streaming snapshots should (see that module for why).
 """
 
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstash.cache_client import CacheClient
-from kvstash.layout import Layout
-from kvstash.malloc_tuning import tune_malloc
-from kvstash.units import MIB, parse_bytes
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.layout import Layout
+from kvstash.common.malloc_tuning import tune_malloc
+from kvstash.common.units import MIB, parse_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 _IO_BYTES = 4 * MIB

@@ -60,15 +60,15 @@ from bench.load_test import Percentiles, percentiles
 from bench.pd_bench import conclude, fmt, ratio, require_positive
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.gateway import running_gateway
-from kvstash.openai_http import (
+from kvstash.launch.gateway import running_gateway
+from kvstash.launch.openai_http import (
     REPLACEMENT,
     HttpError,
     StreamError,
     request_json,
     stream_completion,
 )
-from kvstash.stack import StackConfig, running_stack
+from kvstash.launch.stack import StackConfig, running_stack
 
 PATHS = ("direct", "smg")
 ALPHABET = string.ascii_letters + string.digits + " "

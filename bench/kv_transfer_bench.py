@@ -40,9 +40,9 @@ from gpu_worker.config import tiny_model_config
 from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner
 from gpu_worker.transfer import KvTransfer
-from kvstash.cache_client import CacheClient
-from kvstash.stack import SHARED_MEMORY_DIR
-from kvstash.units import MIB
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.units import MIB
+from kvstash.launch.stack import SHARED_MEMORY_DIR
 
 BLOCK_SIZE = 16
 # name: (layers, kv heads, head dim, dtype); the query heads equal the KV heads.

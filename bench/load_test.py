@@ -51,10 +51,11 @@ from typing import NamedTuple
 
 import grpc
 
-from kvstash import errors, rpc
+from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import Stack, StackConfig, running_stack
-from kvstash.units import MIB
+from kvstash.common import rpc
+from kvstash.common.units import MIB
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 
 OK = "OK"
 ABANDONED = "ABANDONED"  # still in flight when the drain timeout ran out

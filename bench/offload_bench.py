@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 
 from kvstash.client import Client
-from kvstash.stack import StackConfig, running_stack
-from kvstash.units import MIB
+from kvstash.common.units import MIB
+from kvstash.launch.stack import StackConfig, running_stack
 
 
 @dataclass(slots=True)

@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstash import rpc
-from kvstash.processes import Service, start_service
-from kvstash.sampling import SamplingParams
-from kvstash.stack import SHARED_MEMORY_DIR
+from kvstash.common import rpc
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.wire import layout_from_proto
+from kvstash.launch.processes import Service, start_service
+from kvstash.launch.stack import SHARED_MEMORY_DIR
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from kvstash.wire import layout_from_proto
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.seq import ScheduledSeq

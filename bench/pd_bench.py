@@ -53,8 +53,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.load_test import Percentiles, percentiles
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import Stack, StackConfig, running_stack
-from kvstash.units import KIB
+from kvstash.common.units import KIB
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
 
 MODES = ("mixed", "P/D")

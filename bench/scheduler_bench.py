@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import ReservationPolicy, SchedulerConfig
 from scheduler_svc.core.scheduler import Scheduler
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc, security, settings, telemetry, units
-from kvstash.malloc_tuning import tune_malloc
-from kvstash.metrics import listen_host
+from kvstash.common import rpc, security, settings, telemetry, units
+from kvstash.common.malloc_tuning import tune_malloc
+from kvstash.common.metrics import listen_host
 
 # Every flag that sets a CacheConfig field defaults to that field's default.
 _DEFAULTS = CacheConfig()

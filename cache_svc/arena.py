@@ -19,7 +19,7 @@ Ownership of the file: the cache holds an exclusive flock on it while it
 lives. A cache that dies leaves the file behind; the next cache to start in
 the same directory finds it unlocked and removes it (`remove_stale`), so a
 crash loop cannot fill /dev/shm. A worker still mapping a removed arena keeps
-its memory until it drops the mapping (kvstash.shared_arena does once it
+its memory until it drops the mapping (kvstash.cache_sdk.shared_arena does once it
 sees a new arena id).
 """
 
@@ -34,7 +34,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvstash.shared_arena import buffer_address
+from kvstash.cache_sdk.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 

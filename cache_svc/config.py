@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstash.chunk_codec import MAX_CHUNK_BYTES
-from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
-from kvstash.units import GIB, MIB
+from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES
+from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.common.units import GIB, MIB
 
 # Chunks of max_inflight_bytes an admitted put holds (see cache_svc.put_stream).
 PUT_SHARE_CHUNKS = 3

@@ -5,10 +5,10 @@ from __future__ import annotations
 from cache_svc.model import CacheStats, SnapshotInfo, TierName
 from cache_svc.snapshot import SnapshotMeta
 from kvstash import errors
-from kvstash.chunk_codec import CHECKSUM_XXH3_64
-from kvstash.stats import values
+from kvstash.cache_sdk.chunk_codec import CHECKSUM_XXH3_64
+from kvstash.common.stats import values
+from kvstash.common.wire import layout_from_proto, layout_to_proto
 from kvstash.v1 import cache_pb2
-from kvstash.wire import layout_from_proto, layout_to_proto
 
 _ALGORITHM_NAMES = {cache_pb2.CHECKSUM_ALGORITHM_XXH3_64: CHECKSUM_XXH3_64}
 _ALGORITHM_CODES = {name: code for code, name in _ALGORITHM_NAMES.items()}
@@ -56,6 +56,6 @@ def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
 
 
 def stats_to_proto(stats: CacheStats) -> cache_pb2.CacheStats:
-    """Every declared stat (kvstash.stats) into the proto field of its name; a
+    """Every declared stat (kvstash.common.stats) into the proto field of its name; a
     test keeps the two one to one, in names and types."""
     return cache_pb2.CacheStats(**values(stats))

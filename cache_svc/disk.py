@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import SnapshotMeta
+from kvstash.common.ids import check_snapshot_id
+from kvstash.common.layout import Layout
+from kvstash.common.units import MIB
 from kvstash.errors import DataLoss, InvalidArgument
-from kvstash.ids import check_snapshot_id
-from kvstash.layout import Layout
-from kvstash.units import MIB
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import threading
 
 from cache_svc.model import Buffer
 from cache_svc.snapshot import SnapshotMeta
-from kvstash.chunk_codec import checksum
+from kvstash.cache_sdk.chunk_codec import checksum
+from kvstash.common.units import MIB
 from kvstash.errors import DataLoss, InvalidArgument, preview
-from kvstash.units import MIB
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module lacks the name
 _POPULATE_STEP_BYTES = 16 * MIB

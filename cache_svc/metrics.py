@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from cache_svc.model import CacheStats
 from cache_svc.store import SnapshotStore
-from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
-from kvstash.stats import declared
+from kvstash.common.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
+from kvstash.common.stats import declared
 
 _PREFIX = "kvstash_cache_"
 

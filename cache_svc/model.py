@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.snapshot import SnapshotMeta
-from kvstash.stats import counter, gauge
+from kvstash.common.stats import counter, gauge
 
 # A snapshot's bytes in memory: a private mapping, or an extent of the arena.
 Buffer = mmap.mmap | memoryview
@@ -60,7 +60,7 @@ class SnapshotInfo:
 @dataclass(slots=True)
 class Counters:
     """The store's event counts, incremented in place. Each field is declared
-    once, here, with its metric (kvstash.stats); CacheStats carries them all."""
+    once, here, with its metric (kvstash.common.stats); CacheStats carries them all."""
 
     num_puts: int = counter("puts", "Completed puts")
     num_gets: int = counter("gets", "Gets started")
@@ -82,7 +82,7 @@ class CacheStats(Counters):
     """A snapshot: every counter as it stood, plus the figures read from the
     tiers at the time. The service reports it over GetStats (kvstash.v1.CacheStats,
     field by field) and exports it as metrics; each field is declared once,
-    here or in Counters (kvstash.stats)."""
+    here or in Counters (kvstash.common.stats)."""
 
     # Counted by Tiers, which evicts and spills.
     num_evictions: int = counter("evictions", "Unpinned snapshots evicted under pressure")

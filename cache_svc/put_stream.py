@@ -32,7 +32,7 @@ import grpc
 from cache_svc.config import PUT_SHARE_CHUNKS
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.snapshot import SnapshotMeta
-from kvstash.chunk_codec import ADMITTED_KEY, MAX_CHUNK_BYTES
+from kvstash.cache_sdk.chunk_codec import ADMITTED_KEY, MAX_CHUNK_BYTES
 from kvstash.errors import DeadlineExceeded
 
 DRAIN_SHARE_BYTES = 2 * MAX_CHUNK_BYTES

@@ -22,16 +22,17 @@ from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.model import Buffer, SnapshotInfo
 from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
 from cache_svc.store import SnapshotStore
-from kvstash import errors, rpc
-from kvstash.chunk_codec import (
+from kvstash import errors
+from kvstash.cache_sdk.chunk_codec import (
     MAX_CHUNK_BYTES,
     RawChunk,
     decode_put_request,
     encode_chunk,
     encode_message,
 )
-from kvstash.metrics import MetricsServer
-from kvstash.security import PLAINTEXT, Security
+from kvstash.common import rpc
+from kvstash.common.metrics import MetricsServer
+from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
 
 def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
     """The generated add_KVCacheServicer_to_server, except that PutSnapshot and
-    GetSnapshot move chunks in kvstash.chunk_codec's raw wire format (same bytes on
+    GetSnapshot move chunks in kvstash.cache_sdk.chunk_codec's raw wire format (same bytes on
     the wire; one copy per chunk instead of protobuf's three)."""
     handlers = {
         "PutSnapshot": grpc.stream_unary_rpc_method_handler(

@@ -8,19 +8,19 @@ sent as chunks of `chunk_bytes` (only the last may be shorter):
     |-- chunk 0 --|-- chunk 1 ----|-- ... --|- last -|
 
 Everything a client sends is validated here, before it reaches a tier; ids in
-particular are checked against a strict alphabet (`kvstash.ids`) because the
+particular are checked against a strict alphabet (`kvstash.common.ids`) because the
 disk tier names files after them. The chunk size limits and the checksum are
-the wire's (`kvstash.chunk_codec`), shared with CacheClient.
+the wire's (`kvstash.cache_sdk.chunk_codec`), shared with CacheClient.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstash.chunk_codec import CHECKSUM_XXH3_64, check_chunk_bytes
+from kvstash.cache_sdk.chunk_codec import CHECKSUM_XXH3_64, check_chunk_bytes
+from kvstash.common.ids import check_snapshot_id
+from kvstash.common.layout import Layout
 from kvstash.errors import InvalidArgument
-from kvstash.ids import check_snapshot_id
-from kvstash.layout import Layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,9 @@ from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import Buffer, CacheStats, Counters, Entry, Residence, SnapshotInfo
 from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
+from kvstash.common.ids import check_snapshot_id
+from kvstash.common.malloc_tuning import trim_heap
+from kvstash.common.stats import values
 from kvstash.errors import (
     AlreadyExists,
     DataLoss,
@@ -40,9 +43,6 @@ from kvstash.errors import (
     Unavailable,
     preview,
 )
-from kvstash.ids import check_snapshot_id
-from kvstash.malloc_tuning import trim_heap
-from kvstash.stats import values
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,16 @@ import logging
 import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
-from kvstash import security, settings, telemetry
-from kvstash.malloc_tuning import tune_malloc
-from kvstash.rpc import (
+from kvstash.common import security, settings, telemetry
+from kvstash.common.malloc_tuning import tune_malloc
+from kvstash.common.rpc import (
     add_connection_flags,
     announce_ready,
     connections_from_args,
     run_until_signalled,
     setup_logging,
 )
-from kvstash.units import parse_bytes
+from kvstash.common.units import parse_bytes
 
 log = logging.getLogger("gpu_worker")
 _DEFAULTS = WorkerConfig()

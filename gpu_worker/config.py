@@ -10,10 +10,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
-from kvstash.rpc import DEFAULT_CONNECTIONS, Connections
-from kvstash.security import PLAINTEXT, Security
-from kvstash.units import GIB
+from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.common.rpc import DEFAULT_CONNECTIONS, Connections
+from kvstash.common.security import PLAINTEXT, Security
+from kvstash.common.units import GIB
 
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
 DTYPES = (AUTO_DTYPE, "float32", "float64", "float16", "bfloat16")
@@ -53,7 +53,7 @@ class WorkerConfig:
     metrics_port: int = 0  # Prometheus /metrics port; 0 = off
     metrics_host: str = DEFAULT_METRICS_HOST  # /metrics listens here; 0.0.0.0 = everywhere
     # TLS of its server (mutual: only peers the CA signed) and of its channel
-    # to the cache service (kvstash.security).
+    # to the cache service (kvstash.common.security).
     security: Security = PLAINTEXT
     connections: Connections = DEFAULT_CONNECTIONS  # keepalive, idle and stream limits
 
@@ -144,7 +144,7 @@ class ModelConfig:
 
 
 def tiny_model_config() -> ModelConfig:
-    """The built-in model: byte vocabulary (kvstash.tokenizer.ByteTokenizer), a
+    """The built-in model: byte vocabulary (kvstash.common.tokenizer.ByteTokenizer), a
     few layers, GQA with two query heads per KV head. Runs anywhere in milliseconds."""
     return ModelConfig(
         vocab_size=258,

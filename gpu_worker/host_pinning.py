@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstash.shared_arena import buffer_address
+from kvstash.cache_sdk.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 

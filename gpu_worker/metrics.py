@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gpu_worker.runner import SeqWork
-from kvstash.metrics import TRANSFER_BUCKETS
+from kvstash.common.metrics import TRANSFER_BUCKETS
 
 _PREFIX = "kvstash_worker_"
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -35,8 +35,8 @@ from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
+from kvstash.common.layout import Layout
 from kvstash.errors import InvalidArgument
-from kvstash.layout import Layout
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstash.sampling import GREEDY, SamplingParams
+from kvstash.common.sampling import GREEDY, SamplingParams
 
 __all__ = ["GREEDY", "SamplingBatch", "SamplingParams", "draw_seed", "filtered_rows",
            "sample_rows", "seeded_uniform"]

@@ -33,18 +33,18 @@ from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.runner import ModelRunner, SeqWork, build_runner
 from gpu_worker.transfer import KvTransfer, SnapshotClient
 from kvstash import errors
-from kvstash.cache_client import CacheClient
-from kvstash.ids import check_request_id, check_snapshot_id
-from kvstash.metrics import MetricsServer
-from kvstash.rpc import (
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.ids import check_request_id, check_snapshot_id
+from kvstash.common.metrics import MetricsServer
+from kvstash.common.rpc import (
     MAX_WORKER_INFO_BYTES,
     create_server,
     maps_errors,
     set_serving,
 )
-from kvstash.sampling import GREEDY
+from kvstash.common.sampling import GREEDY
+from kvstash.common.wire import layout_to_proto, sampling_from_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from kvstash.wire import layout_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -33,15 +33,15 @@ import torch
 
 from gpu_worker.runner import ModelRunner
 from kvstash import errors
-from kvstash.layout import Layout
+from kvstash.common.layout import Layout
+from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import cache_pb2
-from kvstash.wire import layout_from_proto
 
 T = TypeVar("T")
 
 
 class SnapshotClient(Protocol):
-    """What the worker needs of `kvstash.cache_client.CacheClient`: every
+    """What the worker needs of `kvstash.cache_sdk.cache_client.CacheClient`: every
     call is bounded by the `timeout_s` it is given. Puts say nothing of how
     the cache keeps a snapshot: that is the cache's admission policy
     (CacheClient's defaults: kept until read or deleted, expired after the

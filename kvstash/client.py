@@ -12,8 +12,8 @@ from types import TracebackType
 
 import grpc
 
-from kvstash import rpc
-from kvstash.security import PLAINTEXT, Security
+from kvstash.common import rpc
+from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 _FINISH_REASON = {

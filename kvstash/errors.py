@@ -1,14 +1,14 @@
 """Domain errors shared by every service's core.
 
 Core code raises these (it never imports grpc); each service's gRPC edge maps
-them to status codes with `kvstash.rpc.status_for`. Messages name the
+them to status codes with `kvstash.common.rpc.status_for`. Messages name the
 quantities involved, e.g. "prompt has 900 tokens, max_model_len is 512".
 """
 
 from __future__ import annotations
 
 # Longest snapshot id any service accepts; longer is INVALID_ARGUMENT. (Request
-# ids have their own limit: kvstash.ids.)
+# ids have their own limit: kvstash.common.ids.)
 MAX_ID_CHARS = 128
 
 

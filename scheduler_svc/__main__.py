@@ -17,12 +17,12 @@ import sys
 
 import grpc
 
-from kvstash import rpc, security, settings, telemetry
-from kvstash.cache_client import CacheClient
-from kvstash.metrics import DEFAULT_METRICS_HOST, listen_host
-from kvstash.tokenizer import load_tokenizer
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common import rpc, security, settings, telemetry
+from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.common.tokenizer import load_tokenizer
+from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from kvstash.wire import layout_from_proto
 from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig

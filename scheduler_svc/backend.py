@@ -16,8 +16,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from kvstash import errors
-from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import Tokenizer
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.tokenizer import Tokenizer
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
 from scheduler_svc.core.request import RequestStatus

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from kvstash import errors
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstash import rpc, wire
-from kvstash.layout import Layout
-from kvstash.sampling import SamplingParams
-from kvstash.security import PLAINTEXT, Security
+from kvstash.common import rpc, wire
+from kvstash.common.layout import Layout
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.v1_wire import FINISH_STATUS, usage_from_proto

@@ -16,7 +16,7 @@ enters P/D code. Every step's wall time goes back into the core
 (`observe_step`) for its cost model; each preemption is a "preempted" event
 on the request's trace and a count by mode and reason. With
 EngineConfig.tracing each request keeps the trace context it was submitted
-in (kvstash.telemetry): its copies' spans and its phases join its trace.
+in (kvstash.common.telemetry): its copies' spans and its phases join its trace.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvstash import errors
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.copies import Copies
@@ -57,7 +57,7 @@ INTEGRITY_EXIT_CODE = 70
 class EngineConfig:
     # One offload or restore, end to end: the worker bounds its cache calls by it.
     transfer_timeout_s: float = 60.0
-    # Emit phase and transfer spans (kvstash.telemetry is on). Off, the step
+    # Emit phase and transfer spans (kvstash.common.telemetry is on). Off, the step
     # loop builds no span data at all.
     tracing: bool = False
     # Check every invariant of the core (O(pool + requests)) whenever the loop

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from opentelemetry import context as otel_context
 
 from kvstash import errors
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.copies import Copies
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus

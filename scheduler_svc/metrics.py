@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstash.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
-from kvstash.stats import Kind, Stat, declared
+from kvstash.common.metrics import TRANSFER_BUCKETS, MetricsServer, StatsCollector
+from kvstash.common.stats import Kind, Stat, declared
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.costs import CostEstimates
 from scheduler_svc.core.outputs import Preempted, PreemptReason, SchedulerStats

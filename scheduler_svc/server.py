@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry import trace
 
-from kvstash import errors, rpc
-from kvstash.ids import check_request_id, check_snapshot_id
-from kvstash.stats import values
-from kvstash.tokenizer import Tokenizer
+from kvstash import errors
+from kvstash.common import rpc
+from kvstash.common.ids import check_request_id, check_snapshot_id
+from kvstash.common.stats import values
+from kvstash.common.tokenizer import Tokenizer
+from kvstash.common.wire import sampling_from_proto
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from kvstash.wire import sampling_from_proto
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
@@ -38,7 +39,7 @@ RETRY_AFTER_S = 0.05
 
 
 def stats_to_proto(stats: SchedulerStats) -> scheduler_pb2.SchedulerStats:
-    """Every declared stat (kvstash.stats) into the proto field of its name; a
+    """Every declared stat (kvstash.common.stats) into the proto field of its name; a
     test keeps the two one to one, in names and types."""
     return scheduler_pb2.SchedulerStats(**values(stats))
 

@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from kvstash import rpc
-from kvstash.security import PLAINTEXT, Security
+from kvstash.common import rpc
+from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import scheduler_pb2_grpc
 from scheduler_svc.backend import Backend, BackendSlot
 from scheduler_svc.server import SERVICE_NAME, SchedulerServicer

@@ -1,4 +1,4 @@
-"""The scheduler's own spans (see kvstash.telemetry for setup and the trace shape).
+"""The scheduler's own spans (see kvstash.common.telemetry for setup and the trace shape).
 
 Called by the engine only when tracing is on; every helper takes the request's
 trace context (None when it has none) and is a no-op without one.

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from kvstash import errors, rpc
+from kvstash import errors
+from kvstash.common import rpc
+from kvstash.common.ids import check_request_id
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.tokenizer import Tokenizer
 from kvstash.errors import preview
-from kvstash.ids import check_request_id
-from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import Tokenizer
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.outputs import RequestUpdate
 from scheduler_svc.core.request import RequestStatus

@@ -27,8 +27,9 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from kvstash import errors, rpc
-from kvstash.tokenizer import byte_tokenizer_config, byte_tokenizer_json
+from kvstash import errors
+from kvstash.common import rpc
+from kvstash.common.tokenizer import byte_tokenizer_config, byte_tokenizer_json
 from scheduler_svc.backend import Backend
 
 _TOKENIZER_CHUNK_BYTES = 64 * 1024

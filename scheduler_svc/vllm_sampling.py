@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from kvstash import errors
-from kvstash.ids import check_request_id
-from kvstash.sampling import MAX_SEED, SamplingParams
-from kvstash.tokenizer import TextStream
+from kvstash.common.ids import check_request_id
+from kvstash.common.sampling import MAX_SEED, SamplingParams
+from kvstash.common.tokenizer import TextStream
 
 # SamplingParams fields kvstash has no counterpart for, with their neutral value.
 # (include_stop_str_in_output shapes the text, which the gateway makes.)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstash.stack import Stack, StackConfig, running_stack
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 
 
 @pytest.fixture(scope="session")

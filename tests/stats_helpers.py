@@ -1,4 +1,4 @@
-"""Checking a stats proto message against the stats declared for it (kvstash.stats)."""
+"""Checking a stats proto message against the stats declared for it (kvstash.common.stats)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from kvstash.stats import Kind, Stat
+from kvstash.common.stats import Kind, Stat
 
 _T = FieldDescriptor
 # The proto types a declared stat may travel as: no figure is negative, and a

@@ -11,8 +11,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvstash.common.ids import check_snapshot_id
 from kvstash.errors import InvalidArgument
-from kvstash.ids import check_snapshot_id
 
 E = TypeVar("E", bound=enum.Enum)
 

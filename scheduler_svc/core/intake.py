@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from kvstash.common.sampling import SamplingParams
 from kvstash.errors import AlreadyExists, InvalidArgument
-from kvstash.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request, RequestStatus
 

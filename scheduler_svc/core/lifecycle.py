@@ -40,8 +40,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
+from kvstash.common.ids import snapshot_id_for
 from kvstash.errors import FailedPrecondition, NotFound
-from kvstash.ids import snapshot_id_for
 from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_manager import KVCacheManager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvstash.stats import counter, gauge
+from kvstash.common.stats import counter, gauge
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.seq import ScheduledSeq
@@ -118,7 +118,7 @@ class RequestUpdate:
 class Counters:
     """The scheduler's cumulative figures, incremented in place as things happen
     (plain attribute increments: the step loop counts every token). Each field
-    is declared once, here, with its metric (kvstash.stats); SchedulerStats
+    is declared once, here, with its metric (kvstash.common.stats); SchedulerStats
     carries them all."""
 
     num_preemptions_offload: int = counter("preemptions_offload", "Preemptions that stashed KV")
@@ -164,7 +164,7 @@ class SchedulerStats(Counters):
     """A snapshot: every counter as it stood, plus the figures read from the
     scheduler's state at the time. The service reports it over GetStats
     (kvstash.v1.SchedulerStats, field by field) and exports it as metrics;
-    each field is declared once, here or in Counters (kvstash.stats)."""
+    each field is declared once, here or in Counters (kvstash.common.stats)."""
 
     # schedule() calls: the step id, which the scheduler keeps itself.
     num_steps: int = counter("steps", "Engine steps scheduled")

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvstash.common.sampling import SamplingParams
 from kvstash.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from kvstash.sampling import SamplingParams
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.costs import CostModel

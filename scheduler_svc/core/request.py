@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.seq import ScheduledSeq
 
 

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, islice
 
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.stats import values
 from kvstash.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstash.sampling import SamplingParams
-from kvstash.stats import values
 from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.costs import CostEstimates

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from kvstash import chunk_codec
-from kvstash.layout import Layout
-from kvstash.units import MIB
+from kvstash.cache_sdk import chunk_codec
+from kvstash.common.layout import Layout
+from kvstash.common.units import MIB
+from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
-from kvstash.wire import layout_to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ async def send_without_waiting(
     channel: grpc.aio.Channel, messages: Iterable[bytes], timeout_s: float = 60
 ) -> grpc.StatusCode:
     """One PutSnapshot of these wire messages (a header, then chunks from
-    kvstash.chunk_codec.encode_chunk), sent the way grpcurl or a client in
+    kvstash.cache_sdk.chunk_codec.encode_chunk), sent the way grpcurl or a client in
     another language may: all at once, never waiting for the server's
     admission metadata. Returns the call's status."""
     put = channel.stream_unary("/kvstash.v1.KVCache/PutSnapshot",

@@ -12,9 +12,9 @@ import pytest
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import CacheServer, create_cache_server
-from kvstash.cache_client import CacheClient
-from kvstash.rpc import insecure_channel
-from kvstash.units import MIB
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.rpc import insecure_channel
+from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2_grpc
 
 # The test modules import `cache_helpers` from this folder; tests/ is not a

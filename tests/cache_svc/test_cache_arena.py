@@ -1,5 +1,5 @@
 """The co-located path: the memory tier in a shared-memory arena that clients
-map (cache_svc.arena, cache.proto PutShared/GetShared, kvstash.shared_arena)."""
+map (cache_svc.arena, cache.proto PutShared/GetShared, kvstash.cache_sdk.shared_arena)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from cache_helpers import (
 
 from cache_svc.arena import ALIGN, Arena, remove_stale
 from kvstash import errors
-from kvstash.cache_client import CacheClient
-from kvstash.chunk_codec import checksum
-from kvstash.shared_arena import copy_hashed, copy_verified
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.cache_sdk.chunk_codec import checksum
+from kvstash.cache_sdk.shared_arena import copy_hashed, copy_verified
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
@@ -367,8 +367,8 @@ async def test_shared_get_must_start_at_chunk_zero(start_cache, tmp_path) -> Non
 
 _HALF_WRITER = textwrap.dedent("""
     import asyncio, sys
-    from kvstash.cache_client import CacheClient
-    from kvstash.layout import Layout
+    from kvstash.cache_sdk.cache_client import CacheClient
+    from kvstash.common.layout import Layout
 
     async def main():
         layout = Layout(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64,

@@ -13,7 +13,7 @@ from cache_helpers import MIB, make_layout, make_payload, start_cache_process
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
 from cache_svc.limiter import BandwidthLimiter
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 
 LAYOUT = make_layout()  # 32 KiB blocks
 SLACK = 0.9  # timer granularity: a paced transfer may end a hair early

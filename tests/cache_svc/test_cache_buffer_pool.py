@@ -25,7 +25,7 @@ from cache_helpers import (
 from cache_svc import tiers
 from cache_svc.buffers import BufferPool, close_now
 from kvstash import errors
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout()  # 32 KiB blocks

@@ -9,7 +9,7 @@ import pytest
 
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
-from kvstash.units import GIB, MIB
+from kvstash.common.units import GIB, MIB
 
 
 def test_no_flags_give_the_config_defaults() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cache_svc.convert import stats_to_proto
 from cache_svc.model import CacheStats
-from kvstash.stats import declared
+from kvstash.common.stats import declared
 from kvstash.v1 import cache_pb2
 from tests.stats_helpers import proto_mismatches
 

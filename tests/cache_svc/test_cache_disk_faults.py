@@ -16,7 +16,7 @@ from cache_helpers import MIB, make_layout, make_payload, wait_until
 from cache_svc.disk import DATA_OFFSET, DiskFiles
 from cache_svc.snapshot import SnapshotMeta
 from kvstash import errors
-from kvstash.layout import Layout
+from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout()  # 32 KiB blocks

@@ -1,4 +1,4 @@
-"""What a failed cache call raises: one status <-> error mapping (kvstash.rpc)
+"""What a failed cache call raises: one status <-> error mapping (kvstash.common.rpc)
 for the cache server, the cache client and the worker in between."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kvstash import errors, rpc
-from kvstash.cache_client import CacheClient
-from kvstash.layout import Layout
+from kvstash import errors
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common import rpc
+from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2_grpc
 
 

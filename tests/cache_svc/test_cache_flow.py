@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cache_helpers import MIB, make_layout, make_payload
 
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout()  # 32 KiB blocks

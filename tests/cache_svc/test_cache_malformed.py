@@ -20,7 +20,7 @@ from cache_helpers import (
 )
 
 from cache_svc.put_stream import PutStream
-from kvstash.chunk_codec import MAX_CHUNK_BYTES
+from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout()  # 32 KiB blocks

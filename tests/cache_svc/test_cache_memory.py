@@ -21,9 +21,9 @@ from cache_helpers import (
 
 from cache_svc.config import CacheConfig
 from kvstash import errors
-from kvstash.cache_client import CacheClient
-from kvstash.chunk_codec import checksum, encode_chunk
-from kvstash.layout import Layout
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.cache_sdk.chunk_codec import checksum, encode_chunk
+from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2
 
 BUDGET = 256 * MIB

@@ -16,8 +16,8 @@ from cache_svc.config import CacheConfig
 from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.model import CacheStats
 from cache_svc.store import SnapshotStore
-from kvstash import settings
-from kvstash.stats import Kind, declared
+from kvstash.common import settings
+from kvstash.common.stats import Kind, declared
 from tests.metrics_helpers import free_port, scrape
 from tests.stats_helpers import count_distinct
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from cache_helpers import MIB, wait_until
 
-from kvstash.layout import Layout
+from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2
 
 LAYOUT = Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=MIB // 4, dtype="float16")

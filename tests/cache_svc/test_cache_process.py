@@ -12,7 +12,7 @@ from cache_helpers import MIB, make_layout, make_payload, start_cache_process, w
 
 from cache_svc.config import CacheConfig
 from kvstash import errors
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks

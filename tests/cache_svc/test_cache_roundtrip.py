@@ -7,9 +7,9 @@ import pytest
 from cache_helpers import MIB, bytes_per_block, make_layout, make_payload
 
 from kvstash import errors
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import cache_pb2
-from kvstash.wire import layout_from_proto
 
 LAYOUTS = [
     make_layout("float16"),

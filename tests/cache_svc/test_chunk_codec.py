@@ -1,4 +1,4 @@
-"""kvstash.chunk_codec writes exactly protobuf's bytes for a Chunk and reads
+"""kvstash.cache_sdk.chunk_codec writes exactly protobuf's bytes for a Chunk and reads
 back whatever protobuf writes; the server gets it without the client, and
 both sides hold chunks to its one set of rules."""
 
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from cache_svc.snapshot import SnapshotMeta
 from kvstash import errors
-from kvstash.cache_client import CacheClient
-from kvstash.chunk_codec import (
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.cache_sdk.chunk_codec import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -28,7 +28,7 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
-from kvstash.layout import Layout
+from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2
 
 CASES = [(0, b"", 0), (1, b"x" * 300, 2**64 - 1), (2**32 - 1, bytes(range(256)) * 8, 12345)]
@@ -83,12 +83,12 @@ def test_garbage_is_decoded_or_refused_with_decode_error(message: bytes) -> None
 
 def test_server_does_not_import_the_client() -> None:
     code = ("import sys, cache_svc.server; "
-            "sys.exit('kvstash.cache_client' in sys.modules)")
+            "sys.exit('kvstash.cache_sdk.cache_client' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
 def test_the_codec_imports_neither_grpc_nor_torch() -> None:
-    code = ("import sys, kvstash.chunk_codec; "
+    code = ("import sys, kvstash.cache_sdk.chunk_codec; "
             "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 

@@ -17,10 +17,11 @@ from cache_svc.server import create_cache_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import SeqWork
 from gpu_worker.server import create_worker_server
-from kvstash import errors, rpc
-from kvstash.cache_client import CacheClient
-from kvstash.rpc import insecure_channel
-from kvstash.units import MIB
+from kvstash import errors
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common import rpc
+from kvstash.common.rpc import insecure_channel
+from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.worker_link import WorkerLink

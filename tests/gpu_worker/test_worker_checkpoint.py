@@ -17,7 +17,7 @@ from gpu_worker.hf_config import parse_model_config
 from gpu_worker.model import CausalLM, fill_random
 from gpu_worker.runner import SeqWork, build_runner
 from gpu_worker.server import info_proto
-from kvstash.tokenizer import load_tokenizer
+from kvstash.common.tokenizer import load_tokenizer
 from tests.gpu_worker.oracle import reference_forward
 
 WORDS = ["[UNK]", "<eos>", "hello", "world", "the", "cache", "stash", "kv", "blocks"]

@@ -21,8 +21,8 @@ from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import SamplingBatch, SamplingParams, sample_rows, to_device
 from gpu_worker.transfer import KvTransfer
-from kvstash.cache_client import CacheClient
-from kvstash.units import MIB
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.units import MIB
 from tests.gpu_worker.test_worker_batched import PROMPTS, Request, run, tables
 from tests.gpu_worker.worker_factories import BLOCK_SIZE
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mmap
 
 from gpu_worker.host_pinning import PinnedRegions
-from kvstash.shared_arena import buffer_address
+from kvstash.cache_sdk.shared_arena import buffer_address
 
 
 class Recorder:

@@ -14,11 +14,12 @@ from tokenizers import Tokenizer, models
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.server import WorkerServer, create_worker_server
-from kvstash import errors, rpc
-from kvstash.rpc import MAX_MESSAGE_BYTES, insecure_channel
-from kvstash.sampling import SamplingParams
+from kvstash import errors
+from kvstash.common import rpc
+from kvstash.common.rpc import MAX_MESSAGE_BYTES, insecure_channel
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.wire import sampling_to_proto
 from kvstash.v1 import cache_pb2, common_pb2, worker_pb2, worker_pb2_grpc
-from kvstash.wire import sampling_to_proto
 from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS
 from tests.gpu_worker.worker_factories import MemoryCache, blocks_for, make_runner, prompt
 

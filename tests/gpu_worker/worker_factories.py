@@ -17,10 +17,10 @@ from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from kvstash import errors
-from kvstash.layout import Layout
-from kvstash.sampling import GREEDY, SamplingParams
+from kvstash.common.layout import Layout
+from kvstash.common.sampling import GREEDY, SamplingParams
+from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import cache_pb2
-from kvstash.wire import layout_to_proto
 
 BLOCK_SIZE = 4
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from chart_helpers import VALUE_SETS, env, one, rendered
 
-from kvstash import cli, security, settings, telemetry
+from kvstash.common import security, settings, telemetry
+from kvstash.launch import cli
 
 SERVICES = {"scheduler": "SCHEDULER", "worker": "WORKER", "cache": "CACHE"}
 
@@ -91,7 +92,7 @@ def dry_parse(service: str, variables: dict[str, str], monkeypatch: pytest.Monke
 
 
 def known_variables(parser: argparse.ArgumentParser, service: str) -> set[str]:
-    """The variables kvstash/settings.py reads for `parser`."""
+    """The variables kvstash/common/settings.py reads for `parser`."""
     names = set()
     for action in parser._actions:
         long_options = [o for o in action.option_strings if o.startswith("--")]

@@ -20,8 +20,8 @@ import pytest
 from chart_helpers import REPO, container, env, instances, one, pod_labels, render, workloads
 from fake_kubernetes import FakeKubernetes, ready_pod
 
-from kvstash.gateway import smg_executable
-from kvstash.processes import Service, start_service, stop_process
+from kvstash.launch.gateway import smg_executable
+from kvstash.launch.processes import Service, start_service, stop_process
 
 MODULES = {"cache": "cache_svc", "worker": "gpu_worker", "scheduler": "scheduler_svc"}
 
@@ -69,7 +69,7 @@ def test_rendered_pod_serves_a_generation(tmp_path: Path,
             capture_output=True, text=True, timeout=120, check=False)
         assert health.returncode == 0, health.stderr
         generated = subprocess.run(
-            [sys.executable, "-m", "kvstash.cli", "generate", "Once upon a time",
+            [sys.executable, "-m", "kvstash.launch.cli", "generate", "Once upon a time",
              "--address", scheduler, "--max-tokens", "8"],
             capture_output=True, text=True, timeout=120, check=False)
         assert generated.returncode == 0, generated.stderr

@@ -74,7 +74,7 @@ def test_gateway_image_is_the_pinned_smg_without_torch_as_our_user() -> None:
     assert gateway.startswith("FROM slim AS gateway")  # python slim, no kvstash wheel
     assert by_name["slim"].startswith("FROM ${PYTHON_IMAGE} AS slim")
     assert "torch" not in gateway.lower() and "kvstash-" not in gateway  # no wheel, no torch
-    assert "HF_ENDPOINT=http://127.0.0.1:9" in gateway  # as the chart and kvstash/gateway.py
+    assert "HF_ENDPOINT=http://127.0.0.1:9" in gateway  # as the chart and kvstash/launch/gateway.py
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     exposed = {int(p) for p in re.findall(r"^EXPOSE (.+)$", gateway, re.MULTILINE)[0].split()}
     assert exposed == {values["gateway"]["port"], values["metrics"]["ports"]["gateway"]}

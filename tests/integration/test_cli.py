@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvstash.client import Client
-from kvstash.openai_http import request_json
-from kvstash.stack import StackConfig, running_stack
+from kvstash.launch.openai_http import request_json
+from kvstash.launch.stack import StackConfig, running_stack
 
 
 def _alive(pid: int) -> bool:
@@ -48,7 +48,7 @@ class Up:
 
 def start_up(*extra: str) -> Up:
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.cli", "up", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0",
          "--num-blocks", "64", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -146,8 +146,8 @@ def test_demo_checks_pressured_outputs_against_replays(extra: tuple[str, ...]) -
     run preempts depends on timing: test_preemption.py and test_gateway.py
     force preemptions.)"""
     done = subprocess.run(
-        [sys.executable, "-m", "kvstash.cli", "demo", "--requests", "12", "--max-tokens", "48",
-         "--num-blocks", "24", *extra],
+        [sys.executable, "-m", "kvstash.launch.cli", "demo", "--requests", "12",
+         "--max-tokens", "48", "--num-blocks", "24", *extra],
         check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     table = dict(re.findall(r"^(\w[\w /()]*?)\s{2,}(.+)$", done.stdout, re.MULTILINE))
@@ -173,7 +173,7 @@ def _children(pid: int) -> list[int]:
 
 def test_up_stopped_while_starting_leaves_nothing_behind() -> None:
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.cli", "up", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     # The cache is up and the worker starting: a stop now lands in the wait
@@ -221,8 +221,8 @@ def test_console_span_exporter_output_reaches_the_log(
 
 
 def test_every_service_runs_alone_with_help() -> None:
-    for module in ("scheduler_svc", "cache_svc", "gpu_worker", "kvstash.cli"):
+    for module in ("scheduler_svc", "cache_svc", "gpu_worker", "kvstash.launch.cli"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                              text=True, timeout=60, check=False)
         assert out.returncode == 0, out.stderr
-        assert "--listen" in out.stdout or module == "kvstash.cli"
+        assert "--listen" in out.stdout or module == "kvstash.launch.cli"

@@ -19,9 +19,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from kvstash.client import Client
-from kvstash.gateway import running_gateway
-from kvstash.openai_http import REPLACEMENT, request_json, sse_events, stream_completion
-from kvstash.stack import Stack, StackConfig, running_stack
+from kvstash.launch.gateway import running_gateway
+from kvstash.launch.openai_http import REPLACEMENT, request_json, sse_events, stream_completion
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
 from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
 from tests.integration.workload import PRESSURED_BLOCKS, PRESSURED_SCHEDULER_ARGS

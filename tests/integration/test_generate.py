@@ -8,7 +8,7 @@ import pytest
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import Stack
+from kvstash.launch.stack import Stack
 from tests.integration.reference import reference_greedy
 from tests.integration.workload import wait_drained
 
@@ -73,7 +73,7 @@ async def test_max_tokens_zero_refused_by_the_server(stack: Stack) -> None:
     # The Python client refuses it locally; a raw gRPC caller reaches the server.
     import grpc
 
-    from kvstash import rpc
+    from kvstash.common import rpc
     from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
     async with rpc.insecure_channel(stack.address) as channel:

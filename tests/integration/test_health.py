@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstash import rpc
 from kvstash.client import Client
-from kvstash.stack import Stack, StackConfig, running_stack
+from kvstash.common import rpc
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from tests.metrics_helpers import free_port
 
 SERVICES = {

@@ -16,11 +16,11 @@ import grpc
 import pytest
 
 from kvstash.client import Client
-from kvstash.layout import Layout
-from kvstash.processes import Service
-from kvstash.stack import Stack, StackConfig, running_stack
+from kvstash.common.layout import Layout
+from kvstash.common.wire import layout_from_proto
+from kvstash.launch.processes import Service
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvstash.wire import layout_from_proto
 from tests.integration.reference import reference_greedy
 from tests.integration.workload import cache_stats, expected_outputs, run_workload
 

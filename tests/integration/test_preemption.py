@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.client import Client
-from kvstash.stack import StackConfig, arena_args, running_stack
+from kvstash.launch.stack import StackConfig, arena_args, running_stack
 from tests.integration.workload import (
     PRESSURED_BLOCKS,
     PRESSURED_SCHEDULER_ARGS,

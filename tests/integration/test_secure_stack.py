@@ -12,11 +12,12 @@ import pytest
 import trustme
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from kvstash import errors, rpc
-from kvstash.cache_client import CacheClient
+from kvstash import errors
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.security import PLAINTEXT, Security, Tls
-from kvstash.stack import StackConfig, running_stack
+from kvstash.common import rpc
+from kvstash.common.security import PLAINTEXT, Security, Tls
+from kvstash.launch.stack import StackConfig, running_stack
 from tests.integration.workload import (
     PRESSURED_BLOCKS,
     PRESSURED_SCHEDULER_ARGS,

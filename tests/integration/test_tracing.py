@@ -15,9 +15,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from kvstash import telemetry
 from kvstash.client import Client
-from kvstash.stack import StackConfig, arena_args, running_stack
+from kvstash.common import telemetry
+from kvstash.launch.stack import StackConfig, arena_args, running_stack
 from tests.integration.workload import (
     PRESSURED_BLOCKS,
     PRESSURED_SCHEDULER_ARGS,

@@ -10,9 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstash import errors, rpc
+from kvstash import errors
 from kvstash.client import Client
-from kvstash.stack import StackConfig, running_stack
+from kvstash.common import rpc
+from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.reference import reference_greedy
 

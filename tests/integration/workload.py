@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client, GenerateResult
-from kvstash.security import PLAINTEXT, Security
+from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, scheduler_pb2
 from tests.integration.reference import reference_greedy
 

@@ -1,4 +1,4 @@
-"""kvstash.stats and the collector that exports them: a figure declared once,
+"""kvstash.common.stats and the collector that exports them: a figure declared once,
 as a field, is what the snapshot copies and what /metrics shows."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstash.metrics import StatsCollector
-from kvstash.stats import Kind, Stat, counter, declared, gauge, values
+from kvstash.common.metrics import StatsCollector
+from kvstash.common.stats import Kind, Stat, counter, declared, gauge, values
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.outputs import (

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
 

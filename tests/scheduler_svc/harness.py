@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from kvstash.common.sampling import SamplingParams
 from kvstash.errors import NotFound
-from kvstash.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.seq import ScheduledSeq
 from tests.scheduler_svc.factories import add, make_scheduler, prefill_step, step, teach_costs

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from kvstash import errors
-from kvstash.layout import Layout
-from kvstash.sampling import SamplingParams
+from kvstash.common.layout import Layout
+from kvstash.common.sampling import SamplingParams
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.decode_peers import (

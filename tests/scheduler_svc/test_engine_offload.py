@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstash import rpc
-from kvstash.cache_client import CacheClient
-from kvstash.layout import Layout
-from kvstash.processes import Service, start_service
-from kvstash.sampling import SamplingParams
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common import rpc
+from kvstash.common.layout import Layout
+from kvstash.common.sampling import SamplingParams
+from kvstash.launch.processes import Service, start_service
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.request import RequestStatus

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvstash import errors
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc import handoff
 from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import Role

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.request import Request
 

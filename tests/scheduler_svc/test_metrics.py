@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstash import settings
 from kvstash.client import Client
-from kvstash.stack import StackConfig, running_stack
-from kvstash.stats import declared
+from kvstash.common import settings
+from kvstash.common.stats import declared
+from kvstash.launch.stack import StackConfig, running_stack
 from scheduler_svc.__main__ import parse_args
 from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.metrics import SchedulerMetrics

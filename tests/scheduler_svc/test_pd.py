@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstash.common.sampling import SamplingParams
 from kvstash.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -33,7 +34,6 @@ from kvstash.errors import (
     KvstashError,
     NotFound,
 )
-from kvstash.sampling import SamplingParams
 from scheduler_svc.core.config import PreemptionMode, Role, SchedulerConfig
 from scheduler_svc.core.outputs import (
     OffloadCommand,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, SchedulerConfig
 from scheduler_svc.core.request import RequestStatus
 from tests.scheduler_svc.conftest import PROFILE

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstash.sampling import SamplingParams
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.request import Request, RequestStatus
 from tests.scheduler_svc.factories import make_scheduler, step
 

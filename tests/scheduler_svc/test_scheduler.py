@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstash.common.sampling import SamplingParams
 from kvstash.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -9,7 +10,6 @@ from kvstash.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvstash.sampling import SamplingParams
 from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.request import RequestStatus

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
-from kvstash import rpc
-from kvstash.layout import Layout
-from kvstash.tokenizer import ByteTokenizer
+from kvstash.common import rpc
+from kvstash.common.layout import Layout
+from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.core.config import Role

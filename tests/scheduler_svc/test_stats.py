@@ -1,10 +1,10 @@
 """The scheduler's figures are declared once (Counters and SchedulerStats,
-kvstash.stats): stats() copies every counter, and GetStats carries every
+kvstash.common.stats): stats() copies every counter, and GetStats carries every
 declared stat in a proto field of the same name and a matching type."""
 
 from __future__ import annotations
 
-from kvstash.stats import Kind, declared, values
+from kvstash.common.stats import Kind, declared, values
 from kvstash.v1 import scheduler_pb2
 from scheduler_svc.core.outputs import Counters, SchedulerStats
 from scheduler_svc.server import stats_to_proto

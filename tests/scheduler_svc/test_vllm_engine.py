@@ -10,9 +10,9 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvstash.common.sampling import SamplingParams
+from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.errors import InvalidArgument, Unimplemented
-from kvstash.sampling import SamplingParams
-from kvstash.tokenizer import ByteTokenizer
 from scheduler_svc.vllm_info import tokenizer_files, tokenizer_zip
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 

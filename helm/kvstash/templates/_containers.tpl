@@ -1,6 +1,6 @@
 {{/*
 The three containers. Flags reach the services as KVSTASH_<SERVICE>_<FLAG>
-variables (kvstash/settings.py); tests/helm dry-parses each container's with
+variables (kvstash/common/settings.py); tests/helm dry-parses each container's with
 the service's real parser, so chart and code cannot drift apart.
 */}}
 

@@ -262,7 +262,7 @@ seccompProfile:
 
 {{/*
 Flags as environment variables: (dict "service" "SCHEDULER" "flags" $dict) ->
-KVSTASH_SCHEDULER_<FLAG> entries, sorted (kvstash/settings.py reads them).
+KVSTASH_SCHEDULER_<FLAG> entries, sorted (kvstash/common/settings.py reads them).
 */}}
 {{- define "kvstash.flagEnv" -}}
 {{- $service := .service -}}

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvstash.openai_http import HttpError, StreamError, sse_events, stream_completion
+from kvstash.launch.openai_http import HttpError, StreamError, sse_events, stream_completion
 
 
 def chunked(*pieces: bytes, end: bool = True) -> bytes:

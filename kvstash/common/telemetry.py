@@ -243,7 +243,7 @@ class _StreamUnaryClientInterceptor(grpc.aio.StreamUnaryClientInterceptor):
 
     def __init__(self, filter_: Callable[[Any], bool]) -> None:
         self._filter = filter_
-        self._tracer = trace.get_tracer("kvstash.telemetry")
+        self._tracer = trace.get_tracer("kvstash.common.telemetry")
         self._pending: set[asyncio.Task[None]] = set()
 
     async def intercept_stream_unary(

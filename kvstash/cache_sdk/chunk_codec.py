@@ -25,8 +25,8 @@ from typing import Any
 
 import xxhash
 
+from kvstash.common.units import MIB
 from kvstash.errors import InvalidArgument
-from kvstash.units import MIB
 from kvstash.v1 import cache_pb2
 
 # Every chunk but a snapshot's last carries exactly the header's chunk_bytes,

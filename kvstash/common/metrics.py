@@ -18,13 +18,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstash.common.stats import Kind, Stat
 from kvstash.errors import preview
-from kvstash.stats import Kind, Stat
 
 
 class StatsCollector(Collector):
     """A metric named `prefix + stat.metric` for each exported stat of `stats`
-    (kvstash.stats), valued from the same field of `read()`'s snapshot."""
+    (kvstash.common.stats), valued from the same field of `read()`'s snapshot."""
 
     def __init__(self, prefix: str, read: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  stats: Sequence[Stat]) -> None:

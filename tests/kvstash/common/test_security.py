@@ -1,4 +1,4 @@
-"""TLS, mutual TLS and bearer tokens (kvstash.security) over real channels to
+"""TLS, mutual TLS and bearer tokens (kvstash.common.security) over real channels to
 in-process servers, with throwaway CAs from trustme."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import errors, rpc, security
-from kvstash.cache_client import CacheClient
+from kvstash import errors
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.security import Security, Tls
-from kvstash.units import MIB
+from kvstash.common import rpc, security
+from kvstash.common.security import Security, Tls
+from kvstash.common.units import MIB
 from scheduler_svc.serving import create_scheduler_server
 
 TOKEN = "s3cret-token"
@@ -121,7 +122,7 @@ def _cert_of(ca: trustme.CA, name: str) -> tuple[bytes, bytes]:
 
 
 def _layout():  # type: ignore[no-untyped-def]
-    from kvstash.layout import Layout
+    from kvstash.common.layout import Layout
 
     return Layout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64, dtype="float16")
 

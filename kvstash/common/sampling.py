@@ -3,7 +3,7 @@
 The scheduler reads `max_tokens`, `stop_token_ids` and `ignore_eos` (when a
 request finishes); the worker reads `temperature`, `top_k`, `top_p` and
 `seed` (how a token is drawn). Protos convert to and from it only in
-`kvstash.wire`. Construction validates every value, so a bad setting is an
+`kvstash.common.wire`. Construction validates every value, so a bad setting is an
 InvalidArgument that names it, wherever it came from.
 """
 

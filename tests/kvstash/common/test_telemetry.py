@@ -1,4 +1,4 @@
-"""kvstash.telemetry: off unless the OTEL_* variables ask; on, gRPC calls made
+"""kvstash.common.telemetry: off unless the OTEL_* variables ask; on, gRPC calls made
 inside a trace carry it to the server, write-style streaming calls included."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
-from kvstash import telemetry
+from kvstash.common import telemetry
 
 PUT = "/test.Echo/Put"  # stream-unary, like KVCache/PutSnapshot
 GET = "/test.Echo/Get"  # unary-unary
@@ -51,7 +51,7 @@ def test_off_by_default_installs_nothing() -> None:
     code = (
         "import sys, threading, grpc\n"
         "from opentelemetry import trace\n"
-        "from kvstash import telemetry\n"
+        "from kvstash.common import telemetry\n"
         "server, channel = grpc.aio.server, grpc.aio.insecure_channel\n"
         "assert telemetry.setup_tracing(telemetry.SCHEDULER_SERVICE) is None\n"
         "assert not any(m.startswith('opentelemetry.sdk') for m in sys.modules)\n"

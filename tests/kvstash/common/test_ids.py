@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstash.common.ids import check_request_id, check_snapshot_id, snapshot_id_for
 from kvstash.errors import InvalidArgument
-from kvstash.ids import check_request_id, check_snapshot_id, snapshot_id_for
 
 VISIBLE_ASCII = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 REQUEST_IDS = st.text(VISIBLE_ASCII, min_size=1, max_size=256)

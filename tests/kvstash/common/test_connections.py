@@ -1,4 +1,4 @@
-"""Per-connection limits every server applies (kvstash.rpc.Connections):
+"""Per-connection limits every server applies (kvstash.common.rpc.Connections):
 flags, and what a real server does with them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash import rpc
-from kvstash.units import MIB
+from kvstash.common import rpc
+from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 

@@ -24,7 +24,7 @@ client's `timeout_s`.
 
 The co-located path: when the cache keeps its memory tier in an arena this
 process can map (same host, same user), `put` and `get_into` move the bytes
-through it (cache.proto PutShared/GetShared; kvstash.shared_arena), and
+through it (cache.proto PutShared/GetShared; kvstash.cache_sdk.shared_arena), and
 `put_shared`/`get_shared` let a caller fill or read the extent itself (the
 worker gathers KV blocks straight into it). Otherwise, and for snapshots
 only on disk, they stream over gRPC.
@@ -42,8 +42,8 @@ from typing import Any, Self, TypeVar
 import grpc
 from grpc._cython.cygrpc import ExecuteBatchError
 
-from kvstash import errors, rpc
-from kvstash.chunk_codec import (
+from kvstash import errors
+from kvstash.cache_sdk.chunk_codec import (
     ADMITTED_KEY,
     DEFAULT_CHUNK_BYTES,
     RawChunk,
@@ -53,17 +53,18 @@ from kvstash.chunk_codec import (
     encode_chunk,
     encode_message,
 )
-from kvstash.layout import Layout
-from kvstash.security import PLAINTEXT, Security
-from kvstash.shared_arena import (
+from kvstash.cache_sdk.shared_arena import (
     SharedArena,
     chunk_checksums,
     copy_hashed,
     copy_verified,
     verify_chunks,
 )
+from kvstash.common import rpc
+from kvstash.common.layout import Layout
+from kvstash.common.security import PLAINTEXT, Security
+from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from kvstash.wire import layout_to_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,7 +95,7 @@ class CacheClient:
         self._arena_lock = asyncio.Lock()
         self._channel = rpc.channel(address, security)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
-        # Puts and gets move chunks in kvstash.chunk_codec's raw wire format.
+        # Puts and gets move chunks in kvstash.cache_sdk.chunk_codec's raw wire format.
         self._put_snapshot = self._channel.stream_unary(
             _PUT_METHOD, request_serializer=encode_message,
             response_deserializer=cache_pb2.PutSnapshotResponse.FromString,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from kvstash.tokenizer import (
+from kvstash.common.tokenizer import (
     BYTE_BOS_ID,
     BYTE_EOS_ID,
     BYTE_VOCAB_SIZE,

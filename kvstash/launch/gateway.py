@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstash.processes import stop_process
+from kvstash.launch.processes import stop_process
 
 # smg 1.13.0's --policy choices.
 POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",

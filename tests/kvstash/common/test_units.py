@@ -1,4 +1,4 @@
-"""kvstash.units: the one definition of byte units, and the size and duration
+"""kvstash.common.units: the one definition of byte units, and the size and duration
 parsers every CLI uses."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstash import units
+from kvstash.common import units
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -45,6 +45,6 @@ def test_parse_duration_names_bad_input() -> None:
 
 
 def test_units_import_neither_grpc_nor_torch() -> None:
-    code = ("import sys, kvstash.units; "
+    code = ("import sys, kvstash.common.units; "
             "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstash import settings
-from kvstash.processes import start_service
-from kvstash.units import MIB
+from kvstash.common import settings
+from kvstash.common.units import MIB
+from kvstash.launch.processes import start_service
 from tests.integration.workload import cache_stats
 
 

@@ -6,7 +6,7 @@ sizes snapshots in the scheduler (offload decisions) and in the cache service
 (put validation). The worker reports its layout as this type, the scheduler
 sizes its pool and checks decode peers with it, the cache client puts with
 it, the cache stores it. Its wire form is common.proto `KvLayout`, converted
-in `kvstash.wire` only (`layout_to_proto`, `layout_from_proto`).
+in `kvstash.common.wire` only (`layout_to_proto`, `layout_from_proto`).
 """
 
 from __future__ import annotations

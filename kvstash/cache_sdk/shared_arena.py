@@ -23,7 +23,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstash import errors
-from kvstash.chunk_codec import checksum
+from kvstash.cache_sdk.chunk_codec import checksum
 from kvstash.v1 import cache_pb2
 
 _hashers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-hash")

@@ -17,11 +17,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from kvstash.cache_client import CacheClient
+from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.openai_http import REPLACEMENT, request_json, stream_completion
-from kvstash.stack import Stack, StackConfig, running_stack
-from kvstash.units import MIB
+from kvstash.common.units import MIB
+from kvstash.launch.openai_http import REPLACEMENT, request_json, stream_completion
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")

@@ -1,4 +1,4 @@
-"""kvstash.rpc over a real channel: undecodable requests, whatever the
+"""kvstash.common.rpc over a real channel: undecodable requests, whatever the
 handler's shape, end with INVALID_ARGUMENT and a plain message; a servicer's
 failures, unary or streamed, with their status (INTERNAL for a bug)."""
 
@@ -12,7 +12,8 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pool
 
-from kvstash import errors, rpc
+from kvstash import errors
+from kvstash.common import rpc
 
 SERVICE = "test.Echo"
 
@@ -158,7 +159,7 @@ async def test_maps_errors_gives_each_failure_its_status(
         else:
             assert [r async for r in failing.unary_stream(path)(sent)] == [b"first"]
     assert (caught.value.code(), caught.value.details()) == (code, details.format(method=method))
-    logged = [r for r in caplog.records if r.name == "kvstash.rpc"]
+    logged = [r for r in caplog.records if r.name == "kvstash.common.rpc"]
     if code == grpc.StatusCode.INTERNAL:  # a bug: logged with its traceback
         [record] = logged
         assert record.exc_info is not None and f"Failing.{method}" in record.getMessage()

@@ -1,4 +1,4 @@
-"""kvstash.gateway without smg: a stand-in script shows how the launcher
+"""kvstash.launch.gateway without smg: a stand-in script shows how the launcher
 handles a gateway that is missing, dies, never gets ready or ignores SIGTERM.
 (tests/integration/test_gateway.py runs the real one.)"""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstash import gateway
-from kvstash.stack import StackConfig, start_stack
+from kvstash.launch import gateway
+from kvstash.launch.stack import StackConfig, start_stack
 
 
 def fake_smg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:

@@ -7,10 +7,11 @@ import asyncio
 import signal
 import sys
 
-from kvstash import errors, security
+from kvstash import errors
 from kvstash.client import Client
-from kvstash.gateway import POLICIES
-from kvstash.stack import Stack, StackConfig, start_stack
+from kvstash.common import security
+from kvstash.launch.gateway import POLICIES
+from kvstash.launch.stack import Stack, StackConfig, start_stack
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_generate(args))
         if args.command == "stats":
             return asyncio.run(_stats(args))
-        from kvstash.demo import run_demo
+        from kvstash.launch.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)
     except (errors.KvstashError, ValueError, FileNotFoundError, RuntimeError) as exc:

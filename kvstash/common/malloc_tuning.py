@@ -11,7 +11,7 @@ import ctypes.util
 import functools
 import logging
 
-from kvstash.units import MIB
+from kvstash.common.units import MIB
 
 log = logging.getLogger(__name__)
 

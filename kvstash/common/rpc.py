@@ -23,8 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstash import errors
-from kvstash.security import PLAINTEXT, Security, TokenAuth, channel_args, check_listen
-from kvstash.units import MIB, parse_duration
+from kvstash.common.security import PLAINTEXT, Security, TokenAuth, channel_args, check_listen
+from kvstash.common.units import MIB, parse_duration
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Starts the three services as separate local processes and stops them cleanly.
 
 Used by `kvstash up`, `kvstash demo` and the integration tests. Each service
-binds port 0 and announces its address on stdout (`kvstash.rpc.announce_ready`);
+binds port 0 and announces its address on stdout (`kvstash.common.rpc.announce_ready`);
 the launcher waits for that line, so no port is ever guessed.
 
     cache  <-- worker <-- scheduler <-- clients
@@ -15,7 +15,7 @@ which hands each prefilled request to the decode instance.
 
 With `instances` N, N instances (each a worker and its scheduler; prefill
 ones with `pd`, all handing off to the one decode instance) share the
-cache, and with `gateway` the Shepherd Model Gateway (kvstash/gateway.py)
+cache, and with `gateway` the Shepherd Model Gateway (kvstash/launch/gateway.py)
 serves OpenAI HTTP in front of them, routing by prefix:
 
     HTTP clients --> smg --> scheduler 1..N --> worker 1..N --> cache
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstash.gateway import Gateway, check_gateway, start_gateway
-from kvstash.processes import Service, start_service
-from kvstash.units import parse_bytes
+from kvstash.common.units import parse_bytes
+from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
+from kvstash.launch.processes import Service, start_service
 
 SHARED_MEMORY_DIR = "/dev/shm"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from kvstash.layout import Layout
-from kvstash.sampling import SamplingParams
+from kvstash.common.layout import Layout
+from kvstash.common.sampling import SamplingParams
 from kvstash.v1 import common_pb2
 
 
