@@ -1,4 +1,20 @@
-"""kvstash: a KV-cache-aware control plane for LLM serving."""
+"""kvstash: a KV-cache-aware control plane for LLM serving.
+
+This package holds what users import: `Client` (kvstash.client) and the errors
+it raises (kvstash.errors). Its subpackages, by audience:
+
+    kvstash.common     what the services share: gRPC plumbing, security,
+                       settings, telemetry, metrics, and the domain every
+                       service agrees on (ids, sampling, layout, units, wire,
+                       tokenizer)
+    kvstash.cache_sdk  the cache service's SDK: CacheClient, the chunk codec
+                       and the shared arena
+    kvstash.launch     what runs a stack: the `kvstash` command, the stack of
+                       service processes, the gateway launcher, the demo
+    kvstash.v1         generated gRPC code
+
+Who may import whom: tests/test_boundaries.py.
+"""
 
 from __future__ import annotations
 
