@@ -1,6 +1,6 @@
 """The scheduler's core: requests, blocks, preemption and admission as plain
 synchronous Python. It never imports grpc, asyncio, opentelemetry or the
-generated protos (tests/scheduler_svc/test_core_imports.py enforces it): the
+generated protos (tests/test_boundaries.py enforces it): the
 engine drives it, and the gRPC edges convert to and from its dataclasses.
 
     scheduler.py   one step: preempt -> decode -> resume -> prefill; update()

@@ -12,10 +12,11 @@ from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus
 from tests.scheduler_svc.factories import add, finish_offload, run_to_end, step
-from tests.scheduler_svc.test_core_imports import PACKAGE
 from tests.scheduler_svc.test_preemption import two_decodes_then_pressure
+from tests.test_boundaries import REPO
 
 S = RequestStatus
+PACKAGE = REPO / "scheduler_svc"
 
 
 def status_writers() -> list[str]:
