@@ -55,7 +55,7 @@ CORE = "scheduler_svc.core"
 # What the scheduler core may import besides the standard library and itself:
 # plain-Python domain modules of kvstash, and a hash function.
 PURE_KVSTASH = ("kvstash.errors", "kvstash.common.ids", "kvstash.common.sampling",
-                "kvstash.common.units", "kvstash.common.layout")
+                "kvstash.common.units", "kvstash.common.layout", "kvstash.common.stats")
 CORE_THIRD_PARTY = ("xxhash",)
 # Standard-library modules the core must not use: it runs without an event loop.
 CORE_BANNED_STDLIB = ("asyncio",)
