@@ -216,7 +216,7 @@ class DecodeSide:
         """Restores a reserved request's prompt KV and decodes it: its stream
         (raises NotFound / InvalidArgument as Scheduler.start_remote_decode)."""
         cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
-                                             first_token_id)
+                                                first_token_id)
         stream = self._requests.open(request_id)
         self._tasks.spawn(self._copies.restore(cmd))
         self._wake()
