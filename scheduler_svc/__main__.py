@@ -2,8 +2,9 @@
 
 It binds first (health NOT_SERVING), then asks the worker for its model and KV
 layout (GetInfo, waiting while the worker starts or loads), sizes the block
-pool from the answer, and serves the public Scheduler API; it prints
-`KVSTASH_READY scheduler host:port` once it does."""
+pool from the answer, and serves kvstash.v1.Scheduler and VllmEngine on that
+one port (serving.py); it prints `KVSTASH_READY scheduler host:port` once it
+does."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import grpc
 
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common import rpc, security, settings, telemetry
+from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.tokenizer import load_tokenizer
 from kvstash.common.wire import layout_from_proto
@@ -37,8 +39,6 @@ from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS, WorkerLink
 
 log = logging.getLogger("scheduler_svc")
 
-# One scheduler drives one worker: notice a restarted one within seconds
-# (gRPC's default reconnect backoff grows to two minutes).
 # Defaults come from the config dataclasses, never restated here.
 _CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
          if f.default is not dataclasses.MISSING}
@@ -127,8 +127,10 @@ async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_
         await asyncio.sleep(1)
 
 
-def build_config(args: argparse.Namespace, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
-    layout = layout_from_proto(info.kv_layout)
+def build_config(
+    args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
+) -> SchedulerConfig:
+    """The core's config: the flags, and the worker's model and KV `layout`."""
     if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
         raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
                          f"got {args.num_blocks}")
@@ -173,7 +175,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)
         info = await fetch_worker_info(worker_channel, args.worker_wait)
-        config = build_config(args, info)
+        layout = layout_from_proto(info.kv_layout)
+        config = build_config(args, info, layout)
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
         engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
@@ -184,9 +187,9 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             cleanup.push_async_callback(client.close)
             cache = CacheLink(client)
         peers: DecodePeers | None = None
-        if args.role == "prefill":
-            peers = DecodePeers(args.decode_address.split(","), layout_from_proto(info.kv_layout),
-                                secured, wait_s=args.handoff_wait)
+        if config.role is Role.PREFILL:
+            peers = DecodePeers(args.decode_address.split(","), layout, secured,
+                                wait_s=args.handoff_wait)
             cleanup.push_async_callback(peers.close)
         worker = WorkerLink(worker_channel, info)
         core = Scheduler(config)

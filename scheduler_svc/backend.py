@@ -68,9 +68,7 @@ class Backend:
 
     def flush_prefix_cache(self) -> int:
         """Forgets every cached prefix (the KV events say so); blocks freed."""
-        freed = self.engine.core.reset_prefix_cache()
-        self.engine.publish_kv_events()
-        return freed
+        return self.engine.flush_prefix_cache()
 
     async def admit(self, request_id: str, prompt: list[int],
                     sampling: SamplingParams) -> RequestStream:
@@ -112,7 +110,7 @@ class Backend:
         finally:
             if not stream.finished:  # the client went away: free everything now
                 with contextlib.suppress(errors.NotFound):
-                    self.engine.abort(request_id)
+                    self.abort(request_id)
             self.metrics.observe_finished(
                 stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
 

@@ -4,7 +4,7 @@ One asyncio task owns the core. Every core call is synchronous and short; all
 I/O is awaited outside the core, so nothing is held across I/O and a slow
 copy never stalls the steps of other requests.
 
-    core.schedule() --> WorkerLink.step() --> core.update() --> request streams
+    core.schedule() --> StepStream.step() --> core.update() --> request streams
         +-- offloads / restores (copies.py), hand-offs (handoff.py, a P/D
             prefill instance only): their own tasks; each outcome goes back
             into the core and wakes the loop
@@ -17,6 +17,11 @@ enters P/D code. Every step's wall time goes back into the core
 on the request's trace and a count by mode and reason. With
 EngineConfig.tracing each request keeps the trace context it was submitted
 in (kvstash.common.telemetry): its copies' spans and its phases join its trace.
+
+Why one file just over 300 lines: the loop and what it must keep in step
+with (requests taken and ended, the worker up or down, the integrity check
+when idle) are one piece; what runs beside the loop (copies, hand-offs) has
+its own modules.
 """
 
 from __future__ import annotations
@@ -211,8 +216,7 @@ class Engine:
             self._copies.delete_snapshots(self._core.take_snapshots_to_delete())
             # The next stream may reach a restarted worker with an empty KV
             # tensor: no cached prefix can be trusted any more.
-            self._core.reset_prefix_cache()
-            self.publish_kv_events()
+            self.flush_prefix_cache()
             await asyncio.sleep(self._worker.retry_s)
 
     async def _set_worker_up(self, up: bool) -> None:
@@ -269,11 +273,17 @@ class Engine:
                 if request_stream is not None:
                     request_stream.push(update)
             if self._kv_events is not None:
-                self.publish_kv_events()
+                self._publish_kv_events()
             # Let request streams, copies and new arrivals run between steps.
             await asyncio.sleep(0)
 
-    def publish_kv_events(self) -> None:
+    def flush_prefix_cache(self) -> int:
+        """Forgets every cached prefix (the KV events say so); the blocks freed."""
+        freed = self._core.reset_prefix_cache()
+        self._publish_kv_events()
+        return freed
+
+    def _publish_kv_events(self) -> None:
         """The prefix cache's changes since the last call, to `kv_events`."""
         if self._kv_events is not None and (events := self._core.take_kv_events()):
             self._kv_events(events)

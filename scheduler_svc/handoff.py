@@ -201,7 +201,7 @@ class DecodeSide:
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> bool:
-        """Holds blocks for a prefill instance's request (Scheduler.reserve);
+        """Holds blocks for a prefill instance's request (PdManager.reserve);
         False: refused, ask again later."""
         if not self._core.pd.reserve(request_id, prompt_token_ids, sampling):
             return False
@@ -214,7 +214,7 @@ class DecodeSide:
         self, request_id: str, snapshot_id: str, num_tokens: int, first_token_id: int
     ) -> RequestStream:
         """Restores a reserved request's prompt KV and decodes it: its stream
-        (raises NotFound / InvalidArgument as Scheduler.start_remote_decode)."""
+        (raises NotFound / InvalidArgument as PdManager.start_remote_decode)."""
         cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
                                                 first_token_id)
         stream = self._requests.open(request_id)

@@ -13,4 +13,10 @@ engine drives it, and the gRPC edges convert to and from its dataclasses.
     reservation.py blocks kept back for running decodes (new_token_ratio)
     kv_manager.py  per-request block tables, prefix caching
     block_pool.py  block ids, refcounts, hashes
+    kv_events.py   the prefix cache's changes, for cache-aware routers
+    invariants.py  what must hold between queues and requests (check_integrity)
+    request.py     a request: tokens, progress, blocks, status
+    seq.py         a request's work in one step (ScheduledSeq)
+    outputs.py     the contracts with the engine: commands, updates, counters, stats
+    config.py      SchedulerConfig, validated at construction
 """

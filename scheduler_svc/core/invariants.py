@@ -1,20 +1,8 @@
 """What must hold between the scheduler's queues and its requests.
 
-Every held request sits in exactly one queue, whose name fixes its status and
-what it may hold:
-
-    queue       status                       blocks                   snapshot
-    waiting     WAITING                      none                     none
-    prefilling  RUNNING_PREFILL              all of prompt + output   none
-    decoding    RUNNING_DECODE               covers num_computed(+1)  none
-    offloading  OFFLOADING                   held until copy lands    yes
-    offloaded   OFFLOADED                    none                     yes
-    resuming    RESUMING                     snapshot's block count   yes
-    reserved    RESERVED                     its prompt's, empty      none
-    handing_off HANDING_OFF                  held until copy lands    yes
-    handed_off  HANDED_OFF                   none                     yes
-
-and every copy in flight belongs to a request in offloading, resuming or
+The table in lifecycle.py, checked: every held request sits in exactly one
+queue, whose name fixes its status and what it may hold (blocks, snapshot);
+every copy in flight belongs to a request in offloading, resuming or
 handing_off, or to an aborted request that is in no queue. P/D (pd.py): only
 a DECODE scheduler holds RESERVED requests, only a PREFILL one hands off, and
 the requests its manager is to hand off are live and not yet handed off.

@@ -32,7 +32,12 @@ status names. What a status may hold:
 
 A copy in flight is keyed by its snapshot id and owns the blocks it pins: an
 aborted request leaves every queue at once (its id can be reused), and its
-copy frees the blocks when it lands.
+copy frees the blocks when it lands. invariants.py checks the table.
+
+Why one file over 300 lines: the transition table, the queues and every
+move that frees blocks or writes a snapshot are one rule (one writer, checked
+against one table), read together to see that it holds; a move kept
+elsewhere would be a second writer.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ class OffloadCommand:
     """Copy a preempted request's blocks into a cache-service snapshot.
 
     The blocks stay allocated (nobody else may write them) until the engine
-    reports back with `Scheduler.finish_offload`.
+    reports back with `Scheduler.finish_offload` (`PdManager.finish_handoff`
+    for a P/D hand-off's copy).
     """
 
     # The preempted request.

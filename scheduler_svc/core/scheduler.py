@@ -16,6 +16,12 @@ status change goes through `Lifecycle.move` (lifecycle.py).
 P/D disaggregation lives in pd.py: a scheduler in a P/D role composes a
 `PdManager` (`self.pd`), whose hooks schedule() and update() call; a MIXED
 scheduler has none and never enters P/D code.
+
+Why one file over 300 lines: schedule() and update() are one step's two
+halves over shared bookkeeping (the requests behind the output's seqs), and
+every other method is a line or two over the part that owns it: the core's
+whole API in one place, so the edge holds one object and reaches no further.
+Splitting would scatter the step, or hand the edge `core.x.y` chains.
 """
 
 from __future__ import annotations
