@@ -76,7 +76,7 @@ class Reads:
             assert tiers.disk is not None and entry.path is not None
             path = entry.path
             try:
-                fd = await tiers.run_io(tiers.disk.open, path)
+                fd = await tiers.background.run_io(tiers.disk.open, path)
             except BaseException as exc:
                 self.close_reader(Reader(entry, None))
                 if isinstance(exc, OSError):
@@ -90,7 +90,7 @@ class Reads:
         snapshot must be in memory (FailedPrecondition otherwise); it is
         counted as read out in full."""
         entry = self._tiers.lookup(check_snapshot_id(snapshot_id))
-        if self._tiers.arena is None or entry.buffer is None:
+        if self._tiers.memory.arena is None or entry.buffer is None:
             raise FailedPrecondition(
                 f"snapshot {preview(snapshot_id)} is not in the arena "
                 f"({'on disk' if entry.buffer is None else 'this cache has none'}); "
@@ -115,7 +115,7 @@ class Reads:
             disk = self._tiers.disk
             assert disk is not None and reader.path is not None
             try:
-                data = await self._tiers.run_io(disk.read, reader.fd, start, end)
+                data = await self._tiers.background.run_io(disk.read, reader.fd, start, end)
             except (OSError, DataLoss) as exc:
                 raise self._disk_failure(entry, reader.path, index, exc) from exc
         self._counters.bytes_out += end - start
@@ -153,11 +153,12 @@ class Reads:
         tiers = self._tiers
         entry = reader.entry
         if reader.fd is not None:
-            tiers.spawn(tiers.run_io(os.close, reader.fd))
+            background = tiers.background
+            background.spawn(background.run_io(os.close, reader.fd))
             reader.fd = None
         if finished and reader.consume and tiers.lists(entry):
             tiers.drop(entry)
             self._counters.num_consumed += 1
         entry.num_readers -= 1
         tiers.settle(entry)
-        tiers.notify()
+        tiers.background.notify()

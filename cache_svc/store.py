@@ -91,8 +91,9 @@ class SnapshotStore:
         self._pending[meta.snapshot_id] = None
         session = PutSession(meta, buffer)
         if isinstance(buffer, mmap.mmap):
-            tiers = self._tiers
-            session.populating = tiers.spawn(tiers.run_io(populate, buffer, session.stop))
+            background = self._tiers.background
+            session.populating = background.spawn(
+                background.run_io(populate, buffer, session.stop))
         return session
 
     def release_put(self, meta: SnapshotMeta, buffer: Buffer | None = None) -> None:
@@ -142,11 +143,11 @@ class SnapshotStore:
 
     @property
     def arena(self) -> Arena | None:
-        return self._tiers.arena
+        return self._tiers.memory.arena
 
     def extent_of(self, buffer: Buffer) -> tuple[int, int]:
         """(offset, length) in the arena of a put's or a reader's bytes."""
-        arena = self._tiers.arena
+        arena = self._tiers.memory.arena
         assert arena is not None and isinstance(buffer, memoryview)
         return arena.offset_of(buffer), buffer.nbytes
 
@@ -185,17 +186,17 @@ class SnapshotStore:
             # other and to its last message), then the heap is trimmed. ~5 ms;
             # under traffic, at most one refault of the free heap per sweep.
             gc.collect()
-            await self._tiers.run_io(trim_heap)
+            await self._tiers.background.run_io(trim_heap)
 
     def trim_buffer_pool(self) -> None:
         """Unmaps pooled buffers no put reused for buffer_pool_idle_s."""
-        self._tiers.trim_pool(self.config.buffer_pool_idle_s)
+        self._tiers.memory.trim_pool(self.config.buffer_pool_idle_s)
 
     @property
     def buffer_pool(self) -> BufferPool:
         """For tests and diagnostics; CacheStats mirrors the proto, which has
         no pool fields."""
-        return self._tiers.pool
+        return self._tiers.memory.pool
 
     def stats(self) -> CacheStats:
         """Every counter as it stands, and the tiers' figures now."""
@@ -205,15 +206,15 @@ class SnapshotStore:
             **values(self._counters),
             num_evictions=tiers.num_evictions,
             num_spills=tiers.num_spills,
-            memory_bytes=tiers.memory_used,
+            memory_bytes=tiers.memory.used,
             memory_budget_bytes=self.config.memory_budget_bytes,
             memory_snapshots=sum(1 for e in listed if e.residence is not Residence.DISK),
             disk_bytes=tiers.disk_used,
             disk_budget_bytes=self.config.disk_budget_bytes,
             disk_snapshots=sum(1 for e in listed if e.residence is Residence.DISK),
             pinned_bytes=sum(e.size for e in listed if e.meta.pinned),
-            reserved_bytes=tiers.reserved,
-            free_bytes=tiers.memory_free() + tiers.disk_free(),
+            reserved_bytes=tiers.memory.reserved,
+            free_bytes=tiers.memory.free() + tiers.disk_free(),
         )
 
     def check_integrity(self) -> None:
