@@ -5,13 +5,13 @@ page (see `ingest.allocate`); a pooled one is already resident and is simply
 overwritten. KV snapshots of one deployment repeat a few sizes, so buffers are
 pooled by exact size (a snapshot buffer is always exactly total_bytes long).
 
-Mechanism only; `Tiers` keeps the accounting: pooled bytes count against the
-memory budget, and it releases them before a put is made to wait, refused, or
-served by spilling or evicting anything. Safety of reuse rests on the put
-protocol: a snapshot is listed only after chunks 0..n-1, which cover every
-byte, were all copied in, so nothing of a buffer's previous contents can be
-served. Nobody else holds a pooled buffer: an entry's buffer is given back only
-once no reader, spill or put uses it.
+Mechanism only; cache_svc.memory_tier keeps the accounting: pooled bytes
+count against the memory budget, and `Tiers` releases them before a put is
+made to wait, refused, or served by spilling or evicting anything. Safety of
+reuse rests on the put protocol: a snapshot is listed only after chunks
+0..n-1, which cover every byte, were all copied in, so nothing of a buffer's
+previous contents can be served. Nobody else holds a pooled buffer: an
+entry's buffer is given back only once no reader, spill or put uses it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class BufferPool:
     def __init__(self, max_bytes: int,
                  unmap: Callable[[mmap.mmap], None] | None = None) -> None:
         """`unmap(buffer)` disposes of a buffer the pool lets go of (default:
-        `close_now`; `Tiers` does it off the event loop)."""
+        `close_now`; `MemoryTier` does it off the event loop)."""
         self.max_bytes = max_bytes
         self._dispose = unmap or close_now
         # (buffer, when it was given back) in the order they were given back.

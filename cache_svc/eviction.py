@@ -6,8 +6,8 @@ Walking memory snapshots from least to most recently used, each is either
   - evicted, if it is unpinned and the disk cannot take it; or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
 Busy snapshots (being read or already spilling) are never chosen. A plan is
-returned only when it frees enough (`Room`: in bytes, or, in an arena, in
-one contiguous range); otherwise nothing is touched.
+returned only when it frees enough (`Room`: in bytes, `BytesRoom`, or, in an
+arena, in one contiguous range, `ArenaRoom`); otherwise nothing is touched.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cache_svc.arena import FreeRuns
 from cache_svc.model import Entry, Residence
 
 
@@ -33,6 +34,35 @@ class Room(Protocol):
     def enough(self) -> bool: ...
 
     def add(self, victim: Entry) -> None: ...
+
+
+@dataclass(slots=True)
+class BytesRoom:
+    """Room in bytes: private mappings can go anywhere."""
+
+    free: int
+    size: int
+
+    def enough(self) -> bool:
+        return self.free >= self.size
+
+    def add(self, victim: Entry) -> None:
+        self.free += victim.size
+
+
+@dataclass(slots=True)
+class ArenaRoom:
+    """Room in an arena: one free range long enough."""
+
+    runs: FreeRuns
+    size: int
+
+    def enough(self) -> bool:
+        return self.runs.longest >= self.size
+
+    def add(self, victim: Entry) -> None:
+        assert isinstance(victim.buffer, memoryview)  # in an arena, every buffer is
+        self.runs.free(victim.buffer)
 
 
 def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room) -> Plan | None:

@@ -22,7 +22,7 @@ from cache_helpers import (
     wait_until,
 )
 
-from cache_svc import tiers
+from cache_svc import memory_tier
 from cache_svc.buffers import BufferPool, close_now
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
@@ -166,7 +166,7 @@ async def test_buffers_are_unmapped_off_the_event_loop_and_count_until_gone(
         go.wait(30)
         close_now(buffer)
 
-    monkeypatch.setattr(tiers, "close_now", slow_close)
+    monkeypatch.setattr(memory_tier, "close_now", slow_close)
     running = await start_cache(memory_budget_bytes=8 * MIB, buffer_pool_bytes=0,
                                 disk_dir=None, disk_budget_bytes=0)
     store = running.cache.store

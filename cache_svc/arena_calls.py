@@ -1,0 +1,143 @@
+"""GetArena, PutShared and GetShared: the co-located path, where the client
+moves a snapshot's bytes through the shared-memory arena itself (see
+cache.proto and cache_svc.arena) and the call carries only the extent,
+the checksums and the lease.
+
+A shared put is header, extent, commit (with the checksums of what the
+client wrote); a shared get is open, extent with checksums, done. The client
+holds its extent for at most shared_lease_s; a call that outlives its lease,
+or whose client leaves, is aborted and leaves nothing behind. Mixed into
+`cache_svc.server.CacheServicer`, which sets the fields declared below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from cache_svc.arena import Arena
+from cache_svc.convert import info_to_proto, meta_from_proto, meta_to_proto
+from cache_svc.metrics import TransferMetrics
+from cache_svc.model import Buffer
+from cache_svc.store import SnapshotStore
+from kvstash import errors
+from kvstash.common import rpc
+from kvstash.v1 import cache_pb2, cache_pb2_grpc
+
+
+class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
+    """The co-located RPCs of `CacheServicer`; its __init__ sets these fields."""
+
+    _store: SnapshotStore
+    _metrics: TransferMetrics
+
+    @rpc.maps_errors
+    async def GetArena(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        arena = self._store.arena
+        if arena is None:
+            return cache_pb2.ArenaInfo()
+        return cache_pb2.ArenaInfo(path=str(arena.path), size_bytes=arena.size,
+                                   arena_id=arena.arena_id)
+
+    @rpc.maps_errors
+    async def PutShared(  # type: ignore[override]  # noqa: N802
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        started = time.perf_counter()
+        store = self._store
+        requests = aiter(request_iterator)
+        try:
+            # The first message is read before anything is refused: a client
+            # whose write of it met a call already ended would learn only
+            # grpc's internal error, not why.
+            header = await self._expect(requests, "header", "shared put")
+            arena = self._arena()
+            meta = meta_from_proto(header, store.config.default_ttl_s)
+            await store.reserve_put(meta)
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        try:
+            session = store.begin_put(meta)
+        except BaseException:
+            store.release_put(meta)
+            raise
+        committed = False
+        try:
+            yield cache_pb2.PutSharedResponse(extent=self._extent(arena, session.buffer))
+            commit = await self._expect(requests, "commit",
+                                        f"put of {errors.preview(meta.snapshot_id)}", lease=True)
+            info = store.commit_shared_put(session, list(commit.checksums))
+            committed = True
+            yield cache_pb2.PutSharedResponse(info=info_to_proto(info))
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finally:
+            if not committed:  # the client failed, left, or ran out of lease
+                await store.abort_put(session)
+        self._metrics.put_seconds.observe(time.perf_counter() - started)
+
+    @rpc.maps_errors
+    async def GetShared(  # type: ignore[override]  # noqa: N802
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        started = time.perf_counter()
+        reads = self._store.reads
+        requests = aiter(request_iterator)
+        try:
+            request = await self._expect(requests, "open", "shared get")  # as in PutShared
+            arena = self._arena()
+            if request.start_chunk:
+                raise errors.InvalidArgument("a shared get reads the whole snapshot: "
+                                             f"start_chunk is {request.start_chunk}, must be 0")
+            reader = await reads.open_shared_reader(request.snapshot_id, request.consume)
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finished = False
+        try:
+            entry = reader.entry
+            assert entry.buffer is not None
+            yield cache_pb2.GetSharedResponse(header=meta_to_proto(reader.meta),
+                                              extent=self._extent(arena, entry.buffer),
+                                              checksums=entry.checksums)
+            await self._expect(requests, "done",
+                               f"get of {errors.preview(reader.meta.snapshot_id)}", lease=True)
+            finished = True
+        except errors.KvstashError as exc:
+            await rpc.abort_with(context, exc)
+        finally:
+            reads.close_reader(reader, finished)
+        self._metrics.get_seconds.observe(time.perf_counter() - started)
+
+    def _arena(self) -> Arena:
+        arena = self._store.arena
+        if arena is None:
+            raise errors.FailedPrecondition(
+                "this cache has no arena (start it with --arena-dir); use PutSnapshot and "
+                "GetSnapshot")
+        return arena
+
+    async def _expect(self, requests: Any, field: str, what: str, lease: bool = False) -> Any:
+        """The next request, which must be the `field` kind, within the shared
+        lease: the one the client's extent is held for (`lease`), or, for a
+        call's first message, so that a silent client does not keep a call."""
+        step = anext(requests, None)
+        lease_s = self._store.config.shared_lease_s
+        try:
+            async with asyncio.timeout(lease_s):
+                request = await step
+        except TimeoutError:
+            held = "held its extent longer than" if lease else "sent nothing within"
+            raise errors.DeadlineExceeded(
+                f"{what}: the client {held} the {lease_s:g} s lease") from None
+        if request is None or not request.HasField(field):
+            raise errors.InvalidArgument(f"{what}: expected a {field} message")
+        return getattr(request, field)
+
+    def _extent(self, arena: Arena, buffer: Buffer) -> cache_pb2.Extent:
+        offset, length = self._store.extent_of(buffer)
+        return cache_pb2.Extent(arena_id=arena.arena_id, offset=offset, length=length)
