@@ -35,7 +35,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
     _metrics: TransferMetrics
 
     @rpc.maps_errors
-    async def GetArena(  # noqa: N802
+    async def GetArena(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         arena = self._store.arena
@@ -45,7 +45,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
                                    arena_id=arena.arena_id)
 
     @rpc.maps_errors
-    async def PutShared(  # type: ignore[override]  # noqa: N802
+    async def PutShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         started = time.perf_counter()
@@ -82,7 +82,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
     @rpc.maps_errors
-    async def GetShared(  # type: ignore[override]  # noqa: N802
+    async def GetShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         started = time.perf_counter()

@@ -53,7 +53,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
     _endings: set[asyncio.Future[None]]  # see _taken_within
 
     @rpc.maps_errors
-    async def PutSnapshot(  # noqa: N802
+    async def PutSnapshot(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         started = time.perf_counter()
@@ -141,7 +141,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
     # among them) support. grpc awaits each send before asking for the next
     # message, so a slow reader slows this loop instead of growing a buffer.
     @rpc.maps_errors
-    async def GetSnapshot(  # type: ignore[override]  # noqa: N802
+    async def GetSnapshot(  # type: ignore[override]
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         started = time.perf_counter()
