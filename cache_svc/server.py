@@ -30,8 +30,9 @@ from kvstash.cache_sdk.chunk_codec import (
     encode_chunk,
     encode_message,
 )
-from kvstash.common import rpc
+from kvstash.common import rpc_errors, rpc_server
 from kvstash.common.metrics import MetricsServer
+from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -61,7 +62,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 async def _end_call(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
     """Sends `exc`'s status from outside the call's handler."""
     with contextlib.suppress(Exception):  # grpc's AbortError once sent; or it had ended
-        await rpc.abort_with(context, exc)
+        await rpc_errors.abort_with(context, exc)
 
 
 class CacheServicer(cache_pb2_grpc.KVCacheServicer):
@@ -75,7 +76,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         self._metrics = metrics
         self._endings: set[asyncio.Future[None]] = set()  # see _taken_within
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def PutSnapshot(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         stream = PutStream(aiter(request_iterator), context, self._limiter, self._bandwidth,
@@ -89,7 +90,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             # refused chunk, still a local of _put's frame, goes before that.
             traceback.clear_frames(exc.__traceback__)
             await self._drain(stream)
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             await stream.close()
         self._metrics.put_seconds.observe(time.perf_counter() - started)
@@ -161,7 +162,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
     # An async generator, the handler shape grpc's interceptors (tracing's
     # among them) support. grpc awaits each send before asking for the next
     # message, so a slow reader slows this loop instead of growing a buffer.
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetSnapshot(  # type: ignore[override]
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -171,7 +172,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             reader = await store.open_reader(request.snapshot_id, request.start_chunk,
                                              request.consume)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         # Set only once the last chunk's send is done: a get that ends earlier
         # (the client cancels, a read fails) does not consume the snapshot.
         finished = False
@@ -187,7 +188,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                     try:
                         data, digest = await store.read_chunk(reader, index)
                     except errors.KvstashError as exc:
-                        await rpc.abort_with(context, exc)
+                        await rpc_errors.abort_with(context, exc)
                     message = encode_chunk(index, data, digest)  # the one copy
                     del data
                     with self._taken_within(context, what):
@@ -226,7 +227,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
 
     # -- the co-located path (see cache.proto and cache_svc.arena) --------------
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetArena(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         arena = self._store.arena
         if arena is None:
@@ -234,7 +235,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         return cache_pb2.ArenaInfo(path=str(arena.path), size_bytes=arena.size,
                                    arena_id=arena.arena_id)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def PutShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -250,7 +251,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             meta = meta_from_proto(header, store.config.default_ttl_s)
             await store.reserve_put(meta)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         try:
             session = store.begin_put(meta)
         except BaseException:
@@ -265,13 +266,13 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
             committed = True
             yield cache_pb2.PutSharedResponse(info=info_to_proto(info))
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             if not committed:  # the client failed, left, or ran out of lease
                 await store.abort_put(session)
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -286,7 +287,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                                              f"start_chunk is {request.start_chunk}, must be 0")
             reader = await store.open_shared_reader(request.snapshot_id, request.consume)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finished = False
         try:
             entry = reader.entry
@@ -298,7 +299,7 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
                                f"get of {errors.preview(reader.meta.snapshot_id)}", lease=True)
             finished = True
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             store.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)
@@ -332,16 +333,16 @@ class CacheServicer(cache_pb2_grpc.KVCacheServicer):
         offset, length = self._store.extent_of(buffer)
         return cache_pb2.Extent(arena_id=arena.arena_id, offset=offset, length=length)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._store.delete(request.snapshot_id)
         return cache_pb2.DeleteSnapshotResponse()
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def StatSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return info_to_proto(self._store.stat(request.snapshot_id))
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self._store.stats())
 
@@ -417,7 +418,7 @@ class CacheServer:
 
 async def create_cache_server(
     config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic,
-    security: Security = PLAINTEXT, connections: rpc.Connections = rpc.DEFAULT_CONNECTIONS,
+    security: Security = PLAINTEXT, connections: Connections = DEFAULT_CONNECTIONS,
 ) -> tuple[grpc.aio.Server, int, CacheServer]:
     """Recovers the disk tier, then binds `address` (port 0 = any) and serves
     (TLS as `security` says, each connection as `connections` allows).
@@ -427,7 +428,7 @@ async def create_cache_server(
     transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)
-    server, port, _health = await rpc.create_server(
+    server, port, _health = await rpc_server.create_server(
         address,
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],

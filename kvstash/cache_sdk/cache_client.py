@@ -60,7 +60,7 @@ from kvstash.cache_sdk.shared_arena import (
     copy_verified,
     verify_chunks,
 )
-from kvstash.common import rpc
+from kvstash.common import rpc_connections, rpc_errors
 from kvstash.common.layout import Layout
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.wire import layout_to_proto
@@ -93,7 +93,7 @@ class CacheClient:
         self._arena: SharedArena | None = None
         self._arena_known = False  # asked GetArena since the arena last changed
         self._arena_lock = asyncio.Lock()
-        self._channel = rpc.channel(address, security)
+        self._channel = rpc_connections.channel(address, security)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
         # Puts and gets move chunks in kvstash.cache_sdk.chunk_codec's raw wire format.
         self._put_snapshot = self._channel.stream_unary(
@@ -139,7 +139,7 @@ class CacheClient:
                                              timeout=self._timeout(timeout_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise rpc.error_from_rpc(exc, "cache") from None
+                raise rpc_errors.error_from_rpc(exc, "cache") from None
             info = cache_pb2.ArenaInfo()  # a cache that predates the arena
         if self._arena is not None and self._arena.arena_id != info.arena_id:
             self._arena.close()
@@ -246,7 +246,7 @@ class CacheClient:
         try:
             response = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
+            raise rpc_errors.error_from_rpc(exc, "cache") from None
         if response is grpc.aio.EOF:
             raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
         return response
@@ -257,7 +257,7 @@ class CacheClient:
         try:
             extra = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
+            raise rpc_errors.error_from_rpc(exc, "cache") from None
         if extra is not grpc.aio.EOF:
             raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
 
@@ -321,10 +321,10 @@ class CacheClient:
             try:
                 await call
             except grpc.aio.AioRpcError as exc:
-                raise rpc.error_from_rpc(exc, "cache") from None
+                raise rpc_errors.error_from_rpc(exc, "cache") from None
             raise errors.Unavailable(f"cache ended put {snapshot_id} early") from None
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
+            raise rpc_errors.error_from_rpc(exc, "cache") from None
         except BaseException:
             call.cancel()
             raise
@@ -418,7 +418,7 @@ class CacheClient:
                     raise errors.DataLoss(f"snapshot {snapshot_id}: chunk before the header")
                 expected = _place_chunk(header, response, expected, target)
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
+            raise rpc_errors.error_from_rpc(exc, "cache") from None
         finally:
             call.cancel()  # no-op when finished; stops the server when we raise
         if header is None:
@@ -435,7 +435,7 @@ class CacheClient:
         try:
             return await make_call()
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
+            raise rpc_errors.error_from_rpc(exc, "cache") from None
 
 
 async def _to_the_end(step: Awaitable[T]) -> T:
