@@ -53,7 +53,7 @@ import grpc
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.common.units import MIB
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 
@@ -188,7 +188,7 @@ def status_name(exc: errors.KvstashError) -> str:
     parts = str(exc).split(": ", 2)
     if len(parts) >= 2 and parts[1] in grpc.StatusCode.__members__:
         return parts[1]
-    return rpc.status_for(exc).name
+    return rpc_errors.status_for(exc).name
 
 
 def percentiles(values: list[float]) -> Percentiles | None:

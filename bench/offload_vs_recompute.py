@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
@@ -162,7 +162,7 @@ class Bench:
 
 
 async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> None:
-    channel = rpc.insecure_channel(worker.address)
+    channel = rpc_connections.insecure_channel(worker.address)
     try:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(),
                                                                  timeout=60)

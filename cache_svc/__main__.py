@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash.common import rpc, security, settings, telemetry, units
+from kvstash.common import rpc_connections, rpc_server, security, settings, telemetry, units
 from kvstash.common.malloc_tuning import tune_malloc
 from kvstash.common.metrics import listen_host
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
     security.add_flags(p)
-    rpc.add_connection_flags(p)
+    rpc_connections.add_connection_flags(p)
     # Test hook: simulates a slow disk (bytes per second).
     p.add_argument("--disk-throttle", type=parse_size, default=d.disk_write_bytes_per_s,
                    help=argparse.SUPPRESS)
@@ -119,26 +119,26 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
 
 
 async def serve(config: CacheConfig, address: str, grace_s: float,
-                secured: security.Security, connections: rpc.Connections) -> None:
+                secured: security.Security, connections: rpc_connections.Connections) -> None:
     server, port, cache = await create_cache_server(config, address, security=secured,
                                                     connections=connections)
     host = address.rsplit(":", 1)[0]
-    rpc.announce_ready("cache", host, port)
+    rpc_server.announce_ready("cache", host, port)
     # Puts still running after the grace period are cancelled; their
     # reservations are released and nothing of them stays.
-    await rpc.run_until_signalled(server, grace_s=grace_s)
+    await rpc_server.run_until_signalled(server, grace_s=grace_s)
     await cache.close_store()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = settings.parse_args(build_parser(), "cache", argv)
-    rpc.setup_logging(args.log_level)
+    rpc_server.setup_logging(args.log_level)
     tune_malloc()
     try:
         config = config_from_args(args)
         secured = security.from_args(args, require_client_cert=True)
         security.check_listen(args.listen, secured)
-        connections = rpc.connections_from_args(args)
+        connections = rpc_connections.connections_from_args(args)
     except ValueError as exc:
         print(f"cache_svc: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from cache_svc.metrics import TransferMetrics
 from cache_svc.model import Buffer
 from cache_svc.store import SnapshotStore
 from kvstash import errors
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 
@@ -34,7 +34,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
     _store: SnapshotStore
     _metrics: TransferMetrics
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetArena(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -44,7 +44,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
         return cache_pb2.ArenaInfo(path=str(arena.path), size_bytes=arena.size,
                                    arena_id=arena.arena_id)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def PutShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -60,7 +60,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             meta = meta_from_proto(header, store.config.default_ttl_s)
             await store.reserve_put(meta)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         try:
             session = store.begin_put(meta)
         except BaseException:
@@ -75,13 +75,13 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             committed = True
             yield cache_pb2.PutSharedResponse(info=info_to_proto(info))
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             if not committed:  # the client failed, left, or ran out of lease
                 await store.abort_put(session)
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetShared(  # type: ignore[override]
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -96,7 +96,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
                                              f"start_chunk is {request.start_chunk}, must be 0")
             reader = await reads.open_shared_reader(request.snapshot_id, request.consume)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finished = False
         try:
             entry = reader.entry
@@ -108,7 +108,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
                                f"get of {errors.preview(reader.meta.snapshot_id)}", lease=True)
             finished = True
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             reads.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)

@@ -27,8 +27,9 @@ from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.store import SnapshotStore
 from cache_svc.stream_calls import StreamedCalls
 from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES, decode_put_request, encode_message
-from kvstash.common import rpc
+from kvstash.common import rpc_errors, rpc_server
 from kvstash.common.metrics import MetricsServer
+from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import cache_pb2, common_pb2
 
@@ -68,16 +69,16 @@ class CacheServicer(StreamedCalls, ArenaCalls):
         self._metrics = metrics
         self._endings = set()
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._store.delete(request.snapshot_id)
         return cache_pb2.DeleteSnapshotResponse()
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def StatSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return info_to_proto(self._store.stat(request.snapshot_id))
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self._store.stats())
 
@@ -153,7 +154,7 @@ class CacheServer:
 
 async def create_cache_server(
     config: CacheConfig, address: str, clock: Callable[[], float] = time.monotonic,
-    security: Security = PLAINTEXT, connections: rpc.Connections = rpc.DEFAULT_CONNECTIONS,
+    security: Security = PLAINTEXT, connections: Connections = DEFAULT_CONNECTIONS,
 ) -> tuple[grpc.aio.Server, int, CacheServer]:
     """Recovers the disk tier, then binds `address` (port 0 = any) and serves
     (TLS as `security` says, each connection as `connections` allows).
@@ -163,7 +164,7 @@ async def create_cache_server(
     transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)
-    server, port, _health = await rpc.create_server(
+    server, port, _health = await rpc_server.create_server(
         address,
         [lambda s: add_servicer(servicer, s)],
         [SERVICE_NAME],

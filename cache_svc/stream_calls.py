@@ -29,7 +29,7 @@ from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
 from cache_svc.store import SnapshotStore
 from kvstash import errors
 from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES, RawChunk, encode_chunk
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ DRAIN_LIMIT_S = 5.0  # how long a failed put reads out a client still sending
 async def _end_call(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
     """Sends `exc`'s status from outside the call's handler."""
     with contextlib.suppress(Exception):  # grpc's AbortError once sent; or it had ended
-        await rpc.abort_with(context, exc)
+        await rpc_errors.abort_with(context, exc)
 
 
 class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
@@ -52,7 +52,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
     _metrics: TransferMetrics
     _endings: set[asyncio.Future[None]]  # see _taken_within
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def PutSnapshot(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -68,7 +68,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
             # refused chunk, still a local of _put's frame, goes before that.
             traceback.clear_frames(exc.__traceback__)
             await self._drain(stream)
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         finally:
             await stream.close()
         self._metrics.put_seconds.observe(time.perf_counter() - started)
@@ -140,7 +140,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
     # An async generator, the handler shape grpc's interceptors (tracing's
     # among them) support. grpc awaits each send before asking for the next
     # message, so a slow reader slows this loop instead of growing a buffer.
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetSnapshot(  # type: ignore[override]
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -150,7 +150,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
             reader = await reads.open_reader(request.snapshot_id, request.start_chunk,
                                              request.consume)
         except errors.KvstashError as exc:
-            await rpc.abort_with(context, exc)
+            await rpc_errors.abort_with(context, exc)
         # Set only once the last chunk's send is done: a get that ends earlier
         # (the client cancels, a read fails) does not consume the snapshot.
         finished = False
@@ -166,7 +166,7 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
                     try:
                         data, digest = await reads.read_chunk(reader, index)
                     except errors.KvstashError as exc:
-                        await rpc.abort_with(context, exc)
+                        await rpc_errors.abort_with(context, exc)
                     message = encode_chunk(index, data, digest)  # the one copy
                     del data
                     with self._taken_within(context, what):

@@ -15,13 +15,8 @@ import sys
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
 from kvstash.common import security, settings, telemetry
 from kvstash.common.malloc_tuning import tune_malloc
-from kvstash.common.rpc import (
-    add_connection_flags,
-    announce_ready,
-    connections_from_args,
-    run_until_signalled,
-    setup_logging,
-)
+from kvstash.common.rpc_connections import add_connection_flags, connections_from_args
+from kvstash.common.rpc_server import announce_ready, run_until_signalled, setup_logging
 from kvstash.common.units import parse_bytes
 
 log = logging.getLogger("gpu_worker")

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
-from kvstash.common.rpc import DEFAULT_CONNECTIONS, Connections
+from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.units import GIB
 

@@ -36,12 +36,9 @@ from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common.ids import check_request_id, check_snapshot_id
 from kvstash.common.metrics import MetricsServer
-from kvstash.common.rpc import (
-    MAX_WORKER_INFO_BYTES,
-    create_server,
-    maps_errors,
-    set_serving,
-)
+from kvstash.common.rpc_connections import MAX_WORKER_INFO_BYTES
+from kvstash.common.rpc_errors import maps_errors
+from kvstash.common.rpc_server import create_server, set_serving
 from kvstash.common.sampling import GREEDY
 from kvstash.common.wire import layout_to_proto, sampling_from_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc

@@ -12,7 +12,7 @@ from types import TracebackType
 
 import grpc
 
-from kvstash.common import rpc
+from kvstash.common import rpc_connections, rpc_errors
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -58,7 +58,7 @@ class Client:
     def __init__(self, address: str, security: Security = PLAINTEXT) -> None:
         """`security`: TLS (the CA that signed the scheduler's certificate) and
         the bearer token the scheduler may ask for."""
-        self._channel = rpc.channel(address, security)
+        self._channel = rpc_connections.channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def __aenter__(self) -> Client:
@@ -117,7 +117,7 @@ class Client:
                     usage=usage,
                 )
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "generate") from None
+            raise rpc_errors.error_from_rpc(exc, "generate") from None
         finally:
             call.cancel()  # a caller that stops iterating early aborts the request
 
@@ -136,10 +136,10 @@ class Client:
         try:
             await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "abort") from None
+            raise rpc_errors.error_from_rpc(exc, "abort") from None
 
     async def stats(self) -> scheduler_pb2.SchedulerStats:
         try:
             return await self._stub.GetStats(common_pb2.GetStatsRequest())
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "stats") from None
+            raise rpc_errors.error_from_rpc(exc, "stats") from None

@@ -1,7 +1,7 @@
 """Domain errors shared by every service's core.
 
 Core code raises these (it never imports grpc); each service's gRPC edge maps
-them to status codes with `kvstash.common.rpc.status_for`. Messages name the
+them to status codes with `kvstash.common.rpc_errors.status_for`. Messages name the
 quantities involved, e.g. "prompt has 900 tokens, max_model_len is 512".
 """
 

@@ -19,7 +19,7 @@ import sys
 import grpc
 
 from kvstash.cache_sdk.cache_client import CacheClient
-from kvstash.common import rpc, security, settings, telemetry
+from kvstash.common import rpc_connections, rpc_server, security, settings, telemetry
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.tokenizer import load_tokenizer
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info")
     # --token-file: what a prefill instance sends its decode instances.
     security.add_flags(p, accepts_tokens=True, sends_token=True)
-    rpc.add_connection_flags(p)
+    rpc_connections.add_connection_flags(p)
     return settings.parse_args(p, "scheduler", argv)
 
 
@@ -165,12 +165,13 @@ async def serve(args: argparse.Namespace, secured: security.Security,
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
         scheduler = await create_scheduler_server(args.listen, secured,
-                                                  rpc.connections_from_args(args))
+                                                  rpc_connections.connections_from_args(args))
         server, port = scheduler.server, scheduler.port
         cleanup.push_async_callback(server.stop, None)
         # The token is for decode instances only: the worker and cache ask none.
         internal = dataclasses.replace(secured, token=None)
-        worker_channel = rpc.channel(args.worker_address, internal, WORKER_CHANNEL_OPTIONS)
+        worker_channel = rpc_connections.channel(args.worker_address, internal,
+                                                 WORKER_CHANNEL_OPTIONS)
         cleanup.push_async_callback(worker_channel.close)
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)
@@ -214,8 +215,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         # Everything built so far lives as long as the process: keep it out of
         # the collector's generations so full collections stay short under load.
         gc.freeze()
-        rpc.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
-        await rpc.run_until_signalled(server)
+        rpc_server.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
+        await rpc_server.run_until_signalled(server)
 
 
 def check_role(args: argparse.Namespace) -> None:
@@ -239,7 +240,7 @@ def check_role(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rpc.setup_logging(args.log_level)
+    rpc_server.setup_logging(args.log_level)
     try:
         # The public port takes clients without certificates (the token,
         # if any, identifies them); the worker and cache demand one of us.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstash.common import rpc, wire
+from kvstash.common import rpc_connections, rpc_errors, wire
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.security import PLAINTEXT, Security
@@ -179,7 +179,7 @@ class DecodePeers:
             async for response in call:
                 yield remote_event(response)
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "decode instance") from None
+            raise rpc_errors.error_from_rpc(exc, "decode instance") from None
         finally:
             call.cancel()
 
@@ -209,5 +209,6 @@ class DecodePeers:
         if channel is None:
             # TLS checks the name the operator configured, not the address.
             options = [] if ip == name else [("grpc.ssl_target_name_override", name)]
-            channel = self._channels[target] = rpc.channel(target, self._security, options)
+            channel = rpc_connections.channel(target, self._security, options)
+            self._channels[target] = channel
         return DecodePeer(target, scheduler_pb2_grpc.SchedulerStub(channel))

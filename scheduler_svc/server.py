@@ -21,7 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from kvstash import errors
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id, check_snapshot_id
 from kvstash.common.stats import values
 from kvstash.common.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("prompt is missing: set text or token_ids")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Generate(
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -75,7 +75,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async for response in self._responses(request_id, stream, timing, backend):
             yield response
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Decode(
         self, request: scheduler_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -118,7 +118,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         response.finish_reason = FINISH_REASON[event.finish_status]
         response.usage.CopyFrom(usage)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Abort(
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.AbortResponse:
@@ -126,7 +126,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.attached().abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def ReserveBlocks(
         self, request: scheduler_pb2.ReserveBlocksRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReserveBlocksResponse:
@@ -155,7 +155,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 "reserves blocks and decodes for a prefill instance")
         return backend
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:

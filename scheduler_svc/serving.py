@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from kvstash.common import rpc
+from kvstash.common import rpc_connections, rpc_server
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import scheduler_pb2_grpc
 from scheduler_svc.backend import Backend, BackendSlot
@@ -38,19 +38,19 @@ class SchedulerServer:
 
     async def set_serving(self, serving: bool) -> None:
         """What the health service answers for "" and both public services."""
-        await rpc.set_serving(self.health, [SERVICE_NAME, VLLM_SERVICE_NAME], serving)
+        await rpc_server.set_serving(self.health, [SERVICE_NAME, VLLM_SERVICE_NAME], serving)
 
 
 async def create_scheduler_server(
     address: str, security: Security = PLAINTEXT,
-    connections: rpc.Connections = rpc.DEFAULT_CONNECTIONS,
+    connections: rpc_connections.Connections = rpc_connections.DEFAULT_CONNECTIONS,
 ) -> SchedulerServer:
     """Binds and starts serving (TLS and tokens as `security` says),
     NOT_SERVING until a backend is attached and reports its worker up."""
     slot = BackendSlot()
     kvstash_api = SchedulerServicer(slot)
     vllm_api = VllmEngineServicer(slot)
-    server, port, health_servicer = await rpc.create_server(
+    server, port, health_servicer = await rpc_server.create_server(
         address,
         [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(kvstash_api, s),
          lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_api, s)],

@@ -14,7 +14,7 @@ alone until its first token, so the others find its prompt's full blocks in
 the prefix cache. The token that completes a stop string is the last sent,
 and the request is released at once. Preemption stays invisible: a
 preempted request's stream only pauses. A failure that is no domain error (a
-bug) is INTERNAL, logged with its traceback (rpc.maps_errors).
+bug) is INTERNAL, logged with its traceback (rpc_errors.maps_errors).
 
 What Generate sends, as vLLM's own servicer does:
     chunk      one per update with tokens: the delta, its index, the prompt's
@@ -37,7 +37,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from kvstash import errors
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.tokenizer import Tokenizer
@@ -145,7 +145,7 @@ class VllmEngineServicer(VllmInfo):
 
     # -- generation ---------------------------------------------------------
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -235,7 +235,7 @@ class VllmEngineServicer(VllmInfo):
             return backend.tokenizer.encode(request.text)
         raise errors.InvalidArgument("input is missing: set tokenized or text")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Aborts those of the ids that are live; unknown ones are ignored (a

@@ -28,7 +28,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from kvstash import errors
-from kvstash.common import rpc
+from kvstash.common import rpc_errors
 from kvstash.common.tokenizer import byte_tokenizer_config, byte_tokenizer_json
 from scheduler_svc.backend import Backend
 
@@ -46,7 +46,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._started = time.monotonic()
         self._version = f"kvstash {importlib.metadata.version('kvstash')}"
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
         try:
@@ -56,7 +56,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
         return pb.HealthCheckResponse(
             healthy=up, message="serving" if up else "the worker is unavailable")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         """The context length is what this instance serves: max_model_len, or
@@ -70,7 +70,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
             vocab_size=config.vocab_size, eos_token_ids=list(config.eos_token_ids),
             model_type=backend.model_type, architectures=list(backend.architectures))
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
         """No kv_connector, no kv_role, whatever this instance's P/D role:
@@ -85,7 +85,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
             uptime_seconds=time.monotonic() - self._started, server_type="vllm-grpc",
             data_parallel_size=1, block_size=config.block_size, max_num_seqs=config.max_num_seqs)
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetLoads(self, request: pb.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
@@ -105,7 +105,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
                 token_usage=stats.kv_usage_ratio,
                 max_running_requests=backend.config.max_num_seqs)])
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext,
                            ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
@@ -119,14 +119,14 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(
                 data=data[start:end], sha256=digest if end >= len(data) else "")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
         freed = self._attached().flush_prefix_cache()
         return common_pb2.FlushCacheResponse(
             success=True, message=f"prefix cache flushed ({freed} blocks freed)")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext,
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
@@ -142,17 +142,17 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- not served ----------------------------------------------------------
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         raise errors.Unimplemented("kvstash serves generation only")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def StartProfile(self, request: common_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
         raise errors.Unimplemented("profiling is not supported")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def StopProfile(self, request: common_pb2.StopProfileRequest,
                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
         raise errors.Unimplemented("profiling is not supported")

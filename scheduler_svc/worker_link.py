@@ -24,7 +24,7 @@ import grpc
 
 from kvstash import errors
 from kvstash.common import wire
-from kvstash.common.rpc import MAX_WORKER_INFO_BYTES
+from kvstash.common.rpc_connections import MAX_WORKER_INFO_BYTES
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 

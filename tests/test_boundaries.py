@@ -256,7 +256,7 @@ def graph() -> Graph:
 
 
 def test_the_graph_reads_every_package(graph: Graph) -> None:
-    for module in ("kvstash.client", "kvstash.common.rpc", "kvstash.cache_sdk.cache_client",
+    for module in ("kvstash.client", "kvstash.common.rpc_server", "kvstash.cache_sdk.cache_client",
                    "kvstash.launch.stack", "scheduler_svc.core.scheduler", "cache_svc.server",
                    "gpu_worker.runner"):
         assert graph[module], module
@@ -285,7 +285,7 @@ def added(graph: Graph, module: str, target: str, runtime: bool = True) -> Graph
     ("layering", "kvstash.client", "scheduler_svc.engine", "(scheduler_svc)"),
     ("layering", "scheduler_svc.engine", "kvstash.launch.processes", "(launch)"),
     ("layering", "kvstash.launch.stack", "scheduler_svc.server", "(scheduler_svc)"),
-    ("layering", "kvstash.common.rpc", "kvstash.client", "(sdk)"),
+    ("layering", "kvstash.common.rpc_errors", "kvstash.client", "(sdk)"),
     ("layering", "kvstash.errors", "kvstash.common.units", "(common)"),
     ("torch", "scheduler_svc.engine", "torch", "torch"),
     ("torch", "kvstash.common.layout", "numpy", "numpy"),
@@ -293,7 +293,8 @@ def added(graph: Graph, module: str, target: str, runtime: bool = True) -> Graph
     ("core", "scheduler_svc.core.scheduler", "asyncio", "asyncio"),
     ("core", "scheduler_svc.core.scheduler", "kvstash.v1.common_pb2", "kvstash.v1"),
     ("core", "scheduler_svc.core.scheduler", "scheduler_svc.engine", "scheduler_svc.engine"),
-    ("core", "scheduler_svc.core.scheduler", "kvstash.common.rpc", "kvstash.common.rpc"),
+    ("core", "scheduler_svc.core.scheduler", "kvstash.common.rpc_errors",
+     "kvstash.common.rpc_errors"),
     # Not in the core, but loaded with it: a pure module that pulls grpc.
     ("core", "kvstash.common.ids", "grpc", "loaded with the core"),
     ("core", "kvstash.common.sampling", "opentelemetry", "loaded with the core"),

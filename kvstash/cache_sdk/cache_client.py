@@ -24,52 +24,35 @@ client's `timeout_s`.
 
 The co-located path: when the cache keeps its memory tier in an arena this
 process can map (same host, same user), `put` and `get_into` move the bytes
-through it (cache.proto PutShared/GetShared; kvstash.cache_sdk.shared_arena), and
-`put_shared`/`get_shared` let a caller fill or read the extent itself (the
+through it (cache.proto PutShared/GetShared; kvstash.cache_sdk.arena_calls),
+and `put_shared`/`get_shared` let a caller fill or read the extent itself (the
 worker gathers KV blocks straight into it). Otherwise, and for snapshots
-only on disk, they stream over gRPC.
+only on disk, they stream over gRPC (kvstash.cache_sdk.streamed_calls). This
+class is the façade over both paths: it picks one, holds the channel, and
+builds what both send (the header, each call's deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 import grpc
-from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors
-from kvstash.cache_sdk.chunk_codec import (
-    ADMITTED_KEY,
-    DEFAULT_CHUNK_BYTES,
-    RawChunk,
-    check_chunk_bytes,
-    checksum,
-    decode_get_response,
-    encode_chunk,
-    encode_message,
-)
-from kvstash.cache_sdk.shared_arena import (
-    SharedArena,
-    chunk_checksums,
-    copy_hashed,
-    copy_verified,
-    verify_chunks,
-)
-from kvstash.common import rpc
+from kvstash.cache_sdk.arena_calls import ArenaCalls
+from kvstash.cache_sdk.chunk_codec import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
+from kvstash.cache_sdk.streamed_calls import StreamedCalls
+from kvstash.common import rpc_connections, rpc_errors
 from kvstash.common.layout import Layout
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-_PUT_METHOD = "/kvstash.v1.KVCache/PutSnapshot"
-_GET_METHOD = "/kvstash.v1.KVCache/GetSnapshot"
 # For calls whose caller names no deadline (e.g. a scheduler's stats polls
 # and deletes): a stuck cache fails them instead of hanging them.
 DEFAULT_TIMEOUT_S = 60.0
@@ -90,20 +73,10 @@ class CacheClient:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.use_arena = use_arena
-        self._arena: SharedArena | None = None
-        self._arena_known = False  # asked GetArena since the arena last changed
-        self._arena_lock = asyncio.Lock()
-        self._channel = rpc.channel(address, security)
+        self._channel = rpc_connections.channel(address, security)
         self._stub = cache_pb2_grpc.KVCacheStub(self._channel)
-        # Puts and gets move chunks in kvstash.cache_sdk.chunk_codec's raw wire format.
-        self._put_snapshot = self._channel.stream_unary(
-            _PUT_METHOD, request_serializer=encode_message,
-            response_deserializer=cache_pb2.PutSnapshotResponse.FromString,
-        )
-        self._get_snapshot = self._channel.unary_stream(
-            _GET_METHOD, request_serializer=encode_message,
-            response_deserializer=decode_get_response,
-        )
+        self._shared = ArenaCalls(self._stub, address)
+        self._streamed = StreamedCalls(self._channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -116,9 +89,7 @@ class CacheClient:
 
     async def close(self) -> None:
         await self._channel.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._shared.close()
 
     # -- the co-located path ----------------------------------------------------
 
@@ -128,29 +99,7 @@ class CacheClient:
         again after a shared call found the arena changed."""
         if not self.use_arena:
             return None
-        async with self._arena_lock:  # one GetArena for many concurrent first calls
-            if not self._arena_known:
-                await self._ask_arena(timeout_s)
-        return self._arena
-
-    async def _ask_arena(self, timeout_s: float | None) -> None:
-        try:
-            info = await self._stub.GetArena(cache_pb2.GetArenaRequest(),
-                                             timeout=self._timeout(timeout_s))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise rpc.error_from_rpc(exc, "cache") from None
-            info = cache_pb2.ArenaInfo()  # a cache that predates the arena
-        if self._arena is not None and self._arena.arena_id != info.arena_id:
-            self._arena.close()
-            self._arena = None
-        if info.path and self._arena is None:
-            try:
-                self._arena = await asyncio.to_thread(SharedArena, info)
-            except (OSError, ValueError) as exc:
-                log.info("cache %s: its arena %s cannot be mapped here (%s); streaming over "
-                         "gRPC", self.address, info.path, exc)
-        self._arena_known = True
+        return await self._shared.arena(self._timeout(timeout_s))
 
     async def put_shared(
         self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
@@ -162,40 +111,13 @@ class CacheClient:
         (else they are computed here); then the put is committed. Returns the
         bytes stored, or None where there is no arena to use (call `put`).
         The extent is leased to the call, so the call outlives `write`, even
-        when cancelled (see `_to_the_end`)."""
+        when cancelled."""
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
         header = self._header(snapshot_id, layout, num_blocks, num_tokens, total_bytes, pinned,
                               ttl_s)
-        call = self._stub.PutShared(timeout=self._timeout(timeout_s))
-        try:
-            await call.write(cache_pb2.PutSharedRequest(header=header))
-            try:
-                reply = await self._next(call, snapshot_id)
-            except errors.FailedPrecondition:  # the cache has no arena now: stream
-                self._arena_known = False
-                call.cancel()
-                return None
-            extent = arena.view(reply.extent)
-            sums = await _to_the_end(write(extent))
-            if sums is None:
-                sums = await _to_the_end(
-                    asyncio.to_thread(chunk_checksums, extent, self.chunk_bytes))
-            del extent
-            commit = cache_pb2.SharedPutCommit(checksums=sums)
-            await call.write(cache_pb2.PutSharedRequest(commit=commit))
-            response = await self._next(call, snapshot_id)
-            await _half_close(call)
-            await self._finish(call)
-        except errors.Unavailable:
-            self._arena_known = False  # it may have changed: ask again next time
-            call.cancel()
-            raise
-        except BaseException:
-            call.cancel()
-            raise
-        return int(response.info.header.total_bytes)
+        return await self._shared.put(arena, header, write, self._timeout(timeout_s))
 
     async def get_shared(
         self, snapshot_id: str,
@@ -213,53 +135,8 @@ class CacheClient:
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
-        call = self._stub.GetShared(timeout=self._timeout(timeout_s))
-        try:
-            request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
-            await call.write(cache_pb2.GetSharedRequest(open=request))
-            try:
-                response = await self._next(call, snapshot_id)
-            except errors.FailedPrecondition:  # on disk, or the cache has no arena now
-                self._arena_known = False
-                return None
-            extent = arena.view(response.extent)
-            checksums = list(response.checksums)
-            if not verified_by_read:
-                await _to_the_end(asyncio.to_thread(
-                    verify_chunks, extent, response.header.chunk_bytes, checksums,
-                    f"snapshot {snapshot_id}"))
-            await _to_the_end(read(response.header, extent, checksums))
-            del extent
-            await call.write(cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()))
-            await _half_close(call)
-            await self._finish(call)
-        except errors.Unavailable:
-            self._arena_known = False
-            raise
-        finally:
-            call.cancel()  # no-op once finished
-        return response.header
-
-    @staticmethod
-    async def _next(call: Any, snapshot_id: str) -> Any:
-        """The next response of a shared call; its error status, raised."""
-        try:
-            response = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
-        if response is grpc.aio.EOF:
-            raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
-        return response
-
-    @staticmethod
-    async def _finish(call: Any) -> None:
-        """Waits for a shared call's status; raises it unless OK."""
-        try:
-            extra = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
-        if extra is not grpc.aio.EOF:
-            raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
+        return await self._shared.get(arena, snapshot_id, read, consume,
+                                      self._timeout(timeout_s), verified_by_read)
 
     def _header(
         self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
@@ -299,36 +176,7 @@ class CacheClient:
             return stored
         header = self._header(snapshot_id, layout, num_blocks, num_tokens, view.nbytes, pinned,
                               ttl_s)
-        call = self._put_snapshot(timeout=self._timeout(timeout_s))
-        try:
-            await call.write(cache_pb2.PutSnapshotRequest(header=header))
-            # The server answers with initial metadata once it has reserved
-            # room (or ends the call refusing). Sending payload only after that
-            # keeps puts that wait for room from filling the server's buffers.
-            metadata = await call.initial_metadata()
-            if metadata is None or metadata.get(ADMITTED_KEY) is None:
-                await _half_close(call)
-                response = await call  # raises the refusal
-            else:
-                for index, start in enumerate(range(0, view.nbytes, self.chunk_bytes)):
-                    piece = view[start : start + self.chunk_bytes]
-                    # One copy, into the message; write() waits for HTTP/2
-                    # flow control.
-                    await call.write(encode_chunk(index, piece, checksum(piece)))
-                await _half_close(call)
-                response = await call
-        except asyncio.InvalidStateError:  # the server ended the call mid-stream
-            try:
-                await call
-            except grpc.aio.AioRpcError as exc:
-                raise rpc.error_from_rpc(exc, "cache") from None
-            raise errors.Unavailable(f"cache ended put {snapshot_id} early") from None
-        except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
-        except BaseException:
-            call.cancel()
-            raise
-        return int(response.info.header.total_bytes)
+        return await self._streamed.put(header, view, self._timeout(timeout_s))
 
     async def get_into(
         self, snapshot_id: str, out: memoryview, start_chunk: int = 0, consume: bool = False,
@@ -362,7 +210,8 @@ class CacheClient:
                                            verified_by_read=True)
             if header is not None:
                 return header
-        return await self._read(snapshot_id, start_chunk, consume, timeout_s, check_size)
+        return await self._streamed.read(snapshot_id, start_chunk, consume,
+                                         self._timeout(timeout_s), check_size)
 
     async def get(
         self, snapshot_id: str, consume: bool = False, timeout_s: float | None = None
@@ -374,7 +223,8 @@ class CacheClient:
             buffers.append(bytearray(header.total_bytes))
             return memoryview(buffers[0])
 
-        header = await self._read(snapshot_id, 0, consume, timeout_s, allocate)
+        header = await self._streamed.read(snapshot_id, 0, consume, self._timeout(timeout_s),
+                                           allocate)
         return header, bytes(buffers[0])
 
     async def delete(self, snapshot_id: str, timeout_s: float | None = None) -> None:
@@ -398,88 +248,8 @@ class CacheClient:
         """The deadline of one call: the caller's, else the client's."""
         return self.timeout_s if timeout_s is None else timeout_s
 
-    async def _read(
-        self, snapshot_id: str, start_chunk: int, consume: bool, timeout_s: float | None,
-        target_for: Callable[[cache_pb2.SnapshotHeader], memoryview],
-    ) -> cache_pb2.SnapshotHeader:
-        request = cache_pb2.GetSnapshotRequest(
-            snapshot_id=snapshot_id, start_chunk=start_chunk, consume=consume)
-        call = self._get_snapshot(request, timeout=self._timeout(timeout_s))
-        header: cache_pb2.SnapshotHeader | None = None
-        target = memoryview(b"")
-        expected = start_chunk
-        try:
-            async for response in call:
-                if not isinstance(response, RawChunk):
-                    header = response
-                    target = target_for(header)
-                    continue
-                if header is None:
-                    raise errors.DataLoss(f"snapshot {snapshot_id}: chunk before the header")
-                expected = _place_chunk(header, response, expected, target)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
-        finally:
-            call.cancel()  # no-op when finished; stops the server when we raise
-        if header is None:
-            raise errors.DataLoss(f"snapshot {snapshot_id}: stream ended without a header")
-        num_chunks = -(-header.total_bytes // header.chunk_bytes)
-        if expected != num_chunks:
-            raise errors.DataLoss(
-                f"snapshot {snapshot_id}: stream ended after chunk {expected - 1} "
-                f"of {num_chunks}"
-            )
-        return header
-
     async def _call(self, make_call: Callable[[], Awaitable[T]]) -> T:
         try:
             return await make_call()
         except grpc.aio.AioRpcError as exc:
-            raise rpc.error_from_rpc(exc, "cache") from None
-
-
-async def _to_the_end(step: Awaitable[T]) -> T:
-    """Awaits `step`; if the caller is cancelled meanwhile, still lets it
-    finish (a copy on a thread cannot be stopped) before the cancellation goes
-    on. So a shared call never ends, giving its extent back to the cache, while
-    this process still touches the extent."""
-    task = asyncio.ensure_future(step)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait((task,))
-        raise
-
-
-def _place_chunk(
-    header: cache_pb2.SnapshotHeader, chunk: RawChunk, expected: int, target: memoryview
-) -> int:
-    """Checks one received chunk and copies it into place; returns the next index."""
-    sid = header.snapshot_id
-    if chunk.index != expected:
-        raise errors.DataLoss(f"snapshot {sid}: got chunk {chunk.index}, expected {expected}")
-    data = chunk.data
-    start = chunk.index * header.chunk_bytes
-    end = min(start + header.chunk_bytes, header.total_bytes)
-    if len(data) != end - start:
-        raise errors.DataLoss(
-            f"snapshot {sid}: chunk {chunk.index} has {len(data)} bytes, "
-            f"expected {end - start}"
-        )
-    actual = checksum(data)
-    if actual != chunk.checksum:
-        raise errors.DataLoss(
-            f"snapshot {sid}: chunk {chunk.index} checksum {actual:#018x}, "
-            f"server sent {chunk.checksum:#018x}"
-        )
-    target[start:end] = data
-    return expected + 1
-
-
-async def _half_close(call: Any) -> None:
-    """Tells the server no more requests come. A call that has already ended
-    (its deadline passed, or the server answered) cannot take that; grpc
-    then raises InvalidStateError or its internal ExecuteBatchError, and
-    awaiting the call, next, says how it ended."""
-    with contextlib.suppress(asyncio.InvalidStateError, ExecuteBatchError):
-        await call.done_writing()
+            raise rpc_errors.error_from_rpc(exc, "cache") from None

@@ -4,8 +4,9 @@ wait for its ready line, stop it (SIGTERM, then SIGKILL).
 The stack and the gateway launcher both stop their children through
 `stop_process`; the stack starts each service with `start_service`, which runs
 `python -m module`, reads the child's stdout until the service announces its
-address (`kvstash.common.rpc.announce_ready`), then keeps copying that stdout into the
-service's log file so a chatty child never blocks on a full pipe.
+address (`kvstash.common.rpc_server.announce_ready`), then keeps copying that
+stdout into the service's log file so a chatty child never blocks on a full
+pipe.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvstash.common.rpc import READY_MARKER
+from kvstash.common.rpc_server import READY_MARKER
 
 # The name each service's module announces itself by when ready.
 _ANNOUNCED = {"cache_svc": "cache", "gpu_worker": "worker", "scheduler_svc": "scheduler"}

@@ -1,8 +1,9 @@
 """Starts the three services as separate local processes and stops them cleanly.
 
 Used by `kvstash up`, `kvstash demo` and the integration tests. Each service
-binds port 0 and announces its address on stdout (`kvstash.common.rpc.announce_ready`);
-the launcher waits for that line, so no port is ever guessed.
+binds port 0 and announces its address on stdout
+(`kvstash.common.rpc_server.announce_ready`); the launcher waits for that
+line, so no port is ever guessed.
 
     cache  <-- worker <-- scheduler <-- clients
 

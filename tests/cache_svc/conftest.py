@@ -13,7 +13,7 @@ import pytest
 from cache_svc.config import CacheConfig
 from cache_svc.server import CacheServer, create_cache_server
 from kvstash.cache_sdk.cache_client import CacheClient
-from kvstash.common.rpc import insecure_channel
+from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2_grpc
 

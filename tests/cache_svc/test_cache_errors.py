@@ -1,5 +1,6 @@
-"""What a failed cache call raises: one status <-> error mapping (kvstash.common.rpc)
-for the cache server, the cache client and the worker in between."""
+"""What a failed cache call raises: one status <-> error mapping
+(kvstash.common.rpc_errors) for the cache server, the cache client and the
+worker in between."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
-from kvstash.common import rpc
+from kvstash.common import rpc_errors, rpc_server
 from kvstash.common.layout import Layout
 from kvstash.v1 import cache_pb2_grpc
 
@@ -35,7 +36,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 )
 def test_status_becomes_domain_error(code: grpc.StatusCode, error: type[Exception],
                                      message: str) -> None:
-    exc = rpc.error_from_rpc(rpc_error(code, "snapshot x not found"), "cache")
+    exc = rpc_errors.error_from_rpc(rpc_error(code, "snapshot x not found"), "cache")
     assert type(exc) is error and str(exc) == message
     assert exc.code == code.name  # what one class covers stays told apart
 
@@ -45,8 +46,8 @@ def test_status_becomes_domain_error(code: grpc.StatusCode, error: type[Exceptio
                                    errors.FailedPrecondition, errors.Unavailable,
                                    errors.DataLoss])
 def test_domain_errors_survive_the_round_trip(error: type[errors.KvstashError]) -> None:
-    code = rpc.status_for(error("boom"))
-    assert type(rpc.error_from_rpc(rpc_error(code, "boom"))) is error
+    code = rpc_errors.status_for(error("boom"))
+    assert type(rpc_errors.error_from_rpc(rpc_error(code, "boom"))) is error
 
 
 class StalledCache(cache_pb2_grpc.KVCacheServicer):
@@ -60,7 +61,7 @@ class StalledCache(cache_pb2_grpc.KVCacheServicer):
 
 
 async def test_each_call_takes_its_callers_timeout() -> None:
-    server, port, _ = await rpc.create_server(
+    server, port, _ = await rpc_server.create_server(
         "127.0.0.1:0", [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(StalledCache(), s)],
         [])
     loop = asyncio.get_running_loop()

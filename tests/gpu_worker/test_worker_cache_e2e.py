@@ -19,8 +19,8 @@ from gpu_worker.runner import SeqWork
 from gpu_worker.server import create_worker_server
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
-from kvstash.common import rpc
-from kvstash.common.rpc import insecure_channel
+from kvstash.common import rpc_server
+from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand
@@ -142,7 +142,7 @@ class StalledCache(cache_pb2_grpc.KVCacheServicer):
 
 async def test_a_stalled_cache_fails_the_offload_at_the_callers_deadline() -> None:
     stalled = StalledCache()
-    cache_server, cache_port, _ = await rpc.create_server(
+    cache_server, cache_port, _ = await rpc_server.create_server(
         "127.0.0.1:0", [lambda s: cache_pb2_grpc.add_KVCacheServicer_to_server(stalled, s)], [])
     config = WorkerConfig(block_size=4, num_blocks=64, cache_address=f"127.0.0.1:{cache_port}",
                           cache_timeout_s=30.0)

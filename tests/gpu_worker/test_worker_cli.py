@@ -11,7 +11,7 @@ import pytest
 
 from gpu_worker.__main__ import parse_args
 from gpu_worker.config import WorkerConfig
-from kvstash.common.rpc import insecure_channel
+from kvstash.common.rpc_connections import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.worker_factories import REPO, worker_process
 

@@ -16,7 +16,7 @@ from cache_svc.server import create_cache_server
 from gpu_worker import server as worker_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
-from kvstash.common.rpc import insecure_channel
+from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_server import run_steps

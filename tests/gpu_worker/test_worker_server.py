@@ -15,8 +15,8 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.server import WorkerServer, create_worker_server
 from kvstash import errors
-from kvstash.common import rpc
-from kvstash.common.rpc import MAX_MESSAGE_BYTES, insecure_channel
+from kvstash.common import rpc_connections
+from kvstash.common.rpc_connections import MAX_MESSAGE_BYTES, insecure_channel
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.wire import sampling_to_proto
 from kvstash.v1 import cache_pb2, common_pb2, worker_pb2, worker_pb2_grpc
@@ -99,7 +99,7 @@ async def test_a_tokenizer_larger_than_a_message_reaches_the_scheduler() -> None
     worker = await create_worker_server(WorkerConfig(), "127.0.0.1:0", runner, MemoryCache())
     address = f"127.0.0.1:{worker.port}"
     try:
-        async with rpc.channel(address, options=WORKER_CHANNEL_OPTIONS) as channel:
+        async with rpc_connections.channel(address, options=WORKER_CHANNEL_OPTIONS) as channel:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
         assert info.tokenizer_json == tokenizer.encode()
         async with insecure_channel(address) as other:  # any other client keeps the limit

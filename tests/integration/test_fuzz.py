@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import vllm_engine_pb2
 
-from kvstash.common.rpc import CHANNEL_OPTIONS
+from kvstash.common.rpc_connections import CHANNEL_OPTIONS
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import cache_pb2, common_pb2, scheduler_pb2, worker_pb2

@@ -73,10 +73,10 @@ async def test_max_tokens_zero_refused_by_the_server(stack: Stack) -> None:
     # The Python client refuses it locally; a raw gRPC caller reaches the server.
     import grpc
 
-    from kvstash.common import rpc
+    from kvstash.common import rpc_connections
     from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-    async with rpc.insecure_channel(stack.address) as channel:
+    async with rpc_connections.insecure_channel(stack.address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         call = stub.Generate(scheduler_pb2.GenerateRequest(
             token_ids=scheduler_pb2.TokenIds(ids=[1, 2]),

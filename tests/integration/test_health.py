@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstash.client import Client
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 from tests.metrics_helpers import free_port
 
@@ -29,7 +29,7 @@ SERVICES = {
 @pytest.mark.parametrize("name", SERVICES)
 async def test_health_and_reflection(stack: Stack, name: str) -> None:
     address = getattr(stack, name).address
-    async with rpc.insecure_channel(address) as channel:
+    async with rpc_connections.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICES[name]):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -67,7 +67,7 @@ async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float) ->
 async def test_scheduler_health_follows_its_worker_not_its_cache(tmp_path: Path) -> None:
     # Before: SERVING throughout, with the worker dead and with the cache gone.
     with running_stack(StackConfig(num_blocks=64), tmp_path) as stack:
-        async with rpc.insecure_channel(stack.address) as channel, \
+        async with rpc_connections.insecure_channel(stack.address) as channel, \
                 Client(stack.address) as client:
             assert await _scheduler_statuses(channel) == SERVING
             await _eventually(lambda: _cache_available(client, True), 5)
@@ -92,7 +92,7 @@ async def test_a_worker_back_with_another_kv_layout_is_not_used(tmp_path: Path) 
     # The core's block pool was sized for the first worker: a worker with
     # fewer blocks would be handed block ids it does not have.
     with running_stack(StackConfig(num_blocks=64), tmp_path) as stack:
-        async with rpc.insecure_channel(stack.address) as channel, \
+        async with rpc_connections.insecure_channel(stack.address) as channel, \
                 Client(stack.address) as client:
             stack.worker = stack.worker.restart({"--num-blocks": "32"})
             await _eventually(lambda: _log_has(stack.scheduler.log_path, "another num_blocks"), 30)
@@ -114,7 +114,7 @@ async def test_a_second_scheduler_on_a_driven_worker_stays_not_serving(tmp_path:
                 "--worker-address", stack.worker.address, stdout=asyncio.subprocess.DEVNULL,
                 stderr=log)
         try:
-            async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with rpc_connections.insecure_channel(f"127.0.0.1:{port}") as channel:
                 await _eventually(lambda: _log_has(log_path, "another scheduler is driving"), 30)
                 for _ in range(20):  # several reconnects, one every second
                     assert await _scheduler_statuses(channel) == NOT_SERVING

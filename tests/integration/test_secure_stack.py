@@ -15,7 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.common.security import PLAINTEXT, Security, Tls
 from kvstash.launch.stack import StackConfig, running_stack
 from tests.integration.workload import (
@@ -75,7 +75,7 @@ async def test_stack_over_mutual_tls_with_a_token(tmp_path: Path) -> None:
         # The gateway protocol on the same port asks for the same token.
         for security, code in ((user, None), (Security(Tls(ca.cert_pem.bytes())),
                                               grpc.StatusCode.UNAUTHENTICATED)):
-            async with rpc.channel(stack.address, security) as channel:
+            async with rpc_connections.channel(stack.address, security) as channel:
                 engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
                 try:
                     info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())

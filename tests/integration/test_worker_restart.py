@@ -12,7 +12,7 @@ import pytest
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.reference import reference_greedy
@@ -42,7 +42,7 @@ async def test_worker_restart_fails_in_flight_then_serves_correctly(tmp_path: Pa
 
             # Killed mid-generation: the stream ends with the UNAVAILABLE status
             # (raw gRPC here, as grpcurl or another language's client sees it).
-            async with rpc.insecure_channel(stack.address) as channel:
+            async with rpc_connections.insecure_channel(stack.address) as channel:
                 call = scheduler_pb2_grpc.SchedulerStub(channel).Generate(
                     scheduler_pb2.GenerateRequest(
                         token_ids=scheduler_pb2.TokenIds(ids=[7, 8, 9]),

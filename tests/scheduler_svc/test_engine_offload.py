@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.cache_sdk.cache_client import CacheClient
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.launch.processes import Service, start_service
@@ -86,7 +86,7 @@ async def running_engine(cache_service: Service, worker: Service) -> AsyncIterat
         eos_token_ids=(257,), preemption_mode=PreemptionMode.OFFLOAD,
         init_new_token_ratio=0.05, bytes_per_block=Layout(4, 16, 2, 32, "float64").bytes_per_block,
     ))
-    channel = rpc.insecure_channel(worker.address)
+    channel = rpc_connections.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
     engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache))
     await engine.start()

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -54,7 +54,7 @@ async def server() -> AsyncIterator[SchedulerServer]:
 
 @pytest.fixture
 async def channel(server: SchedulerServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with rpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    async with rpc_connections.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield channel
 
 

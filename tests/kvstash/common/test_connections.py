@@ -1,5 +1,5 @@
-"""Per-connection limits every server applies (kvstash.common.rpc.Connections):
-flags, and what a real server does with them."""
+"""Per-connection limits every server applies
+(kvstash.common.rpc_connections.Connections): flags, and what a real server does with them."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import pytest
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash.common import rpc
+from kvstash.common import rpc_connections
 from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 
-def parse(*argv: str) -> rpc.Connections:
+def parse(*argv: str) -> rpc_connections.Connections:
     parser = argparse.ArgumentParser()
-    rpc.add_connection_flags(parser)
-    return rpc.connections_from_args(parser.parse_args(argv))
+    rpc_connections.add_connection_flags(parser)
+    return rpc_connections.connections_from_args(parser.parse_args(argv))
 
 
 def test_flags_reach_the_server_options() -> None:
-    assert parse() == rpc.DEFAULT_CONNECTIONS
+    assert parse() == rpc_connections.DEFAULT_CONNECTIONS
     options = dict(parse("--keepalive", "5s", "--keepalive-timeout", "2", "--idle-timeout",
                          "1m", "--max-streams-per-connection", "7").server_options())
     assert (options["grpc.keepalive_time_ms"], options["grpc.keepalive_timeout_ms"],
@@ -38,9 +38,9 @@ def test_flags_reach_the_server_options() -> None:
 async def test_an_idle_connection_is_closed_and_reopened() -> None:
     _, port, cache = await create_cache_server(
         CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
-        connections=rpc.Connections(idle_s=0.3))
+        connections=rpc_connections.Connections(idle_s=0.3))
     try:
-        async with rpc.channel(f"127.0.0.1:{port}") as channel:
+        async with rpc_connections.channel(f"127.0.0.1:{port}") as channel:
             stub = cache_pb2_grpc.KVCacheStub(channel)
             await stub.GetStats(common_pb2.GetStatsRequest())
             assert channel.get_state() == grpc.ChannelConnectivity.READY
@@ -57,10 +57,10 @@ async def test_an_idle_connection_is_closed_and_reopened() -> None:
 async def test_calls_beyond_the_stream_limit_wait_for_a_free_stream() -> None:
     _, port, cache = await create_cache_server(
         CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
-        connections=rpc.Connections(max_streams=1))
+        connections=rpc_connections.Connections(max_streams=1))
     address = f"127.0.0.1:{port}"
     try:
-        async with rpc.channel(address) as channel:
+        async with rpc_connections.channel(address) as channel:
             stub = cache_pb2_grpc.KVCacheStub(channel)
             await stub.GetStats(common_pb2.GetStatsRequest())  # connected
             # A put that sends nothing after its header holds the one stream.
@@ -83,7 +83,7 @@ async def test_calls_beyond_the_stream_limit_wait_for_a_free_stream() -> None:
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             # Another connection is served (channels share connections unless told not to).
             own_connection = [("grpc.use_local_subchannel_pool", 1)]
-            async with rpc.channel(address, options=own_connection) as other:
+            async with rpc_connections.channel(address, options=own_connection) as other:
                 await cache_pb2_grpc.KVCacheStub(other).GetStats(common_pb2.GetStatsRequest())
             held.cancel()
             release.set()

@@ -17,7 +17,7 @@ from cache_svc.server import create_cache_server
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.common import rpc, security
+from kvstash.common import rpc_connections, security
 from kvstash.common.security import Security, Tls
 from kvstash.common.units import MIB
 from scheduler_svc.serving import create_scheduler_server
@@ -150,7 +150,8 @@ async def public_scheduler(ca: trustme.CA) -> AsyncIterator[str]:
 ])
 async def test_calls_need_an_accepted_token(public_scheduler: str, ca: trustme.CA,
                                             token: str | None, code: grpc.StatusCode) -> None:
-    async with rpc.channel(public_scheduler, Security(tls_of(ca), token=token)) as channel:
+    secured = Security(tls_of(ca), token=token)
+    async with rpc_connections.channel(public_scheduler, secured) as channel:
         from kvstash.v1 import common_pb2, scheduler_pb2_grpc
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -161,7 +162,7 @@ async def test_calls_need_an_accepted_token(public_scheduler: str, ca: trustme.C
 
 
 async def test_health_checks_need_no_token(public_scheduler: str, ca: trustme.CA) -> None:
-    async with rpc.channel(public_scheduler, Security(tls_of(ca))) as channel:
+    async with rpc_connections.channel(public_scheduler, Security(tls_of(ca))) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no worker yet
 
@@ -178,7 +179,7 @@ async def test_streaming_calls_carry_the_token(public_scheduler: str, ca: trustm
 
 
 async def test_a_plaintext_client_cannot_reach_a_tls_server(public_scheduler: str) -> None:
-    async with rpc.channel(public_scheduler, Security(token=TOKEN)) as channel:
+    async with rpc_connections.channel(public_scheduler, Security(token=TOKEN)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                            timeout=5)

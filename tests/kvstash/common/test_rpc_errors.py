@@ -1,4 +1,5 @@
-"""kvstash.common.rpc over a real channel: undecodable requests, whatever the
+"""kvstash.common.rpc_errors over a real channel, on a server built by
+kvstash.common.rpc_server: undecodable requests, whatever the
 handler's shape, end with INVALID_ARGUMENT and a plain message; a servicer's
 failures, unary or streamed, with their status (INTERNAL for a bug)."""
 
@@ -13,7 +14,7 @@ import pytest
 from google.protobuf import descriptor_pool
 
 from kvstash import errors
-from kvstash.common import rpc
+from kvstash.common import rpc_connections, rpc_errors, rpc_server
 
 SERVICE = "test.Echo"
 
@@ -60,8 +61,8 @@ def _register(server: grpc.aio.Server) -> None:
 
 @pytest.fixture
 async def channel() -> AsyncIterator[grpc.aio.Channel]:
-    server, port, _ = await rpc.create_server("127.0.0.1:0", [_register], [SERVICE])
-    async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    server, port, _ = await rpc_server.create_server("127.0.0.1:0", [_register], [SERVICE])
+    async with rpc_connections.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield channel
     await server.stop(None)
 
@@ -112,12 +113,12 @@ class Failing:
         if request == b"bug":
             raise KeyError("a bug")
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         await self._fail(request, context)
         return request
 
-    @rpc.maps_errors
+    @rpc_errors.maps_errors
     async def Stream(self, request: bytes, context: grpc.aio.ServicerContext,
                      ) -> AsyncIterator[bytes]:
         yield b"first"
@@ -134,8 +135,8 @@ async def failing() -> AsyncIterator[grpc.aio.Channel]:
                     "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
-    server, port, _ = await rpc.create_server("127.0.0.1:0", [register], [SERVICE])
-    async with rpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    server, port, _ = await rpc_server.create_server("127.0.0.1:0", [register], [SERVICE])
+    async with rpc_connections.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield channel
     await server.stop(None)
 
@@ -159,7 +160,7 @@ async def test_maps_errors_gives_each_failure_its_status(
         else:
             assert [r async for r in failing.unary_stream(path)(sent)] == [b"first"]
     assert (caught.value.code(), caught.value.details()) == (code, details.format(method=method))
-    logged = [r for r in caplog.records if r.name == "kvstash.common.rpc"]
+    logged = [r for r in caplog.records if r.name == "kvstash.common.rpc_errors"]
     if code == grpc.StatusCode.INTERNAL:  # a bug: logged with its traceback
         [record] = logged
         assert record.exc_info is not None and f"Failing.{method}" in record.getMessage()
@@ -182,8 +183,8 @@ def test_every_rpc_of_every_service_maps_its_errors(module, servicer, service) -
     cls = getattr(importlib.import_module(module), servicer)  # registers its protos
     methods = descriptor_pool.Default().FindServiceByName(service).methods
     unmapped = [m.name for m in methods
-                if getattr(cls, m.name).__code__.co_filename != rpc.__file__]
-    assert not unmapped, f"{servicer} methods without rpc.maps_errors: {unmapped}"
+                if getattr(cls, m.name).__code__.co_filename != rpc_errors.__file__]
+    assert not unmapped, f"{servicer} methods without rpc_errors.maps_errors: {unmapped}"
 
 
 def test_preview_clips_client_input() -> None:

@@ -1,0 +1,181 @@
+"""The cache client's co-located path: PutShared and GetShared, the bytes
+moving through the cache's arena mapped into this process
+(kvstash.cache_sdk.shared_arena), gRPC carrying only control.
+
+    put:  header --> extent <-- write(extent) fills it --> commit(checksums) --> info
+    get:  open --> extent + checksums, verified --> read(...) uses it --> done
+
+The arena is asked for once (GetArena), and again after a call found it
+changed: FailedPrecondition (the cache has no arena now, or the snapshot is
+only on disk) makes a call answer None, for the caller to stream instead
+(kvstash.cache_sdk.streamed_calls); Unavailable is raised. An extent is
+leased to its call, so the call is never ended, giving the extent back to
+the cache, while this process still touches it (`_to_the_end`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstash import errors
+from kvstash.cache_sdk.shared_arena import SharedArena, chunk_checksums, verify_chunks
+from kvstash.cache_sdk.streamed_calls import half_close
+from kvstash.common import rpc_errors
+from kvstash.v1 import cache_pb2, cache_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ArenaCalls:
+    """The arena as mapped here, and the shared calls that use it. Each
+    `timeout_s` is the call's deadline as CacheClient resolved it (None = none)."""
+
+    def __init__(self, stub: cache_pb2_grpc.KVCacheStub, address: str) -> None:
+        self._stub = stub
+        self._address = address  # for the log line when the arena cannot be mapped
+        self._arena: SharedArena | None = None
+        self._arena_known = False  # asked GetArena since the arena last changed
+        self._arena_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    async def arena(self, timeout_s: float | None) -> SharedArena | None:
+        """The cache's arena mapped here, or None where it has none or this
+        process cannot map it."""
+        async with self._arena_lock:  # one GetArena for many concurrent first calls
+            if not self._arena_known:
+                await self._ask_arena(timeout_s)
+        return self._arena
+
+    async def _ask_arena(self, timeout_s: float | None) -> None:
+        try:
+            info = await self._stub.GetArena(cache_pb2.GetArenaRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise rpc_errors.error_from_rpc(exc, "cache") from None
+            info = cache_pb2.ArenaInfo()  # a cache that predates the arena
+        if self._arena is not None and self._arena.arena_id != info.arena_id:
+            self._arena.close()
+            self._arena = None
+        if info.path and self._arena is None:
+            try:
+                self._arena = await asyncio.to_thread(SharedArena, info)
+            except (OSError, ValueError) as exc:
+                log.info("cache %s: its arena %s cannot be mapped here (%s); streaming over "
+                         "gRPC", self._address, info.path, exc)
+        self._arena_known = True
+
+    async def put(
+        self, arena: SharedArena, header: cache_pb2.SnapshotHeader,
+        write: Callable[[memoryview], Awaitable[list[int] | None]], timeout_s: float | None,
+    ) -> int | None:
+        """Puts through `arena` (this client's `arena()`): `write(extent)`
+        fills the extent and may return its chunks' checksums (else computed
+        here), then the put is committed. Returns the bytes stored, or None
+        where the cache has no arena now."""
+        call = self._stub.PutShared(timeout=timeout_s)
+        try:
+            await call.write(cache_pb2.PutSharedRequest(header=header))
+            try:
+                reply = await _next(call, header.snapshot_id)
+            except errors.FailedPrecondition:  # the cache has no arena now: stream
+                self._arena_known = False
+                call.cancel()
+                return None
+            extent = arena.view(reply.extent)
+            sums = await _to_the_end(write(extent))
+            if sums is None:
+                sums = await _to_the_end(
+                    asyncio.to_thread(chunk_checksums, extent, header.chunk_bytes))
+            del extent
+            commit = cache_pb2.SharedPutCommit(checksums=sums)
+            await call.write(cache_pb2.PutSharedRequest(commit=commit))
+            response = await _next(call, header.snapshot_id)
+            await half_close(call)
+            await _finish(call)
+        except errors.Unavailable:
+            self._arena_known = False  # it may have changed: ask again next time
+            call.cancel()
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+        return int(response.info.header.total_bytes)
+
+    async def get(
+        self, arena: SharedArena, snapshot_id: str,
+        read: Callable[[cache_pb2.SnapshotHeader, memoryview, list[int]], Awaitable[None]],
+        consume: bool, timeout_s: float | None, verified_by_read: bool,
+    ) -> cache_pb2.SnapshotHeader | None:
+        """Gets through `arena`: the extent's chunks are verified (unless
+        `verified_by_read`), then `read(header, extent, checksums)` uses it.
+        None where the snapshot is only on disk or the cache has no arena now."""
+        call = self._stub.GetShared(timeout=timeout_s)
+        try:
+            request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
+            await call.write(cache_pb2.GetSharedRequest(open=request))
+            try:
+                response = await _next(call, snapshot_id)
+            except errors.FailedPrecondition:  # on disk, or the cache has no arena now
+                self._arena_known = False
+                return None
+            extent = arena.view(response.extent)
+            checksums = list(response.checksums)
+            if not verified_by_read:
+                await _to_the_end(asyncio.to_thread(
+                    verify_chunks, extent, response.header.chunk_bytes, checksums,
+                    f"snapshot {snapshot_id}"))
+            await _to_the_end(read(response.header, extent, checksums))
+            del extent
+            await call.write(cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()))
+            await half_close(call)
+            await _finish(call)
+        except errors.Unavailable:
+            self._arena_known = False
+            raise
+        finally:
+            call.cancel()  # no-op once finished
+        return response.header
+
+
+async def _next(call: Any, snapshot_id: str) -> Any:
+    """The next response of a shared call; its error status, raised."""
+    try:
+        response = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise rpc_errors.error_from_rpc(exc, "cache") from None
+    if response is grpc.aio.EOF:
+        raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
+    return response
+
+
+async def _finish(call: Any) -> None:
+    """Waits for a shared call's status; raises it unless OK."""
+    try:
+        extra = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise rpc_errors.error_from_rpc(exc, "cache") from None
+    if extra is not grpc.aio.EOF:
+        raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """Awaits `step`; if the caller is cancelled meanwhile, still lets it
+    finish (a copy on a thread cannot be stopped) before the cancellation goes
+    on. So a shared call never ends, giving its extent back to the cache, while
+    this process still touches the extent."""
+    task = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,))
+        raise

@@ -1,0 +1,116 @@
+"""What one gRPC connection carries and allows, from both ends.
+
+A client channel (`channel`) and every server (kvstash.common.rpc_server)
+agree on the largest message (`MAX_MESSAGE_BYTES`) and on keepalive: clients
+ping a silent server (`KEEPALIVE_OPTIONS`), servers ping a silent client,
+close idle connections and cap the calls one connection keeps open
+(`Connections`, set from each service's command line by
+`add_connection_flags`/`connections_from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvstash.common.security import PLAINTEXT, Security, channel_args
+from kvstash.common.units import MIB, parse_duration
+
+# Snapshot chunks are at most 4 MiB of payload; leave room for framing.
+MAX_MESSAGE_BYTES = 8 * MIB
+# A worker's GetInfo carries the model's tokenizer.json (Llama 3's is ~9 MB):
+# the worker may send, and its scheduler receive, this much.
+MAX_WORKER_INFO_BYTES = 64 * MIB
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Bulk KV transfers want a large flow-control window from the start.
+    ("grpc.http2.lookahead_bytes", 4 * MIB),
+]
+
+# Clients find a dead server within ~80 s (a ping after 60 s of silence, 20 s
+# to answer) instead of when the kernel gives up on the socket.
+KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Connections:
+    """What every server allows one client connection (`add_connection_flags`)."""
+
+    keepalive_s: float = 60.0  # ping a silent client after this long...
+    keepalive_timeout_s: float = 20.0  # ...and drop it without an answer in this
+    idle_s: float = 600.0  # close a connection without calls this long (clients reconnect)
+    max_streams: int = 0  # calls open at once per connection; 0 = the service's default
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_s", "keepalive_timeout_s", "idle_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0")
+        if self.max_streams < 0:
+            raise ValueError(f"max_streams is {self.max_streams}, must be >= 0")
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        options = [
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Clients ping every 60 s (KEEPALIVE_OPTIONS); faster is abuse.
+            ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+            ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
+        ]
+        if self.max_streams:
+            options.append(("grpc.max_concurrent_streams", self.max_streams))
+        return options
+
+
+DEFAULT_CONNECTIONS = Connections()
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULT_CONNECTIONS
+    group = parser.add_argument_group("connections")
+    group.add_argument("--keepalive", type=_duration, default=d.keepalive_s,
+                       help="ping a client silent this long (e.g. 60s)")
+    group.add_argument("--keepalive-timeout", type=_duration, default=d.keepalive_timeout_s,
+                       help="drop a client that does not answer a ping within this")
+    group.add_argument("--idle-timeout", type=_duration, default=d.idle_s,
+                       help="close a connection without calls this long (e.g. 10m)")
+    group.add_argument("--max-streams-per-connection", type=int, default=d.max_streams,
+                       help="calls open at once on one connection; more wait on the client's "
+                            "side; 0 = this service's default")
+
+
+def connections_from_args(args: argparse.Namespace) -> Connections:
+    return Connections(args.keepalive, args.keepalive_timeout, args.idle_timeout,
+                       args.max_streams_per_connection)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def channel(address: str, security: Security = PLAINTEXT,
+            options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A client channel: TLS (with this process's certificate, for mutual
+    TLS) and the bearer token as `security` says."""
+    merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(options)).items())
+    extra = channel_args(security)
+    if extra["credentials"] is None:
+        return grpc.aio.insecure_channel(address, options=merged,
+                                         interceptors=extra["interceptors"])
+    return grpc.aio.secure_channel(address, extra["credentials"], options=merged,
+                                   interceptors=extra["interceptors"])
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return channel(address)

@@ -1,0 +1,128 @@
+"""A service's gRPC server, from start to stop, the same for every service.
+
+`create_server` binds (port 0 works, for tests) and always adds the standard
+health service and server reflection, so `grpcurl` and Kubernetes gRPC probes
+work against every service; it installs the connection limits
+(kvstash.common.rpc_connections), bearer-token checks (kvstash.common.security)
+and the refusal of undecodable requests (kvstash.common.rpc_errors). A
+service's `__main__` then announces where it listens (`announce_ready`) and
+serves until signalled (`run_until_signalled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstash.common.rpc_connections import CHANNEL_OPTIONS, DEFAULT_CONNECTIONS, Connections
+from kvstash.common.rpc_errors import DecodeErrorInterceptor
+from kvstash.common.security import PLAINTEXT, Security, TokenAuth, check_listen
+
+log = logging.getLogger(__name__)
+
+Registrar = Callable[[grpc.aio.Server], None]
+
+
+async def create_server(
+    address: str,
+    registrars: Iterable[Registrar],
+    service_names: Iterable[str],
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    options: Iterable[tuple[str, Any]] = (),
+    serving: bool = True,
+    maximum_concurrent_rpcs: int | None = None,
+    security: Security = PLAINTEXT,
+    connections: Connections = DEFAULT_CONNECTIONS,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Builds and starts a server on `address` ("host:port", port 0 = any free).
+
+    Returns the server, the bound port and its health servicer: all services
+    report SERVING once started, or NOT_SERVING unless `serving` (a service
+    that is not ready yet); flip them with `health.set`. Beyond
+    `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED.
+    `security`: TLS, tokens, and whether plaintext may leave loopback
+    (ValueError if it may not); `connections`: keepalive, idle and stream
+    limits per connection (flags beat a service's own `options`)."""
+    check_listen(address, security)
+    merged = dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
+    auth = [TokenAuth(security.tokens)] if security.tokens else []
+    server = grpc.aio.server(
+        options=list(merged.items()),
+        interceptors=[*auth, *interceptors, DecodeErrorInterceptor()],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
+    for register in registrars:
+        register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    if security.tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, security.tls.server_credentials())
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    await server.start()
+    await set_serving(health_servicer, names, serving)
+    return server, port, health_servicer
+
+
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, service_names: Iterable[str], serving: bool
+) -> None:
+    """What health checks answer for the server ("") and each named service."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", *service_names):
+        await health_servicer.set(name, status)
+
+
+async def run_until_signalled(
+    server: grpc.aio.Server,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Serves until SIGINT/SIGTERM, then stops gracefully: in-flight calls get
+    `grace_s` seconds to finish."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    await server.stop(grace_s)  # refuse new calls, let running ones finish
+    if on_stop is not None:
+        await on_stop()
+    for task in (waiter, stopper):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+READY_MARKER = "KVSTASH_READY"
+
+
+def announce_ready(service: str, host: str, port: int) -> None:
+    """Prints the one line launchers wait for: `KVSTASH_READY <service> <host>:<port>`.
+
+    Services started with port 0 are found this way (by `kvstash up` and tests)."""
+    print(f"{READY_MARKER} {service} {host}:{port}", flush=True)
