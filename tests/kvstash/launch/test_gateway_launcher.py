@@ -57,7 +57,8 @@ def test_a_gateway_never_ready_is_stopped_at_the_timeout(
 def test_stop_kills_what_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_smg(tmp_path, monkeypatch, "trap '' TERM; while :; do sleep 0.1; done")
     process = subprocess.Popen([gateway.smg_executable()])
-    running = gateway.Gateway("http://127.0.0.1:1", process, tmp_path / "smg.log", 1)
+    running = gateway.Gateway("http://127.0.0.1:1", process, tmp_path / "smg.log",
+                              "http://127.0.0.1:2/metrics")
     time.sleep(0.3)  # the trap is set
     running.stop(timeout_s=0.5)
     assert process.returncode == -signal.SIGKILL
