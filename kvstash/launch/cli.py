@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import tempfile
@@ -100,6 +101,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     except _Stop as exc:  # start_stack stopped what had started
         print(f"stopped while starting ({exc}); logs kept in {log_dir}", file=sys.stderr)
         return 0
+    except BaseException:
+        if args.log_dir is None:  # ours, and empty when nothing started (a port in use)
+            with contextlib.suppress(OSError):
+                log_dir.rmdir()
+        raise
     try:
         _print_stack(stack, args.listen)
         failed = stack.wait_for_exit()

@@ -75,3 +75,17 @@ def test_a_stack_checks_for_smg_before_starting_anything(
     with pytest.raises(ValueError, match="got 'fastest'"):
         start_stack(StackConfig(gateway=True, gateway_policy="fastest"), tmp_path)
     assert not list(tmp_path.iterdir())  # no service started, so no log either
+
+
+def test_smgs_log_is_plain_text_and_its_metrics_stay_on_its_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smg colours its console output whatever it writes to; smg.log gets the
+    text without the codes. Its /metrics listens on the gateway's host."""
+    fake_smg(tmp_path, monkeypatch,
+             r'printf "\033[2m2026-11-25\033[0m \033[32m INFO\033[0m args: %s\n" "$*"; exit 3')
+    with pytest.raises(RuntimeError, match="exited with code 3") as err:
+        gateway.start_gateway(["127.0.0.1:1"], tmp_path, host="127.0.0.1")
+    log = (tmp_path / "smg.log").read_text()
+    assert "\x1b" not in log and "\x1b" not in str(err.value)
+    assert log.startswith("2026-11-25  INFO args: launch --host 127.0.0.1 --port ")
+    assert "--prometheus-host 127.0.0.1 --prometheus-port " in log
