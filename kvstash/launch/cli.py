@@ -99,7 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         stack = start_stack(config, log_dir)
     except _Stop as exc:  # start_stack stopped what had started
-        print(f"stopped while starting ({exc}); logs kept in {log_dir}", file=sys.stderr)
+        _say(f"stopped while starting ({exc}); logs kept in {log_dir}")
         return 0
     except BaseException:
         if args.log_dir is None:  # ours, and empty when nothing started (a port in use)
@@ -110,17 +110,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         _print_stack(stack, args.listen)
         failed = stack.wait_for_exit()
     except _Stop as exc:
-        print(f"\nstopping ({exc})", file=sys.stderr)
-        _stop_undisturbed(stack)
-        print(f"stopped; logs kept in {log_dir}", file=sys.stderr)
+        _stop_undisturbed(stack, f"\nstopping ({exc})")
+        _say(f"stopped; logs kept in {log_dir}")
         return 0
     except BaseException:
         _stop_undisturbed(stack)
         raise
-    print(f"{failed.name} exited with code {failed.process.returncode}; stopping the others. "
-          f"Its log: {failed.log_path}", file=sys.stderr)
-    _stop_undisturbed(stack)
-    print(f"stopped; logs kept in {log_dir}", file=sys.stderr)
+    _stop_undisturbed(stack, f"{failed.name} exited with code {failed.process.returncode}; "
+                             f"stopping the others. Its log: {failed.log_path}")
+    _say(f"stopped; logs kept in {log_dir}")
     return 1
 
 
@@ -141,12 +139,22 @@ def _print_stack(stack: Stack, listen: str) -> None:
     print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
 
 
-def _stop_undisturbed(stack: Stack) -> None:
-    """Stops the stack with further stop signals ignored: a second SIGTERM
-    (or Ctrl-C) must not cut the stopping short and orphan a service."""
+def _stop_undisturbed(stack: Stack, why: str = "") -> None:
+    """Says `why`, then stops the stack with further stop signals ignored: a
+    second SIGTERM (or Ctrl-C) must not cut the stopping short and orphan a
+    service."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    if why:
+        _say(why)
     stack.stop()
+
+
+def _say(line: str) -> None:
+    """A line on stderr, if anyone still reads it: a closed terminal (SIGHUP)
+    or a parent gone fails the write, and stopping must go on regardless."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 async def _generate(args: argparse.Namespace) -> int:

@@ -120,6 +120,19 @@ def test_up_serves_then_a_stop_signal_leaves_nothing_behind(
     shutil.rmtree(up.log_dir)
 
 
+def test_up_stops_everything_when_nobody_reads_what_it_says() -> None:
+    """A closed terminal (SIGHUP) or a parent gone: the lines `kvstash up`
+    writes as it stops fail, and the stopping goes on regardless."""
+    up = start_up()
+    assert up.process.stdout is not None and up.process.stderr is not None
+    up.process.stdout.close()
+    up.process.stderr.close()
+    up.process.send_signal(signal.SIGHUP)
+    assert up.process.wait(30) == 0
+    assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
+
+
 def test_up_writes_its_logs_to_log_dir_and_keeps_them(tmp_path: Path) -> None:
     up = start_up("--log-dir", str(tmp_path / "logs"))
     assert up.log_dir == tmp_path / "logs"
