@@ -156,6 +156,7 @@ def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
 
 
 def test_up_gateway_serves_openai_http_over_its_instances_and_its_death_stops_all() -> None:
@@ -224,9 +225,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_up_stopped_while_starting_leaves_nothing_behind() -> None:
+def test_up_stopped_while_starting_leaves_nothing_behind(tmp_path: Path) -> None:
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0",
+         "--log-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     # The cache is up and the worker starting: a stop now lands in the wait
