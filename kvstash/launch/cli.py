@@ -131,8 +131,8 @@ def _print_stack(stack: Stack, listen: str) -> None:
         print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
               f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models\n"
               f"Prometheus (smg) at {gateway.metrics_url}")
-    print("Prometheus (services): off; each takes --metrics-port when started alone "
-          "(python -m scheduler_svc --help)")
+    print("Prometheus (scheduler, worker, cache): off unless KVSTASH_<SERVICE>_METRICS_PORT "
+          "is set, or --metrics-port when each runs alone (README: Observability)")
     reach = ("loopback only" if security.is_loopback(listen)
              else "anyone who can reach this host")
     print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
