@@ -11,6 +11,7 @@ from pathlib import Path
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
 from kvstash.common import rpc_connections, rpc_server, security, settings, telemetry, units
+from kvstash.common.binding import BindError
 from kvstash.common.malloc_tuning import tune_malloc
 from kvstash.common.metrics import listen_host
 
@@ -145,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     with telemetry.tracing_for(telemetry.CACHE_SERVICE):
         try:
             asyncio.run(serve(config, args.listen, args.grace, secured, connections))
-        except OSError as exc:  # the address or the arena
+        except BindError as exc:  # its port (or its metrics port) is taken
+            print(f"cache_svc: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # the arena
             print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
             return 1
     return 0

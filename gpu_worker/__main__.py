@@ -14,6 +14,7 @@ import sys
 
 from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
 from kvstash.common import security, settings, telemetry
+from kvstash.common.binding import BindError
 from kvstash.common.malloc_tuning import tune_malloc
 from kvstash.common.rpc_connections import add_connection_flags, connections_from_args
 from kvstash.common.rpc_server import announce_ready, run_until_signalled, setup_logging
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # a checkpoint that does not match its config, ...
             log.error("%s", exc)
             return 2
+        except BindError as exc:  # its port (or its metrics port) is taken
+            print(f"gpu_worker: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

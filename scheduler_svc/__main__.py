@@ -20,6 +20,7 @@ import grpc
 
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common import rpc_connections, rpc_server, security, settings, telemetry
+from kvstash.common.binding import BindError
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.tokenizer import load_tokenizer
@@ -250,7 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:
-        asyncio.run(serve(args, secured, tracing=tracing is not None))
+        try:
+            asyncio.run(serve(args, secured, tracing=tracing is not None))
+        except BindError as exc:  # its port (or its metrics port) is taken
+            sys.exit(f"scheduler_svc: {exc}")
 
 
 if __name__ == "__main__":

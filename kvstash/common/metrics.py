@@ -9,6 +9,7 @@ are taken on the service's event loop, which owns them.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstash.common.binding import BindError, in_use
 from kvstash.common.stats import Kind, Stat
 from kvstash.errors import preview
 
@@ -65,11 +67,19 @@ def listen_host(text: str, what: str = "host") -> str:
 
 
 class MetricsServer:
-    """`/metrics` over HTTP on `port` for the collectors of `registry`."""
+    """`/metrics` over HTTP on `port` for the collectors of `registry`;
+    BindError (kvstash.common.binding) if another process listens there."""
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str) -> None:
         self.registry = registry
-        self._http_server, _thread = start_http_server(port, addr=addr, registry=registry)
+        # Python's HTTP server never sets SO_REUSEPORT: a taken port fails here.
+        try:
+            self._http_server, _thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            shown = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            if exc.errno == errno.EADDRINUSE:
+                raise in_use(f"{shown} (/metrics)") from None
+            raise BindError(f"cannot serve /metrics on {shown}: {exc.strerror}") from None
 
     @property
     def port(self) -> int:

@@ -4,7 +4,9 @@
 health service and server reflection, so `grpcurl` and Kubernetes gRPC probes
 work against every service; it installs the connection limits
 (kvstash.common.rpc_connections), bearer-token checks (kvstash.common.security)
-and the refusal of undecodable requests (kvstash.common.rpc_errors). A
+and the refusal of undecodable requests (kvstash.common.rpc_errors), and
+refuses an address another process listens on (kvstash.common.binding:
+BindError, never a shared port). A
 service's `__main__` then announces where it listens (`announce_ready`) and
 serves until signalled (`run_until_signalled`).
 """
@@ -22,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstash.common.binding import NO_REUSEPORT, BindError, check_free, split_address
 from kvstash.common.rpc_connections import CHANNEL_OPTIONS, DEFAULT_CONNECTIONS, Connections
 from kvstash.common.rpc_errors import DecodeErrorInterceptor
 from kvstash.common.security import PLAINTEXT, Security, TokenAuth, check_listen
@@ -29,6 +32,22 @@ from kvstash.common.security import PLAINTEXT, Security, TokenAuth, check_listen
 log = logging.getLogger(__name__)
 
 Registrar = Callable[[grpc.aio.Server], None]
+
+
+class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpcio's health service, plus the List its aio servicer lacks (1.85
+    answers UNIMPLEMENTED, though reflection advertises the method)."""
+
+    async def List(  # noqa: N802 (the gRPC method's name)
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service Check knows, with the status Check would answer now."""
+        # grpcio keeps the statuses Check reads in this map (set() and graceful
+        # shutdown write it); reading it keeps List and Check from disagreeing.
+        statuses = dict(self._server_status)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
 
 
 async def create_server(
@@ -41,7 +60,7 @@ async def create_server(
     maximum_concurrent_rpcs: int | None = None,
     security: Security = PLAINTEXT,
     connections: Connections = DEFAULT_CONNECTIONS,
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Builds and starts a server on `address` ("host:port", port 0 = any free).
 
     Returns the server, the bound port and its health servicer: all services
@@ -50,9 +69,14 @@ async def create_server(
     `maximum_concurrent_rpcs` calls at once, gRPC answers RESOURCE_EXHAUSTED.
     `security`: TLS, tokens, and whether plaintext may leave loopback
     (ValueError if it may not); `connections`: keepalive, idle and stream
-    limits per connection (flags beat a service's own `options`)."""
+    limits per connection (flags beat a service's own `options`). BindError
+    (one line naming `address`) if another process listens there or it
+    cannot be bound, before anything starts."""
     check_listen(address, security)
-    merged = dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
+    check_free(*split_address(address))
+    # The port is this server's alone, whatever `options` say (see binding).
+    merged = (dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
+              | dict([NO_REUSEPORT]))
     auth = [TokenAuth(security.tokens)] if security.tokens else []
     server = grpc.aio.server(
         options=list(merged.items()),
@@ -61,25 +85,30 @@ async def create_server(
     )
     for register in registrars:
         register(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    if security.tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, security.tls.server_credentials())
+    try:
+        if security.tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, security.tls.server_credentials())
+    except RuntimeError:  # gRPC's "Failed to bind": taken since the check, or not ours
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        await server.stop(None)  # else it complains, unstarted, when collected
+        raise BindError(f"cannot listen on {address} (in use, or not an address of this "
+                        "host)")
     await server.start()
     await set_serving(health_servicer, names, serving)
     return server, port, health_servicer
 
 
 async def set_serving(
-    health_servicer: health.aio.HealthServicer, service_names: Iterable[str], serving: bool
+    health_servicer: HealthServicer, service_names: Iterable[str], serving: bool
 ) -> None:
     """What health checks answer for the server ("") and each named service."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving

@@ -4,30 +4,52 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.common import security
+from kvstash.common.binding import BindError
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default to its help, except where there is none
+    worth showing (None: the help says what happens; a switch: off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
     p.add_argument("--model", default=defaults.model, help="'tiny' or a checkpoint directory")
-    p.add_argument("--dtype", default=defaults.dtype)
-    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--dtype", default=defaults.dtype,
+                   help="auto: a checkpoint's own dtype, float64 for the tiny model")
+    p.add_argument("--device", default=defaults.device,
+                   help="auto: cuda where there is one, else cpu")
     p.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
-                   help="KV-cache blocks on the worker")
-    p.add_argument("--block-size", type=int, default=defaults.block_size)
+                   help="KV-cache blocks on each worker")
+    p.add_argument("--block-size", type=int, default=defaults.block_size,
+                   help="tokens per KV-cache block")
     p.add_argument("--preemption-mode", default=defaults.preemption_mode,
-                   choices=["auto", "offload", "recompute"])
-    p.add_argument("--cache-memory-budget", default=defaults.cache_memory_budget)
-    p.add_argument("--cache-disk-budget", default=defaults.cache_disk_budget)
-    p.add_argument("--cache-disk-dir", default=None, help="default: a temporary directory")
+                   choices=["auto", "offload", "recompute"],
+                   help="what a preempted request's KV becomes: auto weighs offload "
+                        "against recompute by their measured costs")
+    p.add_argument("--cache-memory-budget", default=defaults.cache_memory_budget,
+                   help="the cache service's memory tier")
+    p.add_argument("--cache-disk-budget", default=defaults.cache_disk_budget,
+                   help="the cache service's disk tier")
+    p.add_argument("--cache-disk-dir", default=None,
+                   help="the disk tier's directory (default: a temporary one, removed at stop)")
     p.add_argument("--pd", action="store_true",
                    help="P/D disaggregation: a prefill and a decode instance (each a scheduler "
                         "and its worker) sharing the cache; clients call the prefill instance")
@@ -53,7 +75,7 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGHUP arrived: stop like Ctrl-C does."""
+    """SIGINT, SIGTERM or SIGHUP arrived: stop everything."""
 
 
 def _raise_stop(signum: int, _frame: object) -> None:
@@ -65,43 +87,74 @@ def cmd_up(args: argparse.Namespace) -> int:
     host = args.listen.rsplit(":", 1)[0]
     config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext,
                            gateway_port=args.gateway_port)
-    # A service manager stops us with SIGTERM, a closed terminal with SIGHUP:
-    # either must stop the services too, not orphan them.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # Ctrl-C, a service manager's SIGTERM, a closed terminal's SIGHUP: each
+    # must stop the services too, not orphan them. SIGINT explicitly: a shell
+    # script that starts us in the background (`kvstash up &`) hands it down
+    # ignored, and Python then leaves it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
-    stack = start_stack(config)
+    # Kept after stop: the user reads them when something went wrong.
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvstash-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for service in stack.services:
-            print(f"{service.name:<20} {service.address:<22} pid {service.process.pid}")
-        if stack.gateway is not None:
-            gateway = stack.gateway
-            print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
-                  f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models")
-        reach = ("loopback only" if security.is_loopback(args.listen)
-                 else "anyone who can reach this host")
-        print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
-        print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+        stack = start_stack(config, log_dir)
+    except _Stop as exc:  # start_stack stopped what had started
+        _say(f"stopped while starting ({exc}); logs kept in {log_dir}")
+        return 0
+    except BaseException:
+        if args.log_dir is None:  # ours, and empty when nothing started (a port in use)
+            with contextlib.suppress(OSError):
+                log_dir.rmdir()
+        raise
+    try:
+        _print_stack(stack, args.listen)
         failed = stack.wait_for_exit()
-    except (KeyboardInterrupt, _Stop) as exc:
-        print(f"\nstopping ({exc or 'interrupted'})", file=sys.stderr)
-        _stop_undisturbed(stack)
+    except _Stop as exc:
+        _stop_undisturbed(stack, f"\nstopping ({exc})")
+        _say(f"stopped; logs kept in {log_dir}")
         return 0
     except BaseException:
         _stop_undisturbed(stack)
         raise
-    # Keep every log: the others may say why this one died.
-    print(f"{failed.name} exited with code {failed.process.returncode}; stopping the others. "
-          f"Its log: {failed.log_path}", file=sys.stderr)
-    _stop_undisturbed(stack, keep_logs=True)
+    _stop_undisturbed(stack, f"{failed.name} exited with code {failed.process.returncode}; "
+                             f"stopping the others. Its log: {failed.log_path}")
+    _say(f"stopped; logs kept in {log_dir}")
     return 1
 
 
-def _stop_undisturbed(stack: Stack, keep_logs: bool = False) -> None:
-    """Stops the stack with further stop signals ignored: a second SIGTERM
-    (or Ctrl-C) must not cut the stopping short and orphan a service."""
+def _print_stack(stack: Stack, listen: str) -> None:
+    """Each service's address and pid, the URLs, where the logs go."""
+    for service in stack.services:
+        print(f"{service.name:<20} {service.address:<22} pid {service.process.pid}")
+    if stack.gateway is not None:
+        gateway = stack.gateway
+        print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
+              f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models\n"
+              f"Prometheus (smg) at {gateway.metrics_url}")
+    print("Prometheus (scheduler, worker, cache): off unless KVSTASH_<SERVICE>_METRICS_PORT "
+          "is set, or --metrics-port when each runs alone (README: Observability)")
+    reach = ("loopback only" if security.is_loopback(listen)
+             else "anyone who can reach this host")
+    print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
+    print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+
+
+def _stop_undisturbed(stack: Stack, why: str = "") -> None:
+    """Says `why`, then stops the stack with further stop signals ignored: a
+    second SIGTERM (or Ctrl-C) must not cut the stopping short and orphan a
+    service."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    stack.stop(keep_logs)
+    if why:
+        _say(why)
+    stack.stop()
+
+
+def _say(line: str) -> None:
+    """A line on stderr, if anyone still reads it: a closed terminal (SIGHUP)
+    or a parent gone fails the write, and stopping must go on regardless."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -130,33 +183,44 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = StackConfig()
 
-    up = sub.add_parser("up", help="start cache, worker and scheduler on this machine")
+    up = sub.add_parser("up", help="start cache, worker and scheduler on this machine",
+                        formatter_class=_ShowDefaults)
     up.add_argument("--listen", default=DEFAULT_ADDRESS,
                     help="the scheduler's address; the others listen on its host")
     up.add_argument("--plaintext", action="store_true",
                     help="allow a non-loopback --listen: every service then serves plaintext "
                          "gRPC to anyone who can reach that host")
     up.add_argument("--gateway-port", type=int, default=8000,
-                    help="with --gateway: smg's HTTP port, on --listen's host")
+                    help="with --gateway: smg's HTTP port, on --listen's host (0: a free one)")
+    up.add_argument("--log-dir", default=None,
+                    help="where each service writes its log, kept after stop (default: a new "
+                         "temporary directory, printed at start and at stop)")
     _add_stack_flags(up, defaults)
 
-    gen = sub.add_parser("generate", help="stream a completion")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default=DEFAULT_ADDRESS)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen = sub.add_parser("generate", help="stream a completion", formatter_class=_ShowDefaults)
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--address", default=DEFAULT_ADDRESS,
+                     help="a scheduler (kvstash up's --listen)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens this likely (1: all)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample from the k likeliest tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="makes sampling repeatable (default: none)")
     security.add_flags(gen, server=False, sends_token=True)
 
-    stats = sub.add_parser("stats", help="print the scheduler's stats")
-    stats.add_argument("--address", default=DEFAULT_ADDRESS)
+    stats = sub.add_parser("stats", help="print the scheduler's stats",
+                           formatter_class=_ShowDefaults)
+    stats.add_argument("--address", default=DEFAULT_ADDRESS,
+                       help="a scheduler (kvstash up's --listen)")
     security.add_flags(stats, server=False, sends_token=True)
 
-    demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize")
-    demo.add_argument("--requests", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=96)
+    demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize",
+                          formatter_class=_ShowDefaults)
+    demo.add_argument("--requests", type=int, default=32, help="requests sent at once")
+    demo.add_argument("--max-tokens", type=int, default=96, help="tokens each generates")
     _add_stack_flags(demo, StackConfig(num_blocks=96))
 
     args = parser.parse_args(argv)
@@ -170,10 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         from kvstash.launch.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)
-    except (errors.KvstashError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        # Bad input, smg missing, or a service (or smg) that did not start.
+    except errors.KvstashError as exc:  # a call failed
+        # The client names the call ("generate: ..."): once is enough.
+        text = str(exc).removeprefix(f"{args.command}: ")
+        print(f"kvstash {args.command}: {text}{_hint(exc, getattr(args, 'address', ''))}",
+              file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, BindError, RuntimeError) as exc:
+        # Bad input, smg missing, a port in use, or a service (or smg) that did not start.
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _hint(exc: errors.KvstashError, address: str) -> str:
+    """What to do when nothing answered at `address` (gRPC's own words for a
+    connection that failed; a scheduler's UNAVAILABLE says something else)."""
+    text = str(exc)
+    if exc.code == "UNAVAILABLE" and ("failed to connect" in text
+                                      or "DNS resolution failed" in text):
+        return f" (no kvstash stack at {address}? start one with `kvstash up`)"
+    return ""
 
 
 if __name__ == "__main__":

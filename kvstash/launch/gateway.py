@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from kvstash.launch.processes import stop_process
 
@@ -35,6 +38,9 @@ POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two
             "least_load", "manual", "consistent_hashing", "prefix_hash")
 # An address nothing answers on: any Hugging Face lookup fails at once.
 _NO_HUB = "http://127.0.0.1:9"
+# smg 1.13 colours its console log whatever it writes to (its logging sets
+# ANSI on, no flag or NO_COLOR turns it off): these codes never reach smg.log.
+_ANSI = re.compile(rb"\x1b\[[0-9;]*m")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +49,10 @@ class Gateway:
 
     url: str
     process: subprocess.Popen[bytes]
-    log_path: Path  # smg's stdout and stderr
-    prometheus_port: int  # smg's own /metrics
+    log_path: Path  # smg's stdout and stderr, without colour codes
+    metrics_url: str  # smg's own Prometheus /metrics, on the same host
+    # Copies smg's output into log_path; ends when smg exits.
+    copier: threading.Thread | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -80,7 +88,8 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
                   startup_timeout_s: float = 60.0) -> Gateway:
     """Starts smg in front of the schedulers at `addresses` (host:port, or a
     grpc:// URL) and returns it once GET /readiness answers 200. `host` is an
-    IPv4 address; `port` 0 picks a free one; smg checks each instance's
+    IPv4 address, where smg serves HTTP and its Prometheus /metrics (each on a
+    free port; `port` picks the HTTP one); smg checks each instance's
     health every `health_check_interval_s`. Raises RuntimeError with the tail of its log
     (log_dir/smg.log) if it exits or is not ready in `startup_timeout_s`."""
     if not addresses:
@@ -89,18 +98,25 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
     port = port or _free_port(host)
     prometheus_port = _free_port(host)
     log_path = log_dir / "smg.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [smg_executable(), "launch", "--host", host, "--port", str(port),
-             "--prometheus-port", str(prometheus_port), "--policy", policy,
-             "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
-             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
-             # An instance that stops answering leaves the rotation after two
-             # failed checks (until it answers twice again), not smg's 3 x 60 s.
-             "--health-check-interval-secs", str(health_check_interval_s),
-             "--health-failure-threshold", "2"],
-            env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=log, stderr=subprocess.STDOUT)
-    gateway = Gateway(f"http://{host}:{port}", process, log_path, prometheus_port)
+    log_path.write_bytes(b"")
+    process = subprocess.Popen(
+        [smg_executable(), "launch", "--host", host, "--port", str(port),
+         # smg's default is every interface: keep it where the HTTP API is.
+         "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+         "--policy", policy,
+         "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
+         "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
+         # An instance that stops answering leaves the rotation after two
+         # failed checks (until it answers twice again), not smg's 3 x 60 s.
+         "--health-check-interval-secs", str(health_check_interval_s),
+         "--health-failure-threshold", "2"],
+        env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT)
+    assert process.stdout is not None
+    copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path), daemon=True)
+    copier.start()
+    gateway = Gateway(f"http://{host}:{port}", process, log_path,
+                      f"http://{host}:{prometheus_port}/metrics", copier)
     try:
         _wait_ready(gateway, startup_timeout_s)
     except BaseException:  # not ready, or interrupted while waiting
@@ -132,12 +148,22 @@ def _wait_ready(gateway: Gateway, timeout_s: float) -> None:
             if reply.status == 200:
                 return
         code = gateway.process.poll()
+        if code is not None and gateway.copier is not None:
+            gateway.copier.join(2.0)  # its last lines, on their way to the log
         if code is not None or time.monotonic() > deadline:
             why = f"exited with code {code}" if code is not None else (
                 f"not ready in {timeout_s:.0f} s")
             tail = gateway.log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"smg {why}; its log ({gateway.log_path}):\n{tail}")
         time.sleep(0.2)
+
+
+def _copy_plain(output: IO[bytes], log_path: Path) -> None:
+    """Appends what smg prints to its log, colour codes removed, until it exits."""
+    with contextlib.suppress(ValueError, OSError), log_path.open("ab") as log:
+        for line in output:
+            log.write(_ANSI.sub(b"", line))
+            log.flush()
 
 
 def _free_port(host: str) -> int:

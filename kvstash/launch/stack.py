@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstash.common.binding import check_free
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
 from kvstash.launch.processes import Service, start_service
@@ -103,7 +104,7 @@ class Stack:
     scheduler: Service  # the first one clients call (the prefill instance's, with pd)
     log_dir: Path
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
-    # The log directory was made for this stack: removed on stop unless kept.
+    # The log directory was made for this stack (none was given): removed on stop.
     _own_logs: bool = field(default=False, repr=False)
     # With pd: the decode instance.
     decode_scheduler: Service | None = None
@@ -131,9 +132,9 @@ class Stack:
         """Of every scheduler clients call."""
         return [i.scheduler.address for i in self.instances]
 
-    def stop(self, keep_logs: bool = False) -> None:
-        """Stops every service and removes what the stack made, except its
-        logs when `keep_logs` (a service failed: the user needs them)."""
+    def stop(self) -> None:
+        """Stops every service and removes what the stack made (its logs too,
+        unless it was given their directory)."""
         # Front to back, so nobody sees its dependency vanish mid-request.
         if self.gateway is not None:
             self.gateway.stop()
@@ -142,7 +143,7 @@ class Stack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-        if self._own_logs and not keep_logs:
+        if self._own_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._own_logs = False
 
@@ -170,10 +171,15 @@ def arena_args(config: StackConfig) -> list[str]:
 
 
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
-    """Starts cache, workers, schedulers and the gateway (as configured); on
-    any failure stops what started."""
-    if config.gateway:  # before anything starts: smg installed, the policy known
+    """Starts cache, workers, schedulers and the gateway (as configured),
+    each logging to `log_dir` (default: a temporary directory removed at
+    stop); on any failure stops what started. Before anything starts:
+    BindError if the scheduler's or the gateway's fixed port is taken."""
+    # Fail now, not after every worker has loaded its model.
+    check_free(config.host, config.scheduler_port)
+    if config.gateway:  # smg installed, the policy known, its port free
         check_gateway(config.gateway_policy)
+        check_free(config.host, config.gateway_port)
     tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
     # Logs live apart from the data (the cache's disk tier), so they can
     # outlive a failed stack without keeping gigabytes of snapshots.

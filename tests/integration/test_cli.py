@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,23 +41,34 @@ class Up:
     process: subprocess.Popen[str]
     services: dict[str, tuple[str, int]]  # name -> (address, pid)
     log_dir: Path
+    printed: list[str]  # stdout up to the line naming the logs
 
     @property
     def pids(self) -> list[int]:
         return [pid for _, pid in self.services.values()]
 
 
-def start_up(*extra: str) -> Up:
+# Execs the rest of its command line with SIGINT ignored, as a shell script
+# starts a background job (`kvstash up &`).
+SIGINT_IGNORED = ("-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def start_up(*extra: str, sigint_ignored: bool = False) -> Up:
+    """`kvstash up` with `extra` flags; with `sigint_ignored`, SIGINT
+    inherited as ignored."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0",
-         "--num-blocks", "64", *extra],
+        [sys.executable, *(SIGINT_IGNORED if sigint_ignored else ()), "-m",
+         "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0", "--num-blocks", "64", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert process.stdout is not None
     services: dict[str, tuple[str, int]] = {}
+    printed: list[str] = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = process.stdout.readline()
+        printed.append(line.rstrip("\n"))
         if match := re.match(r"([\w-]+)\s+(\S+:\d+)\s+pid (\d+)", line):
             services[match[1]] = (match[2], int(match[3]))
         if match := re.match(r"logs in (\S+);", line):
@@ -71,7 +83,7 @@ def start_up(*extra: str) -> Up:
         expected.add("gateway")
     assert set(services) == expected, services
     assert match is not None
-    return Up(process, services, Path(match[1]))
+    return Up(process, services, Path(match[1]), printed)
 
 
 def wait_gone(pids: list[int]) -> list[int]:
@@ -81,9 +93,14 @@ def wait_gone(pids: list[int]) -> list[int]:
     return [pid for pid in pids if _alive(pid)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_up_serves_then_a_stop_signal_leaves_nothing_behind(sig: signal.Signals) -> None:
-    up = start_up()
+@pytest.mark.parametrize(("sig", "sigint_ignored"), [
+    (signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGHUP, False),
+    (signal.SIGINT, True),  # `kvstash up &` in a script, then kill -INT
+])
+def test_up_serves_then_a_stop_signal_leaves_nothing_behind(
+    sig: signal.Signals, sigint_ignored: bool,
+) -> None:
+    up = start_up(sigint_ignored=sigint_ignored)
 
     async def call() -> list[int]:
         async with Client(up.services["scheduler"][0]) as client:
@@ -95,7 +112,34 @@ def test_up_serves_then_a_stop_signal_leaves_nothing_behind(sig: signal.Signals)
     up.process.send_signal(sig)  # Ctrl-C, a service manager, a closed terminal
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
-    assert not up.log_dir.exists()
+    # The logs outlive the stack, and the last line says where they are.
+    assert up.process.stderr is not None
+    assert up.process.stderr.read().splitlines()[-1] == f"stopped; logs kept in {up.log_dir}"
+    assert {p.name for p in up.log_dir.iterdir()} == {"cache.log", "worker.log",
+                                                      "scheduler.log"}
+    shutil.rmtree(up.log_dir)
+
+
+def test_up_stops_everything_when_nobody_reads_what_it_says() -> None:
+    """A closed terminal (SIGHUP) or a parent gone: the lines `kvstash up`
+    writes as it stops fail, and the stopping goes on regardless."""
+    up = start_up()
+    assert up.process.stdout is not None and up.process.stderr is not None
+    up.process.stdout.close()
+    up.process.stderr.close()
+    up.process.send_signal(signal.SIGHUP)
+    assert up.process.wait(30) == 0
+    assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
+
+
+def test_up_writes_its_logs_to_log_dir_and_keeps_them(tmp_path: Path) -> None:
+    up = start_up("--log-dir", str(tmp_path / "logs"))
+    assert up.log_dir == tmp_path / "logs"
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(30) == 0
+    assert not wait_gone(up.pids)
+    assert "listening on port" in (up.log_dir / "scheduler.log").read_text()
 
 
 def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
@@ -112,6 +156,7 @@ def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
+    shutil.rmtree(up.log_dir)
 
 
 def test_up_gateway_serves_openai_http_over_its_instances_and_its_death_stops_all() -> None:
@@ -121,6 +166,15 @@ def test_up_gateway_serves_openai_http_over_its_instances_and_its_death_stops_al
             "ignore_eos": True}
     reply = request_json(f"{url}/v1/completions", body)
     assert reply["usage"]["completion_tokens"] == 6
+    # smg's own metrics: printed, on --listen's host, serving.
+    metrics = next(line.split(" at ")[1] for line in up.printed
+                   if line.startswith("Prometheus (smg) at "))
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", metrics)
+    with urllib.request.urlopen(metrics, timeout=10) as scraped:
+        assert b"# TYPE" in scraped.read()
+    # smg.log is plain text: smg colours it, the launcher strips the codes.
+    log = (up.log_dir / "smg.log").read_bytes()
+    assert b"INFO" in log and b"\x1b[" not in log
 
     async def served() -> list[int]:
         counts = []
@@ -171,9 +225,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_up_stopped_while_starting_leaves_nothing_behind() -> None:
+def test_up_stopped_while_starting_leaves_nothing_behind(tmp_path: Path) -> None:
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "kvstash.launch.cli", "up", "--listen", "127.0.0.1:0",
+         "--log-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     # The cache is up and the worker starting: a stop now lands in the wait

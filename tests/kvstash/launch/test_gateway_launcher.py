@@ -57,7 +57,8 @@ def test_a_gateway_never_ready_is_stopped_at_the_timeout(
 def test_stop_kills_what_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_smg(tmp_path, monkeypatch, "trap '' TERM; while :; do sleep 0.1; done")
     process = subprocess.Popen([gateway.smg_executable()])
-    running = gateway.Gateway("http://127.0.0.1:1", process, tmp_path / "smg.log", 1)
+    running = gateway.Gateway("http://127.0.0.1:1", process, tmp_path / "smg.log",
+                              "http://127.0.0.1:2/metrics")
     time.sleep(0.3)  # the trap is set
     running.stop(timeout_s=0.5)
     assert process.returncode == -signal.SIGKILL
@@ -74,3 +75,17 @@ def test_a_stack_checks_for_smg_before_starting_anything(
     with pytest.raises(ValueError, match="got 'fastest'"):
         start_stack(StackConfig(gateway=True, gateway_policy="fastest"), tmp_path)
     assert not list(tmp_path.iterdir())  # no service started, so no log either
+
+
+def test_smgs_log_is_plain_text_and_its_metrics_stay_on_its_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smg colours its console output whatever it writes to; smg.log gets the
+    text without the codes. Its /metrics listens on the gateway's host."""
+    fake_smg(tmp_path, monkeypatch,
+             r'printf "\033[2m2026-11-25\033[0m \033[32m INFO\033[0m args: %s\n" "$*"; exit 3')
+    with pytest.raises(RuntimeError, match="exited with code 3") as err:
+        gateway.start_gateway(["127.0.0.1:1"], tmp_path, host="127.0.0.1")
+    log = (tmp_path / "smg.log").read_text()
+    assert "\x1b" not in log and "\x1b" not in str(err.value)
+    assert log.startswith("2026-11-25  INFO args: launch --host 127.0.0.1 --port ")
+    assert "--prometheus-host 127.0.0.1 --prometheus-port " in log

@@ -1,0 +1,68 @@
+"""Refusing an address in use, the same way for every listener.
+
+gRPC Python sets SO_REUSEPORT on its listening sockets by default, so a
+second server on a port another one serves would start without a word and
+share it: the kernel then spreads new connections between the two (an old
+stack, perhaps with another model, and the new one). Every kvstash gRPC server
+turns that off (`NO_REUSEPORT`, a server option) and checks a fixed port
+before it builds anything (`check_free`), so the second one fails at start
+with `BindError`: one line naming the address, which each service's
+`__main__` prints before it exits non-zero. The /metrics servers
+(kvstash.common.metrics) raise the same error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+
+# The gRPC server option that keeps a port to one server (gRPC's default: shared).
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+class BindError(OSError):
+    """An address this process was told to listen on cannot be had (in use,
+    or not this host's); the message names it."""
+
+
+def in_use(address: str) -> BindError:
+    """The error for `address` (host:port) being taken by another listener."""
+    return BindError(f"cannot listen on {address}: the address is in use "
+                     "(another kvstash stack or another program listens there)")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port"; ValueError if the port is
+    not a number."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def check_free(host: str, port: int) -> None:
+    """BindError if something listens on `host`:`port` (port 0: never).
+
+    Binds every address `host` resolves to as a server would, then lets go:
+    with SO_REUSEADDR, so a port whose old connections linger in TIME_WAIT
+    (a service restarted on its address) counts as free, and without
+    SO_REUSEPORT, so any listener counts as taken, gRPC's included. Other
+    failures (a host that does not resolve, an address not on this host) are
+    left to the server's own bind, which reports them."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, kind, proto, _name, sockaddr in infos:
+        with contextlib.closing(socket.socket(family, kind, proto)) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    shown = f"[{host}]" if ":" in host else host
+                    raise in_use(f"{shown}:{port}") from None
