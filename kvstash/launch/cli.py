@@ -1,4 +1,4 @@
-"""The `kvstash` command: up, generate, stats, demo."""
+"""The `kvstash` command: up, generate, stats, demo, tokenizer export."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import signal
 import sys
+import unicodedata
 
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.common import security
+from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack
 
@@ -104,13 +106,24 @@ def _stop_undisturbed(stack: Stack, keep_logs: bool = False) -> None:
     stack.stop(keep_logs)
 
 
+_KEPT_CONTROLS = frozenset("\n\t")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every control character a terminal would act on (ESC, CR,
+    BEL, DEL, the C1 controls) written as an escape like repr's, `\\x1b`;
+    newline and tab stay as they are."""
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc"
+                   and c not in _KEPT_CONTROLS else c for c in text)
+
+
 async def _generate(args: argparse.Namespace) -> int:
     async with Client(args.address, security.from_args(args)) as client:
         async for delta in client.generate(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         ):
-            print(delta.text, end="", flush=True)
+            print(terminal_safe(delta.text), end="", flush=True)
             if delta.usage is not None:
                 u = delta.usage
                 print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
@@ -154,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--address", default=DEFAULT_ADDRESS)
     security.add_flags(stats, server=False, sends_token=True)
 
+    tokenizer_export.add_parser(sub)
+
     demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--max-tokens", type=int, default=96)
@@ -167,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_generate(args))
         if args.command == "stats":
             return asyncio.run(_stats(args))
+        if args.command == "tokenizer":
+            return tokenizer_export.run(args)
         from kvstash.launch.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)
