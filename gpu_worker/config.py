@@ -120,8 +120,9 @@ class ModelConfig:
     # config.json's model_type (hf_config.SUPPORTED_MODEL_TYPES); the tiny
     # model is Llama-shaped.
     model_type: str = "llama"
-    # The only tokens the output head may produce (every other logit is -inf);
-    # None = every token. The tiny model writes printable text this way.
+    # The only tokens the output head may produce (model.OutputHead gives every
+    # other the lowest logit); None = every token. The tiny model writes
+    # printable text this way.
     output_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

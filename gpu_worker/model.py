@@ -52,8 +52,12 @@ class Linear(nn.Module):
 
 
 class OutputHead(Linear):
-    """An output head that scores only `token_ids`: every other logit is -inf,
-    so neither greedy choice nor any sampling ever picks those tokens."""
+    """An output head that scores only `token_ids`: every other logit is the
+    dtype's lowest value, so greedy choice never picks those tokens and
+    sampling gives them probability 0 (exp underflows) at any temperature
+    below |lowest| / 745: 2e305 in float64, the tiny model's default dtype,
+    88 in float16. Not -inf: logits stay finite, so two runs' logits can be
+    subtracted and compared (the tests' oracle does)."""
 
     blocked: torch.Tensor
 
@@ -66,7 +70,8 @@ class OutputHead(Linear):
         self.register_buffer("blocked", blocked, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).masked_fill(self.blocked, float("-inf"))
+        logits = super().forward(x)
+        return logits.masked_fill(self.blocked, torch.finfo(logits.dtype).min)
 
 
 class RMSNorm(nn.Module):

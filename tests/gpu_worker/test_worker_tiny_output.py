@@ -1,5 +1,6 @@
 """The tiny model writes only printable text and EOS (ModelConfig.output_token_ids):
-every other logit is -inf, so no greedy choice or sampled draw picks one."""
+every other logit is the dtype's lowest, so no greedy choice or sampled draw
+picks one."""
 
 from __future__ import annotations
 
@@ -29,20 +30,22 @@ def test_the_tiny_config_names_printable_text_and_eos() -> None:
     assert set(tiny_model_config().output_token_ids or ()) == ALLOWED
 
 
-def test_only_the_allowed_logits_are_finite() -> None:
-    runner = make_runner(torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_every_other_logit_is_the_dtypes_lowest(dtype: torch.dtype) -> None:
+    runner = make_runner(dtype)
     seqs = [SeqWork(f"r{i}", p, 0, blocks_for(len(p), 16 * i)) for i, p in enumerate(PROMPTS)]
     logits = runner.logits(seqs)
-    finite = torch.isfinite(logits)
+    lowest = logits == torch.finfo(dtype).min
     for row in range(len(PROMPTS)):
-        assert set(finite[row].nonzero().flatten().tolist()) == ALLOWED
-        assert (logits[row][~finite[row]] == float("-inf")).all()
+        assert set((~lowest[row]).nonzero().flatten().tolist()) == ALLOWED
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("sampling", [
     SamplingParams(max_tokens=48, temperature=5.0, seed=1),
     SamplingParams(max_tokens=48, temperature=2.0, top_k=200, seed=2),
     SamplingParams(max_tokens=48, temperature=3.0, top_p=0.999, seed=3),
+    SamplingParams(max_tokens=48, temperature=1e6, seed=4),  # all allowed ones alike
 ])
 def test_hot_sampling_writes_text_that_re_tokenizes_to_itself(
         sampling: SamplingParams) -> None:
