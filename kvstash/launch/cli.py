@@ -9,7 +9,7 @@ import sys
 import unicodedata
 
 from kvstash import errors
-from kvstash.client import Client
+from kvstash.client import Client, TokenDelta
 from kvstash.common import security
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
@@ -117,18 +117,24 @@ def terminal_safe(text: str) -> str:
                    and c not in _KEPT_CONTROLS else c for c in text)
 
 
+def print_delta(delta: TokenDelta) -> None:
+    """One streamed delta: its text on stdout (terminal-safe), and on stderr
+    the usage line of the last one."""
+    print(terminal_safe(delta.text), end="", flush=True)
+    if delta.usage is not None:
+        u = delta.usage
+        print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
+              f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
+              f"{u.num_preemptions} preemptions", file=sys.stderr)
+
+
 async def _generate(args: argparse.Namespace) -> int:
     async with Client(args.address, security.from_args(args)) as client:
         async for delta in client.generate(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         ):
-            print(terminal_safe(delta.text), end="", flush=True)
-            if delta.usage is not None:
-                u = delta.usage
-                print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
-                      f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
-                      f"{u.num_preemptions} preemptions", file=sys.stderr)
+            print_delta(delta)
     return 0
 
 

@@ -90,7 +90,7 @@ def unzip_tokenizer(data: bytes) -> dict[str, bytes]:
                 raise errors.DataLoss(f"tokenizer archive unpacks to over "
                                       f"{MAX_TOKENIZER_BYTES} bytes")
             files = {e.filename: archive.read(e) for e in entries}
-    except (zipfile.BadZipFile, zipfile.LargeZipFile) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError) as exc:
         raise errors.DataLoss(f"tokenizer archive is no zip file: {exc}") from None
     if "tokenizer.json" not in files:
         raise errors.DataLoss(f"tokenizer archive has no tokenizer.json (has {sorted(files)})")
@@ -144,6 +144,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Fetches (or builds) the files, writes them, names what it wrote."""
     if args.address is None:
+        used = [flag for flag, value in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                                         ("--tls-key", args.tls_key),
+                                         ("--token-file", args.token_file)) if value]
+        if used:
+            raise ValueError(f"{', '.join(used)} need --address (the built-in tokenizer "
+                             f"is fetched from nowhere)")
         files, source = builtin_tokenizer_files(), "the built-in tiny model"
     else:
         secured = security.from_args(args)

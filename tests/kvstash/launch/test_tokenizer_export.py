@@ -176,3 +176,12 @@ def test_cli_without_an_address_writes_the_builtin_files(
     assert written == builtin_tokenizer_files()
     assert cli.main(["tokenizer", "export", str(tmp_path / "tiny")]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_cli_refuses_security_flags_without_an_address(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    code = cli.main(["tokenizer", "export", str(tmp_path / "out"), "--token-file", str(token)])
+    assert code == 2 and "--token-file need --address" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
