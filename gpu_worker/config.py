@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
+from kvstash.common.tokenizer import BYTE_EOS_ID, TINY_TEXT_IDS
 from kvstash.common.units import GIB
 
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
@@ -119,6 +120,10 @@ class ModelConfig:
     # config.json's model_type (hf_config.SUPPORTED_MODEL_TYPES); the tiny
     # model is Llama-shaped.
     model_type: str = "llama"
+    # The only tokens the output head may produce (model.OutputHead gives every
+    # other the lowest logit); None = every token. The tiny model writes
+    # printable text this way.
+    output_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -141,11 +146,19 @@ class ModelConfig:
         bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_token_ids {bad_eos} outside vocab of {self.vocab_size}")
+        if self.output_token_ids is not None:
+            if not self.output_token_ids:
+                raise ValueError("output_token_ids is empty: the model could write nothing")
+            bad_out = [t for t in self.output_token_ids if not 0 <= t < self.vocab_size]
+            if bad_out:
+                raise ValueError(f"output_token_ids {bad_out[:8]} outside vocab of "
+                                 f"{self.vocab_size}")
 
 
 def tiny_model_config() -> ModelConfig:
-    """The built-in model: byte vocabulary (kvstash.common.tokenizer.ByteTokenizer), a
-    few layers, GQA with two query heads per KV head. Runs anywhere in milliseconds."""
+    """The built-in model: byte vocabulary (kvstash.common.tokenizer.ByteTokenizer), of
+    which it writes only printable text (TINY_TEXT_IDS) and EOS; a few layers, GQA
+    with two query heads per KV head. Runs anywhere in milliseconds."""
     return ModelConfig(
         vocab_size=258,
         hidden_size=128,
@@ -159,5 +172,6 @@ def tiny_model_config() -> ModelConfig:
         max_model_len=1024,
         tie_word_embeddings=False,
         attention_bias=False,
-        eos_token_ids=(257,),
+        eos_token_ids=(BYTE_EOS_ID,),
+        output_token_ids=(*TINY_TEXT_IDS, BYTE_EOS_ID),
     )

@@ -51,6 +51,29 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class OutputHead(Linear):
+    """An output head that scores only `token_ids`: every other logit is the
+    dtype's lowest value, so greedy choice never picks those tokens and
+    sampling gives them probability 0 (exp underflows) at any temperature
+    below |lowest| / 745: 2e305 in float64, the tiny model's default dtype,
+    88 in float16. Not -inf: logits stay finite, so two runs' logits can be
+    subtracted and compared (the tests' oracle does)."""
+
+    blocked: torch.Tensor
+
+    def __init__(self, in_features: int, vocab_size: int, token_ids: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(in_features, vocab_size, False, dtype, device)
+        blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        blocked[list(token_ids)] = False
+        # Not a weight: no checkpoint stores it.
+        self.register_buffer("blocked", blocked, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return logits.masked_fill(self.blocked, torch.finfo(logits.dtype).min)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -154,7 +177,10 @@ class CausalLM(nn.Module):
         # Registered before lm_head so that, when tied, named_parameters() keeps
         # the embedding name (the one tied checkpoints store).
         self.model = Decoder(cfg, dtype, device)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        self.lm_head = (
+            Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            if cfg.output_token_ids is None
+            else OutputHead(cfg.hidden_size, cfg.vocab_size, cfg.output_token_ids, dtype, device))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
         self._inv_freq = rotary_inv_freq(cfg).to(device)

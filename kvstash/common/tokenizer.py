@@ -10,6 +10,14 @@ The tiny model's ids:
     0 ........... 255 | 256 | 257
     UTF-8 bytes         <s>   </s>    (BOS, EOS; encode adds neither)
 
+Prompts may hold any text, but the model writes only `TINY_TEXT_IDS`
+(printable ASCII but "<" and ">") and EOS: each of its tokens is one
+character that encodes back to that one token, alone or in any sequence, with
+this tokenizer and with its Hugging Face files. So a load tool that counts the
+output's tokens from its text counts what `usage` says, and the text holds
+nothing a terminal would interpret. "<" and ">" are left out because
+Hugging Face tokenizers read "<s>" and "</s>" written in text as one token.
+
 For clients that tokenize with Hugging Face tools (a gateway loading
 `tokenizer.json` and the `chat_template` of `tokenizer_config.json`), the same
 tokenizer is also described in those formats: `byte_tokenizer_json()`,
@@ -33,6 +41,8 @@ BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 258
 BYTE_BOS_TOKEN = "<s>"
 BYTE_EOS_TOKEN = "</s>"
+# The tokens the tiny model writes besides EOS (see the module docstring).
+TINY_TEXT_IDS: tuple[int, ...] = tuple(b for b in range(0x20, 0x7F) if chr(b) not in "<>")
 
 # Plain text, so the byte tokenizer encodes it like any prompt.
 TINY_CHAT_TEMPLATE = (

@@ -1,4 +1,4 @@
-"""The `kvstash` command: up, generate, stats, demo."""
+"""The `kvstash` command: up, generate, stats, demo, tokenizer export."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import contextlib
 import signal
 import sys
 import tempfile
+import unicodedata
 from pathlib import Path
 
 from kvstash import errors
-from kvstash.client import Client
+from kvstash.client import Client, TokenDelta
 from kvstash.common import security
 from kvstash.common.binding import BindError
+from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack
 
@@ -157,18 +159,35 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+_KEPT_CONTROLS = frozenset("\n\t")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every control character a terminal would act on (ESC, CR,
+    BEL, DEL, the C1 controls) written as an escape like repr's, `\\x1b`;
+    newline and tab stay as they are."""
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc"
+                   and c not in _KEPT_CONTROLS else c for c in text)
+
+
+def print_delta(delta: TokenDelta) -> None:
+    """One streamed delta: its text on stdout (terminal-safe), and on stderr
+    the usage line of the last one."""
+    print(terminal_safe(delta.text), end="", flush=True)
+    if delta.usage is not None:
+        u = delta.usage
+        print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
+              f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
+              f"{u.num_preemptions} preemptions", file=sys.stderr)
+
+
 async def _generate(args: argparse.Namespace) -> int:
     async with Client(args.address, security.from_args(args)) as client:
         async for delta in client.generate(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         ):
-            print(delta.text, end="", flush=True)
-            if delta.usage is not None:
-                u = delta.usage
-                print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
-                      f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
-                      f"{u.num_preemptions} preemptions", file=sys.stderr)
+            print_delta(delta)
     return 0
 
 
@@ -217,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="a scheduler (kvstash up's --listen)")
     security.add_flags(stats, server=False, sends_token=True)
 
+    tokenizer_export.add_parser(sub)
+
     demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize",
                           formatter_class=_ShowDefaults)
     demo.add_argument("--requests", type=int, default=32, help="requests sent at once")
@@ -231,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_generate(args))
         if args.command == "stats":
             return asyncio.run(_stats(args))
+        if args.command == "tokenizer":
+            return tokenizer_export.run(args)
         from kvstash.launch.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)
