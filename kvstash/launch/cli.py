@@ -11,7 +11,7 @@ from kvstash import errors
 from kvstash.client import Client
 from kvstash.common import security
 from kvstash.launch.gateway import POLICIES
-from kvstash.launch.stack import Stack, StackConfig, start_stack
+from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -39,6 +39,9 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                         "front of the instances: OpenAI HTTP, cache-aware routing")
     p.add_argument("--gateway-policy", default=defaults.gateway_policy, choices=POLICIES,
                    help="smg's routing policy")
+    p.add_argument("--worker-threads", type=int, default=defaults.worker_threads,
+                   help="torch threads of each worker; default: the CPUs this process may "
+                        "use (affinity mask, cgroup CPU quota) shared among the workers")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
@@ -48,7 +51,7 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
         cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
         cache_disk_dir=args.cache_disk_dir, pd=args.pd, instances=args.instances,
         gateway=args.gateway, gateway_policy=args.gateway_policy,
-        **extra,  # type: ignore[arg-type]
+        worker_threads=args.worker_threads, **extra,  # type: ignore[arg-type]
     )
 
 
@@ -80,6 +83,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         reach = ("loopback only" if security.is_loopback(args.listen)
                  else "anyone who can reach this host")
         print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
+        threads, why = worker_threads(config)
+        print(f"torch threads per worker: {threads} ({why})")
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         failed = stack.wait_for_exit()
     except (KeyboardInterrupt, _Stop) as exc:

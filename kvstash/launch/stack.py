@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
 from kvstash.launch.processes import Service, start_service
@@ -83,12 +84,17 @@ class StackConfig:
     gateway: bool = False
     gateway_port: int = 0
     gateway_policy: str = "cache_aware"
+    # torch threads of each worker; None: the CPUs this process may use
+    # shared among the workers it starts (worker_threads()).
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "instances"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_threads is not None and self.worker_threads <= 0:
+            raise ValueError(f"worker_threads must be > 0, got {self.worker_threads}")
 
 
 class Instance(NamedTuple):
@@ -156,6 +162,19 @@ class Stack:
                 if service.process.poll() is not None:
                     return service
             time.sleep(poll_s)
+
+
+def worker_threads(config: StackConfig) -> tuple[int, str]:
+    """torch threads for each worker the stack starts, and why: the
+    configured count, else this process's usable CPUs (kvstash.common.cpu)
+    shared among its workers (every instance's, and the decode one's with
+    pd), since they all run on this host."""
+    if config.worker_threads is not None:
+        return config.worker_threads, "--worker-threads"
+    usable = usable_cpus()
+    num_workers = config.instances + (1 if config.pd else 0)
+    shared = f", shared by {num_workers} workers" if num_workers > 1 else ""
+    return threads_per_worker(usable, num_workers), usable.reason + shared
 
 
 def arena_args(config: StackConfig) -> list[str]:
@@ -229,6 +248,7 @@ def _start_instance(
         "--listen", listen, "--model", config.model, "--dtype", config.dtype,
         "--device", config.device, "--block-size", str(config.block_size),
         "--num-blocks", str(config.num_blocks), "--cache-address", cache_address,
+        "--num-threads", str(worker_threads(config)[0]),
         *plain, *config.worker_args, *worker_args,
     ], logs)
     started.append(worker)
