@@ -8,7 +8,7 @@ side in one run.
 Starts --hogs busy loops (`python -c 'while True: pass'`) that spin for the
 whole run, then for each mode in turn (a mode is what the workers are given):
 
-    default     no --worker-threads: the usable CPUs shared among the workers
+    default     no --worker-threads: the usable CPUs less one, shared among the workers
     all-cores   --worker-threads os.cpu_count(): what torch took before
     N           --worker-threads N
 

@@ -91,12 +91,15 @@ def usable_cpus(
     return UsableCpus(allowed, f"all {allowed} CPUs: no smaller affinity mask or cgroup quota")
 
 
-def threads_per_worker(usable: UsableCpus, num_workers: int) -> int:
-    """Usable CPUs shared evenly among `num_workers` workers on one host
-    (rounded down: a remainder would oversubscribe), at least 1 each."""
+def threads_per_worker(usable: UsableCpus, num_workers: int, num_reserved: int = 0) -> int:
+    """Usable CPUs, less `num_reserved` kept for other processes, shared
+    evenly among `num_workers` workers on one host (rounded down: a remainder
+    would oversubscribe), at least 1 each."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    return max(1, usable.num_cpus // num_workers)
+    if num_reserved < 0:
+        raise ValueError(f"num_reserved must be >= 0, got {num_reserved}")
+    return max(1, (usable.num_cpus - num_reserved) // num_workers)
 
 
 def _tightest(base: Path, path: str, read: Callable[[Path], float | None]) -> float | None:

@@ -40,6 +40,8 @@ from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
 from kvstash.launch.processes import Service, start_service
 
 SHARED_MEMORY_DIR = "/dev/shm"
+# CPUs worker_threads() leaves to the schedulers, the cache and the clients.
+CONTROL_PLANE_CPUS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,15 +168,18 @@ class Stack:
 
 def worker_threads(config: StackConfig) -> tuple[int, str]:
     """torch threads for each worker the stack starts, and why: the
-    configured count, else this process's usable CPUs (kvstash.common.cpu)
-    shared among its workers (every instance's, and the decode one's with
-    pd), since they all run on this host."""
+    configured count, else this process's usable CPUs (kvstash.common.cpu),
+    less one for the schedulers, the cache and the clients, shared among its
+    workers (every instance's, and the decode one's with pd), since they all
+    run on this host. Without that CPU, a worker's threads would take every
+    core and each step would wait for the one a scheduler preempted."""
     if config.worker_threads is not None:
         return config.worker_threads, "--worker-threads"
     usable = usable_cpus()
     num_workers = config.instances + (1 if config.pd else 0)
-    shared = f", shared by {num_workers} workers" if num_workers > 1 else ""
-    return threads_per_worker(usable, num_workers), usable.reason + shared
+    threads = threads_per_worker(usable, num_workers, num_reserved=CONTROL_PLANE_CPUS)
+    return threads, (f"{usable.reason}; {CONTROL_PLANE_CPUS} left to the schedulers and "
+                     f"cache, the rest shared by {num_workers} worker(s)")
 
 
 def arena_args(config: StackConfig) -> list[str]:

@@ -130,14 +130,19 @@ def test_this_process_matches_its_affinity_mask() -> None:
     assert 1 <= usable_cpus().num_cpus <= affinity_cpus() == len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize(("num_cpus", "num_workers", "each"),
-                         [(2, 2, 1), (16, 3, 5), (2, 3, 1), (8, 1, 8)])
+@pytest.mark.parametrize(("num_cpus", "num_workers", "num_reserved", "each"), [
+    (2, 2, 0, 1), (16, 3, 0, 5), (2, 3, 0, 1), (8, 1, 0, 8),
+    (2, 1, 1, 1), (16, 3, 1, 5), (17, 2, 1, 8), (1, 1, 1, 1),
+])
 def test_threads_per_worker_shares_without_oversubscribing(
-    num_cpus: int, num_workers: int, each: int,
+    num_cpus: int, num_workers: int, num_reserved: int, each: int,
 ) -> None:
-    assert threads_per_worker(UsableCpus(num_cpus, "test"), num_workers) == each
+    usable = UsableCpus(num_cpus, "test")
+    assert threads_per_worker(usable, num_workers, num_reserved) == each
 
 
-def test_threads_per_worker_needs_a_worker() -> None:
+def test_threads_per_worker_refuses_bad_counts() -> None:
     with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
         threads_per_worker(UsableCpus(4, "test"), 0)
+    with pytest.raises(ValueError, match="num_reserved must be >= 0, got -1"):
+        threads_per_worker(UsableCpus(4, "test"), 1, -1)
