@@ -265,7 +265,8 @@ def set_torch_threads(num_threads: int) -> int:
     Inter-op threads go to 1: the worker runs one forward at a time on one
     thread and never forks torch work (torch.jit.fork), so that pool would
     only add idle threads. torch allows setting it once per process, before
-    any inter-op work, which build_runner (the first torch work) precedes."""
+    any inter-op work: build_runner calls this before the worker's first
+    torch work."""
     if num_threads:
         why = "--num-threads (KVSTASH_WORKER_NUM_THREADS)"
     else:

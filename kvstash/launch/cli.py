@@ -41,7 +41,8 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                    help="smg's routing policy")
     p.add_argument("--worker-threads", type=int, default=defaults.worker_threads,
                    help="torch threads of each worker; default: the CPUs this process may "
-                        "use (affinity mask, cgroup CPU quota) shared among the workers")
+                        "use (affinity mask, cgroup CPU quota), less one for the schedulers "
+                        "and cache, shared among the workers")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:

@@ -86,8 +86,8 @@ class StackConfig:
     gateway: bool = False
     gateway_port: int = 0
     gateway_policy: str = "cache_aware"
-    # torch threads of each worker; None: the CPUs this process may use
-    # shared among the workers it starts (worker_threads()).
+    # torch threads of each worker; None: the CPUs this process may use,
+    # less one, shared among the workers it starts (worker_threads()).
     worker_threads: int | None = None
 
     def __post_init__(self) -> None:
