@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--row-tile", type=int, default=_DEFAULTS.row_tile,
                    help="rows per batch-invariant tile; unset = 128 on CUDA, 16 on CPU")
     p.add_argument("--num-threads", type=int, default=_DEFAULTS.num_threads,
-                   help="torch intra-op threads; 0 = torch's default (one per core)")
+                   help="torch intra-op threads; 0 = the CPUs this process may use (its "
+                        "affinity mask, bounded by its cgroup's CPU quota)")
     p.add_argument("--host-pool", type=parse_bytes, default=_DEFAULTS.host_pool_bytes,
                    help="idle host buffers kept for offload/restore (pinned on CUDA)")
     p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,

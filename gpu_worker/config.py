@@ -45,9 +45,10 @@ class WorkerConfig:
     # greedy outputs stay identical under preemption. Off: faster, not invariant.
     batch_invariant: bool = True
     row_tile: int | None = None  # rows per invariant tile; None = the device's default
-    # torch's intra-op threads (process-wide); 0 = torch's default, one per
-    # core. On a small CPU box the tiny model gains little from more than
-    # one, and spinning threads cost the services beside it (make load).
+    # torch's intra-op threads (process-wide); 0 = the CPUs this process may
+    # use (kvstash.common.cpu: affinity mask, cgroup quota), not torch's
+    # default of one per node core: threads beyond the CPUs granted stall
+    # every parallel region and the services beside it.
     num_threads: int = 0
     # Idle pooled host buffers for offload/restore kept at most (pinned on CUDA).
     host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES
@@ -68,7 +69,7 @@ class WorkerConfig:
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), "
+            raise ValueError(f"num_threads must be >= 0 (0 = the usable CPUs), "
                              f"got {self.num_threads}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")

@@ -35,6 +35,7 @@ from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
+from kvstash.common.cpu import usable_cpus
 from kvstash.common.layout import Layout
 from kvstash.errors import InvalidArgument
 
@@ -257,11 +258,31 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, index, host.to(self.device))
 
 
+def set_torch_threads(num_threads: int) -> int:
+    """Sets torch's intra-op threads to `num_threads`, or where 0 to the CPUs
+    this process may use; logs the count and where it came from; returns it.
+
+    Inter-op threads go to 1: the worker runs one forward at a time on one
+    thread and never forks torch work (torch.jit.fork), so that pool would
+    only add idle threads. torch allows setting it once per process, before
+    any inter-op work: build_runner calls this before the worker's first
+    torch work."""
+    if num_threads:
+        why = "--num-threads (KVSTASH_WORKER_NUM_THREADS)"
+    else:
+        usable = usable_cpus()
+        num_threads, why = usable.num_cpus, usable.reason
+    torch.set_num_threads(num_threads)
+    if torch.get_num_interop_threads() != 1:  # a second runner in one process (tests)
+        torch.set_num_interop_threads(1)
+    log.info("%d torch threads: %s", num_threads, why)
+    return num_threads
+
+
 def build_runner(config: WorkerConfig) -> ModelRunner:
     """Sets torch's threads, loads the configured model and allocates its KV
     cache."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    set_torch_threads(config.num_threads)
     loaded = load_model(config)
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,

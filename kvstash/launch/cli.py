@@ -17,7 +17,7 @@ from kvstash.common import security
 from kvstash.common.binding import BindError
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
-from kvstash.launch.stack import Stack, StackConfig, start_stack
+from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -63,6 +63,10 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                         "front of the instances: OpenAI HTTP, cache-aware routing")
     p.add_argument("--gateway-policy", default=defaults.gateway_policy, choices=POLICIES,
                    help="smg's routing policy")
+    p.add_argument("--worker-threads", type=int, default=defaults.worker_threads,
+                   help="torch threads of each worker; default: the CPUs this process may "
+                        "use (affinity mask, cgroup CPU quota), less one for the schedulers "
+                        "and cache, shared among the workers")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
@@ -72,7 +76,7 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
         cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
         cache_disk_dir=args.cache_disk_dir, pd=args.pd, instances=args.instances,
         gateway=args.gateway, gateway_policy=args.gateway_policy,
-        **extra,  # type: ignore[arg-type]
+        worker_threads=args.worker_threads, **extra,  # type: ignore[arg-type]
     )
 
 
@@ -109,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 log_dir.rmdir()
         raise
     try:
-        _print_stack(stack, args.listen)
+        _print_stack(stack, args.listen, worker_threads(config))
         failed = stack.wait_for_exit()
     except _Stop as exc:
         _stop_undisturbed(stack, f"\nstopping ({exc})")
@@ -124,8 +128,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 1
 
 
-def _print_stack(stack: Stack, listen: str) -> None:
-    """Each service's address and pid, the URLs, where the logs go."""
+def _print_stack(stack: Stack, listen: str, threads: tuple[int, str]) -> None:
+    """Each service's address and pid, the URLs, the workers' torch threads
+    (how many, and why), where the logs go."""
     for service in stack.services:
         print(f"{service.name:<20} {service.address:<22} pid {service.process.pid}")
     if stack.gateway is not None:
@@ -138,6 +143,7 @@ def _print_stack(stack: Stack, listen: str) -> None:
     reach = ("loopback only" if security.is_loopback(listen)
              else "anyone who can reach this host")
     print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
+    print(f"torch threads per worker: {threads[0]} ({threads[1]})")
     print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
 
 

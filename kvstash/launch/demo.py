@@ -21,7 +21,7 @@ from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.common.units import MIB
 from kvstash.launch.openai_http import REPLACEMENT, request_json, stream_completion
-from kvstash.launch.stack import Stack, StackConfig, running_stack
+from kvstash.launch.stack import Stack, StackConfig, running_stack, worker_threads
 from kvstash.v1 import scheduler_pb2
 
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
@@ -157,8 +157,9 @@ def run_demo(config: StackConfig, num_requests: int, max_tokens: int) -> int:
     front = each if config.instances == 1 else f"{config.instances} instances of {each}"
     decode = ", a decode instance" if config.pd else ""
     gateway = ", smg in front" if config.gateway else ""
-    print(f"starting cache, {front}{decode}{gateway}, {config.num_blocks} KV blocks each ...",
-          flush=True)
+    threads = worker_threads(config)[0]
+    print(f"starting cache, {front}{decode}{gateway}, {config.num_blocks} KV blocks and "
+          f"{threads} torch threads each ...", flush=True)
     with running_stack(config) as stack:
         ok = asyncio.run(_run(stack, num_requests, max_tokens))
     if not ok:

@@ -35,11 +35,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvstash.common.binding import check_free
+from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
 from kvstash.launch.processes import Service, start_service
 
 SHARED_MEMORY_DIR = "/dev/shm"
+# CPUs worker_threads() leaves to the schedulers, the cache and the clients.
+CONTROL_PLANE_CPUS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +87,17 @@ class StackConfig:
     gateway: bool = False
     gateway_port: int = 0
     gateway_policy: str = "cache_aware"
+    # torch threads of each worker; None: the CPUs this process may use,
+    # less one, shared among the workers it starts (worker_threads()).
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "instances"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_threads is not None and self.worker_threads <= 0:
+            raise ValueError(f"worker_threads must be > 0, got {self.worker_threads}")
 
 
 class Instance(NamedTuple):
@@ -157,6 +165,22 @@ class Stack:
                 if service.process.poll() is not None:
                     return service
             time.sleep(poll_s)
+
+
+def worker_threads(config: StackConfig) -> tuple[int, str]:
+    """torch threads for each worker the stack starts, and why: the
+    configured count, else this process's usable CPUs (kvstash.common.cpu),
+    less one for the schedulers, the cache and the clients, shared among its
+    workers (every instance's, and the decode one's with pd), since they all
+    run on this host. Without that CPU, a worker's threads would take every
+    core and each step would wait for the one a scheduler preempted."""
+    if config.worker_threads is not None:
+        return config.worker_threads, "--worker-threads"
+    usable = usable_cpus()
+    num_workers = config.instances + (1 if config.pd else 0)
+    threads = threads_per_worker(usable, num_workers, num_reserved=CONTROL_PLANE_CPUS)
+    return threads, (f"{usable.reason}; {CONTROL_PLANE_CPUS} left to the schedulers and "
+                     f"cache, the rest shared by {num_workers} worker(s)")
 
 
 def arena_args(config: StackConfig) -> list[str]:
@@ -235,6 +259,7 @@ def _start_instance(
         "--listen", listen, "--model", config.model, "--dtype", config.dtype,
         "--device", config.device, "--block-size", str(config.block_size),
         "--num-blocks", str(config.num_blocks), "--cache-address", cache_address,
+        "--num-threads", str(worker_threads(config)[0]),
         *plain, *config.worker_args, *worker_args,
     ], logs)
     started.append(worker)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from gpu_worker.__main__ import parse_args
 from gpu_worker.config import WorkerConfig
+from kvstash.common.cpu import usable_cpus
 from kvstash.common.rpc_connections import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.worker_factories import REPO, worker_process
@@ -30,7 +32,7 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
         ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),
         ({"host_pool_bytes": -1}, "host_pool_bytes must be >= 0, got -1"),
-        ({"num_threads": -1}, r"num_threads must be >= 0 \(0 = torch's default\), got -1"),
+        ({"num_threads": -1}, r"num_threads must be >= 0 \(0 = the usable CPUs\), got -1"),
     ],
 )
 def test_config_names_the_bad_value(kwargs: dict[str, object], message: str) -> None:
@@ -58,6 +60,31 @@ def test_num_threads_reaches_torch() -> None:
         torch.set_num_threads(2)
         build_runner(config)
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_default_threads_are_the_usable_cpus(caplog: pytest.LogCaptureFixture) -> None:
+    """num_threads 0: as many as this process may use, not torch's default
+    (the process's start-up count, whatever the cgroup allows); logged with why."""
+    import torch
+
+    from gpu_worker.runner import build_runner
+
+    usable = usable_cpus()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(usable.num_cpus + 1)
+        with caplog.at_level(logging.INFO, logger="gpu_worker.runner"):
+            build_runner(WorkerConfig(num_blocks=8))
+        assert torch.get_num_threads() == usable.num_cpus
+        assert torch.get_num_interop_threads() == 1
+        assert f"{usable.num_cpus} torch threads: {usable.reason}" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpu_worker.runner"):
+            build_runner(parse_args(["--num-threads", "3", "--num-blocks", "8"])[1])
+        assert torch.get_num_threads() == 3
+        assert "3 torch threads: --num-threads" in caplog.text
     finally:
         torch.set_num_threads(before)
 

@@ -62,6 +62,10 @@ the service's real parser, so chart and code cannot drift apart.
 {{- $_ := set $flags "cache-address" (include "kvstash.cacheAddress" $root) -}}
 {{- $arena := include "kvstash.arena" $root | eq "true" -}}
 {{- $_ := set $flags "cache-arena" $arena -}}
+{{- $threads := include "kvstash.workerThreads" . -}}
+{{- if and $threads (not (hasKey $w.flags "num-threads")) -}}
+{{- $_ := set $flags "num-threads" (atoi $threads) -}}
+{{- end -}}
 - name: worker
   image: {{ include "kvstash.image" (dict "image" $v.images.worker "root" $root) }}
   imagePullPolicy: {{ $v.images.pullPolicy }}

@@ -154,6 +154,34 @@ app.kubernetes.io/component: cache
 {{- end -}}
 {{- end -}}
 
+{{/* A CPU quantity ("2", 1.5, "500m") -> whole CPUs, rounded up, at least 1. */}}
+{{- define "kvstash.cpuCeil" -}}
+{{- $q := toString . -}}
+{{- if regexMatch "^[0-9]+m$" $q -}}
+{{- max 1 (div (add (trimSuffix "m" $q | atoi) 999) 1000) -}}
+{{- else if regexMatch "^[0-9]+(\\.[0-9]+)?$" $q -}}
+{{- max 1 (ceil (float64 $q) | int) -}}
+{{- else -}}
+{{- fail (printf "kvstash: CPU %q is not a quantity like 2, 1.5 or 500m" $q) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The worker's torch threads (dict "root" $ "pool" <an entry of kvstash.pools>):
+worker.numThreads, else the pool's worker CPU limit (its request where it has
+no limit), rounded up; "" with neither, and the worker derives the count from
+its own cgroup. torch alone would take one thread per node core.
+*/}}
+{{- define "kvstash.workerThreads" -}}
+{{- $r := .pool.workerResources -}}
+{{- $cpu := dig "limits" "cpu" (dig "requests" "cpu" "" $r) $r -}}
+{{- if not (kindIs "invalid" .root.Values.worker.numThreads) -}}
+{{- .root.Values.worker.numThreads -}}
+{{- else if ne (toString $cpu) "" -}}
+{{- include "kvstash.cpuCeil" $cpu -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Derived sizes, in MiB. */}}
 {{- define "kvstash.cacheLimitMiB" -}}
 {{- $c := .Values.cache -}}
