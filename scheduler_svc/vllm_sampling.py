@@ -105,8 +105,10 @@ def check_supported(params: pb.SamplingParams) -> None:
     if params.logit_bias:
         unsupported.append("logit_bias")
     constraint = params.WhichOneof("constraint")
-    if constraint is not None:  # response_format, or a gateway's structured output
-        unsupported.append(f"{constraint} (constrained decoding: response_format)")
+    if constraint is not None:
+        raise errors.InvalidArgument(
+            f"sampling_params.{constraint} is not supported by kvstash (constrained "
+            f"decoding: OpenAI's response_format); it accepts {ACCEPTED}")
     if unsupported:
         raise errors.InvalidArgument(
             f"sampling_params.{unsupported[0]} is not supported by kvstash; it accepts "
