@@ -97,6 +97,6 @@ class Room:
             raise InvalidArgument(
                 f"max_tokens {requested} does not fit: a prompt of {self.num_prompt_tokens} "
                 f"tokens leaves room for at most {room} (sequences here are at most "
-                f"{self.max_len} tokens); leave max_tokens unset to generate until the "
-                "context ends")
+                f"{self.max_len} tokens: max_model_len, or what the KV pool holds); leave "
+                "max_tokens unset to generate until the context ends")
         return requested

@@ -95,7 +95,8 @@ async def test_max_tokens_zero_or_past_the_context_is_refused(served: Served, ap
     for max_tokens in (ROOM + 1, 1000, 2**32 - 1):
         details = await served.refusal(api, f"past-{max_tokens}", max_tokens=max_tokens)
         assert (f"max_tokens {max_tokens} does not fit: a prompt of 3 tokens leaves room "
-                f"for at most {ROOM} (sequences here are at most 64 tokens)") in details
+                f"for at most {ROOM} (sequences here are at most 64 tokens: max_model_len, or what "
+                "the KV pool holds)") in details
     for fields in ({}, {"max_tokens": 4}):  # a prompt that leaves no room, either way
         details = await served.refusal(api, "no-room", [1] * 70, **fields)
         assert "prompt of 70 tokens leaves no room" in details and "64" in details
