@@ -77,8 +77,8 @@ class Client:
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
+        max_tokens: int | None = 64,
+        temperature: float | None = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
@@ -87,13 +87,18 @@ class Client:
         request_id: str = "",
         timeout_s: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Streams a completion. `prompt` is text or token ids."""
-        if max_tokens <= 0:
+        """Streams a completion. `prompt` is text or token ids. None leaves a
+        field unset, for the server's default (max_tokens: until the context
+        ends; temperature: 1.0, as OpenAI's); the defaults here are a short
+        greedy answer."""
+        if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
         sampling = common_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-        )
+            top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        if max_tokens is not None:
+            sampling.max_tokens = max_tokens
+        if temperature is not None:
+            sampling.temperature = temperature
         if seed is not None:
             sampling.seed = seed
         request = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling)

@@ -4,6 +4,8 @@ from the backend (backend.py) to clients. Served beside VllmEngine on one
 port (serving.py); until the backend is attached calls answer UNAVAILABLE.
 Error messages echo at most a short prefix of what a client sent
 (`errors.preview`): a huge id must come back as a short INVALID_ARGUMENT.
+Sampling fields left unset take the defaults VllmEngine's take (wire.py,
+Room): one rule per field on both APIs.
 
 Roles (P/D disaggregation): every role serves Generate (a prefill instance
 hands the request to a decode instance and relays its tokens); ReserveBlocks
@@ -23,6 +25,7 @@ from opentelemetry import trace
 from kvstash import errors
 from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id, check_snapshot_id
+from kvstash.common.sampling import Room
 from kvstash.common.stats import values
 from kvstash.common.tokenizer import Tokenizer
 from kvstash.common.wire import sampling_from_proto
@@ -70,8 +73,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         span = trace.get_current_span()  # the Generate span, when tracing
         if span.is_recording():
             span.set_attribute("kvstash.request_id", request_id)
-        stream = await backend.admit(request_id, self._prompt_ids(request, backend.tokenizer),
-                                     sampling_from_proto(request.sampling))
+        prompt = self._prompt_ids(request, backend.tokenizer)
+        sampling = sampling_from_proto(
+            request.sampling, Room(len(prompt), backend.config.max_servable_len))
+        stream = await backend.admit(request_id, prompt, sampling)
         async for response in self._responses(request_id, stream, timing, backend):
             yield response
 
@@ -139,8 +144,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 f"KV layout differs: the prefill instance has blocks of {request.block_size} "
                 f"tokens and {request.bytes_per_block} bytes, this decode instance "
                 f"{config.block_size} tokens and {config.bytes_per_block} bytes")
-        if backend.reserve(request.request_id, list(request.prompt.ids),
-                                  sampling_from_proto(request.sampling)):
+        prompt = list(request.prompt.ids)
+        sampling = sampling_from_proto(request.sampling, Room(len(prompt), config.max_servable_len))
+        if backend.reserve(request.request_id, prompt, sampling):
             return scheduler_pb2.ReserveBlocksResponse(
                 accepted=True, expires_in_s=config.reservation_timeout_s)
         return scheduler_pb2.ReserveBlocksResponse(

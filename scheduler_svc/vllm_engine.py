@@ -9,7 +9,9 @@ engines with, from the `smg-grpc-proto` package's generated code.
 
 Sampling fields are mapped one by one (vllm_sampling.py); one kvstash
 cannot honour (penalties, min_p, logprobs, constraints, multimodal input) is
-UNIMPLEMENTED, never silently ignored. n > 1 runs n requests; the first goes
+the client's request, INVALID_ARGUMENT naming it, never silently ignored;
+kv_transfer_params, which a gateway sends only when it takes the instances
+for vLLM's P/D workers, is UNIMPLEMENTED. n > 1 runs n requests; the first goes
 alone until its first token, so the others find its prompt's full blocks in
 the prefix cache. The token that completes a stop string is the last sent,
 and the request is released at once. Preemption stays invisible: a
@@ -39,7 +41,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from kvstash import errors
 from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id
-from kvstash.common.sampling import SamplingParams
+from kvstash.common.sampling import Room, SamplingParams
 from kvstash.common.tokenizer import Tokenizer
 from kvstash.errors import preview
 from scheduler_svc.backend import Backend, Timing
@@ -157,8 +159,8 @@ class VllmEngineServicer(VllmInfo):
         check_request_id(request_id)
         backend = self._attached()
         prompt = self._prompt(request, backend)
-        sampling = sampling_from_vllm(request.sampling_params, len(prompt),
-                                      backend.config.max_servable_len)
+        sampling = sampling_from_vllm(request.sampling_params,
+                                      Room(len(prompt), backend.config.max_servable_len))
         stops = stop_strings(request.sampling_params)
         sequences = [
             _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
@@ -222,7 +224,8 @@ class VllmEngineServicer(VllmInfo):
     def _prompt(request: pb.GenerateRequest, backend: Backend) -> list[int]:
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs or (
                 request.media_refs.ByteSize()):
-            raise errors.Unimplemented("multimodal inputs are not supported")
+            raise errors.InvalidArgument(
+                "multimodal inputs are not supported: kvstash serves text models")
         if request.kv_transfer_params.ByteSize() or request.HasField("kv_transfer_params_json"):
             raise errors.Unimplemented("kv_transfer_params: kvstash hands KV off itself (P/D)")
         if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:

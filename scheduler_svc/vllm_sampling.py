@@ -1,7 +1,11 @@
 """VllmEngine's sampling: `vllm.grpc.engine.SamplingParams` mapped field by
 field onto kvstash's, the n sequences of a request, and stop strings, which
 the scheduler matches on the text of the tokens as they come (the core sees
-tokens only)."""
+tokens only).
+
+A field kvstash cannot honour is the client's request, not a server fault:
+INVALID_ARGUMENT naming it and what is accepted (a gateway answers HTTP
+400, which OpenAI clients do not retry), never silently ignored."""
 
 from __future__ import annotations
 
@@ -12,15 +16,21 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from kvstash import errors
 from kvstash.common.ids import check_request_id
-from kvstash.common.sampling import MAX_SEED, SamplingParams
+from kvstash.common.sampling import DEFAULT_TEMPERATURE, MAX_SEED, Room, SamplingParams
 from kvstash.common.tokenizer import TextStream
 
 # SamplingParams fields kvstash has no counterpart for, with their neutral value.
-# (include_stop_str_in_output shapes the text, which the gateway makes.)
+# (include_stop_str_in_output, skip_special_tokens and
+# spaces_between_special_tokens shape the text, which the gateway makes.)
 _UNSUPPORTED_SAMPLING = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
     "grammar_from_first_token": False,
 }
+# Those only their presence tells apart from the default.
+_UNSUPPORTED_OPTIONAL = ("logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+# What an error about an unsupported field lists.
+ACCEPTED = ("max_tokens, temperature, top_p, top_k, seed, n, stop, stop_token_ids, "
+            "ignore_eos")
 MAX_STOP_STRINGS = 32
 MAX_N = 16  # sequences per request
 MAX_STOP_STRING_CHARS = 1024
@@ -64,44 +74,45 @@ def stop_strings(params: pb.SamplingParams) -> list[str]:
     return stops
 
 
-def sampling_from_vllm(params: pb.SamplingParams, num_prompt_tokens: int,
-                       max_len: int) -> SamplingParams:
-    """kvstash's sampling for a VllmEngine request whose sequence may reach
-    `max_len` tokens; Unimplemented names a field it cannot honour,
-    InvalidArgument a bad value.
+def sampling_from_vllm(params: pb.SamplingParams, room: Room) -> SamplingParams:
+    """kvstash's sampling for a VllmEngine request whose sequence must fit
+    `room`; InvalidArgument names a field it cannot honour or a bad value.
 
-    As vLLM: max_tokens (unset: no limit) is cut to the room the prompt
-    leaves below max_len, where the sequence then ends "length"; only a
-    prompt that leaves none is refused."""
-    for name, neutral in _UNSUPPORTED_SAMPLING.items():
-        if getattr(params, name) != neutral:
-            raise errors.Unimplemented(f"sampling_params.{name} is not supported")
-    if params.repetition_penalty not in (0.0, 1.0):
-        raise errors.Unimplemented("sampling_params.repetition_penalty is not supported")
-    for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
-        if params.HasField(name):
-            raise errors.Unimplemented(f"sampling_params.{name} is not supported")
-    if params.logit_bias:
-        raise errors.Unimplemented("sampling_params.logit_bias is not supported")
-    if params.WhichOneof("constraint") is not None:
-        raise errors.Unimplemented(
-            f"sampling_params.{params.WhichOneof('constraint')} (constrained decoding) "
-            "is not supported")
-    room = max_len - num_prompt_tokens
-    if room < 1:
-        raise errors.InvalidArgument(
-            f"prompt of {num_prompt_tokens} tokens leaves no room to generate: sequences "
-            f"here are at most {max_len} tokens (max_model_len, or what the KV pool holds)")
+    max_tokens as kvstash.v1 takes it (Room.max_tokens): unset, until the
+    context ends; one that does not fit is refused, as vLLM's OpenAI server
+    refuses it. temperature unset: 1.0, as vLLM's (and OpenAI's) default."""
+    check_supported(params)
     return SamplingParams(
-        max_tokens=min(params.max_tokens, room) if params.HasField("max_tokens") else room,
-        # Unset: vLLM's (and OpenAI's) default of 1.0; 0 is greedy.
-        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        max_tokens=room.max_tokens(params.max_tokens if params.HasField("max_tokens") else None),
+        temperature=params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE,
         top_p=params.top_p or 1.0,
         top_k=params.top_k,
         seed=_seed(params),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
+
+
+def check_supported(params: pb.SamplingParams) -> None:
+    """InvalidArgument naming the first field set that kvstash cannot honour
+    (OpenAI's penalties, logprobs, min_tokens, logit_bias, response_format),
+    and what it accepts."""
+    unsupported = [name for name, neutral in _UNSUPPORTED_SAMPLING.items()
+                   if getattr(params, name) != neutral]
+    if params.repetition_penalty not in (0.0, 1.0):
+        unsupported.append("repetition_penalty")
+    unsupported += [name for name in _UNSUPPORTED_OPTIONAL if params.HasField(name)]
+    if params.logit_bias:
+        unsupported.append("logit_bias")
+    constraint = params.WhichOneof("constraint")
+    if constraint is not None:
+        raise errors.InvalidArgument(
+            f"sampling_params.{constraint} is not supported by kvstash (constrained "
+            f"decoding: OpenAI's response_format); it accepts {ACCEPTED}")
+    if unsupported:
+        raise errors.InvalidArgument(
+            f"sampling_params.{unsupported[0]} is not supported by kvstash; it accepts "
+            f"{ACCEPTED}")
 
 
 def _seed(params: pb.SamplingParams) -> int | None:

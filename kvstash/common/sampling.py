@@ -4,7 +4,8 @@ The scheduler reads `max_tokens`, `stop_token_ids` and `ignore_eos` (when a
 request finishes); the worker reads `temperature`, `top_k`, `top_p` and
 `seed` (how a token is drawn). Protos convert to and from it only in
 `kvstash.common.wire`. Construction validates every value, so a bad setting is an
-InvalidArgument that names it, wherever it came from.
+InvalidArgument that names it, wherever it came from. `Room` holds the one
+rule for max_tokens that both of the scheduler's APIs apply.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from kvstash.errors import InvalidArgument
 
 MAX_SEED = (1 << 64) - 1
+# What a request that leaves temperature unset samples at, on both APIs:
+# OpenAI's and vLLM's default (an OpenAI client through a gateway sends none).
+DEFAULT_TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +61,42 @@ class SamplingParams:
 
 # What a step uses for a chunk that samples nothing.
 GREEDY = SamplingParams(max_tokens=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Where a request's sequence must fit, and max_tokens by one rule on
+    every API (as OpenAI and vLLM's OpenAI server take it):
+
+        |<-------------------- max_len -------------------->|
+        |<-- num_prompt_tokens -->|<-- output: at most ---->|
+                                       max_tokens, unset: all of it
+
+    Unset, a request runs until the context ends (or a stop); a max_tokens
+    that does not fit is refused, never cut; a prompt that leaves no room
+    is refused either way."""
+
+    num_prompt_tokens: int
+    # The longest sequence (prompt + output) the instance serves: its
+    # max_model_len, or fewer where its KV pool holds fewer tokens.
+    max_len: int
+
+    def max_tokens(self, requested: int | None) -> int:
+        """`requested` (None: unset) as the request's max_tokens; InvalidArgument
+        naming the quantities where it does not fit. 0 and below are left to
+        SamplingParams, which names them."""
+        room = self.max_len - self.num_prompt_tokens
+        if room < 1:
+            raise InvalidArgument(
+                f"prompt of {self.num_prompt_tokens} tokens leaves no room to generate: "
+                f"sequences here are at most {self.max_len} tokens (max_model_len, or what "
+                "the KV pool holds)")
+        if requested is None:
+            return room
+        if requested > room:
+            raise InvalidArgument(
+                f"max_tokens {requested} does not fit: a prompt of {self.num_prompt_tokens} "
+                f"tokens leaves room for at most {room} (sequences here are at most "
+                f"{self.max_len} tokens: max_model_len, or what the KV pool holds); leave "
+                "max_tokens unset to generate until the context ends")
+        return requested

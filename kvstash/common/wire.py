@@ -1,7 +1,8 @@
 """Proto <-> domain conversions shared by every service: sampling and KV layout.
 
 Proto3 reads an unset scalar as 0, so `top_p` 0 means "unset" (1.0, off);
-that rule lives here and nowhere else.
+`max_tokens` and `temperature` track presence (unset: until the context
+ends, and DEFAULT_TEMPERATURE). Those rules live here and nowhere else.
 """
 
 from __future__ import annotations
@@ -9,15 +10,27 @@ from __future__ import annotations
 import functools
 
 from kvstash.common.layout import Layout
-from kvstash.common.sampling import SamplingParams
+from kvstash.common.sampling import DEFAULT_TEMPERATURE, Room, SamplingParams
+from kvstash.errors import InvalidArgument
 from kvstash.v1 import common_pb2
 
 
-def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises InvalidArgument naming a bad value."""
+def sampling_from_proto(proto: common_pb2.SamplingParams, room: Room | None = None
+                        ) -> SamplingParams:
+    """Raises InvalidArgument naming a bad value. `room`: where a client's
+    request must fit, which sets max_tokens by its rule (Room.max_tokens);
+    None for a worker, which is sent every value (max_tokens unset is
+    refused)."""
+    requested = proto.max_tokens if proto.HasField("max_tokens") else None
+    if room is not None:
+        max_tokens = room.max_tokens(requested)
+    elif requested is None:
+        raise InvalidArgument("max_tokens must be set: a worker is sent every value")
+    else:
+        max_tokens = requested
     return SamplingParams(
-        max_tokens=proto.max_tokens,
-        temperature=proto.temperature,
+        max_tokens=max_tokens,
+        temperature=proto.temperature if proto.HasField("temperature") else DEFAULT_TEMPERATURE,
         top_p=proto.top_p or 1.0,
         top_k=proto.top_k,
         seed=proto.seed if proto.HasField("seed") else None,

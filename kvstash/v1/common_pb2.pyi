@@ -61,7 +61,10 @@ Global___KvLayout: _TypeAlias = KvLayout  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
-    """How a request samples its next token. Greedy when temperature == 0."""
+    """How a request samples its next token. Greedy when temperature == 0.
+    Unset fields take the defaults OpenAI and vLLM take (README, "Request
+    fields on both APIs"); a worker is always sent every value.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -73,9 +76,12 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """output tokens to generate at most; must be > 0"""
+    """Output tokens to generate at most, > 0. Unset: until the context ends
+    (what the prompt leaves below the longest sequence the instance serves);
+    more than that is INVALID_ARGUMENT, never cut.
+    """
     temperature: _builtins.float
-    """0 = greedy; otherwise softmax temperature (> 0)"""
+    """Softmax temperature, >= 0; 0 = greedy. Unset: 1.0."""
     top_p: _builtins.float
     """nucleus mass in (0, 1]; 0 means 1 (off)"""
     top_k: _builtins.int
@@ -91,21 +97,30 @@ class SamplingParams(_message.Message):
     def __init__(
         self,
         *,
-        max_tokens: _builtins.int = ...,
-        temperature: _builtins.float = ...,
+        max_tokens: _builtins.int | None = ...,
+        temperature: _builtins.float | None = ...,
         top_p: _builtins.float = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 

@@ -72,8 +72,9 @@ class SchedulerServicer:
         finish_reason and usage. Preemption is invisible here apart from a pause.
         INVALID_ARGUMENT: a request that does not decode, a request_id that is not
         1-256 visible ASCII characters (0x21-0x7E), empty prompt, bad sampling
-        values, token ids outside the vocabulary, prompt + max_tokens that can
-        never fit.
+        values, token ids outside the vocabulary, a prompt that leaves no room
+        to generate, a max_tokens beyond that room (unset: generate until the
+        context ends; SamplingParams says each unset field's default).
         ALREADY_EXISTS: the request_id is in use. UNAVAILABLE: no worker (the
         health service then answers NOT_SERVING), or it died mid-request.
         """

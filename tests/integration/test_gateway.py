@@ -20,7 +20,13 @@ from smg_grpc_proto.generated import common_pb2
 
 from kvstash.client import Client
 from kvstash.launch.gateway import running_gateway
-from kvstash.launch.openai_http import REPLACEMENT, request_json, sse_events, stream_completion
+from kvstash.launch.openai_http import (
+    REPLACEMENT,
+    HttpError,
+    request_json,
+    sse_events,
+    stream_completion,
+)
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
 from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
@@ -217,15 +223,24 @@ async def test_n_sequences_share_the_prompts_blocks(
     assert cached == {0: {0}, 1: {32}}  # every chunk and the complete say it
 
 
-async def test_max_tokens_past_max_model_len_ends_there_as_length(
+async def test_max_tokens_unset_runs_to_the_end_of_the_context_and_past_it_is_refused(
         engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
-    """As vLLM: max_tokens is cut to what max_model_len (the tiny model's 1024)
-    leaves after the prompt; a prompt that leaves nothing is refused."""
+    """As kvstash.v1, and vLLM's OpenAI server: max_tokens unset runs to what
+    max_model_len (the tiny model's 1024) leaves after the prompt; one past
+    it is refused (before: cut there); a prompt that leaves nothing is refused."""
     prompt = [(i * 29 + 5) % 250 for i in range(1020)]
     [only] = [r async for r in engine.Generate(pb.GenerateRequest(
         request_id="vllm-to-the-end", tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=greedy(100)))]
+        sampling_params=pb.SamplingParams(temperature=0.0, ignore_eos=True)))]
     assert (only.complete.finish_reason, len(only.complete.output_ids)) == ("length", 4)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in engine.Generate(pb.GenerateRequest(
+                request_id="vllm-past-the-end", tokenized=pb.TokenizedInput(input_ids=prompt),
+                sampling_params=greedy(100))):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens 100 does not fit" in err.value.details()
+    assert "1020" in err.value.details() and "at most 4" in err.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in engine.Generate(pb.GenerateRequest(
                 request_id="vllm-no-room", tokenized=pb.TokenizedInput(input_ids=prompt * 2),
@@ -261,8 +276,8 @@ async def test_abort_by_the_request_id_ends_all_its_sequences(
 async def test_unsupported_requests_say_what_is_not_supported(
         engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     cases = {
-        "presence_penalty": (greedy(4, presence_penalty=0.5), grpc.StatusCode.UNIMPLEMENTED),
-        "logprobs": (greedy(4, logprobs=2), grpc.StatusCode.UNIMPLEMENTED),
+        "presence_penalty": (greedy(4, presence_penalty=0.5), grpc.StatusCode.INVALID_ARGUMENT),
+        "logprobs": (greedy(4, logprobs=2), grpc.StatusCode.INVALID_ARGUMENT),
         "top_p": (greedy(4, top_p=2.0), grpc.StatusCode.INVALID_ARGUMENT),
         "stop": (greedy(4, stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
         "n": (greedy(4, n=17), grpc.StatusCode.INVALID_ARGUMENT),
@@ -279,7 +294,7 @@ async def test_unsupported_requests_say_what_is_not_supported(
                 request_id="mm", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                 sampling_params=greedy(4), mm_inputs=pb.MultimodalInputs(mm_hashes=["x"]))):
             pass
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await engine.Embed(pb.EmbedRequest())
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details()
@@ -438,6 +453,46 @@ async def test_smg_chat_applies_the_tiny_template(stack: Stack, gateway: str) ->
     reply = await asyncio.to_thread(request_json, f"{gateway}/v1/chat/completions", body)
     assert reply["usage"]["prompt_tokens"] == len(prompt.encode())
     assert reply["choices"][0]["message"]["content"] == shown(expected)
+
+
+# OpenAI fields kvstash cannot honour, as a client sends them through smg,
+# with the field smg passes on (the one the error names).
+UNSUPPORTED_OVER_HTTP = [
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"min_tokens": 2}, "min_tokens"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "json_schema"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "named"), UNSUPPORTED_OVER_HTTP,
+                         ids=[f"{e}-{n}" for e, _, n in UNSUPPORTED_OVER_HTTP])
+async def test_smg_answers_400_for_a_field_kvstash_cannot_honour(
+        gateway: str, endpoint: str, field: dict[str, object], named: str) -> None:
+    """Before: UNIMPLEMENTED, which smg answers 501 "server_error", so the
+    openai SDK retried twice and raised InternalServerError; 400 is not retried."""
+    body: dict[str, object] = {"model": "tiny", "max_tokens": 4, "temperature": 0, **field}
+    if endpoint == "completions":
+        body["prompt"] = "hello kv"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(HttpError) as err:
+        await asyncio.to_thread(request_json, f"{gateway}/v1/{endpoint}", body)
+    assert err.value.status == 400, err.value
+    assert f"sampling_params.{named} is not supported" in err.value.body.decode()
+
+
+async def test_smg_answers_400_for_a_max_tokens_past_the_context(gateway: str) -> None:
+    """As vLLM's OpenAI server (before: cut to the room left, 200). Unset runs
+    to the context's end (test_max_tokens_unset_runs_to_the_end_of_the_context
+    ...; smg leaves it unset)."""
+    body = {"model": "tiny", "prompt": "hello kv", "max_tokens": 5000}
+    with pytest.raises(HttpError) as err:
+        await asyncio.to_thread(request_json, f"{gateway}/v1/completions", body)
+    assert err.value.status == 400, err.value
+    assert ("max_tokens 5000 does not fit: a prompt of 8 tokens leaves room for at most "
+            "1016") in err.value.body.decode()
 
 
 async def test_smg_routes_a_shared_prefix_to_the_instance_that_holds_it(tmp_path: Path) -> None:

@@ -279,32 +279,6 @@ async def test_an_abort_naming_a_bad_id_aborts_none(
     assert [r.complete.finish_reason async for r in call] == ["abort"]
 
 
-async def test_max_tokens_past_the_pool_is_cut_to_the_room_left(
-    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
-) -> None:
-    """A pool of 16 blocks of 4 holds 64 tokens, fewer than max_model_len 256:
-    VllmEngine advertises 64, cuts max_tokens to what is left below it (a
-    sequence then ends "length" there, as vLLM's do at max_model_len) and
-    refuses a prompt that leaves nothing; kvstash's own API stays strict."""
-    core = make_scheduler(vocab_size=258, num_blocks=16, max_model_len=256)
-    attach(server, nowhere, core)
-    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    info = await engine.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
-    assert (info.max_context_length, info.max_req_input_len) == (64, 63)
-    call = engine.Generate(vllm_generate("long", [1, 2, 3], max_tokens=1000))
-    await queued(core, "long")
-    request = core.get_request("long")
-    assert request is not None and request.sampling.max_tokens == 61
-    call.cancel()
-    error = await rpc_error(engine.Generate(vllm_generate("no-room", [1] * 70, max_tokens=4)))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "70" in (error.details() or "") and "64" in (error.details() or "")
-    native = scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
-        request_id="strict", token_ids=scheduler_pb2.TokenIds(ids=[1, 2, 3]),
-        sampling=common_pb2.SamplingParams(max_tokens=1000)))
-    assert (await rpc_error(native)).code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
 async def test_info_names_the_model_and_no_vllm_kv_role(
     server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
 ) -> None:

@@ -10,9 +10,9 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvstash.common.sampling import SamplingParams
+from kvstash.common.sampling import Room, SamplingParams
 from kvstash.common.tokenizer import ByteTokenizer
-from kvstash.errors import InvalidArgument, Unimplemented
+from kvstash.errors import InvalidArgument
 from scheduler_svc.vllm_info import tokenizer_files, tokenizer_zip
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
@@ -20,7 +20,8 @@ MAX_MODEL_LEN = 512
 
 
 def mapped(**fields: object) -> SamplingParams:
-    return sampling_from_vllm(pb.SamplingParams(**fields), 10, MAX_MODEL_LEN)  # type: ignore[arg-type]
+    return sampling_from_vllm(pb.SamplingParams(**fields),  # type: ignore[arg-type]
+                              Room(10, MAX_MODEL_LEN))
 
 
 def test_what_smg_sends_by_default_is_the_vllm_default() -> None:
@@ -42,7 +43,7 @@ def test_what_smg_sends_by_default_is_the_vllm_default() -> None:
     ({"seed": -1}, {"seed": None}),  # vLLM's "no seed"
     ({"seed": -7}, {"seed": 2**64 - 7}),  # other negative seeds: as uint64
     ({"seed": -2**31}, {"seed": 2**64 - 2**31}),
-    ({"max_tokens": 600}, {"max_tokens": MAX_MODEL_LEN - 10}),  # cut to the room left
+    ({"max_tokens": MAX_MODEL_LEN - 10}, {"max_tokens": MAX_MODEL_LEN - 10}),  # all the room
     ({"stop_token_ids": [7, 9]}, {"stop_token_ids": (7, 9)}),
     ({"ignore_eos": True}, {"ignore_eos": True}),
     ({"n": 1}, {}),
@@ -65,9 +66,11 @@ def test_each_supported_field_maps(fields: dict[str, object], expected: dict[str
     {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 8}, {"logit_bias": {5: 1.0}},
     {"json_object": True}, {"regex": "a+"},
 ], ids=lambda f: next(iter(f)))
-def test_each_unsupported_field_is_unimplemented_by_name(fields: dict[str, object]) -> None:
-    with pytest.raises(Unimplemented, match=next(iter(fields)).split("_")[0]):
+def test_each_unsupported_field_is_invalid_argument_by_name(fields: dict[str, object]) -> None:
+    # Before: Unimplemented, which smg answers HTTP 501 and OpenAI clients retry.
+    with pytest.raises(InvalidArgument, match=next(iter(fields)).split("_")[0]) as info:
         mapped(max_tokens=4, **fields)  # type: ignore[arg-type]
+    assert "accepts max_tokens, temperature, top_p, top_k, seed, n, stop" in str(info.value)
 
 
 def cut(stops: list[str], pieces: list[str]) -> tuple[list[int], str | None]:
@@ -127,10 +130,20 @@ def test_a_prompt_that_leaves_no_room_names_both_lengths(num_prompt_tokens: int)
     for fields in ({}, {"max_tokens": 4}):
         with pytest.raises(InvalidArgument,
                            match=f"prompt of {num_prompt_tokens} tokens .*{MAX_MODEL_LEN}"):
-            sampling_from_vllm(pb.SamplingParams(**fields), num_prompt_tokens,  # type: ignore[arg-type]
-                               MAX_MODEL_LEN)
-    last = sampling_from_vllm(pb.SamplingParams(max_tokens=4), MAX_MODEL_LEN - 1, MAX_MODEL_LEN)
-    assert last.max_tokens == 1
+            sampling_from_vllm(pb.SamplingParams(**fields),  # type: ignore[arg-type]
+                               Room(num_prompt_tokens, MAX_MODEL_LEN))
+    last = Room(MAX_MODEL_LEN - 1, MAX_MODEL_LEN)
+    assert sampling_from_vllm(pb.SamplingParams(max_tokens=1), last).max_tokens == 1
+    assert sampling_from_vllm(pb.SamplingParams(), last).max_tokens == 1
+
+
+@pytest.mark.parametrize("max_tokens", [MAX_MODEL_LEN - 9, MAX_MODEL_LEN, 2**32 - 1])
+def test_a_max_tokens_that_does_not_fit_is_refused_never_cut(max_tokens: int) -> None:
+    # Before: cut to the room left (here 502), unlike kvstash.v1, which refused it.
+    with pytest.raises(InvalidArgument, match=(
+            f"max_tokens {max_tokens} does not fit: a prompt of 10 tokens leaves room for "
+            f"at most {MAX_MODEL_LEN - 10}")):
+        mapped(max_tokens=max_tokens)
 
 
 @pytest.mark.parametrize("fields", [{"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 0}])
