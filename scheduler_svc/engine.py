@@ -12,12 +12,13 @@ copy never stalls the steps of other requests.
 One record per in-flight request (inflight.py), made when the core takes it
 and dropped when the core lets go of it (`_end`). A lost worker fails the
 requests whose state it held; the others wait for it (`_lose_worker`). A
-prefill instance has a PrefillSide, a decode instance a DecodeSide; a mixed one neither, and never
-enters P/D code. Every step's wall time goes back into the core
-(`observe_step`) for its cost model; each preemption is a "preempted" event
-on the request's trace and a count by mode and reason. With
-EngineConfig.tracing each request keeps the trace context it was submitted
-in (kvstash.common.telemetry): its copies' spans and its phases join its trace.
+prefill instance has a PrefillSide, a decode instance a DecodeSide; a mixed
+one neither, and never enters P/D code. Every step's wall time goes back
+into the core (`observe_step`) for its cost model; each preemption is a
+"preempted" event on the request's trace and a count by mode and reason.
+With EngineConfig.tracing each request keeps the trace context it was
+submitted in (kvstash.common.telemetry): its copies' spans and its phases
+join its trace.
 
 Why one file over 300 lines: the loop and what it must keep in step with
 (requests taken and ended, the worker up, lost or given up on, the integrity
@@ -250,17 +251,21 @@ class Engine:
         self.flush_prefix_cache()
 
     async def _wait_for_worker(self) -> None:
-        """Returns once the worker answers. worker_reconnect_s after it was
-        lost, fails every request still waiting for it, and refuses new ones
-        (`_check_admission`) until a stream is open again."""
+        """Returns once the worker answers. From worker_reconnect_s after it
+        was lost until then, fails every request waiting for it (again every
+        retry_s: a Decode or a taken-back hand-off may still come in) and
+        refuses new ones (`_check_admission`)."""
         outage = self._outage
-        if outage is not None and not outage.given_up:
-            if await self._worker.wait_ready(outage.deadline):
-                return
-            log.error("worker not back within %g s; failing the %d requests waiting for it",
-                      outage.limit_s, len(self._requests))
+        if outage is None:
+            await self._worker.wait_ready()
+            return
+        deadline = outage.deadline
+        while not await self._worker.wait_ready(deadline):
+            if not outage.given_up:
+                log.error("worker not back within %g s; failing the %d requests waiting for "
+                          "it", outage.limit_s, len(self._requests))
             self._fail(self._requests, outage.give_up())
-        await self._worker.wait_ready()
+            deadline = asyncio.get_running_loop().time() + self._worker.retry_s
 
     async def _set_worker_up(self, up: bool) -> None:
         if up == self._worker_up.is_set():
