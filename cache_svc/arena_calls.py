@@ -8,8 +8,8 @@ client wrote); a shared get is open, extent with checksums, done. The client
 holds its extent for at most shared_lease_s; a call that outlives its lease,
 or whose client leaves, is aborted and leaves nothing behind. A client that
 names the arena it maps (call metadata ARENA_ID_KEY) and maps another one
-(this cache restarted since it asked GetArena) is refused
-FAILED_PRECONDITION before any room is taken: it re-attaches and retries. Mixed into
+(this cache restarted since it asked GetArena) is refused with
+FAILED_PRECONDITION before any room is taken, to re-attach. Mixed into
 `cache_svc.server.CacheServicer`, which sets the fields declared below.
 """
 

@@ -10,9 +10,9 @@ changed: every call names the arena it uses (metadata ARENA_ID_KEY), and
 FailedPrecondition (the cache restarted with another arena, has none now, or
 the snapshot is only on disk) makes a call answer None, for the caller to
 stream instead (kvstash.cache_sdk.streamed_calls), and the next call
-re-attaches; Unavailable is raised. An extent is
-leased to its call, so the call is never ended, giving the extent back to
-the cache, while this process still touches it (`_to_the_end`).
+re-attaches; Unavailable is raised. An extent is leased to its call, so the
+call is never ended, giving the extent back to the cache, while this process
+still touches it (`_to_the_end`).
 """
 
 from __future__ import annotations
