@@ -6,7 +6,10 @@ the checksums and the lease.
 A shared put is header, extent, commit (with the checksums of what the
 client wrote); a shared get is open, extent with checksums, done. The client
 holds its extent for at most shared_lease_s; a call that outlives its lease,
-or whose client leaves, is aborted and leaves nothing behind. Mixed into
+or whose client leaves, is aborted and leaves nothing behind. A client that
+names the arena it maps (call metadata ARENA_ID_KEY) and maps another one
+(this cache restarted since it asked GetArena) is refused with
+FAILED_PRECONDITION before any room is taken, to re-attach. Mixed into
 `cache_svc.server.CacheServicer`, which sets the fields declared below.
 """
 
@@ -24,6 +27,7 @@ from cache_svc.metrics import TransferMetrics
 from cache_svc.model import Buffer
 from cache_svc.store import SnapshotStore
 from kvstash import errors
+from kvstash.cache_sdk.shared_arena import ARENA_ID_KEY
 from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
@@ -56,7 +60,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             # whose write of it met a call already ended would learn only
             # grpc's internal error, not why.
             header = await self._expect(requests, "header", "shared put")
-            arena = self._arena()
+            arena = self._arena(context)
             meta = meta_from_proto(header, store.config.default_ttl_s)
             await store.reserve_put(meta)
         except errors.KvstashError as exc:
@@ -90,7 +94,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
         requests = aiter(request_iterator)
         try:
             request = await self._expect(requests, "open", "shared get")  # as in PutShared
-            arena = self._arena()
+            arena = self._arena(context)
             if request.start_chunk:
                 raise errors.InvalidArgument("a shared get reads the whole snapshot: "
                                              f"start_chunk is {request.start_chunk}, must be 0")
@@ -113,12 +117,19 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             reads.close_reader(reader, finished)
         self._metrics.get_seconds.observe(time.perf_counter() - started)
 
-    def _arena(self) -> Arena:
+    def _arena(self, context: grpc.aio.ServicerContext) -> Arena:
+        """This cache's arena, which must be the one the client maps."""
         arena = self._store.arena
         if arena is None:
             raise errors.FailedPrecondition(
                 "this cache has no arena (start it with --arena-dir); use PutSnapshot and "
                 "GetSnapshot")
+        mapped = next((value for key, value in context.invocation_metadata() or ()
+                       if key == ARENA_ID_KEY), None)
+        if mapped is not None and mapped != arena.arena_id:
+            raise errors.FailedPrecondition(
+                f"the client maps arena {errors.preview(str(mapped))}, this cache's is "
+                f"{arena.arena_id} (it restarted): re-attach (GetArena) and retry")
         return arena
 
     async def _expect(self, requests: Any, field: str, what: str, lease: bool = False) -> Any:

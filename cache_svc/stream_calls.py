@@ -38,8 +38,10 @@ DRAIN_LIMIT_S = 5.0  # how long a failed put reads out a client still sending
 
 
 async def _end_call(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> None:
-    """Sends `exc`'s status from outside the call's handler."""
-    with contextlib.suppress(Exception):  # grpc's AbortError once sent; or it had ended
+    """Sends `exc`'s status from outside the call's handler, unless the call
+    has ended meanwhile (then it keeps the status it has: one per call)."""
+    # AbortError: sent. CancelledError: the call had ended (rpc_errors.end_call).
+    with contextlib.suppress(grpc.aio.AbortError, asyncio.CancelledError):
         await rpc_errors.abort_with(context, exc)
 
 

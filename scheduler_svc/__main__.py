@@ -101,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
+    p.add_argument("--worker-reconnect", type=float, default=_ENGINE.worker_reconnect_s,
+                   help="seconds requests that need nothing from a lost worker (waiting, or "
+                        "offloaded to the cache) wait for it to come back before they fail "
+                        "UNAVAILABLE; 0 = fail them with it")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
@@ -182,7 +186,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
         engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
-                                     check_integrity=args.check_integrity)
+                                     check_integrity=args.check_integrity,
+                                     worker_reconnect_s=args.worker_reconnect)
         cache: CacheLink | None = None
         if args.cache_address:
             client = CacheClient(args.cache_address, security=internal)
@@ -248,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         secured = security.from_args(args, require_client_cert=False)
         security.check_listen(args.listen, secured)
         check_role(args)
+        EngineConfig(worker_reconnect_s=args.worker_reconnect)  # its checks, before any start
     except ValueError as exc:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:

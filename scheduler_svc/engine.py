@@ -10,18 +10,20 @@ copy never stalls the steps of other requests.
             into the core and wakes the loop
 
 One record per in-flight request (inflight.py), made when the core takes it
-and dropped when the core lets go of it (`_end`). A prefill instance has a
-PrefillSide, a decode instance a DecodeSide; a mixed one neither, and never
-enters P/D code. Every step's wall time goes back into the core
-(`observe_step`) for its cost model; each preemption is a "preempted" event
-on the request's trace and a count by mode and reason. With
-EngineConfig.tracing each request keeps the trace context it was submitted
-in (kvstash.common.telemetry): its copies' spans and its phases join its trace.
+and dropped when the core lets go of it (`_end`). A lost worker fails the
+requests whose state it held; the others wait for it (`_lose_worker`). A
+prefill instance has a PrefillSide, a decode instance a DecodeSide; a mixed
+one neither, and never enters P/D code. Every step's wall time goes back
+into the core (`observe_step`) for its cost model; each preemption is a
+"preempted" event on the request's trace and a count by mode and reason.
+With EngineConfig.tracing each request keeps the trace context it was
+submitted in (kvstash.common.telemetry): its copies' spans and its phases
+join its trace.
 
-Why one file just over 300 lines: the loop and what it must keep in step
-with (requests taken and ended, the worker up or down, the integrity check
-when idle) are one piece; what runs beside the loop (copies, hand-offs) has
-its own modules.
+Why one file over 300 lines: the loop and what it must keep in step with
+(requests taken and ended, the worker up, lost or given up on, the integrity
+check when idle) are one piece; what runs beside the loop (copies,
+hand-offs) has its own modules.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstash import errors
@@ -50,7 +53,7 @@ from scheduler_svc.handoff import DecodeSide, PrefillSide
 from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
-from scheduler_svc.worker_link import StepStream, WorkerLink
+from scheduler_svc.worker_link import Outage, StepStream, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,15 @@ class EngineConfig:
     # Check every invariant of the core (O(pool + requests)) whenever the loop
     # goes idle, and exit the process on a broken one: for tests.
     check_integrity: bool = False
+    # How long requests that need nothing from a lost worker (waiting, or
+    # offloaded to the cache) wait for it to come back before they fail
+    # UNAVAILABLE, counted from the loss; 0: they fail with it.
+    worker_reconnect_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_reconnect_s < math.inf:
+            raise ValueError("worker_reconnect_s must be a finite number of seconds >= 0, "
+                             f"got {self.worker_reconnect_s}")
 
 
 class Engine:
@@ -94,6 +106,7 @@ class Engine:
         self._metrics = metrics
         self._on_worker_change = on_worker_change
         self._worker_up = asyncio.Event()
+        self._outage: Outage | None = None  # while the worker is lost
         self._wake = asyncio.Event()
         self._requests = requests = InFlightRequests(config.tracing)
         self._tasks = tasks = Tasks()
@@ -136,8 +149,10 @@ class Engine:
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> RequestStream:
         """Admits a request (raises InvalidArgument / AlreadyExists /
-        ResourceExhausted) and returns the stream its tokens arrive on. A
-        prefill instance first has a decode instance reserve blocks for it."""
+        ResourceExhausted; Unavailable while the worker is given up on) and
+        returns the stream its tokens arrive on. A prefill instance first has
+        a decode instance reserve blocks for it."""
+        self._check_admission()
         if self._prefill is None or (decoder := await self._prefill.find_decoder(
                 request_id, prompt_token_ids, sampling)) is None:
             return self.submit(request_id, prompt_token_ids, sampling)
@@ -149,10 +164,15 @@ class Engine:
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> RequestStream:
         """Admits a request to decode here, as `admit` but at once."""
+        self._check_admission()
         self._core.add_request(request_id, prompt_token_ids, sampling)
         stream = self._requests.open(request_id)
         self._wake.set()
         return stream
+
+    def _check_admission(self) -> None:
+        if self._outage is not None:
+            self._outage.check_admission()
 
     def abort(self, request_id: str,
               reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -188,11 +208,12 @@ class Engine:
     async def _run(self) -> None:
         """Steps over one Execute stream at a time. Whatever breaks a stream
         (the worker restarted or is unreachable, or answered nonsense) fails
-        the requests in flight; then a new stream is opened once the worker
-        answers again. The worker counts as up (`worker_up`, reported to
-        `on_worker_change`) exactly while a stream is open."""
+        the requests whose state the worker held; a new stream is opened once
+        the worker answers again, and the others go on there. The worker
+        counts as up (`worker_up`, reported to `on_worker_change`) exactly
+        while a stream is open."""
         while True:
-            await self._worker.wait_ready()
+            await self._wait_for_worker()
             stream: StepStream | None = None
             try:
                 stream = await self._worker.open()
@@ -210,20 +231,48 @@ class Engine:
                 if stream is not None:
                     stream.cancel()
             await self._set_worker_up(False)
-            log.error("worker stream broke (%s); failing in-flight requests", reason)
-            self._fail_all(errors.Unavailable(f"worker unavailable: {reason}"))
-            # Not when it is back: now.
-            self._copies.delete_snapshots(self._core.take_snapshots_to_delete())
-            # The next stream may reach a restarted worker with an empty KV
-            # tensor: no cached prefix can be trusted any more.
-            self.flush_prefix_cache()
+            self._lose_worker(reason)
             await asyncio.sleep(self._worker.retry_s)
+
+    def _lose_worker(self, reason: str) -> None:
+        """The stream broke: fails the requests whose state the worker held
+        (`Scheduler.requests_on_worker` says which, and why); the others
+        wait for it (`_wait_for_worker`)."""
+        if self._outage is None:
+            self._outage = Outage(asyncio.get_running_loop().time(), reason,
+                                  self._config.worker_reconnect_s)
+        lost = self._core.requests_on_worker()
+        log.error("worker stream broke (%s); failing the %d requests it held, the other %d "
+                  "wait up to %g s for it", reason, len(lost), len(self._requests) - len(lost),
+                  self._config.worker_reconnect_s)
+        self._fail(lost, errors.Unavailable(f"worker unavailable: {reason}"))
+        # The next stream may reach a restarted worker with an empty KV
+        # tensor: no cached prefix can be trusted any more.
+        self.flush_prefix_cache()
+
+    async def _wait_for_worker(self) -> None:
+        """Returns once the worker answers. From worker_reconnect_s after it
+        was lost until then, fails every request waiting for it (again every
+        retry_s: a Decode or a taken-back hand-off may still come in) and
+        refuses new ones (`_check_admission`)."""
+        outage = self._outage
+        if outage is None:
+            await self._worker.wait_ready()
+            return
+        deadline = outage.deadline
+        while not await self._worker.wait_ready(deadline):
+            if not outage.given_up:
+                log.error("worker not back within %g s; failing the %d requests waiting for "
+                          "it", outage.limit_s, len(self._requests))
+            self._fail(self._requests, outage.give_up())
+            deadline = asyncio.get_running_loop().time() + self._worker.retry_s
 
     async def _set_worker_up(self, up: bool) -> None:
         if up == self._worker_up.is_set():
             return
         if up:
             self._worker_up.set()
+            self._outage = None
             log.info("worker stream open; serving")
         else:
             self._worker_up.clear()
@@ -301,18 +350,20 @@ class Engine:
             logging.shutdown()
             os._exit(INTEGRITY_EXIT_CODE)
 
-    def _fail_all(self, error: errors.KvstashError) -> None:
-        """Fails every request but those decoding on a decode instance (P/D):
-        they need this worker no more."""
-        for request_id in self._requests:
+    def _fail(self, request_ids: Iterable[str], error: errors.KvstashError) -> None:
+        """Fails these requests but those decoding on a decode instance (P/D):
+        they need this worker no more. Their snapshots leave the cache now,
+        not once a worker is back."""
+        for request_id in list(request_ids):
             record = self._requests.get(request_id)
-            if record is None or record.relayed:
+            if record is not None and record.relayed:
                 continue
             usage = None
             with contextlib.suppress(errors.NotFound):
                 usage = self._core.abort(request_id)
             if (stream := self._end(request_id)) is not None:
                 stream.fail(error, usage)
+        self._copies.delete_snapshots(self._core.take_snapshots_to_delete())
 
     def _preempted(self, choice: Preempted) -> None:
         """A preemption, either mode, to the request's trace and the metrics."""

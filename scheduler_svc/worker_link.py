@@ -5,7 +5,7 @@ gRPC status codes) back to plain outcomes, so the engine never handles a
 proto or a status code.
 
     wait_ready()   GetInfo until the worker answers with the model and KV
-                   layout the core was built for
+                   layout the core was built for (or a deadline passes)
     open()         an Execute stream, proven by an empty handshake step
     StepStream.step(output) -> sampled token per request
                    (a broken stream, or one that fails to open, raises
@@ -57,6 +57,35 @@ class CopyOutcome:
     # answer in time, or the call broke after the put started): the owner of
     # the snapshot, the engine, deletes it.
     maybe_stored: bool = False
+
+
+@dataclass(slots=True)
+class Outage:
+    """The worker lost, since `since` (event-loop time), for `reason`.
+    Requests that need nothing from it wait for it until `deadline`; then
+    they fail (`give_up`), and new ones are refused until it is back."""
+
+    since: float
+    reason: str
+    limit_s: float  # the scheduler's --worker-reconnect
+    given_up: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.since + self.limit_s
+
+    def give_up(self) -> errors.Unavailable:
+        """What the requests that waited fail with."""
+        self.given_up = True
+        return errors.Unavailable(
+            f"worker unavailable: not back within {self.limit_s:g} s (scheduler "
+            f"--worker-reconnect) after it was lost ({self.reason})")
+
+    def check_admission(self) -> None:
+        """Unavailable once given up: a new request would only wait to fail."""
+        if self.given_up:
+            raise errors.Unavailable(f"worker unavailable: gone for over {self.limit_s:g} s "
+                                     f"({self.reason}); retry later")
 
 
 def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
@@ -117,9 +146,18 @@ class WorkerLink:
         self.retry_s = retry_s
         self._probe_s = probe_s
 
-    async def wait_ready(self) -> None:
-        """Returns once the worker answers GetInfo: reachable, its model loaded,
-        and the model and KV layout the core was built for."""
+    async def wait_ready(self, deadline: float | None = None) -> bool:
+        """True once the worker answers GetInfo: reachable, its model loaded,
+        and the model and KV layout the core was built for. False once
+        `deadline` (event-loop time; None: none) passed first."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._wait_ready()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _wait_ready(self) -> None:
         reported: list[str] = []
         while True:
             try:

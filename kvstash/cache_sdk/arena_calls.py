@@ -6,11 +6,13 @@ moving through the cache's arena mapped into this process
     get:  open --> extent + checksums, verified --> read(...) uses it --> done
 
 The arena is asked for once (GetArena), and again after a call found it
-changed: FailedPrecondition (the cache has no arena now, or the snapshot is
-only on disk) makes a call answer None, for the caller to stream instead
-(kvstash.cache_sdk.streamed_calls); Unavailable is raised. An extent is
-leased to its call, so the call is never ended, giving the extent back to
-the cache, while this process still touches it (`_to_the_end`).
+changed: every call names the arena it uses (metadata ARENA_ID_KEY), and
+FailedPrecondition (the cache restarted with another arena, has none now, or
+the snapshot is only on disk) makes a call answer None, for the caller to
+stream instead (kvstash.cache_sdk.streamed_calls), and the next call
+re-attaches; Unavailable is raised. An extent is leased to its call, so the
+call is never ended, giving the extent back to the cache, while this process
+still touches it (`_to_the_end`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstash import errors
-from kvstash.cache_sdk.shared_arena import SharedArena, chunk_checksums, verify_chunks
+from kvstash.cache_sdk.shared_arena import (
+    ARENA_ID_KEY,
+    SharedArena,
+    chunk_checksums,
+    verify_chunks,
+)
 from kvstash.cache_sdk.streamed_calls import half_close
 from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
@@ -82,12 +89,12 @@ class ArenaCalls:
         fills the extent and may return its chunks' checksums (else computed
         here), then the put is committed. Returns the bytes stored, or None
         where the cache has no arena now."""
-        call = self._stub.PutShared(timeout=timeout_s)
+        call = self._stub.PutShared(timeout=timeout_s, metadata=_naming(arena))
         try:
             await call.write(cache_pb2.PutSharedRequest(header=header))
             try:
                 reply = await _next(call, header.snapshot_id)
-            except errors.FailedPrecondition:  # the cache has no arena now: stream
+            except errors.FailedPrecondition:  # another arena, or none now: stream
                 self._arena_known = False
                 call.cancel()
                 return None
@@ -119,13 +126,13 @@ class ArenaCalls:
         """Gets through `arena`: the extent's chunks are verified (unless
         `verified_by_read`), then `read(header, extent, checksums)` uses it.
         None where the snapshot is only on disk or the cache has no arena now."""
-        call = self._stub.GetShared(timeout=timeout_s)
+        call = self._stub.GetShared(timeout=timeout_s, metadata=_naming(arena))
         try:
             request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
             await call.write(cache_pb2.GetSharedRequest(open=request))
             try:
                 response = await _next(call, snapshot_id)
-            except errors.FailedPrecondition:  # on disk, or the cache has no arena now
+            except errors.FailedPrecondition:  # on disk, another arena, or none now
                 self._arena_known = False
                 return None
             extent = arena.view(response.extent)
@@ -145,6 +152,10 @@ class ArenaCalls:
         finally:
             call.cancel()  # no-op once finished
         return response.header
+
+
+def _naming(arena: SharedArena) -> tuple[tuple[str, str], ...]:
+    return ((ARENA_ID_KEY, arena.arena_id),)
 
 
 async def _next(call: Any, snapshot_id: str) -> Any:

@@ -26,6 +26,11 @@ from kvstash import errors
 from kvstash.cache_sdk.chunk_codec import checksum
 from kvstash.v1 import cache_pb2
 
+# Call-metadata key of a shared call: the arena id this client maps. A cache
+# that restarted serves another arena and refuses the call with
+# FAILED_PRECONDITION before it takes any room (cache_svc.arena_calls).
+ARENA_ID_KEY = "kvstash-arena-id"
+
 _hashers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-hash")
 
 

@@ -11,11 +11,14 @@ used both ways, so that no call of any service ends UNKNOWN.
 
 Every servicer method is wrapped by `maps_errors` (a test checks each RPC of
 each service); every server built by kvstash.common.rpc_server installs
-`DecodeErrorInterceptor`.
+`DecodeErrorInterceptor`. A call ends once (`end_call`): the first status
+sent stands, and one the call can no longer take (sent already, or its
+client has left) only stops the handler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -75,9 +78,29 @@ def status_for(exc: errors.KvstashError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> NoReturn:
-    await context.abort(status_for(exc), str(exc))
+async def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                   details: str) -> NoReturn:
+    """Ends the call with this status, unless it has already ended: grpc
+    allows one abort per call (a second raises "Abort already called!", which
+    the caller would see as UNKNOWN). Raises grpc's AbortError once the status
+    is sent; where it cannot be (the call has its status, or its client has
+    left), raises CancelledError, which stops the handler as grpc stops one
+    whose client cancelled, without another status."""
+    if context.done():
+        raise asyncio.CancelledError(f"call already ended; not sent: {code.name}: {details}")
+    try:
+        await context.abort(code, details)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        # grpc marked the call aborted, then failed to send the status
+        # (ExecuteBatchError): the client had already gone.
+        raise asyncio.CancelledError(f"client gone; not sent: {code.name}: {details}") from exc
     raise AssertionError("unreachable: context.abort raises")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: errors.KvstashError) -> NoReturn:
+    await end_call(context, status_for(exc), str(exc))
 
 
 async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> NoReturn:
@@ -86,9 +109,8 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception, what: st
     if isinstance(exc, errors.KvstashError):
         await abort_with(context, exc)
     log.error("%s failed", what, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"{what} failed: {type(exc).__name__}: {str(exc)[:200]}")
-    raise AssertionError("unreachable: context.abort raises")
+    await end_call(context, grpc.StatusCode.INTERNAL,
+                   f"{what} failed: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -150,8 +172,7 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 
 
 async def _refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> NoReturn:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {bad.reason}")
-    raise AssertionError("unreachable: context.abort raises")
+    await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {bad.reason}")
 
 
 async def _checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:

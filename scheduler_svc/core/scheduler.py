@@ -297,6 +297,21 @@ class Scheduler:
         """Whether the cache service answers: AUTO offloads only while it does."""
         self.preemption.cache_available = available
 
+    def requests_on_worker(self) -> list[str]:
+        """The live requests whose state a lost worker took with it, to fail:
+        their KV was there (RUNNING_PREFILL, RUNNING_DECODE) or being copied
+        to or from it (OFFLOADING, RESUMING, HANDING_OFF). They are not
+        recomputed: one of them may be what killed the worker (an input that
+        crashes it, an allocation it cannot make), and run again it could
+        take the next worker down too, with every request waiting for it.
+        Every other request keeps its state out of the worker's reach
+        (WAITING its tokens, OFFLOADED and HANDED_OFF a snapshot in the
+        cache, RESERVED blocks nothing was written to yet) and can run on
+        the next worker."""
+        life = self.life
+        return [*life.prefilling, *life.decoding, *life.offloading, *life.resuming,
+                *life.handing_off]
+
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix: the worker's KV tensor was lost (it
         restarted), so no cached block holds what its hash says. Returns the

@@ -4,6 +4,7 @@ real server processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -164,15 +165,18 @@ class RssSampler:
         self._thread.join()
 
 
-def start_cache_process(*args: str, timeout_s: float = 30) -> CacheProcess:
+def start_cache_process(*args: str, timeout_s: float = 30,
+                        log: Path | None = None) -> CacheProcess:
     """Runs `python -m cache_svc --listen 127.0.0.1:0 ARGS` and waits for its
-    readiness line."""
+    readiness line. Its log (stderr) is appended to `log` when given."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0", "--log-level", "warning",
-         *args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
-    )
+    with contextlib.ExitStack() as files:
+        stderr = None if log is None else files.enter_context(log.open("a"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0", "--log-level",
+             "warning", *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     for line in _lines(proc):

@@ -22,6 +22,7 @@ from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common import rpc_server
 from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
+from kvstash.launch.processes import start_service
 from kvstash.v1 import cache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.worker_link import WorkerLink
@@ -171,3 +172,48 @@ async def test_a_stalled_cache_fails_the_offload_at_the_callers_deadline() -> No
         await worker.server.stop(None)
         await worker.servicer.close()
         await cache_server.stop(None)
+
+
+async def test_a_worker_keeps_offloading_across_a_cache_restart(tmp_path: Path) -> None:
+    """The cache process is SIGKILLed and restarted with a new arena while the
+    worker keeps the old one mapped: its next offload is refused through the
+    old arena before any room is taken (FAILED_PRECONDITION), and its
+    fallback put maps the new arena and goes through it; no call ends twice
+    in the cache. Before: the cache handed out an extent of its new arena, the
+    worker cancelled, and the cache aborted that call a second time ("Abort
+    already called!" in its log)."""
+    cache = start_service("cache", "cache_svc", [
+        "--listen", "127.0.0.1:0", "--memory-budget", "16MiB", "--arena-dir",
+        str(tmp_path / "arena")], tmp_path)
+    worker = None
+    try:
+        config = WorkerConfig(block_size=4, num_blocks=64, cache_address=cache.address,
+                              cache_timeout_s=10.0)
+        worker = await create_worker_server(config, "127.0.0.1:0", runner=make_runner())
+        async with insecure_channel(f"127.0.0.1:{worker.port}") as channel, \
+                CacheClient(cache.address) as observer:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+
+            async def offload(snapshot_id: str) -> int:
+                reply = await stub.Offload(worker_pb2.OffloadRequest(
+                    request_id="r", snapshot_id=snapshot_id, block_ids=[0, 1], num_tokens=8))
+                return reply.num_bytes
+
+            assert await offload("before") == 2 * 8192
+            assert (await observer.stats()).num_shared_puts == 1
+            cache.kill()
+            cache = cache.restart()
+            assert await offload("after") == 2 * 8192
+            assert await offload("re-attached") == 2 * 8192
+            stats = await observer.stats()
+            assert (stats.num_puts, stats.num_shared_puts) == (2, 2)
+            restored = await stub.Restore(worker_pb2.RestoreRequest(
+                request_id="r", snapshot_id="re-attached", block_ids=[4, 5]))
+            assert restored.num_bytes == 2 * 8192
+    finally:
+        if worker is not None:
+            await worker.server.stop(None)
+            await worker.servicer.close()
+        cache.stop()
+    log = cache.log_path.read_text()
+    assert "Abort already called" not in log and "Traceback" not in log, log

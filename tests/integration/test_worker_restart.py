@@ -1,10 +1,13 @@
-"""A worker that dies takes its KV with it: requests in flight fail with
+"""A worker that dies takes its KV with it: requests running on it fail with
 UNAVAILABLE (never hang), and once a new worker is up the scheduler serves
-again with correct outputs — no stale cached prefix is trusted."""
+again with correct outputs — no stale cached prefix is trusted. Requests it
+never had wait for it (the scheduler's --worker-reconnect), then run there,
+or fail UNAVAILABLE saying so once that bound is spent."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -72,3 +75,88 @@ async def test_worker_restart_while_idle_is_noticed(tmp_path: Path) -> None:
             # And it keeps serving after that.
             assert (await client.complete(PROMPT, max_tokens=16, ignore_eos=True)).token_ids \
                 == expected
+
+
+def long_generate(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamCall:
+    """A request that keeps its seat for the whole test (raw gRPC: the
+    status as grpcurl or another language's client sees it)."""
+    return scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
+        token_ids=scheduler_pb2.TokenIds(ids=[7, 8, 9]),
+        sampling=common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True)))
+
+
+async def status_of(call: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    return info.value
+
+
+async def wait_for_waiting(client: Client, num_waiting: int) -> None:
+    async with asyncio.timeout(60):
+        while (await client.stats()).num_waiting != num_waiting:
+            await asyncio.sleep(0.05)
+
+
+async def test_requests_queued_behind_a_killed_worker_wait_for_its_restart(
+        tmp_path: Path) -> None:
+    """Before: all of them failed with the worker (23 of 32 UNAVAILABLE in
+    the issue had never reached it)."""
+    prompts = [[(i * 37 + j * 5 + 1) % 256 for j in range(20 + 7 * i)] for i in range(4)]
+    expected = [reference_greedy(p, 16) for p in prompts]
+    config = StackConfig(num_blocks=64, scheduler_args=(
+        "--max-num-seqs", "2", "--worker-reconnect", "120"))
+    with running_stack(config, tmp_path) as stack:
+        async with Client(stack.address) as client, \
+                rpc_connections.insecure_channel(stack.address) as channel:
+            running = [long_generate(channel) for _ in range(2)]
+            for call in running:
+                assert (await call.read()).token_ids  # both seats taken
+            waiting = [asyncio.create_task(client.complete(p, max_tokens=16, ignore_eos=True))
+                       for p in prompts]
+            await wait_for_waiting(client, len(prompts))
+            stack.worker.kill()
+            for call in running:  # they were on it: their KV went with it
+                error = await status_of(call)
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+                assert "worker unavailable" in (error.details() or "")
+            assert not any(task.done() for task in waiting)
+            stack.worker = stack.worker.restart()
+            results = await asyncio.wait_for(asyncio.gather(*waiting), 120)
+            assert [r.token_ids for r in results] == expected
+            assert [r.finish_reason for r in results] == ["length"] * len(prompts)
+            stats = await client.stats()
+    assert stats.num_running_decode == stats.num_waiting == 0
+
+
+async def test_requests_waiting_for_a_worker_that_stays_away_fail_once_the_bound_is_spent(
+        tmp_path: Path) -> None:
+    prompts = [[(i * 41 + j * 3 + 2) % 256 for j in range(24)] for i in range(3)]
+    config = StackConfig(num_blocks=64, scheduler_args=(
+        "--max-num-seqs", "1", "--worker-reconnect", "3"))
+    with running_stack(config, tmp_path) as stack:
+        async with Client(stack.address) as client, \
+                rpc_connections.insecure_channel(stack.address) as channel:
+            running = long_generate(channel)
+            assert (await running.read()).token_ids
+            waiting = [asyncio.create_task(client.complete(p, max_tokens=16, ignore_eos=True))
+                       for p in prompts]
+            await wait_for_waiting(client, len(prompts))
+            stack.worker.kill()
+            killed = time.monotonic()
+            assert (await status_of(running)).code() == grpc.StatusCode.UNAVAILABLE
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*waiting, return_exceptions=True), 60)
+            waited_s = time.monotonic() - killed
+            for outcome in outcomes:
+                assert isinstance(outcome, errors.Unavailable), outcome
+                assert outcome.code == "UNAVAILABLE"
+                assert "not back within 3 s (scheduler --worker-reconnect)" in str(outcome)
+            assert waited_s >= 2.5
+            # While it stays away, a new request fails at once instead of waiting.
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="gone for over 3 s"):
+                await client.complete(prompts[0], max_tokens=4)
+            assert time.monotonic() - started < 2
+            stack.worker = stack.worker.restart()
+            assert await complete_when_back(client) == reference_greedy(PROMPT, 16)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
@@ -22,12 +23,13 @@ from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import WorkerLink
 from tests.integration.reference import reference_greedy
 
 NUM_BLOCKS = 16
+_DEFAULT_ENGINE = EngineConfig()
 MAX_TOKENS = 96
 PROMPTS = {f"r{i}": [(i * 31 + j * 7 + 3) % 256 for j in range(10 + (i * 13) % 50)]
            for i in range(12)}
@@ -80,7 +82,8 @@ async def harness(services: tuple[Service, Service]) -> AsyncIterator[Harness]:
 
 
 @contextlib.asynccontextmanager
-async def running_engine(cache_service: Service, worker: Service) -> AsyncIterator[Harness]:
+async def running_engine(cache_service: Service, worker: Service,
+                         config: EngineConfig = _DEFAULT_ENGINE) -> AsyncIterator[Harness]:
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
         eos_token_ids=(257,), preemption_mode=PreemptionMode.OFFLOAD,
@@ -88,7 +91,7 @@ async def running_engine(cache_service: Service, worker: Service) -> AsyncIterat
     ))
     channel = rpc_connections.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
-    engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache))
+    engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache), config)
     await engine.start()
     try:
         yield Harness(engine, core, cache)
@@ -185,10 +188,11 @@ async def test_steps_continue_while_an_offload_is_slow(harness: Harness) -> None
 async def test_snapshots_of_requests_failed_with_their_worker_are_deleted_at_once(
     own_services: tuple[Service, Service]
 ) -> None:
-    """The worker dies while requests are offloaded: their requests fail, and
-    their snapshots leave the cache now, not once a worker answers again."""
+    """The worker dies while requests are offloaded, and they wait for it no
+    time: their requests fail, and their snapshots leave the cache now, not
+    once a worker answers again."""
     cache_service, worker = own_services
-    async with running_engine(cache_service, worker) as h:
+    async with running_engine(cache_service, worker, EngineConfig(worker_reconnect_s=0)) as h:
         streams = submit_all(h.engine)
         await wait_for_state(h.core, RequestStatus.OFFLOADED)
         assert (await h.cache.stats()).memory_snapshots > 0
@@ -206,3 +210,62 @@ async def test_snapshots_of_requests_failed_with_their_worker_are_deleted_at_onc
         assert not h.engine.worker_up
         stats = h.core.stats()
         assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
+
+
+async def outcome(stream: RequestStream) -> list[int] | errors.KvstashError:
+    """The request's tokens once it finished, or the error it failed with."""
+    tokens: list[int] = []
+    while True:
+        event = await asyncio.wait_for(stream.events.get(), 120)
+        if isinstance(event, errors.KvstashError):
+            return event
+        tokens.extend(event.new_token_ids)
+        if event.finish_status is not None:
+            assert event.finish_status is RequestStatus.FINISHED_LENGTH
+            return tokens
+
+
+async def test_offloaded_and_waiting_requests_outlive_their_worker(
+    own_services: tuple[Service, Service]
+) -> None:
+    """The worker dies while some requests run on it, some are offloaded and
+    some wait: exactly those it held fail; once a new worker is up, the
+    others restore from the cache or prefill there, each output exact."""
+    cache_service, worker = own_services
+    async with running_engine(cache_service, worker,
+                              EngineConfig(worker_reconnect_s=120)) as h:
+        at_loss: dict[str, RequestStatus] = {}
+        lost: list[str] = []
+        requests_on_worker = h.core.requests_on_worker
+
+        def recorded() -> list[str]:  # what the core said when the worker was lost
+            at_loss.update({rid: req.status for rid in PROMPTS
+                            if (req := h.core.get_request(rid)) is not None})
+            lost.extend(requests_on_worker())
+            return lost
+
+        h.core.requests_on_worker = recorded  # type: ignore[method-assign]
+        # Fewer and shorter than submit_all's, enough to preempt: a restarted
+        # worker on a busy machine must finish them in the test's time.
+        sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+        streams = {rid: h.engine.submit(rid, PROMPTS[rid], sampling)
+                   for rid in list(PROMPTS)[:6]}
+        await wait_for_state(h.core, RequestStatus.OFFLOADED)
+        worker.kill()
+        async with asyncio.timeout(30):
+            while not at_loss:
+                await asyncio.sleep(0.01)
+        assert RequestStatus.OFFLOADED in at_loss.values()
+        restarted = worker.restart()
+        try:
+            outcomes = dict(zip(streams, await asyncio.gather(*map(outcome, streams.values())),
+                                strict=True))
+        finally:
+            restarted.stop()
+    assert lost
+    for rid, result in outcomes.items():
+        if rid in lost:
+            assert isinstance(result, errors.Unavailable), (rid, result)
+            assert "worker unavailable" in str(result)
+        else:
+            assert result == reference_greedy(PROMPTS[rid], 48), (rid, at_loss.get(rid))

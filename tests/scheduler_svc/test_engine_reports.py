@@ -51,8 +51,8 @@ class FakeWorkerLink:
 
     retry_s = 0.01
 
-    async def wait_ready(self) -> None:
-        pass
+    async def wait_ready(self, deadline: float | None = None) -> bool:
+        return True
 
     async def open(self) -> FakeStream:
         return FakeStream()

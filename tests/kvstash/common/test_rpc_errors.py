@@ -1,10 +1,12 @@
 """kvstash.common.rpc_errors over a real channel, on a server built by
 kvstash.common.rpc_server: undecodable requests, whatever the
 handler's shape, end with INVALID_ARGUMENT and a plain message; a servicer's
-failures, unary or streamed, with their status (INTERNAL for a bug)."""
+failures, unary or streamed, with their status (INTERNAL for a bug); a call
+ends once, whatever fails after its status or after its client left."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -125,14 +127,52 @@ class Failing:
         await self._fail(request, context)
         yield request
 
+    @rpc_errors.maps_errors
+    async def FailsTwice(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Ends the call, then fails again as it cleans up."""
+        try:
+            raise errors.NotFound("snapshot s is not there")
+        except errors.NotFound as exc:
+            await rpc_errors.abort_with(context, exc)
+        finally:
+            raise errors.Unavailable("and its cleanup failed too")
+
+    @rpc_errors.maps_errors
+    async def Conversation(self, requests: AsyncIterator[bytes],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Answers the first message, then expects a second; a client that
+        leaves instead is refused, as cache_svc's shared calls do."""
+        messages = aiter(requests)
+        yield await anext(messages)
+        try:
+            try:
+                second = await anext(messages, None)
+            except asyncio.CancelledError:
+                # grpc tells a handler its client left by EOF or by cancelling
+                # it, whichever comes first; here both go on as a handler's
+                # cleanup would, so that the refusal always meets a call
+                # that has lost its client.
+                second = None
+            if second is None:
+                raise errors.InvalidArgument("expected a second message")
+        except errors.KvstashError as exc:
+            self.refused.set()
+            await rpc_errors.abort_with(context, exc)
+
+    refused = asyncio.Event()
+
 
 @pytest.fixture
 async def failing() -> AsyncIterator[grpc.aio.Channel]:
     servicer = Failing()
+    Failing.refused = asyncio.Event()  # of this test's event loop
 
     def register(server: grpc.aio.Server) -> None:
         handlers = {"Unary": grpc.unary_unary_rpc_method_handler(servicer.Unary),
-                    "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream)}
+                    "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream),
+                    "FailsTwice": grpc.unary_unary_rpc_method_handler(servicer.FailsTwice),
+                    "Conversation": grpc.stream_stream_rpc_method_handler(
+                        servicer.Conversation)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
     server, port, _ = await rpc_server.create_server("127.0.0.1:0", [register], [SERVICE])
@@ -166,6 +206,49 @@ async def test_maps_errors_gives_each_failure_its_status(
         assert record.exc_info is not None and f"Failing.{method}" in record.getMessage()
     else:
         assert not logged
+
+
+def _grpc_complaints(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("grpc") and r.levelno >= 30]
+
+
+async def test_a_call_ends_once_when_its_cleanup_fails_too(
+    failing: grpc.aio.Channel, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: the second failure was aborted again, grpc raised "Abort
+    already called!" and logged it as an unexpected error."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await failing.unary_unary(f"/{SERVICE}/FailsTwice")(b"x")
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.NOT_FOUND, "snapshot s is not there")
+    await asyncio.sleep(0.1)  # the server's handler has finished and logged
+    assert _grpc_complaints(caplog) == []
+
+
+async def test_a_call_whose_client_left_ends_once(
+    failing: grpc.aio.Channel, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client cancels where the server expects its next message: the
+    server's refusal can no longer be sent. Before: that failed send was
+    aborted again ("Abort already called!" in the server's log)."""
+    call = failing.stream_stream(f"/{SERVICE}/Conversation")()
+    await call.write(b"hello")
+    assert await call.read() == b"hello"
+    call.cancel()
+    await asyncio.wait_for(Failing.refused.wait(), 10)
+    await asyncio.sleep(0.2)
+    assert _grpc_complaints(caplog) == []
+    assert not [r for r in caplog.records if r.name == "kvstash.common.rpc_errors"]
+    # A client still listening gets the refusal itself.
+    call = failing.stream_stream(f"/{SERVICE}/Conversation")()
+    await call.write(b"hello")
+    assert await call.read() == b"hello"
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "expected a second message")
 
 
 SERVICERS = [  # (module, servicer class, the service it implements)
