@@ -20,6 +20,7 @@ from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.streams import RequestStream
 from tests.scheduler_svc.factories import make_scheduler
+from tests.scheduler_svc.test_engine_records import events_of
 from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink
 
 PROMPT = [1, 2, 3, 4]
@@ -64,17 +65,6 @@ class LosableLink(FakeWorkerLink):
         self.ready.set()
 
 
-async def end_of(stream: RequestStream) -> tuple[list[int], RequestStatus | Exception]:
-    tokens: list[int] = []
-    while True:
-        event = await asyncio.wait_for(stream.events.get(), 10)
-        if isinstance(event, Exception):
-            return tokens, event
-        tokens.extend(event.new_token_ids)
-        if event.finish_status is not None:
-            return tokens, event.finish_status
-
-
 async def started(link: LosableLink, config: EngineConfig) -> tuple[Engine, RequestStream,
                                                                       list[RequestStream]]:
     """One seat: "run" decodes on the worker, "w1" and "w2" wait behind it."""
@@ -106,14 +96,14 @@ async def test_waiting_requests_run_on_the_worker_once_it_is_back(
     engine, running, waiting = await started(link, EngineConfig(worker_reconnect_s=30))
     closing.append(engine)
     link.lose()
-    _, end = await end_of(running)
+    _, end = await events_of(running)
     assert isinstance(end, errors.Unavailable) and "went away" in str(end)
     await asyncio.sleep(0.1)
     assert all(stream.events.empty() and not stream.finished for stream in waiting)
     assert not engine.worker_up
     link.come_back()
     for stream in waiting:
-        assert await end_of(stream) == ([7, 7, 7], RequestStatus.FINISHED_LENGTH)
+        assert await events_of(stream) == ([7, 7, 7], RequestStatus.FINISHED_LENGTH)
     engine.check_integrity()
 
 
@@ -123,9 +113,9 @@ async def test_waiting_requests_fail_once_the_worker_is_not_back_in_time(
     closing.append(engine)
     link.lose()
     lost_at = asyncio.get_running_loop().time()
-    assert isinstance((await end_of(running))[1], errors.Unavailable)
+    assert isinstance((await events_of(running))[1], errors.Unavailable)
     for stream in waiting:
-        _, end = await end_of(stream)
+        _, end = await events_of(stream)
         assert isinstance(end, errors.Unavailable)
         assert "not back within 0.3 s (scheduler --worker-reconnect)" in str(end)
         assert "went away" in str(end)  # why it was lost
@@ -138,7 +128,7 @@ async def test_waiting_requests_fail_once_the_worker_is_not_back_in_time(
         while not engine.worker_up:
             await asyncio.sleep(0.005)
     again = await engine.admit("again", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert await end_of(again) == ([7, 7, 7], RequestStatus.FINISHED_LENGTH)
+    assert await events_of(again) == ([7, 7, 7], RequestStatus.FINISHED_LENGTH)
 
 
 async def test_no_wait_fails_them_with_the_worker(
@@ -147,7 +137,7 @@ async def test_no_wait_fails_them_with_the_worker(
     closing.append(engine)
     link.lose()
     for stream in [running, *waiting]:
-        assert isinstance((await end_of(stream))[1], errors.Unavailable)
+        assert isinstance((await events_of(stream))[1], errors.Unavailable)
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
