@@ -15,14 +15,13 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+import transformers
 
 from kvstash.client import Client
 from kvstash.launch.gateway import running_gateway
 from kvstash.launch.openai_http import request_json
 from kvstash.launch.stack import Stack
 from kvstash.launch.tokenizer_export import builtin_tokenizer_files
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["hello kv", "héllo 🙂 日本語", "\x1b[2J\x07\x7f"]
 # Greedy, then hot sampling: a random model's widest spread of tokens.

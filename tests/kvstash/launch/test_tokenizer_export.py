@@ -42,7 +42,7 @@ def zipped(files: dict[str, bytes]) -> bytes:
 
 def test_builtin_files_load_in_transformers_and_tokenizers_as_the_byte_tokenizer(
         tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # slow to import: only here
     write_tokenizer_files(builtin_tokenizer_files(), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "config.json", "tokenizer.json", "tokenizer_config.json"]
