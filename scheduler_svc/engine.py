@@ -11,9 +11,10 @@ copy never stalls the steps of other requests.
 
 One record per in-flight request (inflight.py), made when the core takes it
 and dropped when the core lets go of it (`_end`). A lost worker fails the
-requests whose state it held; the others wait for it (`_lose_worker`). A
-prefill instance has a PrefillSide, a decode instance a DecodeSide; a mixed
-one neither, and never enters P/D code. Every step's wall time goes back
+requests whose state it held; the others wait for it, within a bound
+(`_lose_worker`, worker_watch.py). A prefill instance has a PrefillSide, a
+decode instance a DecodeSide; a mixed one neither, and never enters P/D
+code. Every step's wall time goes back
 into the core (`observe_step`) for its cost model; each preemption is a
 "preempted" event on the request's trace and a count by mode and reason.
 With EngineConfig.tracing each request keeps the trace context it was
@@ -53,7 +54,8 @@ from scheduler_svc.handoff import DecodeSide, PrefillSide
 from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
-from scheduler_svc.worker_link import Outage, StepStream, WorkerLink
+from scheduler_svc.worker_link import StepStream, WorkerLink
+from scheduler_svc.worker_watch import WorkerWatch
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +106,7 @@ class Engine:
         self._worker = worker
         self._config = config
         self._metrics = metrics
-        self._on_worker_change = on_worker_change
-        self._worker_up = asyncio.Event()
-        self._outage: Outage | None = None  # while the worker is lost
+        self._watch = WorkerWatch(worker, config.worker_reconnect_s, on_worker_change)
         self._wake = asyncio.Event()
         self._requests = requests = InFlightRequests(config.tracing)
         self._tasks = tasks = Tasks()
@@ -130,10 +130,10 @@ class Engine:
     @property
     def worker_up(self) -> bool:
         """An Execute stream to a live worker is open: requests can run."""
-        return self._worker_up.is_set()
+        return self._watch.up
 
     async def wait_until_worker_up(self) -> None:
-        await self._worker_up.wait()
+        await self._watch.wait_up()
 
     async def start(self) -> None:
         self._tasks.spawn(self._run(), name="step-loop")
@@ -152,7 +152,7 @@ class Engine:
         ResourceExhausted; Unavailable while the worker is given up on) and
         returns the stream its tokens arrive on. A prefill instance first has
         a decode instance reserve blocks for it."""
-        self._check_admission()
+        self._watch.check_admission()
         if self._prefill is None or (decoder := await self._prefill.find_decoder(
                 request_id, prompt_token_ids, sampling)) is None:
             return self.submit(request_id, prompt_token_ids, sampling)
@@ -164,15 +164,11 @@ class Engine:
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
     ) -> RequestStream:
         """Admits a request to decode here, as `admit` but at once."""
-        self._check_admission()
+        self._watch.check_admission()
         self._core.add_request(request_id, prompt_token_ids, sampling)
         stream = self._requests.open(request_id)
         self._wake.set()
         return stream
-
-    def _check_admission(self) -> None:
-        if self._outage is not None:
-            self._outage.check_admission()
 
     def abort(self, request_id: str,
               reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -213,14 +209,14 @@ class Engine:
         counts as up (`worker_up`, reported to `on_worker_change`) exactly
         while a stream is open."""
         while True:
-            await self._wait_for_worker()
+            await self._watch.wait_ready(self._fail_waiting)
             stream: StepStream | None = None
             try:
                 stream = await self._worker.open()
                 # A stream that dies while the loop is idle wakes it, so the next
                 # request never meets a dead stream or stale cached prefixes.
                 stream.add_done_callback(self._wake.set)
-                await self._set_worker_up(True)
+                await self._watch.set_up(True)
                 await self._steps(stream)
             except errors.Unavailable as exc:
                 reason = str(exc)
@@ -230,17 +226,15 @@ class Engine:
             finally:
                 if stream is not None:
                     stream.cancel()
-            await self._set_worker_up(False)
+            await self._watch.set_up(False)
             self._lose_worker(reason)
             await asyncio.sleep(self._worker.retry_s)
 
     def _lose_worker(self, reason: str) -> None:
         """The stream broke: fails the requests whose state the worker held
         (`Scheduler.requests_on_worker` says which, and why); the others
-        wait for it (`_wait_for_worker`)."""
-        if self._outage is None:
-            self._outage = Outage(asyncio.get_running_loop().time(), reason,
-                                  self._config.worker_reconnect_s)
+        wait for it (worker_watch)."""
+        self._watch.lost(reason)
         lost = self._core.requests_on_worker()
         log.error("worker stream broke (%s); failing the %d requests it held, the other %d "
                   "wait up to %g s for it", reason, len(lost), len(self._requests) - len(lost),
@@ -250,34 +244,9 @@ class Engine:
         # tensor: no cached prefix can be trusted any more.
         self.flush_prefix_cache()
 
-    async def _wait_for_worker(self) -> None:
-        """Returns once the worker answers. From worker_reconnect_s after it
-        was lost until then, fails every request waiting for it (again every
-        retry_s: a Decode or a taken-back hand-off may still come in) and
-        refuses new ones (`_check_admission`)."""
-        outage = self._outage
-        if outage is None:
-            await self._worker.wait_ready()
-            return
-        deadline = outage.deadline
-        while not await self._worker.wait_ready(deadline):
-            if not outage.given_up:
-                log.error("worker not back within %g s; failing the %d requests waiting for "
-                          "it", outage.limit_s, len(self._requests))
-            self._fail(self._requests, outage.give_up())
-            deadline = asyncio.get_running_loop().time() + self._worker.retry_s
-
-    async def _set_worker_up(self, up: bool) -> None:
-        if up == self._worker_up.is_set():
-            return
-        if up:
-            self._worker_up.set()
-            self._outage = None
-            log.info("worker stream open; serving")
-        else:
-            self._worker_up.clear()
-        if self._on_worker_change is not None:
-            await self._on_worker_change(up)
+    def _fail_waiting(self, error: errors.Unavailable) -> None:
+        """The worker was not back in time: fails every request left."""
+        self._fail(self._requests, error)
 
     async def _steps(self, stream: StepStream) -> None:
         core = self._core

@@ -59,35 +59,6 @@ class CopyOutcome:
     maybe_stored: bool = False
 
 
-@dataclass(slots=True)
-class Outage:
-    """The worker lost, since `since` (event-loop time), for `reason`.
-    Requests that need nothing from it wait for it until `deadline`; then
-    they fail (`give_up`), and new ones are refused until it is back."""
-
-    since: float
-    reason: str
-    limit_s: float  # the scheduler's --worker-reconnect
-    given_up: bool = False
-
-    @property
-    def deadline(self) -> float:
-        return self.since + self.limit_s
-
-    def give_up(self) -> errors.Unavailable:
-        """What the requests that waited fail with."""
-        self.given_up = True
-        return errors.Unavailable(
-            f"worker unavailable: not back within {self.limit_s:g} s (scheduler "
-            f"--worker-reconnect) after it was lost ({self.reason})")
-
-    def check_admission(self) -> None:
-        """Unavailable once given up: a new request would only wait to fail."""
-        if self.given_up:
-            raise errors.Unavailable(f"worker unavailable: gone for over {self.limit_s:g} s "
-                                     f"({self.reason}); retry later")
-
-
 def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
     to_proto = wire.sampling_to_proto
     return worker_pb2.StepPlan(step_id=output.step_id, seqs=[
