@@ -23,7 +23,7 @@ from kvstash.common import rpc_connections, rpc_server, security, settings, tele
 from kvstash.common.binding import BindError
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
-from kvstash.common.tokenizer import load_tokenizer
+from kvstash.common.tokenizer import load_tokenizer, tokenizer_files
 from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.backend import Backend
@@ -35,7 +35,6 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.serving import create_scheduler_server
-from scheduler_svc.vllm_info import tokenizer_files
 from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS, WorkerLink
 
 log = logging.getLogger("scheduler_svc")

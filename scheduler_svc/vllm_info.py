@@ -16,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import io
-import json
 import time
 import zipfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import UTC, datetime
 
 import grpc
@@ -29,7 +28,6 @@ from smg_grpc_proto.generated import common_pb2
 
 from kvstash import errors
 from kvstash.common import rpc_errors
-from kvstash.common.tokenizer import byte_tokenizer_config, byte_tokenizer_json
 from scheduler_svc.backend import Backend
 
 _TOKENIZER_CHUNK_BYTES = 64 * 1024
@@ -165,19 +163,3 @@ def tokenizer_zip(files: Mapping[str, str]) -> bytes:
         for name, text in files.items():
             archive.writestr(name, text)
     return buffer.getvalue()
-
-
-
-def tokenizer_files(tokenizer_json: str, tokenizer_config_json: str,
-                    eos_token_ids: Sequence[int]) -> dict[str, str]:
-    """What GetTokenizer zips for a worker's tokenizer ("" = the tiny model's
-    bytes): tokenizer.json; tokenizer_config.json, the checkpoint's (with its
-    chat template) or the tiny model's; config.json with the EOS ids (where
-    gateways read them)."""
-    if not tokenizer_json:
-        tokenizer_json = byte_tokenizer_json()
-        tokenizer_config_json = json.dumps(byte_tokenizer_config())
-    elif not tokenizer_config_json:
-        tokenizer_config_json = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config_json,
-            "config.json": json.dumps({"eos_token_id": list(eos_token_ids)})}

@@ -30,6 +30,8 @@ arrive and holds back bytes until they form complete UTF-8 characters.
 from __future__ import annotations
 
 import codecs
+import json
+from collections.abc import Sequence
 from typing import Protocol
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -182,3 +184,18 @@ def load_tokenizer(
         return ByteTokenizer()
     text = tokenizer_json.decode() if isinstance(tokenizer_json, bytes) else tokenizer_json
     return HFTokenizerAdapter(text, vocab_size, eos_token_ids)
+
+
+def tokenizer_files(tokenizer_json: str, tokenizer_config_json: str,
+                    eos_token_ids: Sequence[int]) -> dict[str, str]:
+    """What GetTokenizer zips for a worker's tokenizer ("" = the tiny model's
+    bytes): tokenizer.json; tokenizer_config.json, the checkpoint's (with its
+    chat template) or the tiny model's; config.json with the EOS ids (where
+    gateways read them)."""
+    if not tokenizer_json:
+        tokenizer_json = byte_tokenizer_json()
+        tokenizer_config_json = json.dumps(byte_tokenizer_config())
+    elif not tokenizer_config_json:
+        tokenizer_config_json = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config_json,
+            "config.json": json.dumps({"eos_token_id": list(eos_token_ids)})}

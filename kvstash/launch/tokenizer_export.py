@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import hashlib
 import io
-import json
 import os
 import re
 import zipfile
@@ -36,7 +35,7 @@ from tokenizers import Tokenizer
 from kvstash import errors
 from kvstash.common import rpc_connections, rpc_errors, security
 from kvstash.common.security import Security
-from kvstash.common.tokenizer import BYTE_EOS_ID, byte_tokenizer_config, byte_tokenizer_json
+from kvstash.common.tokenizer import BYTE_EOS_ID, tokenizer_files
 
 # A real tokenizer.json is 2-40 MB; a bigger archive is no tokenizer.
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
@@ -47,11 +46,8 @@ _TIMEOUT_S = 60.0
 
 def builtin_tokenizer_files() -> dict[str, bytes]:
     """The tiny model's files, as a tiny instance's GetTokenizer zips them."""
-    return {
-        "tokenizer.json": byte_tokenizer_json().encode(),
-        "tokenizer_config.json": json.dumps(byte_tokenizer_config()).encode(),
-        "config.json": json.dumps({"eos_token_id": [BYTE_EOS_ID]}).encode(),
-    }
+    return {name: text.encode()
+            for name, text in tokenizer_files("", "", [BYTE_EOS_ID]).items()}
 
 
 async def fetch_tokenizer_files(address: str, secured: Security) -> dict[str, bytes]:

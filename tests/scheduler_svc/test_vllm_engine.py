@@ -11,9 +11,9 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvstash.common.sampling import Room, SamplingParams
-from kvstash.common.tokenizer import ByteTokenizer
+from kvstash.common.tokenizer import ByteTokenizer, tokenizer_files
 from kvstash.errors import InvalidArgument
-from scheduler_svc.vllm_info import tokenizer_files, tokenizer_zip
+from scheduler_svc.vllm_info import tokenizer_zip
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
 MAX_MODEL_LEN = 512
