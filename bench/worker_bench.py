@@ -10,17 +10,27 @@ no row tiles: not invariant). Also the prefill FLOP/s of a plain batched torch
 forward of the same shapes (dense, no paging) and, on CUDA, the share of decode
 step wall time the GPU is busy.
 
+`--count-ops` adds the CPU kernels (leaf torch ops, views left out) of one
+decode step at each batch size and of one 1,024-token prefill chunk: on a
+GPU, kernel launches. `--compare REV` runs this same script against git
+revision REV's worker (a worktree) and this tree's, one after the other in
+fresh processes, and prints both side by side.
+
 Models are random-weight checkpoints written by `write_checkpoint` (nothing is
 downloaded) and loaded through the worker's own loader: `llama-1b` has
 Llama-3.2-1B's shapes, `llama-small` a shape a 2-core CPU runs in seconds, and
 `tiny` is the built-in model.
 Run: python -m bench.worker_bench [--model tiny] [--device auto] [--batches 1,16,64,256]
+                                  [--count-ops] [--compare REV] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -189,6 +199,23 @@ def gpu_busy(device: torch.device, fn: Callable[[], object]) -> float | None:
     return busy_us / 1e6 / wall
 
 
+VIEWS = frozenset(f"aten::{op}" for op in (
+    "view", "as_strided", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "expand", "_reshape_alias", "alias", "detach", "unbind", "split", "narrow", "reshape",
+    "view_as", "empty", "empty_strided", "lift_fresh", "to", "result_type", "resolve_conj",
+    "resolve_neg", "chunk", "contiguous"))
+
+
+def kernels(fn: Callable[[], object]) -> int:
+    """Leaf torch ops that `fn` runs, views and allocations left out (CPU profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events()
+               if e.name.startswith("aten::") and not e.cpu_children and e.name not in VIEWS)
+
+
 def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
                 ) -> dict[str, float | None]:
     device, batched = model.device, mode != "per-seq"
@@ -205,9 +232,59 @@ def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
     decode_s = timed(device, lambda: decode(runner, batch, args.context, blocks, args.steps,
                                             batched), args.repeat)
     busy = gpu_busy(device, lambda: decode(runner, batch, args.context, blocks, 2, batched))
+    ops = (kernels(lambda: decode(runner, batch, args.context, blocks, 1, batched))
+           if args.count_ops else None)
     return {"decode": batch * args.steps / decode_s, "prefill": batch * args.prompt_len / prefill_s,
             "prefill_tflops": prefill_flops(model, batch, args.prompt_len) / prefill_s / 1e12,
-            "busy": busy}
+            "busy": busy, "decode_ops": ops}
+
+
+def prefill_chunk_ops(model: CausalLM, mode: str, length: int = 1024) -> int:
+    """Kernels of one step prefilling `length` tokens of one sequence."""
+    length = min(length, model.config.max_model_len)
+    runner = make_runner(model, mode, 1, length)
+    ids = prompts(1, length, model.config.vocab_size)
+    prefill(runner, ids, tables(1, length), length, mode != "per-seq")  # warm-up
+    return kernels(lambda: prefill(runner, ids, tables(1, length), length, mode != "per-seq"))
+
+
+def compare(rev: str, argv: list[str]) -> None:
+    """This script against REV's worker and this tree's, each in a fresh process."""
+    here = Path(__file__).resolve().parent.parent
+    script = Path(__file__).resolve()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), rev], cwd=here,
+                       check=True)
+        try:
+            for name, tree in ((rev, base), ("this tree", here)):
+                out = Path(tmp) / f"{len(results)}.json"
+                print(f"--- {name}", flush=True)
+                subprocess.run([sys.executable, str(script), *argv, "--json", str(out)], cwd=tree,
+                               env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
+                results[name] = json.loads(out.read_text())
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=here,
+                           check=True)
+    old, new = results[rev], results["this tree"]
+    print(f"\nside by side ({rev} -> this tree); prefill as a share of the dense ceiling")
+    print(f"{'batch':>5} {'mode':<13} {'decode tok/s':>22} {'prefill tok/s':>24} "
+          f"{'vs dense':>13} {'decode kernels':>15}")
+    for key, row in new["rows"].items():
+        was = old["rows"].get(key, {})
+
+        def pair(field: str, fmt: str, row: dict[str, Any] = row, was: dict[str, Any] = was
+                 ) -> str:
+            a, b = was.get(field), row.get(field)
+            return " -> ".join("-" if v is None else format(v, fmt) for v in (a, b))
+
+        batch, mode = key.split(" ", 1)
+        print(f"{batch:>5} {mode:<13} {pair('decode', '.0f'):>22} {pair('prefill', '.0f'):>24} "
+              f"{pair('vs_dense', '.0%'):>13} {pair('decode_ops', 'd'):>15}")
+    if "prefill_chunk_ops" in new:
+        print(f"kernels per {new['chunk']}-token prefill chunk (batched): "
+              f"{old.get('prefill_chunk_ops')} -> {new['prefill_chunk_ops']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,7 +304,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timings keep the best of these")
     parser.add_argument("--write-checkpoint", type=Path, default=None,
                         help="only write the --model checkpoint into this directory")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count the kernels of a decode step and a 1,024-token chunk")
+    parser.add_argument("--compare", metavar="REV", help="also run against git revision REV")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    if args.compare:
+        rest = list(sys.argv[1:] if argv is None else argv)
+        at = rest.index("--compare")
+        compare(args.compare, rest[:at] + rest[at + 2:])
+        return
     if args.write_checkpoint is not None:
         write_checkpoint(args.write_checkpoint, args.model, args.dtype or "bfloat16")
         return
@@ -240,7 +326,9 @@ def main(argv: list[str] | None = None) -> None:
           f"({torch.get_num_threads()} threads); prompt {args.prompt_len}, decode at context "
           f"{args.context}, {args.steps} timed decode steps")
     print(f"{'batch':>5} {'mode':<13} {'decode tok/s':>13} {'prefill tok/s':>14} "
-          f"{'prefill TFLOP/s':>16} {'vs dense':>9} {'GPU busy':>9}")
+          f"{'prefill TFLOP/s':>16} {'vs dense':>9} {'GPU busy':>9}"
+          + (f" {'kernels':>8}" if args.count_ops else ""))
+    rows: dict[str, dict[str, Any]] = {}
     for batch in (int(b) for b in args.batches.split(",")):
         ids = prompts(batch, args.prompt_len, model.config.vocab_size)
         per_step = max(1, args.max_step_tokens // args.prompt_len)
@@ -258,8 +346,18 @@ def main(argv: list[str] | None = None) -> None:
             r = bench_batch(model, mode, batch, args)
             busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
             ratio = (r["prefill_tflops"] or 0.0) / dense_tflops
+            ops = "" if r["decode_ops"] is None else f" {r['decode_ops']:>8}"
             print(f"{batch:>5} {mode:<13} {r['decode']:>13.1f} {r['prefill']:>14.1f} "
-                  f"{r['prefill_tflops']:>16.3f} {ratio:>9.0%} {busy:>9}", flush=True)
+                  f"{r['prefill_tflops']:>16.3f} {ratio:>9.0%} {busy:>9}{ops}", flush=True)
+            rows[f"{batch} {mode}"] = {**r, "vs_dense": ratio}
+    summary: dict[str, Any] = {"model": args.model, "prompt_len": args.prompt_len, "rows": rows}
+    if args.count_ops:
+        summary["chunk"] = min(1024, model.config.max_model_len)
+        summary["prefill_chunk_ops"] = prefill_chunk_ops(model, "batched")
+        print(f"kernels per {summary['chunk']}-token prefill chunk (batched): "
+              f"{summary['prefill_chunk_ops']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,20 @@ Two implementations, one contract (`PagedAttention.__call__`):
   and where it can neither take `num_splits` nor an explicit causal window
   (which keeps the kernel off its split-KV path), batch invariance takes the
   torch path.
-- `torch`: plain torch, any device and dtype, the CPU path. Rows go in tiles of
-  `row_tile` queries, keys in chunks of `kv_chunk` positions aligned at 0, with
-  an online softmax across chunks:
+- `torch`: plain torch, any device and dtype, the CPU path. Each sequence's
+  query rows go in tiles of one sequence (`QueryTiles`), and keys in chunks of
+  `kv_chunk` positions aligned at 0, with an online softmax across chunks:
 
-      keys of a row at position p:  [0 .. C-1][C .. 2C-1] ... [jC .. p ... (j+1)C-1]
-      chunk j of every row in the tile: one gather, one matmul [tile, C], masked > p
+      keys of a sequence:  [0 .. C-1][C .. 2C-1] ... [jC .. (j+1)C-1]
+      a tile (its rows)    qqqq        every tile reads its sequence's keys once;
+      chunk j, all tiles:  one gather, two batched matmuls [tile rows x C], masked > position
 
-  Every kernel call has one shape whatever the batch, and the chunks a row
-  reads past its own position add exactly 0 (weights exp(-inf) = 0, rescale
-  exp(0) = 1), so a row's result is the same bits alone or in any batch.
+  A row reads the chunks up to its own position; chunks its tile-mates need
+  past that add exactly 0 (weights exp(-inf) = 0, rescale exp(0) = 1). Each
+  matmul sees [tile rows x head_dim] x [head_dim x C] per tile and KV head, so
+  a row's numbers are the same alone or in any batch wherever the matmul
+  gives a row the same bits at every row count the tiles use (see
+  `QueryTiles` and batched.py's start-up check).
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from gpu_worker import elementwise
 from gpu_worker.model import compute_dtype
-from gpu_worker.step_inputs import DeviceStep
+from gpu_worker.step_inputs import DeviceStep, HostStep
 
 
 class AttentionBackend(enum.Enum):
@@ -91,13 +97,92 @@ def varlen_options(varlen_attn: Callable[..., Any],
 
 
 @dataclass(frozen=True, slots=True)
+class QueryTiles:
+    """How the torch path cuts a step's query rows into tiles of one sequence.
+
+    A sequence with at most `small` rows (a decode, a short chunk) takes one
+    tile of `small` rows; a longer one, tiles of `large`. With `small` ==
+    `large` every matmul has one shape whatever the step: invariant by
+    construction. With `large` > `small` (the default where the start-up
+    check passed) the two tile sizes give a row the same bits because the
+    matmul does at every row count that is a multiple of `GEMM_ROW_PANEL`;
+    both sizes times the heads per KV head are such multiples."""
+
+    small: int
+    large: int
+
+    @staticmethod
+    def for_heads(group: int, fixed: bool, large_rows: int = 256) -> QueryTiles:
+        """`group` query heads per KV head; `fixed`: one tile size."""
+        small = GEMM_ROW_PANEL // math.gcd(GEMM_ROW_PANEL, group)
+        if fixed:
+            return QueryTiles(small, small)
+        return QueryTiles(small, max(small, large_rows // group // small * small))
+
+
+# Rows a CPU GEMM (MKL, oneDNN) computes together: at any row count that is a
+# multiple of it a row gets the same bits (measured: gpu_worker/batched.py).
+GEMM_ROW_PANEL = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TileGroup:
+    """The tiles of one size in a step, sorted by the chunks they read (most
+    first), so the tiles reading chunk j are the first `active[j]`."""
+
+    source: torch.Tensor  # [tiles * rows] query row of each tile row (padding: the tile's first)
+    dest: torch.Tensor  # [tiles * rows] output row of each tile row (padding: the dump row)
+    masks: torch.Tensor  # [tiles, rows, chunks * C] key position past the row's own
+    key_slots: torch.Tensor  # [tiles * chunks * C] slot of each key (past the context: key 0)
+    active: tuple[int, ...]  # per chunk: tiles reading it
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """tiles, rows per tile, keys per tile."""
+        tiles, rows, keys = self.masks.shape
+        return tiles, rows, keys
+
+
+@dataclass(frozen=True, slots=True)
 class StepKeys:
     """Where each row's keys are, built once per step and shared by every layer."""
 
-    key_slots: torch.Tensor  # torch: [num_seqs, padded context] slot of every key position
+    groups: tuple[TileGroup, ...]  # torch
     packed_slots: torch.Tensor  # flash: slots of every sequence's keys, sequence after sequence
     cu_keys: torch.Tensor  # flash: [num_seqs + 1] int32 start of each sequence's keys
     cu_queries: torch.Tensor  # flash: [num_seqs + 1] int32
+
+
+def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chunk: int,
+               device: torch.device) -> TileGroup:
+    """The tiles of `rows` rows holding sequences `seqs` (host arrays only)."""
+    lens = np.diff(host.query_start)[seqs]
+    per_seq = -(-lens // rows)
+    tile_seq = np.repeat(seqs, per_seq)
+    index = np.arange(len(tile_seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    first = host.query_start[tile_seq] + index * rows  # [tiles]
+    source = first[:, None] + np.arange(rows)  # [tiles, rows]
+    real = source < host.query_start[tile_seq + 1][:, None]
+    source = np.where(real, source, first[:, None])
+    positions = host.positions[source]
+    last_chunk = positions.max(axis=1) // chunk
+    order = np.argsort(-last_chunk, kind="stable")
+    source, real, positions = source[order], real[order], positions[order]
+    tile_seq = tile_seq[order]
+    num_chunks = int(last_chunk.max()) + 1
+    keys = np.arange(num_chunks * chunk)
+    table = host.block_tables[tile_seq]  # [tiles, table width]
+    block = np.minimum(keys // block_size, table.shape[1] - 1)
+    slots = table[:, block] * block_size + keys % block_size
+    slots = np.where(keys < host.context_lens[tile_seq][:, None], slots, table[:, :1] * block_size)
+    dest = np.where(real, source, host.num_rows)
+    active = tuple(int((last_chunk >= j).sum()) for j in range(num_chunks))
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return TileGroup(tensor(source.reshape(-1)), tensor(dest.reshape(-1)),
+                     tensor(keys > positions[:, :, None]), tensor(slots.reshape(-1)), active)
 
 
 def key_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -126,28 +211,36 @@ def packed_key_slots(step: DeviceStep, slots: torch.Tensor) -> torch.Tensor:
 
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 backend: AttentionBackend, row_tile: int | None, kv_chunk: int) -> None:
+                 backend: AttentionBackend, batch_invariant: bool, tiles: QueryTiles,
+                 kv_chunk: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.backend = backend
-        self.row_tile = row_tile
+        self.tiles = tiles
         self.kv_chunk = kv_chunk
         self.scale = 1.0 / math.sqrt(head_dim)
         if backend is AttentionBackend.FLASH:  # looked up once, not per layer and step
             self._varlen = _varlen_attn()
-            options = varlen_options(self._varlen, row_tile is not None)
+            options = varlen_options(self._varlen, batch_invariant)
             assert options is not None  # flash_supported said so
             self._varlen_options = options
 
     def prepare(self, step: DeviceStep) -> StepKeys:
-        length = step.host.max_context_len
-        slots = key_slots(step.block_tables, self.block_size,
-                          -(-length // self.kv_chunk) * self.kv_chunk)
+        host = step.host
         if self.backend is AttentionBackend.TORCH:
-            return StepKeys(slots, slots[:0, 0], slots[:0, 0], slots[:0, 0])
-        cu_keys = torch.zeros(step.host.num_seqs + 1, dtype=torch.int32, device=slots.device)
+            lens = np.diff(host.query_start)
+            small = np.flatnonzero(lens <= self.tiles.small)
+            large = np.flatnonzero(lens > self.tiles.small)
+            groups = tuple(plan_tiles(host, seqs, rows, self.block_size, self.kv_chunk,
+                                      step.token_ids.device)
+                           for seqs, rows in ((small, self.tiles.small),
+                                              (large, self.tiles.large)) if len(seqs))
+            none = step.context_lens[:0]
+            return StepKeys(groups, none, none, none)
+        slots = key_slots(step.block_tables, self.block_size, host.max_context_len)
+        cu_keys = torch.zeros(host.num_seqs + 1, dtype=torch.int32, device=slots.device)
         torch.cumsum(step.context_lens, 0, out=cu_keys[1:])
-        return StepKeys(slots, packed_key_slots(step, slots), cu_keys,
+        return StepKeys((), packed_key_slots(step, slots), cu_keys,
                         step.query_start.to(torch.int32))
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
@@ -178,46 +271,43 @@ class PagedAttention:
     def _torch(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
                keys: StepKeys) -> torch.Tensor:
         rows = q.shape[0]
-        tile = self.row_tile or rows
-        out = torch.empty_like(q)
-        positions = step.host.positions
-        for start in range(0, rows, tile):
-            last = int(positions[start:start + tile].max())
-            out[start:start + tile] = self._torch_tile(
-                q[start:start + tile], cache, step.token_seq[start:start + tile],
-                step.positions[start:start + tile], keys.key_slots, last // self.kv_chunk + 1)
-        return out
+        out = q.new_empty(rows + 1, self.num_heads, self.head_dim)  # + the dump row
+        for group in keys.groups:
+            out.index_copy_(0, group.dest, self._attend(q, cache, group))
+        return out[:rows]
 
-    def _torch_tile(self, q: torch.Tensor, cache: torch.Tensor, seq: torch.Tensor,
-                    pos: torch.Tensor, slots: torch.Tensor, num_chunks: int) -> torch.Tensor:
-        rows, c = q.shape[0], self.kv_chunk
-        kv_heads, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, g: TileGroup) -> torch.Tensor:
+        """[tiles * rows, heads, d]: every tile row's attention, chunk by chunk."""
+        tiles, rows, length = g.shape
+        c, kv_heads, d = self.kv_chunk, self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        m = rows * group  # matrix rows per tile and KV head
         acc_dtype = compute_dtype(q.dtype)
-        qg = (q.to(acc_dtype) * self.scale).view(rows, kv_heads, group, self.head_dim)
-        row_slots = slots[seq]  # [rows, padded context]
-        key_pos = torch.arange(c, device=q.device)
+        qt = q.index_select(0, g.source).to(acc_dtype).view(
+            tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles * kv_heads, m, d)
+        kv = cache.index_select(1, g.key_slots).to(acc_dtype).view(2, tiles, length, kv_heads, d)
+        k, v = kv.transpose(2, 3).contiguous().unbind(0)  # [tiles, kv, length, d]
         run_max = denom = acc = torch.empty(0)
-        for j in range(num_chunks):
-            invalid = (key_pos + j * c)[None, :] > pos[:, None]  # [rows, C]
-            # Masked weights are 0, but 0 * NaN is not, and slots past a row's
-            # position may hold anything: those read the row's key 0 instead.
-            chunk_slots = torch.where(invalid, row_slots[:, :1], row_slots[:, j * c:(j + 1) * c])
-            kv = cache.index_select(1, chunk_slots.reshape(-1)).to(acc_dtype)
-            k, v = kv.view(2, rows, c, kv_heads, self.head_dim).unbind(0)  # [rows, C, kv, d]
-            scores = qg @ k.permute(0, 2, 3, 1)  # [rows, kv_heads, group, C]
-            scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+        for j, n in enumerate(g.active):
+            keys = slice(j * c, (j + 1) * c)
+            scores = torch.baddbmm(qt.new_empty(()), qt[:n * kv_heads],
+                                   k[:n, :, keys].reshape(n * kv_heads, c, d).transpose(1, 2),
+                                   beta=0, alpha=self.scale).view(n, kv_heads, rows, group, c)
+            scores.masked_fill_(g.masks[:n, None, :, None, keys], float("-inf"))
             chunk_max = scores.amax(dim=-1, keepdim=True)
+            vj = v[:n, :, keys].reshape(n * kv_heads, c, d)
             if j == 0:  # key 0 is every row's: the max is finite
                 run_max = chunk_max
-                p = torch.exp(scores - run_max)
+                p = elementwise.exp_(scores.sub_(run_max))
                 denom = p.sum(dim=-1, keepdim=True)
-                acc = p @ v.permute(0, 2, 1, 3)
+                acc = torch.bmm(p.view(n * kv_heads, m, c), vj)
                 continue
-            new_max = torch.maximum(run_max, chunk_max)
-            alpha = torch.exp(run_max - new_max)
-            p = torch.exp(scores - new_max)
-            denom = denom * alpha + p.sum(dim=-1, keepdim=True)
-            acc = acc * alpha + p @ v.permute(0, 2, 1, 3)
-            run_max = new_max
-        out = acc / denom  # [rows, kv_heads, group, d]
-        return out.reshape(rows, self.num_heads, self.head_dim).to(q.dtype)
+            new_max = torch.maximum(run_max[:n], chunk_max)
+            alpha = elementwise.exp(run_max[:n] - new_max)  # [n, kv, rows, group, 1]
+            p = elementwise.exp_(scores.sub_(new_max))
+            denom[:n] = denom[:n] * alpha + p.sum(dim=-1, keepdim=True)
+            acc_n = acc[:n * kv_heads].view(n, kv_heads, rows, group, d)
+            acc_n.mul_(alpha).add_(torch.bmm(p.view(n * kv_heads, m, c), vj).view_as(acc_n))
+            run_max[:n] = new_max
+        out = acc.view(tiles, kv_heads, rows, group, d).div_(denom)
+        return out.transpose(1, 2).reshape(tiles * rows, self.num_heads, d).to(q.dtype)

@@ -11,26 +11,48 @@ Batch invariance. A row's numbers must not depend on which rows share its
 step, or greedy outputs change when a request is preempted, restored or
 recomputed (a recomputed output token is a prefill row, once it was a decode
 row). Matmul, norm and softmax kernels choose their blocking, vector tails and
-thread splits from the shape they see; so with `row_tile` set every token-wise
-op runs on slices of exactly `row_tile` rows (the step is padded to whole
-tiles), and each kernel sees one shape only. Rotary angles come from a table
-(a gather, not a computation per step). Attention is invariant by its own
-construction. `row_tile=None` runs each op once over all rows instead: faster
-on big batches, not invariant.
+thread splits from the shape they see. So with `row_tile` set the step is
+padded to whole tiles of `row_tile` rows and either
+
+- `whole` steps (the CPU default): each op runs once over all rows. CPU GEMMs
+  (MKL, oneDNN) compute rows in panels of 4 (`attention.GEMM_ROW_PANEL`): at
+  any row count that is a multiple of 4 a row gets the same bits, and at the
+  model's widths (multiples of 16) element-wise ops never put part of a row
+  in a scalar tail. That is a property of the BLAS, not of torch's contract,
+  so the runner checks it when it starts (`rows_match_alone`: a step of
+  several sizes against each sequence alone) and falls back to tiles where
+  it does not hold; or
+- tiles (GPUs, where cuBLAS picks kernels and split-K by shape, and the
+  fallback): every token-wise op runs on slices of exactly `row_tile` rows,
+  so each kernel sees one shape only.
+
+Rotary angles come from a table (a gather, not a computation per step).
+Attention is invariant by its own construction (attention.py).
+`row_tile=None` runs each op once over the rows unpadded: not invariant.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
-from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary
+from gpu_worker import elementwise
+from gpu_worker.attention import AttentionBackend, PagedAttention, QueryTiles, flash_supported
+from gpu_worker.model import CausalLM, DecoderLayer
 from gpu_worker.step_inputs import DeviceStep
 
 
 def rotary_table(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [length, 1, head_dim] in the model's dtype, as model.rotary makes them."""
-    return model.rotary(torch.arange(length, device=model.device))
+    """cos and signed sin [length, 1, head_dim] in the model's dtype, for `rotate`:
+    model.rotary's angles, sin negated on the first half."""
+    cos, sin = model.rotary(torch.arange(length, device=model.device))
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`model.apply_rotary`, bit for bit, in four ops instead of seven:
+    [-x2, x1] * sin == roll(x) * [-sin, sin] exactly."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def default_row_tile(device: torch.device) -> int:
@@ -39,11 +61,34 @@ def default_row_tile(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 16
 
 
+def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, projections and rotary of rows `x`: q [rows, heads, d], k, v [rows, kv, d]
+    (views into one matmul's output)."""
+    attn, rows = layer.self_attn, x.shape[0]
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    qkv = attn.qkv(layer.input_layernorm(x))
+    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+
+
+def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """Output projection and residual, norm, MLP and residual."""
+    h = x + layer.self_attn.o_proj(attended)
+    mlp = layer.mlp
+    gate_up = mlp.gate_up(layer.post_attention_layernorm(h))
+    size = gate_up.shape[1] // 2
+    gate = elementwise.silu_(gate_up[:, :size])
+    return h + mlp.down_proj(gate * gate_up[:, size:])
+
+
 class BatchedForward:
     def __init__(self, model: CausalLM, block_size: int, max_model_len: int,
-                 row_tile: int | None, attention: AttentionBackend | None = None,
-                 kv_chunk: int = 64) -> None:
-        """attention None: flash where it runs (CUDA, fp16/bf16), else torch."""
+                 row_tile: int | None, whole: bool, attention: AttentionBackend | None = None,
+                 kv_chunk: int = 256) -> None:
+        """row_tile: steps are padded to whole tiles (None: not invariant);
+        whole: each op once over all rows (see above), else tile by tile.
+        attention None: flash where it runs (CUDA, fp16/bf16), else torch."""
         cfg = model.config
         if row_tile is not None and row_tile < 1:
             raise ValueError(f"row_tile must be >= 1 or None, got {row_tile}")
@@ -58,19 +103,24 @@ class BatchedForward:
             attention = AttentionBackend.FLASH if flash else AttentionBackend.TORCH
         self.model = model
         self.row_tile = row_tile
+        self.whole = whole
+        invariant = row_tile is not None
+        tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
+                                     fixed=invariant and not self.whole)
         self.attention = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        block_size, attention, row_tile, kv_chunk)
+                                        block_size, attention, invariant, tiles, kv_chunk)
         self.cos, self.sin = rotary_table(model, max_model_len)
 
     def _tiles(self, rows: int) -> list[slice]:
-        tile = self.row_tile or max(rows, 1)
-        return [slice(i, i + tile) for i in range(0, rows, tile)]
+        if self.whole or self.row_tile is None:  # the latter: for the type checker
+            return [slice(0, rows)]
+        return [slice(i, i + self.row_tile) for i in range(0, rows, self.row_tile)]
 
     @torch.inference_mode()
     def hidden(self, step: DeviceStep, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Runs every layer over the packed rows, writing their K/V into
-        `kv_cache`; returns the last layer's output [rows, hidden] (before the
-        final norm)."""
+        """Runs the first `len(kv_cache)` layers (all, but for a check) over
+        the packed rows, writing their K/V into `kv_cache`; returns the last
+        one's output [rows, hidden] (before the final norm)."""
         cfg = self.model.config
         num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
         flat = kv_cache.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
@@ -79,24 +129,25 @@ class BatchedForward:
         x = self.model.model.embed_tokens(step.token_ids)
         cos, sin = self.cos[step.positions], self.sin[step.positions]
         keys = self.attention.prepare(step)
-        q = x.new_empty(rows, cfg.num_heads, head_dim)
-        k = x.new_empty(rows, kv_heads, head_dim)
-        v = x.new_empty(rows, kv_heads, head_dim)
-        for i, layer in enumerate(self.model.model.layers):
+        if not self.whole:
+            q = x.new_empty(rows, cfg.num_heads, head_dim)
+            k = x.new_empty(rows, kv_heads, head_dim)
+            v = x.new_empty(rows, kv_heads, head_dim)
+        for i, layer in enumerate(self.model.model.layers[:num_layers]):
             assert isinstance(layer, DecoderLayer)
-            attn = layer.self_attn
-            for t in tiles:
-                h = layer.input_layernorm(x[t])
-                q[t] = apply_rotary(attn.q_proj(h).view(-1, cfg.num_heads, head_dim),
-                                    cos[t], sin[t])
-                k[t] = apply_rotary(attn.k_proj(h).view(-1, kv_heads, head_dim), cos[t], sin[t])
-                v[t] = attn.v_proj(h).view(-1, kv_heads, head_dim)
+            if self.whole:
+                q, k, v = _qkv(layer, x, cos, sin)
+            else:
+                for t in tiles:
+                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t])
             flat[i, 0].index_copy_(0, step.write_slots, k[:n])
             flat[i, 1].index_copy_(0, step.write_slots, v[:n])
             out = self.attention(q, flat[i], step, keys).view(rows, -1)
-            for t in tiles:
-                h = x[t] + attn.o_proj(out[t])
-                x[t] = h + layer.mlp(layer.post_attention_layernorm(h))
+            if self.whole:
+                x = _rest(layer, x, out)
+            else:
+                for t in tiles:
+                    x[t] = _rest(layer, x[t], out[t])
         return x
 
     @torch.inference_mode()

@@ -16,12 +16,16 @@ import pytest
 import torch
 
 from gpu_worker.attention import AttentionBackend, varlen_options
+from gpu_worker.invariance import rows_match_alone
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import GREEDY
 from tests.gpu_worker.oracle import execute_per_sequence, reference_forward
 from tests.gpu_worker.worker_factories import BLOCK_SIZE, make_runner, prompt, tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
+# Whole steps (the CPU default: each op once over the step) and tiles of 16
+# rows (GPUs, and the CPU where the start-up check fails).
+ROW_TILES = [None, 16]
 TABLE_BLOCKS = 20  # per request: 80 positions, more than prompt + output
 PROMPTS = {f"r{i}": prompt(("kvstash stashes KV blocks " * 8)[i:i + 9 + 7 * i]) for i in range(6)}
 
@@ -31,9 +35,11 @@ def tables(first: int = 0, num_blocks: int = 40) -> dict[str, list[int]]:
             for i, rid in enumerate(PROMPTS)}
 
 
+@pytest.mark.parametrize("row_tile", ROW_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_prefill_equals_each_prompt_alone(dtype: torch.dtype) -> None:
-    alone, batched = make_runner(dtype, num_blocks=256), make_runner(dtype, num_blocks=256)
+def test_packed_prefill_equals_each_prompt_alone(dtype: torch.dtype,
+                                                 row_tile: int | None) -> None:
+    alone, batched = (make_runner(dtype, num_blocks=256, row_tile=row_tile) for _ in range(2))
     table = tables()
     together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
     for row, (rid, ids) in zip(together, PROMPTS.items(), strict=True):
@@ -43,12 +49,11 @@ def test_packed_prefill_equals_each_prompt_alone(dtype: torch.dtype) -> None:
         torch.testing.assert_close(row, reference, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_prefill_and_decode_steps_are_row_invariant(dtype: torch.dtype) -> None:
+def mixed_steps(alone: ModelRunner, batched: ModelRunner) -> int:
     """Random subsets in random order; some rows are prefill chunks of a second
-    prompt that arrives late, packed beside the decodes."""
+    prompt that arrives late, packed beside the decodes. Each row against the
+    same sequence run alone on `alone`: the number of rows that differ."""
     rng = random.Random(3)
-    alone, batched = make_runner(dtype, num_blocks=256), make_runner(dtype, num_blocks=256)
     table = tables()
     for rid, ids in PROMPTS.items():  # prefill "r0".."r4" first, "r5" in chunks later
         if rid != "r5":
@@ -56,7 +61,7 @@ def test_mixed_prefill_and_decode_steps_are_row_invariant(dtype: torch.dtype) ->
             batched.logits([SeqWork(rid, ids, 0, table[rid])])
     last = {rid: ids[-1] for rid, ids in PROMPTS.items()}
     pos = {rid: len(ids) - 1 for rid, ids in PROMPTS.items()}  # recompute the last prompt token
-    late, late_done = PROMPTS["r5"], 0
+    late, late_done, differ = PROMPTS["r5"], 0, 0
     for _ in range(16):
         seqs = [SeqWork(r, [last[r]], pos[r], table[r]) for r in PROMPTS
                 if r != "r5" and rng.random() < 0.7]
@@ -68,10 +73,30 @@ def test_mixed_prefill_and_decode_steps_are_row_invariant(dtype: torch.dtype) ->
         if not seqs:
             continue
         for seq, row in zip(seqs, batched.logits(seqs), strict=True):
-            assert torch.equal(row, alone.logits([seq])[0]), (seq.request_id, seq.start_pos)
+            reference = alone.logits([seq])[0]
+            differ += not torch.equal(row, reference)
             if seq.request_id != "r5" or late_done >= len(late):
-                last[seq.request_id] = int(row.argmax())
+                last[seq.request_id] = int(reference.argmax())
                 pos[seq.request_id] = seq.start_pos + len(seq.token_ids)
+    return differ
+
+
+@pytest.mark.parametrize("row_tile", ROW_TILES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_prefill_and_decode_steps_are_row_invariant(dtype: torch.dtype,
+                                                          row_tile: int | None) -> None:
+    runners = [make_runner(dtype, num_blocks=256, row_tile=row_tile) for _ in range(2)]
+    assert mixed_steps(*runners) == 0
+
+
+def test_the_checks_tell_a_path_that_is_not_invariant() -> None:
+    """The same steps without batch invariance (each op once over the
+    unpadded rows): some rows differ, so the checks above would catch a
+    path that lost it."""
+    runners = [make_runner(num_blocks=256, batch_invariant=False) for _ in range(2)]
+    assert mixed_steps(*runners) > 0
+    assert not rows_match_alone(runners[0].batched, BLOCK_SIZE)
+    assert rows_match_alone(make_runner().batched, BLOCK_SIZE)
 
 
 def test_shared_prefix_blocks_are_read_through_each_block_table() -> None:
@@ -178,15 +203,18 @@ def run(runner: ModelRunner, requests: list[Request], max_tokens: int, chunk: in
     return {r.rid: (r.output, runner.logits([step_work(r, chunk)])[0]) for r in requests}
 
 
+@pytest.mark.parametrize("row_tile", ROW_TILES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_outputs_survive_offload_and_recompute(dtype: torch.dtype) -> None:
+def test_greedy_outputs_survive_offload_and_recompute(dtype: torch.dtype,
+                                                      row_tile: int | None) -> None:
     max_tokens = 16
-    alone = {rid: run(make_runner(dtype, num_blocks=256), [Request(rid, ids, [])], max_tokens,
-                      chunk=8)[rid] for rid, ids in PROMPTS.items()}
+    alone = {rid: run(make_runner(dtype, num_blocks=256, row_tile=row_tile),
+                      [Request(rid, ids, [])], max_tokens, chunk=8)[rid]
+             for rid, ids in PROMPTS.items()}
     preempt = {6: ("r1", "offload"), 8: ("r3", "recompute"), 11: ("r0", "recompute"),
                13: ("r5", "offload"), 15: ("r1", "recompute")}
     done: list[str] = []
-    together = run(make_runner(dtype, num_blocks=256),
+    together = run(make_runner(dtype, num_blocks=256, row_tile=row_tile),
                    [Request(rid, ids, []) for rid, ids in PROMPTS.items()], max_tokens,
                    chunk=5, preempt=preempt, done=done)
     assert done == [f"{rid} {mode}" for rid, mode in preempt.values()]

@@ -52,7 +52,7 @@ def write_checkpoint(directory: Path, raw: dict[str, Any], shards: int = 2,
     replaces or, with None, drops some)."""
     source = CausalLM(parse_model_config(raw), torch.float32)
     fill_random(source, seed=5)
-    tensors = {n: p.detach().to(dtype) for n, p in source.named_parameters()}
+    tensors = {n: p.detach().to(dtype).contiguous() for n, p in source.named_parameters()}
     for name, value in (edit or {}).items():
         if value is None:
             tensors.pop(name)

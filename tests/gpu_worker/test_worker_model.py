@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from gpu_worker import elementwise
+from gpu_worker.batched import rotary_table, rotate
+from gpu_worker.model import apply_rotary
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import byte_view
@@ -128,3 +134,68 @@ def test_block_bytes_round_trip_in_every_dtype(dtype: torch.dtype) -> None:
     runner.scatter_blocks([0, 3, 4], back)
     assert torch.equal(runner.kv_cache[:, :, [0, 3, 4]], runner.kv_cache[:, :, [2, 5, 1]])
     assert runner.kv_cache[:, :, 2].abs().sum() > 0
+
+
+def test_batched_rotary_is_apply_rotary_bit_for_bit() -> None:
+    model = tiny_model(torch.float32)
+    positions = torch.arange(0, 1000, 7)
+    cos, sin = model.rotary(positions)
+    table_cos, signed_sin = rotary_table(model, 1000)
+    x = torch.randn(len(positions), 6, model.config.head_dim)
+    assert torch.equal(rotate(x, table_cos[positions], signed_sin[positions]),
+                       apply_rotary(x, cos, sin))
+
+
+@pytest.fixture
+def three_threads() -> Iterator[None]:
+    """Three intra-op threads (on any number of cores): torch then cuts
+    element-wise ranges over 32,768 elements in thirds, mid-row."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
+
+
+CUTS = ((0, 1), (3, 40), (17, 4999), (1, 5000), (0, 2000), (100, 3100))
+
+
+@pytest.mark.usefixtures("three_threads")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_exp_and_silu_give_an_element_the_same_bits_at_any_size(dtype: torch.dtype) -> None:
+    """Whole steps put a row anywhere in tensors of any size: every cut of the
+    same rows agrees, also with the rows apart (gate_up's gate half)."""
+    width = 2 * elementwise.span(dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, width, generator=gen, dtype=torch.float64).mul(4).to(dtype)
+    for fn in (elementwise.exp_, elementwise.silu_):
+        whole = fn(x.clone())
+        for start, stop in CUTS:
+            assert torch.equal(fn(x[start:stop].clone()), whole[start:stop])
+        assert torch.equal(fn(torch.cat((x, x), dim=1)[:, :width]), whole)
+    odd = x[:, :3]  # any shape, through a padded copy
+    assert torch.equal(elementwise.exp(odd)[5:9], elementwise.exp(odd[5:9]))
+
+
+@pytest.mark.usefixtures("three_threads")
+def test_plain_exp_and_silu_do_not() -> None:
+    """What the test above would see without them."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, 2 * elementwise.span(torch.float32), generator=gen).mul(4)
+    differ = sum(not torch.equal(fn(x[start:stop]), fn(x)[start:stop])
+                 for fn in (torch.exp, F.silu) for start, stop in CUTS)
+    assert differ > 0
+
+
+def test_fused_projections_are_the_checkpoint_weights() -> None:
+    """One matmul for q, k, v (and gate, up): the parts keep their checkpoint
+    names and are views into the stacked weight, not copies."""
+    model = tiny_model(torch.float32)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    names = set(model.state_dict())
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= names
+    assert not any("qkv" in name or "gate_up" in name for name in names)
+    x = torch.randn(4, model.config.hidden_size)
+    assert torch.equal(attn.qkv(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)],
+                                              dim=1))
+    assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert torch.equal(mlp.gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=1))

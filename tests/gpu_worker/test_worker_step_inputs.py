@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from gpu_worker.attention import AttentionBackend, PagedAttention, key_slots, packed_key_slots
+from gpu_worker.attention import (
+    AttentionBackend,
+    PagedAttention,
+    QueryTiles,
+    key_slots,
+    packed_key_slots,
+)
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.step_inputs import StepStaging, pack_step
@@ -69,11 +75,16 @@ def test_key_slots_follow_block_tables() -> None:
     assert packed == expected and len(packed) == 11 + 22 + 5
 
 
-@pytest.mark.parametrize("row_tile", [4, None])
+@pytest.mark.parametrize(("row_tile", "tiles"), [
+    (4, QueryTiles(1, 1)),  # one tile size: a tile per row
+    (4, QueryTiles(2, 2)),  # the prefill chunk of 3 rows spans two tiles
+    (None, QueryTiles(1, 2)),  # decodes in tiles of 1, the chunk in tiles of 2
+])
 def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
-        row_tile: int | None) -> None:
-    """Against a dense masked softmax per row; every slot a row must not read
-    holds NaN, so a leak would show."""
+        row_tile: int | None, tiles: QueryTiles) -> None:
+    """Against a dense masked softmax per row, with keys in chunks of 8 (b at
+    21 reads three); every slot a row must not read holds NaN, so a leak
+    would show."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     cache = torch.full((2, 12 * 4, kv_heads, dim), float("nan"), dtype=torch.float64)
@@ -83,7 +94,7 @@ def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
         slots = key_slots(step.block_tables[i:i + 1], 4, int(host.context_lens[i]))[0]
         cache[:, slots] = torch.randn(2, len(slots), kv_heads, dim, generator=gen,
                                       dtype=torch.float64)
-    attention = PagedAttention(heads, kv_heads, dim, 4, AttentionBackend.TORCH, row_tile,
+    attention = PagedAttention(heads, kv_heads, dim, 4, AttentionBackend.TORCH, True, tiles,
                                kv_chunk=8)
     q = torch.randn(host.num_rows, heads, dim, generator=gen, dtype=torch.float64)
     out = attention(q, cache, step, attention.prepare(step))

@@ -35,8 +35,11 @@ def tiny_model(dtype: torch.dtype = torch.float32) -> CausalLM:
 
 
 def make_runner(dtype: torch.dtype = torch.float32, num_blocks: int = 64,
-                block_size: int = BLOCK_SIZE) -> ModelRunner:
-    return ModelRunner(tiny_model(dtype), block_size=block_size, num_blocks=num_blocks)
+                block_size: int = BLOCK_SIZE, row_tile: int | None = None,
+                batch_invariant: bool = True) -> ModelRunner:
+    """row_tile None: whole steps (the CPU default); set: tiles of that many rows."""
+    return ModelRunner(tiny_model(dtype), block_size=block_size, num_blocks=num_blocks,
+                       row_tile=row_tile, batch_invariant=batch_invariant)
 
 
 def prompt(text: str) -> list[int]:

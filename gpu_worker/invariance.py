@@ -1,0 +1,69 @@
+"""The start-up check behind whole steps (batched.py): on this machine's BLAS,
+does a row get the same bits whatever the size of the step around it?
+
+It runs the model's first layer and its output head over a few steps, each
+row against its sequence run alone in a step of its own:
+
+    together  [ 1 | 3 | 17 | 40 | 150 ] prefill rows   then  [ 5 decodes ]
+    alone     [ 1 ] [ 3 ] [ 17 ] [ 40 ] [ 150 ]                [ 1 ] x 5
+
+Row counts from 4 to 212 (fewer where max_model_len is shorter) and both
+query tile sizes, on scratch caches (the runner's own blocks are not
+touched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.batched import BatchedForward
+from gpu_worker.sampling import GREEDY, SamplingParams
+from gpu_worker.step_inputs import StepStaging, pack_step
+
+CHECK_LENGTHS = (1, 3, 17, 40, 150)
+
+
+@dataclass(frozen=True, slots=True)
+class _Seq:  # a step_inputs.StepSeq
+    token_ids: Sequence[int]
+    start_pos: int
+    block_ids: Sequence[int]
+    sample: bool = False
+    sampling: SamplingParams = GREEDY
+
+
+def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) -> bool:
+    model, row_tile = forward.model, forward.row_tile
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    longest = len(forward.cos) - 1  # the decode after it must fit too
+    lengths = [min(n, longest) for n in CHECK_LENGTHS]
+    per_seq = -(-(max(lengths) + 1) // block_size)
+    shape = (1, 2, per_seq * len(lengths), block_size, cfg.num_kv_heads, cfg.head_dim)
+    together, alone = (torch.zeros(shape, dtype=model.dtype, device=model.device)
+                       for _ in range(2))
+    staging = StepStaging(model.device)
+
+    def run(seqs: list[_Seq], cache: torch.Tensor) -> torch.Tensor:
+        """Logits of every real row."""
+        host = pack_step(seqs, block_size, row_tile, gen)
+        hidden = forward.hidden(staging.stage(host), cache)
+        return forward.logits(hidden)[:host.num_tokens]
+
+    prefill = [_Seq(torch.randint(cfg.vocab_size, (n,), generator=gen).tolist(), 0,
+                    range(i * per_seq, (i + 1) * per_seq))
+               for i, n in enumerate(lengths)]
+    decode = [_Seq([int(seq.token_ids[0])], len(seq.token_ids), seq.block_ids)
+              for seq in prefill]
+    for step in (prefill, decode):
+        rows = run(step, together)
+        start = 0
+        for seq in step:
+            n = len(seq.token_ids)
+            if not torch.equal(rows[start:start + n], run([seq], alone)):
+                return False
+            start += n
+    return True
