@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.batch_invariant,
                    help="compute each row independently of its step (outputs identical under "
-                        "preemption); --no-batch-invariant is faster on big batches")
+                        "preemption); --no-batch-invariant skips the row padding")
     p.add_argument("--row-tile", type=int, default=_DEFAULTS.row_tile,
-                   help="rows per batch-invariant tile; unset = 128 on CUDA, 16 on CPU")
+                   help="run batch-invariant steps in tiles of this many rows; unset = 128 on "
+                        "CUDA, whole steps on CPU (tiles of 16 where its start-up check fails)")
     p.add_argument("--num-threads", type=int, default=_DEFAULTS.num_threads,
                    help="torch intra-op threads; 0 = the CPUs this process may use (its "
                         "affinity mask, bounded by its cgroup's CPU quota)")

@@ -27,7 +27,7 @@ Two implementations, one contract (`PagedAttention.__call__`):
   matmul sees [tile rows x head_dim] x [head_dim x C] per tile and KV head, so
   a row's numbers are the same alone or in any batch wherever the matmul
   gives a row the same bits at every row count the tiles use (see
-  `QueryTiles` and batched.py's start-up check).
+  `QueryTiles`, and the start-up check in invariance.py).
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ def varlen_options(varlen_attn: Callable[..., Any],
     return VarlenOptions(keywords, repeat_kv="enable_gqa" not in params)
 
 
+# Rows a CPU GEMM (MKL, oneDNN) computes together: at any row count that is a
+# multiple of it a row gets the same bits (checked at start: invariance.py).
+GEMM_ROW_PANEL = 4
+
+
 @dataclass(frozen=True, slots=True)
 class QueryTiles:
     """How the torch path cuts a step's query rows into tiles of one sequence.
@@ -118,11 +123,6 @@ class QueryTiles:
         if fixed:
             return QueryTiles(small, small)
         return QueryTiles(small, max(small, large_rows // group // small * small))
-
-
-# Rows a CPU GEMM (MKL, oneDNN) computes together: at any row count that is a
-# multiple of it a row gets the same bits (measured: gpu_worker/batched.py).
-GEMM_ROW_PANEL = 4
 
 
 @dataclass(frozen=True, slots=True)

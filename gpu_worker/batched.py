@@ -14,14 +14,14 @@ row). Matmul, norm and softmax kernels choose their blocking, vector tails and
 thread splits from the shape they see. So with `row_tile` set the step is
 padded to whole tiles of `row_tile` rows and either
 
-- `whole` steps (the CPU default): each op runs once over all rows. CPU GEMMs
-  (MKL, oneDNN) compute rows in panels of 4 (`attention.GEMM_ROW_PANEL`): at
-  any row count that is a multiple of 4 a row gets the same bits, and at the
-  model's widths (multiples of 16) element-wise ops never put part of a row
-  in a scalar tail. That is a property of the BLAS, not of torch's contract,
-  so the runner checks it when it starts (`rows_match_alone`: a step of
-  several sizes against each sequence alone) and falls back to tiles where
-  it does not hold; or
+- `whole` steps (the CPU default): each op runs once over all rows, padded
+  to a multiple of 4. CPU GEMMs (MKL, oneDNN) compute rows in panels of 4
+  (`attention.GEMM_ROW_PANEL`): at any row count that is a multiple of 4 a
+  row gets the same bits. exp and silu go through `elementwise`, so that no
+  row is cut into a scalar tail. That is a property of the BLAS, not of
+  torch's contract, so the runner checks it when it starts
+  (`invariance.rows_match_alone`: steps of several sizes against each
+  sequence alone) and falls back to tiles where it does not hold; or
 - tiles (GPUs, where cuBLAS picks kernels and split-K by shape, and the
   fallback): every token-wise op runs on slices of exactly `row_tile` rows,
   so each kernel sees one shape only.

@@ -44,7 +44,9 @@ class WorkerConfig:
     # A row's numbers do not depend on the rest of its step (gpu_worker/batched.py):
     # greedy outputs stay identical under preemption. Off: faster, not invariant.
     batch_invariant: bool = True
-    row_tile: int | None = None  # rows per invariant tile; None = the device's default
+    # Invariant steps in tiles of this many rows; None = whole steps on CPU
+    # where its start-up check passes, else the device's tile (batched.py).
+    row_tile: int | None = None
     # torch's intra-op threads (process-wide); 0 = the CPUs this process may
     # use (kvstash.common.cpu: affinity mask, cgroup quota), not torch's
     # default of one per node core: threads beyond the CPUs granted stall
