@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 
 from gpu_worker import elementwise
-from gpu_worker.attention import AttentionBackend, PagedAttention, QueryTiles, flash_supported
+from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
 from gpu_worker.model import CausalLM, DecoderLayer
+from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_inputs import DeviceStep
 
 

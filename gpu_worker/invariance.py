@@ -14,16 +14,21 @@ touched).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.batched import BatchedForward
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.batched import BatchedForward, default_row_tile
+from gpu_worker.model import CausalLM
+from gpu_worker.query_tiles import GEMM_ROW_PANEL
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.step_inputs import StepStaging, pack_step
 
 CHECK_LENGTHS = (1, 3, 17, 40, 150)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +72,22 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
                 return False
             start += n
     return True
+
+
+def choose_forward(model: CausalLM, block_size: int, max_model_len: int, batch_invariant: bool,
+                   row_tile: int | None, attention: AttentionBackend | None) -> BatchedForward:
+    """Whole steps on CPU where this check passes; tiles on GPUs, where a row
+    tile is asked for, and where the check fails."""
+    def forward(tile: int | None, whole: bool) -> BatchedForward:
+        return BatchedForward(model, block_size, max_model_len, tile, whole, attention)
+
+    if not batch_invariant:
+        return forward(None, True)
+    if row_tile is not None or model.device.type != "cpu":
+        return forward(row_tile or default_row_tile(model.device), False)
+    whole = forward(GEMM_ROW_PANEL, True)
+    if rows_match_alone(whole, block_size):
+        return whole
+    log.warning("on this CPU's BLAS a row's numbers change with the size of its step: "
+                "batch-invariant steps run tile by tile, slower")
+    return forward(default_row_tile(model.device), False)

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_worker.attention import GEMM_ROW_PANEL, AttentionBackend
-from gpu_worker.batched import BatchedForward, default_row_tile
+from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
 from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
 from gpu_worker.host_pinning import Key, cuda_regions
-from gpu_worker.invariance import rows_match_alone
+from gpu_worker.invariance import choose_forward
 from gpu_worker.model import CausalLM
 from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
@@ -87,7 +86,8 @@ class ModelRunner:
             dtype=model.dtype, device=model.device,
         )
         self._process_gen = torch.Generator().manual_seed(seed)
-        self.batched = self._forward(batch_invariant, row_tile, attention)
+        self.batched = choose_forward(model, block_size, self.max_model_len, batch_invariant,
+                                      row_tile, attention)
         self.row_tile = self.batched.row_tile
         self._staging = StepStaging(self.device)
         self._pinned_region: object | None = None  # see pin_host_memory
@@ -95,26 +95,6 @@ class ModelRunner:
         self.host_pool = HostBlockPool(
             (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype,
             pinned=self.device.type == "cuda", max_idle_bytes=host_pool_bytes)
-
-    def _forward(self, batch_invariant: bool, row_tile: int | None,
-                 attention: AttentionBackend | None) -> BatchedForward:
-        """Whole steps on CPU where this machine's BLAS keeps a row's bits
-        independent of the step's size (batched.py); tiles on GPUs, where a
-        row tile is asked for, and where the check fails."""
-        def forward(tile: int | None, whole: bool) -> BatchedForward:
-            return BatchedForward(self.model, self.block_size, self.max_model_len, tile, whole,
-                                  attention)
-
-        if not batch_invariant:
-            return forward(None, True)
-        if row_tile is not None or self.device.type != "cpu":
-            return forward(row_tile or default_row_tile(self.device), False)
-        whole = forward(GEMM_ROW_PANEL, True)
-        if rows_match_alone(whole, self.block_size):
-            return whole
-        log.warning("on this CPU's BLAS a row's numbers change with the size of its step: "
-                    "batch-invariant steps run tile by tile, slower")
-        return forward(default_row_tile(self.device), False)
 
     @property
     def layout(self) -> Layout:

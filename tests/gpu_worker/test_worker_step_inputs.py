@@ -10,10 +10,10 @@ import torch
 from gpu_worker.attention import (
     AttentionBackend,
     PagedAttention,
-    QueryTiles,
     key_slots,
     packed_key_slots,
 )
+from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.step_inputs import StepStaging, pack_step
