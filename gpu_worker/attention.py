@@ -15,19 +15,19 @@ Two implementations, one contract (`PagedAttention.__call__`):
   (which keeps the kernel off its split-KV path), batch invariance takes the
   torch path.
 - `torch`: plain torch, any device and dtype, the CPU path. Each sequence's
-  query rows go in tiles of one sequence (`QueryTiles`), and keys in chunks of
-  `kv_chunk` positions aligned at 0, with an online softmax across chunks:
+  query rows go in tiles of that sequence (`query_tiles.py`), its keys in
+  chunks of `kv_chunk` positions from 0. Every (tile, chunk) pair the tiles
+  need is one matrix product, all pairs of a step at once:
 
       keys of a sequence:  [0 .. C-1][C .. 2C-1] ... [jC .. (j+1)C-1]
-      a tile (its rows)    qqqq        every tile reads its sequence's keys once;
-      chunk j, all tiles:  one gather, two batched matmuls [tile rows x C], masked > position
+      pair (tile, j):      [tile rows x d] x [d x C] + mask -> max, exp, sum, x V
+      per tile:            chunks combined in order (a cumulative sum over j)
 
-  A row reads the chunks up to its own position; chunks its tile-mates need
-  past that add exactly 0 (weights exp(-inf) = 0, rescale exp(0) = 1). Each
-  matmul sees [tile rows x head_dim] x [head_dim x C] per tile and KV head, so
-  a row's numbers are the same alone or in any batch wherever the matmul
-  gives a row the same bits at every row count the tiles use (see
-  `QueryTiles`, and the start-up check in invariance.py).
+  A row's numbers depend only on its own keys: chunks past its position add
+  exactly 0, and each matmul has the shape of its pair whatever the step,
+  given a matmul that gives a row the same bits at every row count the tiles
+  use (`QueryTiles`; checked at start, invariance.py). The number of ops per
+  layer does not grow with the context.
 """
 
 from __future__ import annotations
@@ -134,12 +134,14 @@ def packed_key_slots(step: DeviceStep, slots: torch.Tensor) -> torch.Tensor:
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  backend: AttentionBackend, batch_invariant: bool, tiles: QueryTiles,
-                 kv_chunk: int) -> None:
+                 kv_chunk: int, dtype: torch.dtype) -> None:
+        """dtype: the model's (scores and softmax run in at least float32)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.backend = backend
         self.tiles = tiles
         self.kv_chunk = kv_chunk
+        self.score_dtype = compute_dtype(dtype)
         self.scale = 1.0 / math.sqrt(head_dim)
         if backend is AttentionBackend.FLASH:  # looked up once, not per layer and step
             self._varlen = _varlen_attn()
@@ -153,8 +155,9 @@ class PagedAttention:
             lens = np.diff(host.query_start)
             small = np.flatnonzero(lens <= self.tiles.small)
             large = np.flatnonzero(lens > self.tiles.small)
-            groups = tuple(plan_tiles(host, seqs, rows, self.block_size, self.kv_chunk,
-                                      step.token_ids.device)
+            heads = (self.num_kv_heads, self.num_heads // self.num_kv_heads)
+            groups = tuple(plan_tiles(host, seqs, rows, self.block_size, self.kv_chunk, heads,
+                                      self.score_dtype, step.token_ids.device)
                            for seqs, rows in ((small, self.tiles.small),
                                               (large, self.tiles.large)) if len(seqs))
             none = step.context_lens[:0]
@@ -199,37 +202,34 @@ class PagedAttention:
         return out[:rows]
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, g: TileGroup) -> torch.Tensor:
-        """[tiles * rows, heads, d]: every tile row's attention, chunk by chunk."""
-        tiles, rows, length = g.shape
+        """[tiles * rows, heads, d]: every tile row's attention. Each (tile,
+        chunk) pair gives its rows' max score, weight sum and weighted values
+        over its C keys; the chunks of a tile then combine in chunk order:
+
+            out = sum_j w_j acc_j / sum_j w_j l_j,  w_j = exp(max_j - max over j)
+
+        (a cumulative sum over j, so chunks a row does not read, w_j = 0, add
+        exactly nothing)."""
         c, kv_heads, d = self.kv_chunk, self.num_kv_heads, self.head_dim
-        group = self.num_heads // kv_heads
-        m = rows * group  # matrix rows per tile and KV head
-        acc_dtype = compute_dtype(q.dtype)
-        qt = q.index_select(0, g.source).to(acc_dtype).view(
-            tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles * kv_heads, m, d)
-        kv = cache.index_select(1, g.key_slots).to(acc_dtype).view(2, tiles, length, kv_heads, d)
-        k, v = kv.transpose(2, 3).contiguous().unbind(0)  # [tiles, kv, length, d]
-        run_max = denom = acc = torch.empty(0)
-        for j, n in enumerate(g.active):
-            keys = slice(j * c, (j + 1) * c)
-            scores = torch.baddbmm(qt.new_empty(()), qt[:n * kv_heads],
-                                   k[:n, :, keys].reshape(n * kv_heads, c, d).transpose(1, 2),
-                                   beta=0, alpha=self.scale).view(n, kv_heads, rows, group, c)
-            scores.masked_fill_(g.masks[:n, None, :, None, keys], float("-inf"))
-            chunk_max = scores.amax(dim=-1, keepdim=True)
-            vj = v[:n, :, keys].reshape(n * kv_heads, c, d)
-            if j == 0:  # key 0 is every row's: the max is finite
-                run_max = chunk_max
-                p = elementwise.exp_(scores.sub_(run_max))
-                denom = p.sum(dim=-1, keepdim=True)
-                acc = torch.bmm(p.view(n * kv_heads, m, c), vj)
-                continue
-            new_max = torch.maximum(run_max[:n], chunk_max)
-            alpha = elementwise.exp(run_max[:n] - new_max)  # [n, kv, rows, group, 1]
-            p = elementwise.exp_(scores.sub_(new_max))
-            denom[:n] = denom[:n] * alpha + p.sum(dim=-1, keepdim=True)
-            acc_n = acc[:n * kv_heads].view(n, kv_heads, rows, group, d)
-            acc_n.mul_(alpha).add_(torch.bmm(p.view(n * kv_heads, m, c), vj).view_as(acc_n))
-            run_max[:n] = new_max
-        out = acc.view(tiles, kv_heads, rows, group, d).div_(denom)
-        return out.transpose(1, 2).reshape(tiles * rows, self.num_heads, d).to(q.dtype)
+        rows, tiles, group = g.rows, g.tiles, self.num_heads // kv_heads
+        m, pairs = rows * group, len(g.pair_tile)  # m: matrix rows per tile and KV head
+        qt = q.index_select(0, g.source).to(self.score_dtype).view(
+            tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles, kv_heads, m, d)
+        qp = qt.index_select(0, g.pair_tile).view(pairs * kv_heads, m, d)
+        kv = cache.index_select(1, g.pair_slots).to(self.score_dtype).view(2, pairs, c, kv_heads, d)
+        k, v = kv.transpose(2, 3).reshape(2, pairs * kv_heads, c, d).unbind(0)
+        scores = torch.baddbmm(g.bias, qp, k.transpose(1, 2), alpha=self.scale)  # [P*kv, m, C]
+        # A row that reads none of a pair's keys: max -inf; -1e30 keeps exp(s - max) at 0.
+        top = scores.amax(dim=-1, keepdim=True).clamp_min_(-1e30)
+        weights = elementwise.exp_(scores.sub_(top))
+        per_pair = (top, weights.sum(dim=-1, keepdim=True), torch.bmm(weights, v))
+        dense = []  # each [tiles, chunks, kv, m, 1 or d]; pairs not read: max -1e30, sums 0
+        for x, fill in zip(per_pair, (-1e30, 0.0, 0.0), strict=True):
+            full = x.new_full((tiles * g.chunks, kv_heads, m, x.shape[-1]), fill)
+            full.index_copy_(0, g.pair_at, x.view(pairs, kv_heads, m, -1))
+            dense.append(full.view(tiles, g.chunks, kv_heads, m, -1))
+        top_all, sums, acc = dense
+        w = elementwise.exp(top_all - top_all.amax(dim=1, keepdim=True))
+        out = (acc * w).cumsum(dim=1)[:, -1] / (sums * w).cumsum(dim=1)[:, -1]
+        return out.view(tiles, kv_heads, rows, group, d).transpose(1, 2).reshape(
+            tiles * rows, self.num_heads, d).to(q.dtype)

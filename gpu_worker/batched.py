@@ -86,7 +86,7 @@ def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch
 class BatchedForward:
     def __init__(self, model: CausalLM, block_size: int, max_model_len: int,
                  row_tile: int | None, whole: bool, attention: AttentionBackend | None = None,
-                 kv_chunk: int = 256) -> None:
+                 kv_chunk: int = 128) -> None:
         """row_tile: steps are padded to whole tiles (None: not invariant);
         whole: each op once over all rows (see above), else tile by tile.
         attention None: flash where it runs (CUDA, fp16/bf16), else torch."""
@@ -109,7 +109,8 @@ class BatchedForward:
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)
         self.attention = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        block_size, attention, invariant, tiles, kv_chunk)
+                                        block_size, attention, invariant, tiles, kv_chunk,
+                                        model.dtype)
         self.cos, self.sin = rotary_table(model, max_model_len)
 
     def _tiles(self, rows: int) -> list[slice]:

@@ -48,25 +48,29 @@ class QueryTiles:
 
 @dataclass(frozen=True, slots=True)
 class TileGroup:
-    """The tiles of one size in a step, sorted by the chunks they read (most
-    first), so the tiles reading chunk j are the first `active[j]`."""
+    """The tiles of one size in a step and the (tile, key chunk) pairs they
+    read: chunk j of tile t for every j up to its last row's position."""
 
+    rows: int  # per tile
+    chunks: int  # the most any tile reads
     source: torch.Tensor  # [tiles * rows] query row of each tile row (padding: the tile's first)
     dest: torch.Tensor  # [tiles * rows] output row of each tile row (padding: the dump row)
-    masks: torch.Tensor  # [tiles, rows, chunks * C] key position past the row's own
-    key_slots: torch.Tensor  # [tiles * chunks * C] slot of each key (past the context: key 0)
-    active: tuple[int, ...]  # per chunk: tiles reading it
+    pair_tile: torch.Tensor  # [pairs] tile of each pair
+    pair_at: torch.Tensor  # [pairs] tile * chunks + chunk: its place among all pairs
+    pair_slots: torch.Tensor  # [pairs * C] slot of each key (past the context: key 0)
+    # [pairs * kv_heads, rows * group, C]: 0, or -inf where the key is past the
+    # row's position; the scores' matmul adds it.
+    bias: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """tiles, rows per tile, keys per tile."""
-        tiles, rows, keys = self.masks.shape
-        return tiles, rows, keys
+    def tiles(self) -> int:
+        return len(self.source) // self.rows
 
 
 def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chunk: int,
-               device: torch.device) -> TileGroup:
-    """The tiles of `rows` rows holding sequences `seqs` (host arrays only)."""
+               heads: tuple[int, int], dtype: torch.dtype, device: torch.device) -> TileGroup:
+    """The tiles of `rows` rows holding sequences `seqs` (host arrays only);
+    `heads`: KV heads and query heads per KV head; `dtype`: the scores'."""
     lens = np.diff(host.query_start)[seqs]
     per_seq = -(-lens // rows)
     tile_seq = np.repeat(seqs, per_seq)
@@ -76,21 +80,24 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     real = source < host.query_start[tile_seq + 1][:, None]
     source = np.where(real, source, first[:, None])
     positions = host.positions[source]
-    last_chunk = positions.max(axis=1) // chunk
-    order = np.argsort(-last_chunk, kind="stable")
-    source, real, positions = source[order], real[order], positions[order]
-    tile_seq = tile_seq[order]
-    num_chunks = int(last_chunk.max()) + 1
-    keys = np.arange(num_chunks * chunk)
-    table = host.block_tables[tile_seq]  # [tiles, table width]
+    reads = positions.max(axis=1) // chunk + 1  # chunks each tile reads
+    chunks = int(reads.max())
+    pair_tile = np.repeat(np.arange(len(reads)), reads)
+    pair_chunk = np.arange(len(pair_tile)) - np.repeat(np.cumsum(reads) - reads, reads)
+    keys = pair_chunk[:, None] * chunk + np.arange(chunk)  # [pairs, C] key positions
+    seq = tile_seq[pair_tile]
+    table = host.block_tables[seq]  # [pairs, table width]
     block = np.minimum(keys // block_size, table.shape[1] - 1)
-    slots = table[:, block] * block_size + keys % block_size
-    slots = np.where(keys < host.context_lens[tile_seq][:, None], slots, table[:, :1] * block_size)
-    dest = np.where(real, source, host.num_rows)
-    active = tuple(int((last_chunk >= j).sum()) for j in range(num_chunks))
+    slots = np.take_along_axis(table, block, axis=1) * block_size + keys % block_size
+    slots = np.where(keys < host.context_lens[seq][:, None], slots, table[:, :1] * block_size)
+    kv_heads, group = heads
+    masked = torch.from_numpy(keys[:, None, :] > positions[pair_tile][:, :, None]).to(device)
+    bias = torch.zeros(len(pair_tile), kv_heads, rows, group, chunk, dtype=dtype, device=device)
+    bias.masked_fill_(masked[:, None, :, None, :], float("-inf"))
 
     def tensor(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
 
-    return TileGroup(tensor(source.reshape(-1)), tensor(dest.reshape(-1)),
-                     tensor(keys > positions[:, :, None]), tensor(slots.reshape(-1)), active)
+    return TileGroup(rows, chunks, tensor(source), tensor(np.where(real, source, host.num_rows)),
+                     tensor(pair_tile), tensor(pair_tile * chunks + pair_chunk), tensor(slots),
+                     bias.view(-1, rows * group, chunk))

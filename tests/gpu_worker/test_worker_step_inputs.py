@@ -95,7 +95,7 @@ def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
         cache[:, slots] = torch.randn(2, len(slots), kv_heads, dim, generator=gen,
                                       dtype=torch.float64)
     attention = PagedAttention(heads, kv_heads, dim, 4, AttentionBackend.TORCH, True, tiles,
-                               kv_chunk=8)
+                               kv_chunk=8, dtype=torch.float64)
     q = torch.randn(host.num_rows, heads, dim, generator=gen, dtype=torch.float64)
     out = attention(q, cache, step, attention.prepare(step))
     for row in range(host.num_tokens):
