@@ -215,10 +215,15 @@ class PagedAttention:
         m, pairs = rows * group, len(g.pair_tile)  # m: matrix rows per tile and KV head
         qt = q.index_select(0, g.source).to(self.score_dtype).view(
             tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles, kv_heads, m, d)
-        qp = qt.index_select(0, g.pair_tile).view(pairs * kv_heads, m, d)
-        kv = cache.index_select(1, g.pair_slots).to(self.score_dtype).view(2, pairs, c, kv_heads, d)
-        k, v = kv.transpose(2, 3).reshape(2, pairs * kv_heads, c, d).unbind(0)
-        scores = torch.baddbmm(g.bias, qp, k.transpose(1, 2), alpha=self.scale)  # [P*kv, m, C]
+        qp = qt.index_select(0, g.pair_tile).view(pairs * kv_heads, m, d).mul_(self.scale)
+        k, v = cache.index_select(1, g.pair_slots).to(self.score_dtype).view(
+            2, pairs, c, kv_heads, d).unbind(0)
+        # K^T laid out [d, C] in memory: some BLAS (MKL with AVX-512) give a
+        # row other bits at 128+ rows when K^T is a transposed view, or in
+        # baddbmm when a step has one product.
+        kt = k.permute(0, 2, 3, 1).reshape(pairs * kv_heads, d, c)
+        v = v.transpose(1, 2).reshape(pairs * kv_heads, c, d)
+        scores = torch.bmm(qp, kt).add_(g.bias)  # [P*kv, m, C]
         # A row that reads none of a pair's keys: max -inf; -1e30 keeps exp(s - max) at 0.
         top = scores.amax(dim=-1, keepdim=True).clamp_min_(-1e30)
         weights = elementwise.exp_(scores.sub_(top))

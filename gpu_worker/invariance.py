@@ -2,10 +2,12 @@
 does a row get the same bits whatever the size of the step around it?
 
 It runs the model's first layer and its output head over a few steps, each
-row against its sequence run alone in a step of its own:
+row against its sequence run alone in a step of its own, and each decode row
+against the same token as the last row of a prefill (a recomputed token):
 
     together  [ 1 | 3 | 17 | 40 | 150 ] prefill rows   then  [ 5 decodes ]
     alone     [ 1 ] [ 3 ] [ 17 ] [ 40 ] [ 150 ]                [ 1 ] x 5
+    recompute                                   [ 2 ] [ 4 ] [ 18 ] [ 41 ] [ 151 ]
 
 Row counts from 4 to 212 (fewer where max_model_len is shorter) and both
 query tile sizes, on scratch caches (the runner's own blocks are not
@@ -71,6 +73,11 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
             if not torch.equal(rows[start:start + n], run([seq], alone)):
                 return False
             start += n
+    # `rows` now holds the decodes' logits; each prefill again, one token longer.
+    for i, (seq, token) in enumerate(zip(prefill, decode, strict=True)):
+        again = _Seq([*seq.token_ids, *token.token_ids], 0, seq.block_ids)
+        if not torch.equal(run([again], alone)[-1], rows[i]):
+            return False
     return True
 
 
