@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned, so no dependency can pull another build. Where pip
 	# is configured with a local CPU wheel (our CI machines) that is what it takes.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[worker,dev,gateway]"
+	$(BIN)/pip install --quiet -e ".[worker,dev,gateway,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

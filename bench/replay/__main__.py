@@ -1,0 +1,179 @@
+"""Replay a request trace through kvstash, per preemption policy and
+request rate, and report goodput under SLOs.
+
+    python -m bench.replay --trace ../shared/traces/mooncake_conversation.jsonl \
+        --count 200 --length-scale 0.0625 --rates 0.5,1,2 --model llama-small
+    python -m bench.replay --synthetic 40 --rates 2 --policies recompute,offload
+    python -m bench.replay --trace T.jsonl --address 127.0.0.1:50051   # a running stack
+
+For each rate (the slice's arrivals rescaled to that mean, pattern kept) and
+each policy (recompute, offload, auto, auto-fixed: see runs.POLICIES) a
+fresh stack starts, one short request warms it up, the slice is replayed at
+its arrival times (greedy, EOS ignored, the trace's output lengths), and the
+stack stops. Prompts come from the hash ids (bench/replay/prompts.py).
+Every run's completed outputs must equal every other's (the oracle): the run
+exits 1 otherwise. Writes replay.json and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.replay import plots, report
+from bench.replay.metrics import Slo
+from bench.replay.prompts import build_prompts
+from bench.replay.runs import POLICIES, Endpoint, RunResult, run_once, run_policy
+from bench.replay.trace import Trace, fit, read_trace, synthetic
+from kvstash.launch.stack import StackConfig
+
+MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
+GENERATED_MODELS = ("llama-small",)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    source.add_argument("--synthetic", type=int, metavar="N",
+                        help="N synthetic requests: Poisson arrivals at --rates' first rate")
+    p.add_argument("--synthetic-input", type=int, default=256, help="mean prompt tokens")
+    p.add_argument("--synthetic-output", type=int, default=32, help="mean output tokens")
+    p.add_argument("--synthetic-shared-blocks", type=int, default=1,
+                   help="blocks (of 512 tokens x --length-scale) every prompt opens with")
+    p.add_argument("--start", type=int, default=0, help="first request of the slice")
+    p.add_argument("--count", type=int, help="requests in the slice (default: all)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="prompt and output lengths times this")
+    p.add_argument("--output-scale", type=float,
+                   help="output lengths times this instead (default: --length-scale)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="gaps between arrivals times this (without --rates)")
+    p.add_argument("--rates", help="comma-separated mean request rates to replay the slice at")
+    p.add_argument("--max-context", type=int,
+                   help="drop requests longer than this (default: the model's max_model_len)")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--via", choices=("grpc", "http"), default="grpc",
+                   help="kvstash's gRPC API, or OpenAI HTTP through smg")
+    p.add_argument("--address", help="replay once against this running scheduler instead")
+    p.add_argument("--cache-address", help="with --address: its cache, for occupancy")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny", help="tiny, llama-small or a checkpoint directory")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--cache-memory-budget", default="1GiB")
+    p.add_argument("--worker-threads", type=int)
+    p.add_argument("--scheduler-args", default="",
+                   help="more scheduler flags for every run, e.g. '--init-new-token-ratio 0.3'")
+    p.add_argument("--out", type=Path, default=Path("bench-results/replay"))
+    args = p.parse_args(argv)
+    for name in ("count", "synthetic", "num_blocks", "max_context"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.address and args.via == "http":
+        p.error("--address replays through kvstash's gRPC API only")
+    args.rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
+    if any(r is not None and r <= 0 for r in args.rates):
+        p.error("--rates must be > 0")
+    args.policies = args.policies.split(",")
+    if unknown := [x for x in args.policies if x not in POLICIES]:
+        p.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    return args
+
+
+def commit() -> str:
+    """This tree's commit (with -dirty when changed), or "" outside git."""
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip()
+
+
+def load_slice(args: argparse.Namespace) -> Trace:
+    if args.trace is not None:
+        return read_trace(args.trace, args.start, args.count)
+    return synthetic(args.synthetic, args.rates[0] or 1.0, args.synthetic_input,
+                     args.synthetic_output, args.synthetic_shared_blocks, args.seed)
+
+
+def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[RunResult]:
+    runs = []
+    max_context = args.max_context or MAX_MODEL_LEN.get(args.model)
+    for rate in args.rates:
+        trace, dropped = fit(raw, args.length_scale, args.time_scale, rate, max_context,
+                             args.output_scale)
+        prompts = build_prompts(trace, args.seed)
+        inputs = sum(r.input_length for r in trace.requests)
+        print(f"{len(trace.requests)} requests ({dropped} longer than {max_context} dropped), "
+              f"{trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} prompt "
+              f"tokens", flush=True)
+        for policy in (["external"] if args.address else args.policies):
+            with tqdm(total=len(prompts), desc=f"{policy} @ {trace.rate:.3g}/s",
+                      unit="req", file=sys.stderr) as bar:
+                if args.address:
+                    endpoint = Endpoint(args.address, args.cache_address, None, args.model)
+                    run = asyncio.run(run_once(endpoint, policy, trace, prompts,
+                                               lambda _: bar.update()))
+                else:
+                    run = run_policy(base, policy, trace, prompts, args.via == "http",
+                                     lambda _: bar.update())
+            runs.append(run)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    raw = load_slice(args)
+    with tempfile.TemporaryDirectory(prefix="kvstash-replay-") as workdir:
+        model = args.model
+        if model in GENERATED_MODELS:
+            from bench.worker_bench import write_checkpoint  # imports torch
+
+            model = str(Path(workdir) / model)
+            write_checkpoint(Path(model), args.model, "float32")
+        base = StackConfig(model=model, dtype=args.dtype, num_blocks=args.num_blocks,
+                           max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           cache_memory_budget=args.cache_memory_budget,
+                           worker_threads=args.worker_threads,
+                           scheduler_args=tuple(shlex.split(args.scheduler_args)))
+        runs = replay_all(args, base, raw)
+    print(report.table(runs, slo))
+    args.out.mkdir(parents=True, exist_ok=True)
+    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    setup |= {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "commit": commit(), "cpus": os.cpu_count()}
+    report.write_json(args.out / "replay.json", runs, slo, setup)
+    title = f"{args.model}, {len(raw.requests)} requests, lengths x{args.length_scale:g}"
+    plots.latency_cdfs([r for r in runs if r.rate == runs[-1].rate], slo,
+                       args.out / "latency_cdf.png", f"{title}, {runs[-1].rate:.3g} req/s")
+    plots.occupancy([r for r in runs if r.rate == runs[-1].rate], args.out / "occupancy.png",
+                    f"{title}, {runs[-1].rate:.3g} req/s")
+    if len(args.rates) > 1:
+        plots.goodput_by_rate(runs, slo, args.out / "goodput.png", title)
+    print(f"wrote {args.out}/replay.json and plots")
+    mismatches = report.output_mismatches(runs)
+    for line in mismatches[:20]:
+        print(f"OUTPUT MISMATCH: {line}", file=sys.stderr)
+    if mismatches:
+        return 1
+    print(f"oracle: every completed output identical across {len(runs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

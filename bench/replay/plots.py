@@ -1,0 +1,84 @@
+"""PNG plots of a replay: latency CDFs per policy, goodput and SLO
+attainment against the request rate, KV-pool and cache-tier occupancy over
+time. Figures are made without pyplot: no global state, no display."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from bench.replay.metrics import Slo, summarize
+from bench.replay.runs import RunResult
+
+MIB = 1 << 20
+
+
+def _cdf(ax: Axes, values: Sequence[float], name: str) -> None:
+    ordered = sorted(values)
+    if ordered:
+        ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post",
+                label=name)
+
+
+def latency_cdfs(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) -> None:
+    fig = Figure(figsize=(11, 4))
+    ttft, tpot = fig.subplots(1, 2)
+    for run in runs:
+        done = [r for r in run.records if r.ok]
+        _cdf(ttft, [r.ttft_s for r in done if r.ttft_s is not None], run.policy)
+        _cdf(tpot, [1000 * r.tpot_s for r in done if r.tpot_s is not None], run.policy)
+    ttft.axvline(slo.ttft_s, color="grey", linestyle="--", label="SLO")
+    tpot.axvline(1000 * slo.tpot_s, color="grey", linestyle="--", label="SLO")
+    ttft.set(xlabel="TTFT (s)", ylabel="share of requests", xscale="log")
+    tpot.set(xlabel="TPOT (ms)", ylabel="share of requests")
+    for ax in (ttft, tpot):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def goodput_by_rate(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) -> None:
+    fig = Figure(figsize=(11, 4))
+    good, met = fig.subplots(1, 2)
+    for policy in dict.fromkeys(run.policy for run in runs):
+        mine = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate)
+        summaries = [summarize(r.records, slo) for r in mine]
+        rates = [r.rate for r in mine]
+        good.plot(rates, [s.goodput for s in summaries], marker="o", label=policy)
+        met.plot(rates, [100 * s.attainment for s in summaries], marker="o", label=policy)
+    met.axhline(90, color="grey", linestyle="--", label="90%")
+    good.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within SLOs)")
+    met.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
+    for ax in (good, met):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def occupancy(runs: Sequence[RunResult], path: Path, title: str) -> None:
+    fig = Figure(figsize=(11, 4))
+    pool, tier = fig.subplots(1, 2)
+    for run in runs:
+        samples = run.occupancy
+        if not samples:
+            continue
+        times = [o.t_s for o in samples]
+        pool.plot(times, [100 * o.used_blocks / o.total_blocks for o in samples],
+                  label=run.policy)
+        tier.plot(times, [(o.cache_memory_bytes + o.cache_disk_bytes) / MIB for o in samples],
+                  label=run.policy)
+    pool.set(xlabel="time (s)", ylabel="KV pool held by requests (%)", ylim=(0, 105))
+    tier.set(xlabel="time (s)", ylabel="cache tier, memory + disk (MiB)")
+    for ax in (pool, tier):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

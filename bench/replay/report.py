@@ -1,0 +1,90 @@
+"""A replay's results: the oracle (same greedy outputs in every run), the
+terminal table, and the JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.replay.metrics import Slo, Summary, summarize
+from bench.replay.runs import RunResult
+
+MIB = 1 << 20
+
+
+def label(run: RunResult) -> str:
+    return f"{run.policy} @ {run.rate:.3g}/s"
+
+
+def output_mismatches(runs: Sequence[RunResult]) -> list[str]:
+    """Requests whose completed output differs from the first run's that
+    completed them: greedy outputs must not depend on the policy or the load."""
+    first: dict[int, tuple[str, list[int] | str]] = {}
+    problems = []
+    for run in runs:
+        for record in run.records:
+            if not record.ok:
+                continue
+            name, output = first.setdefault(record.index, (label(run), record.output))
+            if record.output != output:
+                at = next((i for i, (a, b) in enumerate(zip(record.output, output, strict=False))
+                           if a != b), min(len(record.output), len(output)))
+                problems.append(f"request {record.index}: {label(run)} differs from {name} "
+                                f"from output position {at}")
+    return problems
+
+
+def prefix_hit_rate(counters: dict[str, int]) -> float:
+    """Of the prompt (and recomputed) tokens prefilled, the share a cached
+    prefix supplied."""
+    total = counters["num_prompt_tokens"] + counters["num_recomputed_tokens"]
+    return counters["num_prefix_hit_tokens"] / total if total else 0.0
+
+
+def table(runs: Sequence[RunResult], slo: Slo) -> str:
+    head = ("policy", "rate/s", "done", "fail", "req/s", "out tok/s", "goodput", "SLO %",
+            "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms", "ITL p50 ms", "E2E p50 s",
+            "preempt off/rec", "recomputed tok", "MiB off/restored", "prefix hit %")
+    rows = [head]
+    for run in runs:
+        s, c = summarize(run.records, slo), run.counters
+        rows.append((
+            run.policy, f"{run.rate:.3g}", str(s.num_completed), str(s.num_failed),
+            f"{s.requests_per_s:.3f}", f"{s.output_tokens_per_s:.1f}", f"{s.goodput:.3f}",
+            f"{100 * s.attainment:.0f}",
+            "/".join(f"{1000 * s.ttft_s[p]:.0f}" for p in ("p50", "p90", "p99")),
+            "/".join(f"{1000 * s.tpot_s[p]:.1f}" for p in ("p50", "p99")),
+            f"{1000 * s.itl_s['p50']:.1f}", f"{s.e2e_s['p50']:.2f}",
+            f"{c['num_preemptions_offload']}/{c['num_preemptions_recompute']}",
+            str(c["num_recomputed_tokens"]),
+            f"{c['bytes_offloaded'] / MIB:.0f}/{c['bytes_restored'] / MIB:.0f}",
+            f"{100 * prefix_hit_rate(c):.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+             for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def summary_json(summary: Summary) -> dict[str, Any]:
+    return dataclasses.asdict(summary)
+
+
+def write_json(path: Path, runs: Sequence[RunResult], slo: Slo,
+               setup: dict[str, Any]) -> None:
+    body = {
+        "setup": setup,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "runs": [{
+            "policy": run.policy, "rate": run.rate,
+            "summary": summary_json(summarize(run.records, slo)),
+            "counters": run.counters, "prefix_hit_rate": prefix_hit_rate(run.counters),
+            "occupancy": [dataclasses.asdict(o) for o in run.occupancy],
+            "requests": [{"index": r.index, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+                          "e2e_s": r.e2e_s, "num_tokens": r.num_tokens, "error": r.error}
+                         for r in run.records],
+        } for run in runs],
+    }
+    path.write_text(json.dumps(body, indent=1, allow_nan=True), encoding="utf-8")

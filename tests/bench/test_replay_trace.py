@@ -1,0 +1,127 @@
+"""The trace reader, the slice fitter, the synthetic generator and the
+prompt builder of bench.replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.replay.prompts import ALPHABET, PromptBuilder, build_prompts
+from bench.replay.trace import Trace, TraceError, TraceRequest, fit, read_trace, synthetic
+
+
+def line(stamp: float = 0, inputs: int = 600, outputs: int = 10,
+         ids: list[int] | None = None) -> str:
+    return json.dumps({"timestamp": stamp, "input_length": inputs, "output_length": outputs,
+                       "hash_ids": [0, 1] if ids is None else ids})
+
+
+def write(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_reads_a_slice_with_arrivals_from_its_first_request(tmp_path: Path) -> None:
+    path = write(tmp_path, line(0), "", line(1000), line(2500, 700, 5, [0, 2]), line(4000))
+    trace = read_trace(path, start=1, count=2)
+    assert [r.arrival_s for r in trace.requests] == [0.0, 1.5]
+    assert trace.requests[1] == TraceRequest(1.5, 700, 5, (0, 2))
+    assert trace.duration_s == 1.5 and trace.rate == pytest.approx(1 / 1.5)
+    assert len(read_trace(path).requests) == 4
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "expected an object"),
+    (json.dumps({"timestamp": 0, "input_length": 5}), "missing output_length, hash_ids"),
+    (line(-1), "timestamp"),
+    (line(0, 0), "input_length must be an integer > 0"),
+    (line(0, 600, True), "output_length must be an integer > 0"),  # type: ignore[arg-type]
+    (line(0, 600, 10, [0, -3]), "hash_ids"),
+    (line(0, 1025, 10, [0, 1]), "2 hash_ids cover 1024 tokens, fewer than input_length 1025"),
+])
+def test_a_bad_line_is_refused_naming_it(tmp_path: Path, bad: str, says: str) -> None:
+    path = write(tmp_path, line(0), bad)
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: .*{says}"):
+        read_trace(path)
+
+
+def test_timestamps_going_back_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="timestamps go back"):
+        read_trace(write(tmp_path, line(500), line(100)))
+
+
+def test_a_trace_with_no_requests_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(write(tmp_path, "", "  "))
+    with pytest.raises(TraceError, match="no requests from #5"):
+        read_trace(write(tmp_path, line(0)), start=5)
+    with pytest.raises(TraceError, match="no requests"):
+        Trace(())
+
+
+def test_fit_scales_lengths_with_the_block_and_gaps_by_the_time_scale() -> None:
+    trace = Trace((TraceRequest(0.0, 1000, 100, (0, 1)), TraceRequest(2.0, 30, 3, (0,))))
+    scaled, dropped = fit(trace, length_scale=0.25, time_scale=3.0)
+    assert dropped == 0 and scaled.block_tokens == 128
+    assert scaled.requests == (TraceRequest(0.0, 250, 25, (0, 1)),
+                               TraceRequest(6.0, 8, 1, (0,)))  # rounded, at least 1
+    longer, _ = fit(trace, length_scale=0.25, output_scale=0.5)
+    assert [(r.input_length, r.output_length) for r in longer.requests] == [(250, 50), (8, 2)]
+
+
+def test_fit_to_a_rate_keeps_the_pattern() -> None:
+    trace = Trace(tuple(TraceRequest(t, 10, 1, (0,)) for t in (0.0, 1.0, 4.0)))
+    scaled, _ = fit(trace, rate=2.0)
+    assert scaled.rate == pytest.approx(2.0)
+    assert [r.arrival_s for r in scaled.requests] == pytest.approx([0.0, 0.25, 1.0])
+    with pytest.raises(ValueError, match="at once"):
+        fit(Trace((TraceRequest(0.0, 10, 1, (0,)),) * 2), rate=1.0)
+    with pytest.raises(ValueError, match="> 0"):
+        fit(trace, length_scale=0)
+
+
+def test_fit_drops_what_exceeds_the_context() -> None:
+    trace = Trace((TraceRequest(0.0, 900, 100, (0, 1)), TraceRequest(1.0, 901, 100, (0, 1))))
+    scaled, dropped = fit(trace, max_context=1000)
+    assert dropped == 1 and [r.input_length for r in scaled.requests] == [900]
+    with pytest.raises(TraceError, match="no request fits"):
+        fit(trace, max_context=10)
+
+
+def test_synthetic_is_seeded_and_shares_its_system_prompt() -> None:
+    a = synthetic(200, rate=4.0, input_mean=300, output_mean=20, shared_blocks=2, seed=7,
+                  block_tokens=64)
+    assert a == synthetic(200, 4.0, 300, 20, 2, 7, 64)
+    assert a != synthetic(200, 4.0, 300, 20, 2, 8, 64)
+    assert all(r.hash_ids[:2] == (0, 1) for r in a.requests)
+    own = [i for r in a.requests for i in r.hash_ids[2:]]
+    assert len(own) == len(set(own))  # the rest is each request's own
+    assert all(r.input_length > 128 for r in a.requests)
+    assert a.rate == pytest.approx(4.0, rel=0.2)
+
+
+def test_prompts_share_exactly_the_blocks_their_ids_share() -> None:
+    trace = Trace((TraceRequest(0.0, 20, 1, (5, 6, 7)), TraceRequest(0.0, 18, 1, (5, 6, 9)),
+                   TraceRequest(0.0, 7, 1, (5,))), block_tokens=8)
+    a, b, c = build_prompts(trace, seed=3)
+    assert (len(a), len(b), len(c)) == (20, 18, 7)
+    assert a[:16] == b[:16] and a[16:18] != b[16:18]
+    assert c == a[:7]
+    assert set(a) <= set(ALPHABET)
+    assert build_prompts(trace, seed=3) == [a, b, c]
+    assert build_prompts(trace, seed=4)[0] != a
+
+
+def test_a_block_is_the_same_in_every_process() -> None:
+    # Drawn from a SHA-512 of "seed:id", not from hash(): PYTHONHASHSEED
+    # and the process do not change it, so runs on two machines compare.
+    assert PromptBuilder(6, seed=0).block(42) == [82, 121, 91, 36, 32, 65]
+
+
+def test_a_prompt_needs_its_blocks() -> None:
+    with pytest.raises(ValueError, match="need 3 blocks of 8"):
+        PromptBuilder(8).prompt(TraceRequest(0.0, 17, 1, (1, 2)))
