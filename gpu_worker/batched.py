@@ -16,9 +16,10 @@ padded to whole tiles of `row_tile` rows and either
 
 - `whole` steps (the CPU default): each op runs once over all rows, padded
   to a multiple of 4. CPU GEMMs (MKL, oneDNN) compute rows in panels of 4
-  (`attention.GEMM_ROW_PANEL`): at any row count that is a multiple of 4 a
-  row gets the same bits. exp and silu go through `elementwise`, so that no
-  row is cut into a scalar tail. That is a property of the BLAS, not of
+  (`query_tiles.GEMM_ROW_PANEL`): at any row count that is a multiple of 4 a
+  row gets the same bits, as long as the inner dimension is not split by
+  row count (matmuls take K in fixed pieces, `model.linear`). exp and silu
+  go through `elementwise`, so that no row is cut into a scalar tail. That is a property of the BLAS, not of
   torch's contract, so the runner checks it when it starts
   (`invariance.rows_match_alone`: steps of several sizes against each
   sequence alone) and falls back to tiles where it does not hold; or
@@ -41,6 +42,8 @@ from gpu_worker.model import CausalLM, DecoderLayer
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_inputs import DeviceStep
 
+K_PIECE = 512  # see model.linear
+
 
 def rotary_table(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [length, 1, head_dim] in the model's dtype, for `rotate`:
@@ -62,25 +65,26 @@ def default_row_tile(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 16
 
 
-def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         k_piece: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, projections and rotary of rows `x`: q [rows, heads, d], k, v [rows, kv, d]
     (views into one matmul's output)."""
     attn, rows = layer.self_attn, x.shape[0]
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = attn.qkv(layer.input_layernorm(x))
+    qkv = attn.qkv(layer.input_layernorm(x), k_piece)
     qk = rotate(qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
 
 
-def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
+          k_piece: int | None) -> torch.Tensor:
     """Output projection and residual, norm, MLP and residual."""
-    h = x + layer.self_attn.o_proj(attended)
+    h = x + layer.self_attn.o_proj(attended, k_piece)
     mlp = layer.mlp
-    gate_up = mlp.gate_up(layer.post_attention_layernorm(h))
+    gate_up = mlp.gate_up(layer.post_attention_layernorm(h), k_piece)
     size = gate_up.shape[1] // 2
     gate = elementwise.silu_(gate_up[:, :size])
-    return h + mlp.down_proj(gate * gate_up[:, size:])
+    return h + mlp.down_proj(gate * gate_up[:, size:], k_piece)
 
 
 class BatchedForward:
@@ -105,6 +109,8 @@ class BatchedForward:
         self.model = model
         self.row_tile = row_tile
         self.whole = whole
+        # Whole invariant steps: matmuls over K in fixed pieces (model.linear).
+        self.k_piece = K_PIECE if whole and row_tile is not None else None
         invariant = row_tile is not None
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)
@@ -138,23 +144,23 @@ class BatchedForward:
         for i, layer in enumerate(self.model.model.layers[:num_layers]):
             assert isinstance(layer, DecoderLayer)
             if self.whole:
-                q, k, v = _qkv(layer, x, cos, sin)
+                q, k, v = _qkv(layer, x, cos, sin, self.k_piece)
             else:
                 for t in tiles:
-                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t])
+                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t], None)
             flat[i, 0].index_copy_(0, step.write_slots, k[:n])
             flat[i, 1].index_copy_(0, step.write_slots, v[:n])
             out = self.attention(q, flat[i], step, keys).view(rows, -1)
             if self.whole:
-                x = _rest(layer, x, out)
+                x = _rest(layer, x, out, self.k_piece)
             else:
                 for t in tiles:
-                    x[t] = _rest(layer, x[t], out[t])
+                    x[t] = _rest(layer, x[t], out[t], None)
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head, tile by tile: [rows, vocab]."""
-        parts = [self.model.lm_head(self.model.model.norm(hidden[t]))
+        parts = [self.model.lm_head(self.model.model.norm(hidden[t]), self.k_piece)
                  for t in self._tiles(hidden.shape[0])]
         return torch.cat(parts) if len(parts) != 1 else parts[0]

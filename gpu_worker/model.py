@@ -44,6 +44,35 @@ def stored_transposed(out_features: int, in_features: int, dtype: torch.dtype,
     return torch.empty(in_features, out_features, dtype=dtype, device=device).t()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           k_piece: int | None = None) -> torch.Tensor:
+    """`F.linear`, or with `k_piece` a form whose rows' bits do not depend on
+    the row count, on the CPU BLAS we have measured (invariance.py checks it
+    at start): the inner dimension in fixed pieces of `k_piece` columns,
+    summed in order (one mm, then addmm), because MKL splits a long K into
+    blocks whose size follows the row count (AVX-512: from K = 1024, a row
+    gets other bits from 20 rows):
+
+        x [rows, K] . W^T = x[:, 0:p] W^T[0:p] + x[:, p:2p] W^T[p:2p] + ...
+
+    A weight laid out [in, out] (stored_transposed) is multiplied as it lies;
+    one laid out [out, in] (a tied output head: the embedding) as
+    (W . x^T)^T, with the rows as the product's columns: x . W^T with W^T a
+    transposed view gives a row other bits from 8-16 rows."""
+    if k_piece is None:
+        return F.linear(x, weight, bias)
+    flat, size = x.reshape(-1, weight.shape[1]), weight.shape[1]
+    stored_in_out = weight.t().is_contiguous()
+    a, b = (flat, weight.t()) if stored_in_out else (weight, flat.t())
+    out = a[:, :k_piece] @ b[:k_piece]
+    for start in range(k_piece, size, k_piece):
+        out = torch.addmm(out, a[:, start:start + k_piece], b[start:start + k_piece])
+    out = out if stored_in_out else out.t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Module):
     """`nn.Linear` without its random init: weights are always loaded or filled."""
 
@@ -55,8 +84,8 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, k_piece)
 
 
 class Fused:
@@ -82,9 +111,9 @@ class Fused:
             self.parts.append(part)
             start += out
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
         """[rows, sum(outs)]: every part's output side by side."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, k_piece)
 
 
 class OutputHead(Linear):
@@ -105,8 +134,8 @@ class OutputHead(Linear):
         # Not a weight: no checkpoint stores it.
         self.register_buffer("blocked", blocked, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
+    def forward(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
+        logits = super().forward(x, k_piece)
         return logits.masked_fill(self.blocked, torch.finfo(logits.dtype).min)
 
 
