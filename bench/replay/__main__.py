@@ -32,7 +32,7 @@ from tqdm import tqdm
 from bench.replay import plots, report
 from bench.replay.metrics import Slo
 from bench.replay.prompts import build_prompts
-from bench.replay.runs import POLICIES, Endpoint, RunResult, run_once, run_policy
+from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
 from bench.replay.trace import Trace, fit, read_trace, synthetic
 from kvstash.launch.stack import StackConfig
 
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", help="comma-separated mean request rates to replay the slice at")
     p.add_argument("--max-context", type=int,
                    help="drop requests longer than this (default: the model's max_model_len)")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated, of: {', '.join(POLICIES)}")
     p.add_argument("--via", choices=("grpc", "http"), default="grpc",
                    help="kvstash's gRPC API, or OpenAI HTTP through smg")
     p.add_argument("--address", help="replay once against this running scheduler instead")

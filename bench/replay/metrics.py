@@ -112,7 +112,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> Summary:
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
-            name = r.error or "NO_TOKENS"
+            name = r.error or "UNFINISHED"  # the stream ended without a finish
             errors[name] = errors.get(name, 0) + 1
     num_met = sum(slo.met(r) for r in records)
 

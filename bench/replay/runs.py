@@ -20,12 +20,15 @@ from kvstash.v1 import scheduler_pb2
 
 # What each policy changes in the scheduler: how a preempted decode's KV
 # comes back, and how admission reserves blocks for running decodes.
+# "-fixed": admission reserves a fixed number of blocks per running decode
+# (--fixed-blocks-per-decode, 1 by default) instead of its expected growth
+# (new_token_ratio): it admits more and preempts more.
 POLICIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "recompute": ("recompute", ()),
-    "offload": ("offload", ()),
-    "auto": ("auto", ()),
-    "auto-fixed": ("auto", ("--reservation", "fixed_blocks")),
+    name + suffix: (name, args)
+    for suffix, args in (("", ()), ("-fixed", ("--reservation", "fixed_blocks")))
+    for name in ("recompute", "offload", "auto")
 }
+DEFAULT_POLICIES = ("recompute", "offload", "auto", "auto-fixed")
 OnDone = Callable[[RequestRecord], None] | None
 # SchedulerStats counters a run reports, as differences over the replay.
 COUNTERS = ("num_preemptions_offload", "num_preemptions_recompute", "num_recomputed_tokens",
