@@ -19,16 +19,18 @@ padded to whole tiles of `row_tile` rows and either
   (`query_tiles.GEMM_ROW_PANEL`): at any row count that is a multiple of 4 a
   row gets the same bits, as long as the inner dimension is not split by
   row count (matmuls take K in fixed pieces, `model.linear`). exp and silu
-  go through `elementwise`, so that no row is cut into a scalar tail. That is a property of the BLAS, not of
-  torch's contract, so the runner checks it when it starts
-  (`invariance.rows_match_alone`: steps of several sizes against each
-  sequence alone) and falls back to tiles where it does not hold; or
+  go through `elementwise`, so that no row is cut into a scalar tail. That
+  is a property of the BLAS, not of torch's contract, so the runner checks
+  it when it starts (`invariance.rows_match_alone`: steps of several sizes
+  against each sequence alone, decode rows against the same token
+  recomputed) and falls back to tiles where it does not hold; or
 - tiles (GPUs, where cuBLAS picks kernels and split-K by shape, and the
   fallback): every token-wise op runs on slices of exactly `row_tile` rows,
   so each kernel sees one shape only.
 
 Rotary angles come from a table (a gather, not a computation per step).
-Attention is invariant by its own construction (attention.py).
+Attention is invariant by its own construction (attention.py), on the same
+kind of matmul.
 `row_tile=None` runs each op once over the rows unpadded: not invariant.
 """
 

@@ -137,8 +137,12 @@ def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    slo = Slo(args.slo_ttft, args.slo_tpot)
-    raw = load_slice(args)
+    try:
+        slo = Slo(args.slo_ttft, args.slo_tpot)
+        raw = load_slice(args)
+    except (ValueError, OSError) as exc:  # TraceError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="kvstash-replay-") as workdir:
         model = args.model
         if model in GENERATED_MODELS:

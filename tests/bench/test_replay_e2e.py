@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.replay.__main__ import main
 
 # Lengths as drawn x 1/16: 8 requests at once, prompts ~80 tokens (a
@@ -51,3 +53,11 @@ def test_replay_through_smg_gives_the_grpc_outputs(tmp_path: Path) -> None:
     assert http_run["summary"]["num_completed"] == 4
     assert [r["num_tokens"] for r in http_run["requests"]] == \
         [r["num_tokens"] for r in grpc_run["requests"]]
+
+
+def test_a_bad_trace_is_refused_before_any_stack_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5}\n', encoding="utf-8")
+    assert main(["--trace", str(trace), "--out", str(tmp_path)]) == 2
+    assert "t.jsonl:1: missing output_length, hash_ids" in capsys.readouterr().err
