@@ -33,7 +33,7 @@ from bench.replay import plots, report
 from bench.replay.metrics import Slo
 from bench.replay.prompts import build_prompts
 from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
-from bench.replay.trace import Trace, fit, read_trace, synthetic
+from bench.replay.trace import Trace, fit, read_trace, synthetic, write_trace
 from kvstash.launch.stack import StackConfig
 
 MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="kvstash's gRPC API, or OpenAI HTTP through smg")
     p.add_argument("--address", help="replay once against this running scheduler instead")
     p.add_argument("--cache-address", help="with --address: its cache, for occupancy")
+    p.add_argument("--http-url", help="with --address and --via http: the smg in front of it")
+    p.add_argument("--write-trace", type=Path,
+                   help="also write the fitted slice here (Mooncake format, for another tool)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -85,8 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("count", "synthetic", "num_blocks", "max_context"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.address and args.via == "http":
-        p.error("--address replays through kvstash's gRPC API only")
+    if args.address and args.via == "http" and not args.http_url:
+        p.error("--address with --via http needs --http-url (smg's base URL)")
     args.rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
     if any(r is not None and r <= 0 for r in args.rates):
         p.error("--rates must be > 0")
@@ -117,6 +120,8 @@ def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[
         trace, dropped = fit(raw, args.length_scale, args.time_scale, rate, max_context,
                              args.output_scale)
         prompts = build_prompts(trace, args.seed)
+        if args.write_trace is not None:
+            write_trace(trace, args.write_trace)
         inputs = sum(r.input_length for r in trace.requests)
         print(f"{len(trace.requests)} requests ({dropped} longer than {max_context} dropped), "
               f"{trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} prompt "
@@ -125,7 +130,8 @@ def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[
             with tqdm(total=len(prompts), desc=f"{policy} @ {trace.rate:.3g}/s",
                       unit="req", file=sys.stderr) as bar:
                 if args.address:
-                    endpoint = Endpoint(args.address, args.cache_address, None, args.model)
+                    url = args.http_url if args.via == "http" else None
+                    endpoint = Endpoint(args.address, args.cache_address, url, args.model)
                     run = asyncio.run(run_once(endpoint, policy, trace, prompts,
                                                lambda _: bar.update()))
                 else:

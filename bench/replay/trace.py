@@ -173,3 +173,13 @@ def synthetic(num_requests: int, rate: float, input_mean: int, output_mean: int,
         requests.append(TraceRequest(now, inputs, draw(output_mean), ids))
         now += rng.expovariate(rate)
     return Trace(tuple(requests), block_tokens)
+
+
+def write_trace(trace: Trace, path: Path) -> None:
+    """In the Mooncake format, as fitted: a tool replaying it must be told
+    the block a hash id stands for (`trace.block_tokens`; aiperf:
+    --prompt-input-tokens-block-size)."""
+    lines = (json.dumps({"timestamp": round(r.arrival_s * 1000, 3),
+                         "input_length": r.input_length, "output_length": r.output_length,
+                         "hash_ids": list(r.hash_ids)}) for r in trace.requests)
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from bench.replay.prompts import ALPHABET, PromptBuilder, build_prompts
-from bench.replay.trace import Trace, TraceError, TraceRequest, fit, read_trace, synthetic
+from bench.replay.trace import (
+    Trace,
+    TraceError,
+    TraceRequest,
+    fit,
+    read_trace,
+    synthetic,
+    write_trace,
+)
 
 
 def line(stamp: float = 0, inputs: int = 600, outputs: int = 10,
@@ -125,3 +133,14 @@ def test_a_block_is_the_same_in_every_process() -> None:
 def test_a_prompt_needs_its_blocks() -> None:
     with pytest.raises(ValueError, match="need 3 blocks of 8"):
         PromptBuilder(8).prompt(TraceRequest(0.0, 17, 1, (1, 2)))
+
+
+def test_a_fitted_trace_written_reads_back(tmp_path: Path) -> None:
+    trace = synthetic(20, rate=3.0, input_mean=40, output_mean=5, shared_blocks=1,
+                      block_tokens=32)
+    write_trace(trace, tmp_path / "w.jsonl")
+    again = read_trace(tmp_path / "w.jsonl")
+    assert [(r.input_length, r.output_length, r.hash_ids) for r in again.requests] == \
+        [(r.input_length, r.output_length, r.hash_ids) for r in trace.requests]
+    assert [r.arrival_s for r in again.requests] == pytest.approx(
+        [r.arrival_s for r in trace.requests], abs=1e-6)
