@@ -141,7 +141,8 @@ def fit(trace: Trace, length_scale: float = 1.0, time_scale: float = 1.0,
         inputs = min(max(1, round(r.input_length * length_scale)), block * len(r.hash_ids))
         outputs = max(1, round(r.output_length * output_scale))
         if max_context is None or inputs + outputs <= max_context:
-            kept.append(TraceRequest(r.arrival_s * time_scale, inputs, outputs, r.hash_ids))
+            ids = r.hash_ids[:-(-inputs // block)]  # rounding may leave an id unused
+            kept.append(TraceRequest(r.arrival_s * time_scale, inputs, outputs, ids))
     if not kept:
         raise TraceError(f"no request fits max_context={max_context} at length_scale "
                          f"{length_scale}")

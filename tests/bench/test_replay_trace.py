@@ -77,6 +77,12 @@ def test_fit_scales_lengths_with_the_block_and_gaps_by_the_time_scale() -> None:
     assert dropped == 0 and scaled.block_tokens == 128
     assert scaled.requests == (TraceRequest(0.0, 250, 25, (0, 1)),
                                TraceRequest(6.0, 8, 1, (0,)))  # rounded, at least 1
+    # Scaled lengths round: 515 tokens in 2 ids of 512 become 64 in blocks
+    # of 64, which the first id covers; the unused id goes.
+    trimmed, _ = fit(Trace((TraceRequest(0.0, 520, 1, (0, 1)),)), length_scale=0.125)
+    assert trimmed.requests[0].hash_ids == (0, 1)
+    trimmed, _ = fit(Trace((TraceRequest(0.0, 515, 1, (0, 1)),)), length_scale=0.125)
+    assert trimmed.requests[0].input_length == 64 and trimmed.requests[0].hash_ids == (0,)
     longer, _ = fit(trace, length_scale=0.25, output_scale=0.5)
     assert [(r.input_length, r.output_length) for r in longer.requests] == [(250, 50), (8, 2)]
 
