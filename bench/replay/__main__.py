@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay import plots, report
 from bench.replay.metrics import Slo
 from bench.replay.prompts import build_prompts
@@ -36,7 +37,6 @@ from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, r
 from bench.replay.trace import Trace, fit, read_trace, synthetic, write_trace
 from kvstash.launch.stack import StackConfig
 
-MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
 GENERATED_MODELS = ("llama-small",)
 
 

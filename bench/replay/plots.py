@@ -16,6 +16,15 @@ from bench.replay.runs import RunResult
 MIB = 1 << 20
 
 
+def _finish(fig: Figure, axes: tuple[Axes, ...], title: str, path: Path) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def _cdf(ax: Axes, values: Sequence[float], name: str) -> None:
     ordered = sorted(values)
     if ordered:
@@ -34,12 +43,7 @@ def latency_cdfs(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) ->
     tpot.axvline(1000 * slo.tpot_s, color="grey", linestyle="--", label="SLO")
     ttft.set(xlabel="TTFT (s)", ylabel="share of requests", xscale="log")
     tpot.set(xlabel="TPOT (ms)", ylabel="share of requests")
-    for ax in (ttft, tpot):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _finish(fig, (ttft, tpot), title, path)
 
 
 def goodput_by_rate(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) -> None:
@@ -54,12 +58,7 @@ def goodput_by_rate(runs: Sequence[RunResult], slo: Slo, path: Path, title: str)
     met.axhline(90, color="grey", linestyle="--", label="90%")
     good.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within SLOs)")
     met.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
-    for ax in (good, met):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _finish(fig, (good, met), title, path)
 
 
 def occupancy(runs: Sequence[RunResult], path: Path, title: str) -> None:
@@ -76,9 +75,4 @@ def occupancy(runs: Sequence[RunResult], path: Path, title: str) -> None:
                   label=run.policy)
     pool.set(xlabel="time (s)", ylabel="KV pool held by requests (%)", ylim=(0, 105))
     tier.set(xlabel="time (s)", ylabel="cache tier, memory + disk (MiB)")
-    for ax in (pool, tier):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _finish(fig, (pool, tier), title, path)
