@@ -287,6 +287,15 @@ def compare(rev: str, argv: list[str]) -> None:
               f"{old.get('prefill_chunk_ops')} -> {new['prefill_chunk_ops']}")
 
 
+def tune_malloc_as_the_worker_does() -> None:
+    """build_runner's malloc thresholds; a revision from before them (--compare) ran without."""
+    try:
+        from gpu_worker.host_malloc import keep_large_blocks
+    except ImportError:
+        return
+    keep_large_blocks()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.write_checkpoint, args.model, args.dtype or "bfloat16")
         return
     device = resolve_device(args.device)
+    if device.type == "cpu":
+        tune_malloc_as_the_worker_does()
     dtype = getattr(torch, args.dtype or ("float32" if args.model == "tiny" else "bfloat16"))
     with tempfile.TemporaryDirectory() as workdir:
         model = load(args.model, dtype, device, Path(workdir))

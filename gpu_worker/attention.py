@@ -20,8 +20,10 @@ Two implementations, one contract (`PagedAttention.__call__`):
   need is one matrix product, all pairs of a step at once:
 
       keys of a sequence:  [0 .. C-1][C .. 2C-1] ... [jC .. (j+1)C-1]
-      pair (tile, j):      [tile rows x d] x [d x C] + mask -> max, exp, sum, x V
-      per tile:            chunks combined in order (a cumulative sum over j)
+      pair (tile, j):      scores = [tile rows x d] x [d x C] (+ mask where needed)
+      per row:             max over all its pairs' scores (exact in any order)
+      pair (tile, j):      exp(scores - row max) x [V | 1] -> weighted values, weight sum
+      per tile:            pairs added in chunk order, values / weight sum
 
   A row's numbers depend only on its own keys: chunks past its position add
   exactly 0, and each matmul has the shape of its pair whatever the step,
@@ -203,13 +205,15 @@ class PagedAttention:
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, g: TileGroup) -> torch.Tensor:
         """[tiles * rows, heads, d]: every tile row's attention. Each (tile,
-        chunk) pair gives its rows' max score, weight sum and weighted values
-        over its C keys; the chunks of a tile then combine in chunk order:
+        chunk) pair scores its rows against its C keys; a row's weights are
+        exp(score - the row's max over all its keys), and the pairs of a tile
+        then add up in chunk order (index_add_ runs through the pairs in
+        order, from 0):
 
-            out = sum_j w_j acc_j / sum_j w_j l_j,  w_j = exp(max_j - max over j)
+            out = sum_j P_j [V_j | 1], divided through by its last column
 
-        (a cumulative sum over j, so chunks a row does not read, w_j = 0, add
-        exactly nothing)."""
+        Keys past a row's position weigh exactly 0, so chunks a row does not
+        read add exactly nothing."""
         c, kv_heads, d = self.kv_chunk, self.num_kv_heads, self.head_dim
         rows, tiles, group = g.rows, g.tiles, self.num_heads // kv_heads
         m, pairs = rows * group, len(g.pair_tile)  # m: matrix rows per tile and KV head
@@ -222,19 +226,19 @@ class PagedAttention:
         # row other bits at 128+ rows when K^T is a transposed view, or in
         # baddbmm when a step has one product.
         kt = k.permute(0, 2, 3, 1).reshape(pairs * kv_heads, d, c)
-        v = v.transpose(1, 2).reshape(pairs * kv_heads, c, d)
-        scores = torch.bmm(qp, kt).add_(g.bias)  # [P*kv, m, C]
-        # A row that reads none of a pair's keys: max -inf; -1e30 keeps exp(s - max) at 0.
-        top = scores.amax(dim=-1, keepdim=True).clamp_min_(-1e30)
-        weights = elementwise.exp_(scores.sub_(top))
-        per_pair = (top, weights.sum(dim=-1, keepdim=True), torch.bmm(weights, v))
-        dense = []  # each [tiles, chunks, kv, m, 1 or d]; pairs not read: max -1e30, sums 0
-        for x, fill in zip(per_pair, (-1e30, 0.0, 0.0), strict=True):
-            full = x.new_full((tiles * g.chunks, kv_heads, m, x.shape[-1]), fill)
-            full.index_copy_(0, g.pair_at, x.view(pairs, kv_heads, m, -1))
-            dense.append(full.view(tiles, g.chunks, kv_heads, m, -1))
-        top_all, sums, acc = dense
-        w = elementwise.exp(top_all - top_all.amax(dim=1, keepdim=True))
-        out = (acc * w).cumsum(dim=1)[:, -1] / (sums * w).cumsum(dim=1)[:, -1]
+        values = v.new_empty(pairs, kv_heads, c, d + 1)  # [V | 1]: the weight sum comes along
+        values[..., :d] = v.transpose(1, 2)
+        values[..., d] = 1.0
+        scores = torch.bmm(qp, kt)  # [P*kv, m, C]
+        scores[len(scores) - len(g.bias):].add_(g.bias)
+        top = scores.amax(dim=-1, keepdim=True).view(pairs, kv_heads, m, 1)
+        # Every row reads key 0, so its max over the tile's pairs is finite.
+        row_max = top.new_full((tiles, kv_heads, m, 1), -math.inf).scatter_reduce_(
+            0, g.pair_tile.view(-1, 1, 1, 1).expand_as(top), top, "amax")
+        scores.sub_(row_max.index_select(0, g.pair_tile).view(pairs * kv_heads, m, 1))
+        per_pair = torch.bmm(elementwise.exp_(scores), values.view(pairs * kv_heads, c, d + 1))
+        total = per_pair.new_zeros(tiles, kv_heads, m, d + 1).index_add_(
+            0, g.pair_tile, per_pair.view(pairs, kv_heads, m, d + 1))
+        out = total[..., :d] / total[..., d:]
         return out.view(tiles, kv_heads, rows, group, d).transpose(1, 2).reshape(
             tiles * rows, self.num_heads, d).to(q.dtype)

@@ -49,17 +49,18 @@ class QueryTiles:
 @dataclass(frozen=True, slots=True)
 class TileGroup:
     """The tiles of one size in a step and the (tile, key chunk) pairs they
-    read: chunk j of tile t for every j up to its last row's position."""
+    read: chunk j of tile t for every j up to its last row's position. Pairs
+    whose keys every row of the tile reads come first, those that need a mask
+    last; either way a tile's pairs stay in chunk order (a tile's masked
+    chunks are its last ones)."""
 
     rows: int  # per tile
-    chunks: int  # the most any tile reads
     source: torch.Tensor  # [tiles * rows] query row of each tile row (padding: the tile's first)
     dest: torch.Tensor  # [tiles * rows] output row of each tile row (padding: the dump row)
     pair_tile: torch.Tensor  # [pairs] tile of each pair
-    pair_at: torch.Tensor  # [pairs] tile * chunks + chunk: its place among all pairs
     pair_slots: torch.Tensor  # [pairs * C] slot of each key (past the context: key 0)
-    # [pairs * kv_heads, rows * group, C]: 0, or -inf where the key is past the
-    # row's position; the scores' matmul adds it.
+    # [masked pairs * kv_heads, rows * group, C]: 0, or -inf where the key is
+    # past the row's position; added to the scores of the last pairs.
     bias: torch.Tensor
 
     @property
@@ -81,9 +82,13 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     source = np.where(real, source, first[:, None])
     positions = host.positions[source]
     reads = positions.max(axis=1) // chunk + 1  # chunks each tile reads
-    chunks = int(reads.max())
     pair_tile = np.repeat(np.arange(len(reads)), reads)
     pair_chunk = np.arange(len(pair_tile)) - np.repeat(np.cumsum(reads) - reads, reads)
+    # A pair needs a mask where its last key is past the tile's first position.
+    masked = (pair_chunk + 1) * chunk > positions.min(axis=1)[pair_tile] + 1
+    order = np.argsort(masked, kind="stable")
+    pair_tile, pair_chunk = pair_tile[order], pair_chunk[order]
+    plain = len(order) - int(masked.sum())
     keys = pair_chunk[:, None] * chunk + np.arange(chunk)  # [pairs, C] key positions
     seq = tile_seq[pair_tile]
     table = host.block_tables[seq]  # [pairs, table width]
@@ -91,13 +96,12 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     slots = np.take_along_axis(table, block, axis=1) * block_size + keys % block_size
     slots = np.where(keys < host.context_lens[seq][:, None], slots, table[:, :1] * block_size)
     kv_heads, group = heads
-    masked = torch.from_numpy(keys[:, None, :] > positions[pair_tile][:, :, None]).to(device)
-    bias = torch.zeros(len(pair_tile), kv_heads, rows, group, chunk, dtype=dtype, device=device)
-    bias.masked_fill_(masked[:, None, :, None, :], float("-inf"))
+    past = keys[plain:, None, :] > positions[pair_tile[plain:]][:, :, None]
+    bias = torch.zeros(len(past), kv_heads, rows, group, chunk, dtype=dtype, device=device)
+    bias.masked_fill_(torch.from_numpy(past).to(device)[:, None, :, None, :], float("-inf"))
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
 
-    return TileGroup(rows, chunks, tensor(source), tensor(np.where(real, source, host.num_rows)),
-                     tensor(pair_tile), tensor(pair_tile * chunks + pair_chunk), tensor(slots),
-                     bias.view(-1, rows * group, chunk))
+    return TileGroup(rows, tensor(source), tensor(np.where(real, source, host.num_rows)),
+                     tensor(pair_tile), tensor(slots), bias.view(-1, rows * group, chunk))

@@ -30,6 +30,7 @@ from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
 from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
+from gpu_worker.host_malloc import keep_large_blocks
 from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.invariance import choose_forward
 from gpu_worker.model import CausalLM
@@ -281,10 +282,12 @@ def set_torch_threads(num_threads: int) -> int:
 
 
 def build_runner(config: WorkerConfig) -> ModelRunner:
-    """Sets torch's threads, loads the configured model and allocates its KV
-    cache."""
+    """Sets torch's threads (and, on the CPU, malloc's thresholds: host_malloc.py),
+    loads the configured model and allocates its KV cache."""
     set_torch_threads(config.num_threads)
     loaded = load_model(config)
+    if loaded.model.device.type == "cpu":
+        keep_large_blocks()
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,
                        tokenizer_json=loaded.tokenizer_json,
