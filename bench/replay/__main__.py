@@ -10,7 +10,7 @@ For each rate (the slice's arrivals rescaled to that mean, pattern kept) and
 each policy (recompute, offload, auto, auto-fixed: see runs.POLICIES) a
 fresh stack starts, one short request warms it up, the slice is replayed at
 its arrival times (greedy, EOS ignored, the trace's output lengths), and the
-stack stops. Prompts come from the hash ids (bench/replay/prompts.py).
+stack stops. Prompts come from the hash ids (kvstash/workload/prompts.py).
 Every run's completed outputs must equal every other's (the oracle): the run
 exits 1 otherwise. Writes replay.json and PNG plots to --out.
 """
@@ -31,11 +31,12 @@ from tqdm import tqdm
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay import plots, report
-from bench.replay.metrics import Slo
-from bench.replay.prompts import build_prompts
 from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
-from bench.replay.trace import Trace, fit, read_trace, synthetic, write_trace
 from kvstash.launch.stack import StackConfig
+from kvstash.workload import flags
+from kvstash.workload.metrics import Slo
+from kvstash.workload.prompts import build_prompts
+from kvstash.workload.trace import Trace, fit, write_trace
 
 GENERATED_MODELS = ("llama-small",)
 
@@ -43,25 +44,7 @@ GENERATED_MODELS = ("llama-small",)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
-    source.add_argument("--synthetic", type=int, metavar="N",
-                        help="N synthetic requests: Poisson arrivals at --rates' first rate")
-    p.add_argument("--synthetic-input", type=int, default=256, help="mean prompt tokens")
-    p.add_argument("--synthetic-output", type=int, default=32, help="mean output tokens")
-    p.add_argument("--synthetic-shared-blocks", type=int, default=1,
-                   help="blocks (of 512 tokens x --length-scale) every prompt opens with")
-    p.add_argument("--start", type=int, default=0, help="first request of the slice")
-    p.add_argument("--count", type=int, help="requests in the slice (default: all)")
-    p.add_argument("--length-scale", type=float, default=1.0,
-                   help="prompt and output lengths times this")
-    p.add_argument("--output-scale", type=float,
-                   help="output lengths times this instead (default: --length-scale)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="gaps between arrivals times this (without --rates)")
-    p.add_argument("--rates", help="comma-separated mean request rates to replay the slice at")
-    p.add_argument("--max-context", type=int,
-                   help="drop requests longer than this (default: the model's max_model_len)")
+    flags.add_flags(p)
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
     p.add_argument("--via", choices=("grpc", "http"), default="grpc",
@@ -73,7 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also write the fitted slice here (Mooncake format, for another tool)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="tiny, llama-small or a checkpoint directory")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-blocks", type=int, default=512)
@@ -85,14 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="more scheduler flags for every run, e.g. '--init-new-token-ratio 0.3'")
     p.add_argument("--out", type=Path, default=Path("bench-results/replay"))
     args = p.parse_args(argv)
-    for name in ("count", "synthetic", "num_blocks", "max_context"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0")
+    flags.check_flags(p, args)
+    if args.num_blocks <= 0:
+        p.error("--num-blocks must be > 0")
     if args.address and args.via == "http" and not args.http_url:
         p.error("--address with --via http needs --http-url (smg's base URL)")
-    args.rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
-    if any(r is not None and r <= 0 for r in args.rates):
-        p.error("--rates must be > 0")
     args.policies = args.policies.split(",")
     if unknown := [x for x in args.policies if x not in POLICIES]:
         p.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -104,13 +83,6 @@ def commit() -> str:
     done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                           text=True, check=False)
     return done.stdout.strip()
-
-
-def load_slice(args: argparse.Namespace) -> Trace:
-    if args.trace is not None:
-        return read_trace(args.trace, args.start, args.count)
-    return synthetic(args.synthetic, args.rates[0] or 1.0, args.synthetic_input,
-                     args.synthetic_output, args.synthetic_shared_blocks, args.seed)
 
 
 def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[RunResult]:
@@ -145,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
-        raw = load_slice(args)
+        raw = flags.load_slice(args)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

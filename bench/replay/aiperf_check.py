@@ -26,12 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.replay.metrics import Slo, summarize
-from bench.replay.prompts import build_prompts
 from bench.replay.runs import Endpoint, run_once
-from bench.replay.trace import Trace, fit, read_trace, write_trace
 from kvstash.common.tokenizer import BYTE_EOS_ID, tokenizer_files
 from kvstash.launch.stack import StackConfig, running_stack
+from kvstash.workload.metrics import Slo, summarize
+from kvstash.workload.prompts import build_prompts
+from kvstash.workload.trace import Trace, fit, read_trace, write_trace
 
 TOKENIZER_REPO = "kvstash/tiny"
 SNAPSHOT = "0" * 40

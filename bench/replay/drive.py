@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.replay.metrics import RequestRecord
-from bench.replay.trace import Trace
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.errors import KvstashError
 from kvstash.launch.openai_http import HttpError, StreamError, sse_events
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.trace import Trace
 
 Sender = Callable[[RequestRecord, list[int], int], Awaitable[None]]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bench.replay.metrics import Slo, summarize
 from bench.replay.runs import RunResult
+from kvstash.workload.metrics import Slo, summarize
 
 MIB = 1 << 20
 

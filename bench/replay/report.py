@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.replay.metrics import Slo, Summary, summarize
 from bench.replay.runs import RunResult
+from kvstash.workload.metrics import Slo, Summary, summarize
 
 MIB = 1 << 20
 

@@ -11,22 +11,21 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from bench.replay.drive import Occupancy, Sampler, Sender, grpc_sender, http_sender, replay
-from bench.replay.metrics import RequestRecord
-from bench.replay.trace import Trace
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.trace import Trace
+from scheduler_svc.core.config import POLICIES as CORE_POLICIES
+from scheduler_svc.core.config import ReservationPolicy
 
-# What each policy changes in the scheduler: how a preempted decode's KV
-# comes back, and how admission reserves blocks for running decodes.
-# "-fixed": admission reserves a fixed number of blocks per running decode
-# (--fixed-blocks-per-decode, 1 by default) instead of its expected growth
-# (new_token_ratio): it admits more and preempts more.
+# The scheduler's named policies (scheduler_svc/core/config.py), as the
+# stack's flags: its preemption mode and, where not the default, reservation.
 POLICIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    name + suffix: (name, args)
-    for suffix, args in (("", ()), ("-fixed", ("--reservation", "fixed_blocks")))
-    for name in ("recompute", "offload", "auto")
+    name: (mode.value, () if reservation is ReservationPolicy.NEW_TOKEN_RATIO
+           else ("--reservation", reservation.value))
+    for name, (mode, reservation) in CORE_POLICIES.items()
 }
 DEFAULT_POLICIES = ("recompute", "offload", "auto", "auto-fixed")
 OnDone = Callable[[RequestRecord], None] | None

@@ -1,4 +1,4 @@
-"""The `kvstash` command: up, generate, stats, demo, tokenizer export."""
+"""The `kvstash` command: up, generate, stats, demo, tokenizer export, sim, calibrate."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from kvstash.common.binding import BindError
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
+from kvstash.sim import calibrate
+from kvstash.sim import cli as sim_cli
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     security.add_flags(stats, server=False, sends_token=True)
 
     tokenizer_export.add_parser(sub)
+    sim = sim_cli.add_parser(sub)
+    calibrate.add_parser(sub)
 
     demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize",
                           formatter_class=_ShowDefaults)
@@ -260,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_stats(args))
         if args.command == "tokenizer":
             return tokenizer_export.run(args)
+        if args.command == "sim":
+            return sim_cli.run(args, sim)
+        if args.command == "calibrate":
+            return calibrate.run(args)
         from kvstash.launch.demo import run_demo
 
         return run_demo(_stack_config(args), args.requests, args.max_tokens)

@@ -45,6 +45,19 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = "recompute"  # drop the blocks; prefill prompt + output again later
 
 
+# Policies by name, as the benchmarks and the simulator compare them: how a
+# preempted decode's KV comes back, and how admission reserves blocks for
+# running decodes. "-fixed": a fixed number of blocks per running decode
+# (fixed_blocks_per_decode) instead of its expected growth (new_token_ratio):
+# it admits more and preempts more.
+POLICIES: dict[str, tuple[PreemptionMode, ReservationPolicy]] = {
+    mode.value + suffix: (mode, reservation)
+    for suffix, reservation in (("", ReservationPolicy.NEW_TOKEN_RATIO),
+                                ("-fixed", ReservationPolicy.FIXED_BLOCKS))
+    for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.OFFLOAD, PreemptionMode.AUTO)
+}
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         # ValueError, not TypeError: every bad setting fails the same way at start-up.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from bench.replay.trace import Trace, TraceRequest
 from kvstash.common.tokenizer import TINY_TEXT_IDS
+from kvstash.workload.trace import Trace, TraceRequest
 
 # Prompt tokens: ids every model here has, each one printable ASCII character
 # to the byte tokenizer (the tiny model's), so a prompt can also be sent as

@@ -10,8 +10,8 @@ import pytest
 
 from bench.replay import plots, report
 from bench.replay.drive import Occupancy
-from bench.replay.metrics import RequestRecord, Slo, percentile, summarize
 from bench.replay.runs import COUNTERS, RunResult
+from kvstash.workload.metrics import RequestRecord, Slo, percentile, summarize
 
 
 def record(index: int, sent: float, chunks: list[float], tokens: int | None = None,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay.prompts import ALPHABET, PromptBuilder, build_prompts
-from bench.replay.trace import (
+from kvstash.workload.prompts import ALPHABET, PromptBuilder, build_prompts
+from kvstash.workload.trace import (
     Trace,
     TraceError,
     TraceRequest,

@@ -1,0 +1,143 @@
+"""`kvstash sim`: a trace through simulated instances, per policy and rate.
+
+    kvstash sim --trace ../shared/traces/mooncake_conversation.jsonl --count 500 \\
+        --rates 0.5,1,2 --policies recompute,offload,auto --num-blocks 2048
+    kvstash sim --synthetic 2000 --rates 4 --instances 4 --router least-load
+
+Each (rate, policy) runs fresh cores on the slice (fitted as the replayer
+fits it: kvstash.workload) and prints one row; --json writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvstash.common.units import parse_bytes
+from kvstash.sim.cluster import ROUTERS, Cluster, SimCache, SimResult
+from kvstash.sim.profile import COPY_PATHS, read_profile
+from kvstash.workload import flags
+from kvstash.workload.metrics import Slo, Summary, summarize
+from kvstash.workload.prompts import PromptBuilder
+from kvstash.workload.trace import Trace, TraceError, fit
+from scheduler_svc.core.config import POLICIES, SchedulerConfig
+
+PROFILES = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
+VOCAB = 1 << 17  # prompts use the tiny model's text ids; any vocabulary above them will do
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
+               ) -> argparse.ArgumentParser:
+    p = commands.add_parser("sim", help="simulate instances serving a trace, in virtual time",
+                            description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_flags(p)
+    p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
+                   help="cost profile JSON (default: the shipped CPU llama-small profile)")
+    p.add_argument("--policies", default="recompute,offload,auto",
+                   help=f"comma-separated, of: {', '.join(POLICIES)}")
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--router", choices=sorted(ROUTERS), default="round-robin")
+    p.add_argument("--transport", choices=[c for c in COPY_PATHS if c != "disk"],
+                   default="arena", help="how snapshots reach the cache")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per instance")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--fixed-blocks-per-decode", type=int, default=1)
+    p.add_argument("--cache-memory-budget", default="4GiB")
+    p.add_argument("--cache-disk-budget", default="0")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    p.add_argument("--json", type=Path, help="write every run's figures here")
+    return p
+
+
+def configs(args: argparse.Namespace, policy: str) -> list[SchedulerConfig]:
+    mode, reservation = POLICIES[policy]
+    return [SchedulerConfig(
+        num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+        vocab_size=VOCAB, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=mode,
+        reservation_policy=reservation, fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+        bytes_per_block=args.bytes_per_block, snapshot_id_prefix=f"i{n}")
+        for n in range(args.instances)]
+
+
+def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
+    cache = SimCache(args.host_bytes, args.disk_bytes)
+    cluster = Cluster(configs(args, policy), args.cost, cache,
+                      PromptBuilder(trace.block_tokens, args.seed), args.transport, args.router)
+    return cluster.run(trace)
+
+
+def row(policy: str, rate: float, summary: Summary, result: SimResult, seconds: float) -> str:
+    c = result.counters
+    return (f"{policy:<16} {rate:>7.3g} {summary.num_completed:>5}/{summary.num_requests:<5} "
+            f"{summary.requests_per_s:>7.3f} {summary.goodput:>7.3f} {summary.attainment:>6.0%} "
+            f"{summary.ttft_s['p50']:>8.3f} {summary.ttft_s['p99']:>8.3f} "
+            f"{summary.tpot_s['p50']:>8.4f} {c['num_preemptions_offload']:>6} "
+            f"{c['num_preemptions_recompute']:>6} {c['num_recomputed_tokens']:>9} "
+            f"{seconds:>7.1f}")
+
+
+HEADER = (f"{'policy':<16} {'rate/s':>7} {'done':>11} {'req/s':>7} {'goodput':>7} "
+          f"{'SLO':>6} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} {'offl':>6} "
+          f"{'recomp':>6} {'recomp tk':>9} {'sim s':>7}")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    flags.check_flags(parser, args)
+    args.policies = args.policies.split(",")
+    if unknown := [x for x in args.policies if x not in POLICIES]:
+        parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    for name in ("instances", "num_blocks", "block_size", "max_model_len", "max_num_seqs"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        slo = Slo(args.slo_ttft, args.slo_tpot)
+        args.host_bytes = parse_bytes(args.cache_memory_budget)
+        args.disk_bytes = parse_bytes(args.cache_disk_budget)
+        args.cost = read_profile(args.profile)
+        raw = flags.load_slice(args)
+    except (ValueError, OSError) as exc:  # ProfileError, TraceError: ValueErrors
+        print(f"kvstash sim: {exc}", file=sys.stderr)
+        return 2
+    # The profile's block bytes, for this block size.
+    args.bytes_per_block = args.cost.bytes_per_block * args.block_size // args.cost.block_size
+    print(f"profile: {args.cost.name} ({args.profile})")
+    print(HEADER)
+    runs: list[dict[str, Any]] = []
+    for rate in args.rates:
+        try:
+            trace, dropped = fit(raw, args.length_scale, args.time_scale, rate,
+                                 args.max_context or args.max_model_len, args.output_scale)
+        except (ValueError, TraceError) as exc:
+            print(f"kvstash sim: {exc}", file=sys.stderr)
+            return 2
+        for policy in args.policies:
+            started = time.perf_counter()
+            result = simulate(args, policy, trace)
+            seconds = time.perf_counter() - started
+            summary = summarize(result.records, slo)
+            print(row(policy, trace.rate, summary, result, seconds), flush=True)
+            runs.append({"policy": policy, "rate": trace.rate, "dropped": dropped,
+                         "summary": asdict(summary), "counters": result.counters,
+                         "sim_seconds": seconds, "virtual_seconds": result.end_s})
+    if args.json is not None:
+        setup = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                 if k not in ("cost",)}
+        setup["profile_json"] = args.cost.to_json()
+        setup["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        args.json.write_text(json.dumps({"setup": setup, "slo": asdict(slo), "runs": runs},
+                                        indent=1, default=str))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,253 @@
+"""Instances of the real scheduler core, stepped in virtual time.
+
+Each instance is `scheduler_svc.core.Scheduler`, unchanged, with its clock
+reading the simulation's time. What the engine (scheduler_svc/engine.py)
+would await, the simulation turns into events on one heap:
+
+    arrival     -> routed to an instance: add_request
+    step done   -> observe_step, update (each sampling seq gets a token)
+    copy done   -> finish_offload / finish_restore
+    then every instance the events touched and that is not mid-step is
+    woken as the engine's loop is: schedule(); its copies start; its step
+    runs for the profile's seconds, or it waits for the next event.
+
+Copies run beside the steps, each for the profile's time on its path, as
+the engine's copy tasks do; the cache tier holds snapshots within its host
+budget, spills to disk within the disk budget, and refuses beyond (the
+core then recomputes, as with a real refusal).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+from kvstash.common.sampling import SamplingParams
+from kvstash.errors import KvstashError
+from kvstash.sim.profile import CostProfile
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.prompts import PromptBuilder
+from kvstash.workload.trace import Trace, TraceRequest
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.outputs import (
+    Counters,
+    OffloadCommand,
+    RestoreCommand,
+    SchedulerOutput,
+)
+from scheduler_svc.core.scheduler import Scheduler
+
+TOKEN = 0  # what every simulated sample draws (the sim's configs stop on no token)
+
+
+class SimCache:
+    """The cache tier's capacity: snapshots in host memory, then on disk."""
+
+    def __init__(self, host_bytes: int, disk_bytes: int) -> None:
+        self.budget = {"host": host_bytes, "disk": disk_bytes}
+        self.used = {"host": 0, "disk": 0}
+        self.snapshots: dict[str, tuple[str, int]] = {}  # id -> (tier, bytes)
+
+    def put(self, snapshot_id: str, num_bytes: int) -> str | None:
+        for tier in ("host", "disk"):
+            if self.used[tier] + num_bytes <= self.budget[tier]:
+                self.used[tier] += num_bytes
+                self.snapshots[snapshot_id] = (tier, num_bytes)
+                return tier
+        return None
+
+    def tier(self, snapshot_id: str) -> str | None:
+        held = self.snapshots.get(snapshot_id)
+        return None if held is None else held[0]
+
+    def delete(self, snapshot_id: str) -> None:
+        if (held := self.snapshots.pop(snapshot_id, None)) is not None:
+            self.used[held[0]] -= held[1]
+
+
+@dataclass(slots=True)
+class Instance:
+    name: str
+    core: Scheduler
+    transport: str  # "arena" (co-located with the cache) or "grpc"
+    stepping: bool = False
+    held: set[str] = field(default_factory=set)  # request ids routed here, not ended
+    routed: int = 0  # requests routed here
+
+
+@dataclass(slots=True)
+class Sample:
+    """The cluster at one step's end, for occupancy plots."""
+
+    t: float
+    kv_usage: float  # the stepping instance's pool held by requests, [0, 1]
+    host_bytes: int
+    disk_bytes: int
+
+
+Router = Callable[[Sequence[Instance], TraceRequest], Instance]
+
+
+def round_robin() -> Router:
+    turn = itertools.count()
+    return lambda instances, _request: instances[next(turn) % len(instances)]
+
+
+def least_load(instances: Sequence[Instance], _request: TraceRequest) -> Instance:
+    return min(instances, key=lambda inst: len(inst.held))
+
+
+ROUTERS: dict[str, Callable[[], Router]] = {
+    "round-robin": round_robin, "least-load": lambda: least_load}
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    counters: dict[str, int]  # summed over instances
+    samples: list[Sample]
+    end_s: float  # virtual time the last event happened
+
+
+class Cluster:
+    def __init__(self, configs: Sequence[SchedulerConfig], profile: CostProfile,
+                 cache: SimCache, prompts: PromptBuilder, transport: str = "arena",
+                 router: str = "round-robin") -> None:
+        """One instance per config, all sharing `cache`; `prompts` builds each
+        request's prompt from its hash ids as it arrives."""
+        self.now = 0.0
+        self.profile = profile
+        self.cache = cache
+        self.prompts = prompts
+        self.instances = [
+            Instance(f"i{n}", Scheduler(config, clock=lambda: self.now), transport)
+            for n, config in enumerate(configs)]
+        for inst in self.instances:
+            inst.core.set_cache_available(True)
+        self.route = ROUTERS[router]()
+        self._events: list[tuple[float, int, Callable[[], Instance | None]]] = []
+        self._order = itertools.count()
+        self.records: list[RequestRecord] = []
+        self.samples: list[Sample] = []
+
+    def at(self, t: float, action: Callable[[], Instance | None]) -> None:
+        heapq.heappush(self._events, (t, next(self._order), action))
+
+    def run(self, trace: Trace, progress: Callable[[int], None] | None = None) -> SimResult:
+        """Serves `trace`; `progress` hears how many more requests ended after
+        each instant."""
+        self.records = [RequestRecord(i, r.arrival_s) for i, r in enumerate(trace.requests)]
+        for i, request in enumerate(trace.requests):
+            self.at(request.arrival_s, functools.partial(self._arrive, i, request))
+        ended = 0
+        while self._events:
+            t = self._events[0][0]
+            self.now = t
+            woken: dict[str, Instance] = {}
+            while self._events and self._events[0][0] == t:
+                inst = heapq.heappop(self._events)[2]()
+                if inst is not None:
+                    woken[inst.name] = inst
+            for inst in woken.values():
+                if not inst.stepping:
+                    self._wake(inst)
+            if progress is not None:
+                done = sum(r.ended_s is not None or r.error is not None for r in self.records)
+                progress(done - ended)
+                ended = done
+        for inst in self.instances:
+            inst.core.check_integrity()
+        counters: dict[str, int] = {}
+        for inst in self.instances:
+            for key, value in counters_of(inst.core).items():
+                counters[key] = counters.get(key, 0) + value
+        return SimResult(self.records, counters, self.samples, self.now)
+
+    # -- events ---------------------------------------------------------------
+
+    def _arrive(self, index: int, request: TraceRequest) -> Instance | None:
+        inst = self.route(self.instances, request)
+        inst.routed += 1
+        try:
+            inst.core.add_request(str(index), self.prompts.prompt(request),
+                                  SamplingParams(max_tokens=request.output_length,
+                                                 ignore_eos=True))
+        except KvstashError as exc:
+            self.records[index].error = type(exc).__name__
+            self.records[index].ended_s = self.now
+            return None
+        inst.held.add(str(index))
+        return inst
+
+    def _wake(self, inst: Instance) -> None:
+        out = inst.core.schedule()
+        for offload in out.offloads:
+            self._offload(inst, offload)
+        for restore in out.restores:
+            self._restore(inst, restore)
+        for snapshot_id in inst.core.take_snapshots_to_delete():
+            self.cache.delete(snapshot_id)
+        if out.seqs:
+            inst.stepping = True
+            seconds = self.profile.step.seconds(out.seqs, out.num_decodes)
+            self.at(self.now + seconds, lambda: self._stepped(inst, out, seconds))
+
+    def _stepped(self, inst: Instance, out: SchedulerOutput, seconds: float) -> Instance:
+        inst.stepping = False
+        core = inst.core
+        core.observe_step(out, seconds)
+        sampled = {seq.request_id: TOKEN for seq in out.seqs if seq.sample}
+        for update in core.update(out, sampled):
+            record = self.records[int(update.request_id)]
+            record.chunk_times.append(self.now)
+            record.num_tokens += len(update.new_token_ids)
+            if update.finish_status is not None:
+                record.ended_s = self.now
+                inst.held.discard(update.request_id)
+        stats = core.stats()
+        self.samples.append(Sample(self.now, stats.kv_usage_ratio, self.cache.used["host"],
+                                   self.cache.used["disk"]))
+        return inst
+
+    def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:
+        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
+        path = self.profile.copy[inst.transport]
+        tier = self.cache.put(cmd.snapshot_id, num_bytes)
+        if tier is None:  # refused: the copy fails once the cache answers
+            self.at(self.now + path.fixed_s, lambda: self._offloaded(inst, cmd, None, None))
+            return
+        seconds = path.seconds(num_bytes)
+        if tier == "disk":
+            seconds += self.profile.copy["disk"].seconds(num_bytes)
+        self.at(self.now + seconds, lambda: self._offloaded(inst, cmd, num_bytes, seconds))
+
+    def _offloaded(self, inst: Instance, cmd: OffloadCommand, num_bytes: int | None,
+                   seconds: float | None) -> Instance:
+        inst.core.finish_offload(cmd, num_bytes, seconds)
+        return inst
+
+    def _restore(self, inst: Instance, cmd: RestoreCommand) -> None:
+        tier = self.cache.tier(cmd.snapshot_id)
+        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
+        path = self.profile.copy[inst.transport]
+        seconds = path.seconds(num_bytes)
+        if tier == "disk":
+            seconds += self.profile.copy["disk"].seconds(num_bytes)
+        got = None if tier is None else num_bytes
+        self.at(self.now + seconds, lambda: self._restored(inst, cmd, got, seconds))
+
+    def _restored(self, inst: Instance, cmd: RestoreCommand, num_bytes: int | None,
+                  seconds: float) -> Instance:
+        inst.core.finish_restore(cmd, num_bytes, seconds if num_bytes is not None else None)
+        if num_bytes is not None:
+            self.cache.delete(cmd.snapshot_id)  # a restore consumes its snapshot
+        return inst
+
+
+def counters_of(core: Scheduler) -> dict[str, int]:
+    """The core's counters (not its gauges), by name."""
+    stats = core.stats()
+    return {f.name: getattr(stats, f.name) for f in fields(Counters)}

@@ -1,0 +1,56 @@
+"""The command-line flags that choose a workload, shared by the trace replayer
+(python -m bench.replay) and the simulator (kvstash sim): a trace slice or a
+synthetic trace, scaled to fit, at one or more request rates."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvstash.workload.trace import Trace, read_trace, synthetic
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    source.add_argument("--synthetic", type=int, metavar="N",
+                        help="N synthetic requests: Poisson arrivals at --rates' first rate")
+    p.add_argument("--synthetic-input", type=int, default=256, help="mean prompt tokens")
+    p.add_argument("--synthetic-output", type=int, default=32, help="mean output tokens")
+    p.add_argument("--synthetic-shared-blocks", type=int, default=1,
+                   help="blocks (of 512 tokens x --length-scale) every prompt opens with")
+    p.add_argument("--start", type=int, default=0, help="first request of the slice")
+    p.add_argument("--count", type=int, help="requests in the slice (default: all)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="prompt and output lengths times this")
+    p.add_argument("--output-scale", type=float,
+                   help="output lengths times this instead (default: --length-scale)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="gaps between arrivals times this (without --rates)")
+    p.add_argument("--rates", help="comma-separated mean request rates to run the slice at")
+    p.add_argument("--max-context", type=int,
+                   help="drop requests longer than this (default: the model's max_model_len)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through `p.error` on a bad value; turns --rates into a list
+    ([None]: the slice's own arrival times)."""
+    for name in ("count", "synthetic", "max_context"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        args.rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
+    except ValueError:
+        p.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
+    if any(r is not None and not r > 0 for r in args.rates):
+        p.error("--rates must be > 0")
+
+
+def load_slice(args: argparse.Namespace) -> Trace:
+    """The trace slice, or the synthetic trace, before fitting (TraceError,
+    OSError on a bad file)."""
+    if args.trace is not None:
+        return read_trace(args.trace, args.start, args.count)
+    return synthetic(args.synthetic, args.rates[0] or 1.0, args.synthetic_input,
+                     args.synthetic_output, args.synthetic_shared_blocks, args.seed)

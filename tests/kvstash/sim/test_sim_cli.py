@@ -1,0 +1,57 @@
+"""`kvstash sim` and `kvstash calibrate` as users run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstash.launch.cli import main
+from kvstash.sim.profile import read_profile
+from tests.gpu_worker.worker_factories import REPO
+from tests.kvstash.sim.test_profile import GOOD
+
+SMALL = ["--synthetic", "30", "--rates", "6", "--synthetic-input", "128",
+         "--synthetic-output", "48", "--num-blocks", "64", "--max-num-seqs", "16"]
+
+
+def test_sim_prints_a_row_per_policy_and_writes_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["sim", *SMALL, "--policies", "recompute,offload", "--json", str(out)]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert "recompute" in rows and "offload" in rows
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["recompute", "offload"]
+    assert all(r["summary"]["num_completed"] == 30 for r in runs)
+    assert runs[1]["counters"]["num_recomputed_tokens"] == 0
+
+
+def test_sim_refuses_a_bad_profile_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({**GOOD, "block_size": -4}))
+    assert main(["sim", *SMALL, "--profile", str(bad)]) == 2
+    assert "block_size: a positive integer is needed" in capsys.readouterr().err
+
+
+def test_sim_refuses_an_unknown_policy() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", *SMALL, "--policies", "offload,telepathy"])
+    assert exit_info.value.code == 2
+
+
+def test_calibrate_measures_a_profile_the_sim_reads(tmp_path: Path) -> None:
+    """A real cache and worker (the tiny model), driven and fitted."""
+    out = tmp_path / "tiny.json"
+    done = subprocess.run([sys.executable, "-m", "kvstash.launch.cli", "calibrate", str(out),
+                           "--model", "tiny", "--repeat", "1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    profile = read_profile(out)
+    assert profile.step.fixed_s + profile.step.decode_row_s > 0
+    assert profile.bytes_per_block == 4 * 2 * 16 * 2 * 32 * 8  # tiny, float64
+    assert all("kvstash calibrate --model tiny" in text for text in profile.source.values())
