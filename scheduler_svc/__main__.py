@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import logging
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -34,6 +35,7 @@ from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.recording import RecordingScheduler
 from scheduler_svc.serving import create_scheduler_server
 from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS, WorkerLink
 
@@ -98,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-integrity", action="store_true",
                    help="check the scheduler's invariants whenever it goes idle; exit with "
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
+    p.add_argument("--record-decisions", type=Path, default=None,
+                   help="write every call into the scheduler core, with its clock, to this "
+                        "JSONL file, for `kvstash sim --replay` (mixed role only)")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--worker-reconnect", type=float, default=_ENGINE.worker_reconnect_s,
@@ -198,7 +203,11 @@ async def serve(args: argparse.Namespace, secured: security.Security,
                                 wait_s=args.handoff_wait)
             cleanup.push_async_callback(peers.close)
         worker = WorkerLink(worker_channel, info)
-        core = Scheduler(config)
+        if args.record_decisions is None:
+            core = Scheduler(config)
+        else:
+            core = RecordingScheduler(config, args.record_decisions)
+            cleanup.callback(core.close)
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
         kv_events = KvEventHub(config.block_size)
         engine = Engine(core, worker, cache, engine_config, metrics=metrics,
@@ -238,6 +247,8 @@ def check_role(args: argparse.Namespace) -> None:
             raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
     elif addresses:
         raise ValueError(f"--decode-address is for --role prefill, not {args.role}")
+    if args.role != "mixed" and args.record_decisions is not None:
+        raise ValueError(f"--record-decisions is for --role mixed, not {args.role}")
     if args.role != "mixed" and not args.cache_address:
         raise ValueError(f"--role {args.role} needs --cache-address: the KV handoff goes "
                          "through the cache service")

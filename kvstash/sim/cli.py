@@ -3,6 +3,7 @@
     kvstash sim --trace ../shared/traces/mooncake_conversation.jsonl --count 500 \\
         --rates 0.5,1,2 --policies recompute,offload,auto --num-blocks 2048
     kvstash sim --synthetic 2000 --rates 4 --instances 4 --router least-load
+    kvstash sim --replay decisions.jsonl     # a scheduler's --record-decisions
 
 Each (rate, policy) runs fresh cores on the slice (fitted as the replayer
 fits it: kvstash.workload) and prints one row; --json writes every figure.
@@ -22,6 +23,7 @@ from typing import Any
 from kvstash.common.units import parse_bytes
 from kvstash.sim.cluster import ROUTERS, Cluster, SimCache, SimResult
 from kvstash.sim.profile import COPY_PATHS, read_profile
+from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import PromptBuilder
@@ -38,7 +40,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p = commands.add_parser("sim", help="simulate instances serving a trace, in virtual time",
                             description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    flags.add_flags(p)
+    flags.add_flags(p).add_argument(
+        "--replay", type=Path, metavar="RECORD",
+        help="instead: replay a scheduler's decision record (its --record-decisions) into a "
+             "fresh core and check that it decides the same")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
                    help="cost profile JSON (default: the shipped CPU llama-small profile)")
     p.add_argument("--policies", default="recompute,offload,auto",
@@ -94,7 +99,24 @@ HEADER = (f"{'policy':<16} {'rate/s':>7} {'done':>11} {'req/s':>7} {'goodput':>7
           f"{'recomp':>6} {'recomp tk':>9} {'sim s':>7}")
 
 
+def replay_record(path: Path) -> int:
+    try:
+        done = replay(read_record(path))
+    except (OSError, ValueError) as exc:
+        print(f"kvstash sim: {exc}", file=sys.stderr)
+        return 2
+    print(f"replayed {done.calls} calls: {done.schedules} schedule() decisions, "
+          f"{done.preemptions} preemptions, {done.copies} copies, {done.finishes} finishes")
+    if done.mismatch is not None:
+        print(f"DECISIONS DIFFER at {done.mismatch}", file=sys.stderr)
+        return 1
+    print("every decision identical to the record")
+    return 0
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.replay is not None:
+        return replay_record(args.replay)
     flags.check_flags(parser, args)
     args.policies = args.policies.split(",")
     if unknown := [x for x in args.policies if x not in POLICIES]:

@@ -10,7 +10,9 @@ from pathlib import Path
 from kvstash.workload.trace import Trace, read_trace, synthetic
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
+def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """The workload flags; returns the group of sources (--trace, --synthetic),
+    one of which must be given, where a caller may add its own source."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
     source.add_argument("--synthetic", type=int, metavar="N",
@@ -31,6 +33,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int,
                    help="drop requests longer than this (default: the model's max_model_len)")
     p.add_argument("--seed", type=int, default=0)
+    return source
 
 
 def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
