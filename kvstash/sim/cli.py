@@ -26,13 +26,12 @@ from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
-from kvstash.workload.prompts import PromptBuilder
 from kvstash.workload.trace import Trace, TraceError, fit
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
 
 PROFILES = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
-VOCAB = 1 << 17  # prompts use the tiny model's text ids; any vocabulary above them will do
+VOCAB = 1 << 32  # prompt tokens are trace hash ids (cluster.prompt_of)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
@@ -79,8 +78,7 @@ def configs(args: argparse.Namespace, policy: str) -> list[SchedulerConfig]:
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
     cache = SimCache(args.host_bytes, args.disk_bytes)
-    cluster = Cluster(configs(args, policy), args.cost, cache,
-                      PromptBuilder(trace.block_tokens, args.seed), args.transport, args.router)
+    cluster = Cluster(configs(args, policy), args.cost, cache, args.transport, args.router)
     return cluster.run(trace)
 
 

@@ -29,7 +29,6 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
 from kvstash.sim.profile import CostProfile
 from kvstash.workload.metrics import RequestRecord
-from kvstash.workload.prompts import PromptBuilder
 from kvstash.workload.trace import Trace, TraceRequest
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import (
@@ -41,6 +40,7 @@ from scheduler_svc.core.outputs import (
 from scheduler_svc.core.scheduler import Scheduler
 
 TOKEN = 0  # what every simulated sample draws (the sim's configs stop on no token)
+SAMPLE_EVERY_S = 0.5  # virtual seconds between occupancy samples
 
 
 class SimCache:
@@ -88,6 +88,16 @@ class Sample:
     disk_bytes: int
 
 
+def prompt_of(request: TraceRequest, block_tokens: int) -> list[int]:
+    """Tokens that share exactly what the request's hash ids share: each trace
+    block is its hash id, repeated (the core hashes its blocks chained, so a
+    run of equal tokens is no false match). No text: nothing decodes them."""
+    tokens: list[int] = []
+    for hash_id in request.hash_ids:
+        tokens += [hash_id] * block_tokens
+    return tokens[:request.input_length]
+
+
 Router = Callable[[Sequence[Instance], TraceRequest], Instance]
 
 
@@ -114,20 +124,20 @@ class SimResult:
 
 class Cluster:
     def __init__(self, configs: Sequence[SchedulerConfig], profile: CostProfile,
-                 cache: SimCache, prompts: PromptBuilder, transport: str = "arena",
-                 router: str = "round-robin") -> None:
-        """One instance per config, all sharing `cache`; `prompts` builds each
-        request's prompt from its hash ids as it arrives."""
+                 cache: SimCache, transport: str = "arena", router: str = "round-robin"
+                 ) -> None:
+        """One instance per config, all sharing `cache`."""
         self.now = 0.0
         self.profile = profile
         self.cache = cache
-        self.prompts = prompts
         self.instances = [
             Instance(f"i{n}", Scheduler(config, clock=lambda: self.now), transport)
             for n, config in enumerate(configs)]
         for inst in self.instances:
             inst.core.set_cache_available(True)
         self.route = ROUTERS[router]()
+        self.block_tokens = 1  # the trace's, once run
+        self._next_sample_s = 0.0
         self._events: list[tuple[float, int, Callable[[], Instance | None]]] = []
         self._order = itertools.count()
         self.records: list[RequestRecord] = []
@@ -139,6 +149,7 @@ class Cluster:
     def run(self, trace: Trace, progress: Callable[[int], None] | None = None) -> SimResult:
         """Serves `trace`; `progress` hears how many more requests ended after
         each instant."""
+        self.block_tokens = trace.block_tokens
         self.records = [RequestRecord(i, r.arrival_s) for i, r in enumerate(trace.requests)]
         for i, request in enumerate(trace.requests):
             self.at(request.arrival_s, functools.partial(self._arrive, i, request))
@@ -172,7 +183,7 @@ class Cluster:
         inst = self.route(self.instances, request)
         inst.routed += 1
         try:
-            inst.core.add_request(str(index), self.prompts.prompt(request),
+            inst.core.add_request(str(index), prompt_of(request, self.block_tokens),
                                   SamplingParams(max_tokens=request.output_length,
                                                  ignore_eos=True))
         except KvstashError as exc:
@@ -207,9 +218,12 @@ class Cluster:
             if update.finish_status is not None:
                 record.ended_s = self.now
                 inst.held.discard(update.request_id)
-        stats = core.stats()
-        self.samples.append(Sample(self.now, stats.kv_usage_ratio, self.cache.used["host"],
-                                   self.cache.used["disk"]))
+        if self.now >= self._next_sample_s:  # one sample per SAMPLE_EVERY_S at most
+            self._next_sample_s = self.now + SAMPLE_EVERY_S
+            pool = core.kv.pool
+            held = pool.num_blocks - pool.num_free_blocks - pool.num_evictable_blocks
+            self.samples.append(Sample(self.now, held / pool.num_blocks,
+                                       self.cache.used["host"], self.cache.used["disk"]))
         return inst
 
     def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:

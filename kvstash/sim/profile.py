@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,10 @@ class StepCost:
 
     def seconds(self, seqs: Sequence[ScheduledSeq], num_decodes: int) -> float:
         """One step over `seqs`, of which the first `num_decodes` are decodes."""
-        return sum(c * x for c, x in zip(astuple(self), step_terms(seqs, num_decodes),
-                                         strict=True))
+        _, prefill_tokens, prefill_keys, decodes, decode_keys = step_terms(seqs, num_decodes)
+        return (self.fixed_s + self.prefill_token_s * prefill_tokens
+                + self.prefill_key_s * prefill_keys + self.decode_row_s * decodes
+                + self.decode_key_s * decode_keys)
 
 
 def step_terms(seqs: Sequence[ScheduledSeq], num_decodes: int) -> tuple[float, ...]:

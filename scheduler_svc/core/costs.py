@@ -76,9 +76,8 @@ class LinearFit:
             if expected > 0:
                 y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
         forget = self._forget
-        for row, xi in zip(self._gram, x, strict=True):
-            for j, xj in enumerate(x):
-                row[j] = row[j] * forget + xi * xj
+        self._gram = [[g * forget + xi * xj for g, xj in zip(row, x, strict=True)]
+                      for row, xi in zip(self._gram, x, strict=True)]
         self._moment = [m * forget + xi * y for m, xi in zip(self._moment, x, strict=True)]
         self._theta = None
         self.num_samples += 1

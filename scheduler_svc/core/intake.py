@@ -10,6 +10,7 @@ and one reserved for a prefill instance (pd.py) come in the same way.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstash.common.sampling import SamplingParams
@@ -59,12 +60,17 @@ def check_new_request(
     if not prompt:
         raise InvalidArgument(f"request {request_id}: prompt is empty")
     vocab_size = config.vocab_size
-    for pos, token_id in enumerate(prompt):
-        if not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
-            raise InvalidArgument(
-                f"request {request_id}: token id {token_id!r} at position {pos} is outside "
-                f"the vocabulary [0, {vocab_size})"
-            )
+    try:  # C loops: every id an int in [0, 2**32), the largest below the vocabulary
+        fits = max(array("I", prompt)) < vocab_size
+    except (TypeError, OverflowError):
+        fits = False
+    if not fits:  # find the first bad id, for the message
+        for pos, token_id in enumerate(prompt):
+            if not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
+                raise InvalidArgument(
+                    f"request {request_id}: token id {token_id!r} at position {pos} is "
+                    f"outside the vocabulary [0, {vocab_size})"
+                )
     num_total = len(prompt) + sampling.max_tokens
     if num_total > config.max_model_len:
         raise InvalidArgument(

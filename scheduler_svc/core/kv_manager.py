@@ -26,11 +26,22 @@ from scheduler_svc.core.request import Request
 _ROOT_HASH = 0
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """128-bit prefix hash: collisions would silently serve another prompt's KV."""
-    return xxhash.xxh3_128_intdigest(
-        parent_hash.to_bytes(16, "little") + array("I", token_ids).tobytes()
-    )
+def chain_hashes(parent_hash: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The 128-bit prefix hash of each whole block of `token_ids`, chained from
+    `parent_hash` (collisions would silently serve another prompt's KV):
+
+        h_i = xxh3_128(h_{i-1} as 16 bytes little-endian + block i as uint32s)
+
+    The tokens are packed once, not block by block: a long prompt's blocks
+    cost a slice and a hash each."""
+    data = array("I", token_ids).tobytes()
+    width = 4 * block_size
+    hashes = []
+    for start in range(0, len(data) - width + 1, width):
+        parent_hash = xxhash.xxh3_128_intdigest(
+            parent_hash.to_bytes(16, "little") + data[start:start + width])
+        hashes.append(parent_hash)
+    return hashes
 
 
 class KVCacheManager:
@@ -43,11 +54,10 @@ class KVCacheManager:
 
     def _ensure_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
         hashes = req.block_hashes
-        size = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block(parent, req.token_ids(i * size, (i + 1) * size)))
+        have, size = len(hashes), self.block_size
+        if have < num_blocks:
+            hashes += chain_hashes(hashes[-1] if hashes else _ROOT_HASH,
+                                   req.token_ids(have * size, num_blocks * size), size)
         return hashes
 
     def find_prefix(self, req: Request) -> list[int]:

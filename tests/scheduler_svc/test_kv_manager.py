@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import xxhash
+
 from kvstash.common.sampling import SamplingParams
-from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.kv_manager import KVCacheManager, chain_hashes
 from scheduler_svc.core.request import Request
 
 
@@ -66,3 +68,16 @@ def test_allocate_slots_grows_only_at_block_boundaries() -> None:
     a.num_computed_tokens = 4
     assert kv.allocate_slots(a, 1) is None  # pool exhausted; nothing changed
     assert a.block_ids == [0, 1]
+
+
+def test_chained_block_hashes_are_per_block_xxh3_of_parent_and_tokens() -> None:
+    """The format smg and the cache tier see: each whole block's 128-bit xxh3
+    of its parent's 16 bytes and its uint32 tokens; a partial block has none."""
+    tokens = [(i * 7919) % 50000 for i in range(4 * 5 + 3)]
+    expected, parent = [], 0
+    for b in range(5):
+        block = b"".join(t.to_bytes(4, "little") for t in tokens[4 * b:4 * b + 4])
+        parent = xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + block)
+        expected.append(parent)
+    assert chain_hashes(0, tokens, 4) == expected
+    assert chain_hashes(expected[1], tokens[8:], 4) == expected[2:]

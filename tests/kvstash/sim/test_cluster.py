@@ -9,7 +9,6 @@ import pytest
 
 from kvstash.sim.cluster import Cluster, SimCache, SimResult, least_load
 from kvstash.sim.profile import parse_profile
-from kvstash.workload.prompts import PromptBuilder
 from kvstash.workload.trace import synthetic
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
 from tests.kvstash.sim.test_profile import GOOD
@@ -25,13 +24,12 @@ def simulate(policy: str, instances: int = 1, host_bytes: int = 1 << 30,
              disk_bytes: int = 0, router: str = "round-robin") -> tuple[SimResult, Cluster]:
     mode, reservation = POLICIES[policy]
     configs = [SchedulerConfig(num_blocks=64, block_size=16, max_model_len=1024,
-                               vocab_size=512, max_num_seqs=16, max_num_batched_tokens=256,
+                               vocab_size=1 << 20, max_num_seqs=16, max_num_batched_tokens=256,
                                preemption_mode=mode, reservation_policy=reservation,
                                bytes_per_block=PROFILE.bytes_per_block,
                                snapshot_id_prefix=f"i{n}")
                for n in range(instances)]
-    cluster = Cluster(configs, PROFILE, SimCache(host_bytes, disk_bytes),
-                      PromptBuilder(TRACE.block_tokens), router=router)
+    cluster = Cluster(configs, PROFILE, SimCache(host_bytes, disk_bytes), router=router)
     return cluster.run(TRACE), cluster
 
 
