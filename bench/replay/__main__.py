@@ -30,10 +30,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
-from bench.replay import plots, report
+from bench.replay import report
 from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
 from kvstash.launch.stack import StackConfig
-from kvstash.workload import flags
+from kvstash.workload import flags, plots
 from kvstash.workload.metrics import Slo
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit, write_trace
@@ -142,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
               "commit": commit(), "cpus": os.cpu_count()}
     report.write_json(args.out / "replay.json", runs, slo, setup)
     title = f"{args.model}, {len(raw.requests)} requests, lengths x{args.length_scale:g}"
-    plots.latency_cdfs([r for r in runs if r.rate == runs[-1].rate], slo,
+    plotted = [run.plotted() for run in runs]
+    last = [run for run in plotted if run.rate == runs[-1].rate]
+    plots.latency_cdfs(last, slo,
                        args.out / "latency_cdf.png", f"{title}, {runs[-1].rate:.3g} req/s")
-    plots.occupancy([r for r in runs if r.rate == runs[-1].rate], args.out / "occupancy.png",
+    plots.occupancy(last, args.out / "occupancy.png",
                     f"{title}, {runs[-1].rate:.3g} req/s")
     if len(args.rates) > 1:
-        plots.goodput_by_rate(runs, slo, args.out / "goodput.png", title)
+        plots.goodput_by_rate(plotted, slo, args.out / "goodput.png", title)
     print(f"wrote {args.out}/replay.json and plots")
     mismatches = report.output_mismatches(runs)
     for line in mismatches[:20]:

@@ -15,6 +15,7 @@ from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import scheduler_pb2
+from kvstash.workload import plots
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace
 from scheduler_svc.core.config import POLICIES as CORE_POLICIES
@@ -53,6 +54,12 @@ class RunResult:
     records: list[RequestRecord]
     counters: dict[str, int]
     occupancy: list[Occupancy]
+
+    def plotted(self) -> plots.Run:
+        o = self.occupancy
+        return plots.Run(self.policy, self.rate, self.records, [s.t_s for s in o],
+                         [s.used_blocks / s.total_blocks for s in o],
+                         [s.cache_memory_bytes + s.cache_disk_bytes for s in o])
 
 
 def policy_config(base: StackConfig, policy: str, via_http: bool) -> StackConfig:

@@ -3,6 +3,7 @@
     kvstash sim --trace ../shared/traces/mooncake_conversation.jsonl --count 500 \\
         --rates 0.5,1,2 --policies recompute,offload,auto --num-blocks 2048
     kvstash sim --synthetic 2000 --rates 4 --instances 4 --router least-load
+    kvstash sim --synthetic 2000 --rates 4 --find instances --target 0.9
     kvstash sim --replay decisions.jsonl     # a scheduler's --record-decisions
 
 Each (rate, policy) runs fresh cores on the slice (fitted as the replayer
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstash.common.units import parse_bytes
+from kvstash.sim import find
 from kvstash.sim.cluster import ROUTERS, Cluster, SimCache, SimResult
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
@@ -62,6 +64,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     p.add_argument("--json", type=Path, help="write every run's figures here")
+    p.add_argument("--find", choices=sorted(find.DIMENSIONS),
+                   help="instead of a table: the least of this resource that keeps SLO "
+                        "attainment >= --target, for the first policy at the first rate")
+    p.add_argument("--target", type=float, default=0.9, help="with --find: SLO attainment")
+    p.add_argument("--plots", type=Path, metavar="DIR",
+                   help="write PNG plots here: latency CDFs and occupancy at the last rate, "
+                        "goodput against the rate (needs pip install 'kvstash[bench]')")
     return p
 
 
@@ -79,7 +88,32 @@ def configs(args: argparse.Namespace, policy: str) -> list[SchedulerConfig]:
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
     cache = SimCache(args.host_bytes, args.disk_bytes)
     cluster = Cluster(configs(args, policy), args.cost, cache, args.transport, args.router)
-    return cluster.run(trace)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra is not installed: no bar
+        return cluster.run(trace)
+    with tqdm(total=len(trace.requests), desc=f"{policy} @ {trace.rate:.3g}/s", unit="req",
+              file=sys.stderr, leave=False) as bar:
+        return cluster.run(trace, bar.update)
+
+
+def plotted(policy: str, rate: float, result: SimResult) -> Any:
+    from kvstash.workload import plots
+
+    s = result.samples
+    return plots.Run(policy, rate, result.records, [x.t for x in s], [x.pool_used for x in s],
+                     [x.host_bytes + x.disk_bytes for x in s])
+
+
+def write_plots(out: Path, runs: list[Any], slo: Slo, title: str) -> None:
+    from kvstash.workload import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    last = [run for run in runs if run.rate == runs[-1].rate]
+    plots.latency_cdfs(last, slo, out / "latency_cdf.png", f"{title}, {last[0].rate:.3g} req/s")
+    plots.occupancy(last, out / "occupancy.png", f"{title}, {last[0].rate:.3g} req/s")
+    if len({run.rate for run in runs}) > 1:
+        plots.goodput_by_rate(runs, slo, out / "goodput.png", title)
 
 
 def row(policy: str, rate: float, summary: Summary, result: SimResult, seconds: float) -> str:
@@ -112,6 +146,36 @@ def replay_record(path: Path) -> int:
     return 0
 
 
+def find_least(args: argparse.Namespace, slo: Slo, raw: Trace) -> int:
+    policy, rate = args.policies[0], args.rates[0]
+    trace, _ = fit(raw, args.length_scale, args.time_scale, rate,
+                   args.max_context or args.max_model_len, args.output_scale)
+    attr, largest = find.DIMENSIONS[args.find]
+
+    def run_at(value: int) -> Summary:
+        setattr(args, attr, value)
+        summary = summarize(simulate(args, policy, trace).records, slo)
+        print(f"  {args.find} {value:>14,}: SLO attainment {summary.attainment:6.1%}, "
+              f"goodput {summary.goodput:.3f}/s, TTFT p99 {summary.ttft_s['p99']:.3f} s",
+              flush=True)
+        return summary
+
+    print(f"finding the least {args.find} for SLO attainment >= {args.target:.0%}: {policy}, "
+          f"{len(trace.requests)} requests at {trace.rate:.3g}/s")
+    found = find.search(getattr(args, attr), largest, args.target, run_at,
+                        find.close_enough(args.find))
+    if args.plots is not None:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        find.plot(found, args.find, args.target, str(args.plots / "find.png"),
+                  f"kvstash sim --find {args.find}: {policy} at {trace.rate:.3g} req/s")
+    if found.value is None:
+        print(f"not met: up to {max(found.tried):,} {args.find} (more stopped helping, or the "
+              f"largest searched)")
+        return 1
+    print(f"least {args.find}: {found.value:,}")
+    return 0
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replay is not None:
         return replay_record(args.replay)
@@ -131,11 +195,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (ValueError, OSError) as exc:  # ProfileError, TraceError: ValueErrors
         print(f"kvstash sim: {exc}", file=sys.stderr)
         return 2
+    if args.plots is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvstash sim: --plots needs matplotlib: pip install 'kvstash[bench]'",
+                  file=sys.stderr)
+            return 2
     # The profile's block bytes, for this block size.
     args.bytes_per_block = args.cost.bytes_per_block * args.block_size // args.cost.block_size
     print(f"profile: {args.cost.name} ({args.profile})")
+    if args.find is not None:
+        return find_least(args, slo, raw)
     print(HEADER)
     runs: list[dict[str, Any]] = []
+    shown: list[Any] = []  # plots.Run of each run, with --plots
     for rate in args.rates:
         try:
             trace, dropped = fit(raw, args.length_scale, args.time_scale, rate,
@@ -149,6 +223,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seconds = time.perf_counter() - started
             summary = summarize(result.records, slo)
             print(row(policy, trace.rate, summary, result, seconds), flush=True)
+            if args.plots is not None:
+                shown.append(plotted(policy, trace.rate, result))
             runs.append({"policy": policy, "rate": trace.rate, "dropped": dropped,
                          "summary": asdict(summary), "counters": result.counters,
                          "sim_seconds": seconds, "virtual_seconds": result.end_s})
@@ -160,4 +236,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.json.write_text(json.dumps({"setup": setup, "slo": asdict(slo), "runs": runs},
                                         indent=1, default=str))
         print(f"wrote {args.json}")
+    if args.plots is not None:
+        write_plots(args.plots, shown, slo, f"kvstash sim: {args.cost.name}, "
+                                             f"{args.instances} instance(s)")
+        print(f"wrote plots to {args.plots}")
     return 0

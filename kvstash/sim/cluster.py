@@ -83,7 +83,7 @@ class Sample:
     """The cluster at one step's end, for occupancy plots."""
 
     t: float
-    kv_usage: float  # the stepping instance's pool held by requests, [0, 1]
+    pool_used: float  # the instances' KV pools held by requests, [0, 1]
     host_bytes: int
     disk_bytes: int
 
@@ -138,10 +138,21 @@ class Cluster:
         self.route = ROUTERS[router]()
         self.block_tokens = 1  # the trace's, once run
         self._next_sample_s = 0.0
+        self._ended = 0  # requests finished or refused
         self._events: list[tuple[float, int, Callable[[], Instance | None]]] = []
         self._order = itertools.count()
         self.records: list[RequestRecord] = []
         self.samples: list[Sample] = []
+
+    def pool_used(self) -> float:
+        """The share of the instances' KV pools held by requests (neither free
+        nor evictable), over all of them."""
+        held = total = 0
+        for inst in self.instances:
+            pool = inst.core.kv.pool
+            held += pool.num_blocks - pool.num_free_blocks - pool.num_evictable_blocks
+            total += pool.num_blocks
+        return held / total
 
     def at(self, t: float, action: Callable[[], Instance | None]) -> None:
         heapq.heappush(self._events, (t, next(self._order), action))
@@ -153,7 +164,7 @@ class Cluster:
         self.records = [RequestRecord(i, r.arrival_s) for i, r in enumerate(trace.requests)]
         for i, request in enumerate(trace.requests):
             self.at(request.arrival_s, functools.partial(self._arrive, i, request))
-        ended = 0
+        reported = 0
         while self._events:
             t = self._events[0][0]
             self.now = t
@@ -165,10 +176,9 @@ class Cluster:
             for inst in woken.values():
                 if not inst.stepping:
                     self._wake(inst)
-            if progress is not None:
-                done = sum(r.ended_s is not None or r.error is not None for r in self.records)
-                progress(done - ended)
-                ended = done
+            if progress is not None and self._ended > reported:
+                progress(self._ended - reported)
+                reported = self._ended
         for inst in self.instances:
             inst.core.check_integrity()
         counters: dict[str, int] = {}
@@ -189,6 +199,7 @@ class Cluster:
         except KvstashError as exc:
             self.records[index].error = type(exc).__name__
             self.records[index].ended_s = self.now
+            self._ended += 1
             return None
         inst.held.add(str(index))
         return inst
@@ -218,12 +229,11 @@ class Cluster:
             if update.finish_status is not None:
                 record.ended_s = self.now
                 inst.held.discard(update.request_id)
+                self._ended += 1
         if self.now >= self._next_sample_s:  # one sample per SAMPLE_EVERY_S at most
             self._next_sample_s = self.now + SAMPLE_EVERY_S
-            pool = core.kv.pool
-            held = pool.num_blocks - pool.num_free_blocks - pool.num_evictable_blocks
-            self.samples.append(Sample(self.now, held / pool.num_blocks,
-                                       self.cache.used["host"], self.cache.used["disk"]))
+            self.samples.append(Sample(self.now, self.pool_used(), self.cache.used["host"],
+                                       self.cache.used["disk"]))
         return inst
 
     def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:

@@ -55,3 +55,25 @@ def test_calibrate_measures_a_profile_the_sim_reads(tmp_path: Path) -> None:
     assert profile.step.fixed_s + profile.step.decode_row_s > 0
     assert profile.bytes_per_block == 4 * 2 * 16 * 2 * 32 * 8  # tiny, float64
     assert all("kvstash calibrate --model tiny" in text for text in profile.source.values())
+
+
+def test_find_prints_the_curve_and_the_least_instances(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Real simulations: at 6 requests/s one instance misses the SLOs, enough meet them."""
+    assert main(["sim", *SMALL, "--policies", "auto", "--find", "instances",
+                 "--target", "0.9", "--plots", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    curve = {int(line.split()[1].rstrip(":").replace(",", "")):
+             float(line.split()[4].rstrip("%,"))
+             for line in out.splitlines() if line.startswith("  instances")}
+    least = int(out.splitlines()[-1].split()[-1].replace(",", ""))
+    assert curve[least] >= 90 and curve[1] < 90
+    assert all(attained < 90 for n, attained in curve.items() if n < least)
+    assert (tmp_path / "find.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sim_plots(tmp_path: Path) -> None:
+    assert main(["sim", *SMALL[:2], "--rates", "3,6", *SMALL[4:], "--policies",
+                 "recompute,offload", "--plots", str(tmp_path)]) == 0
+    for name in ("latency_cdf.png", "occupancy.png", "goodput.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"

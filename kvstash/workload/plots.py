@@ -1,19 +1,32 @@
-"""PNG plots of a replay: latency CDFs per policy, goodput and SLO
-attainment against the request rate, KV-pool and cache-tier occupancy over
-time. Figures are made without pyplot: no global state, no display."""
+"""PNG plots of runs (replayed: bench.replay; simulated: kvstash sim): latency
+CDFs per policy, goodput and SLO attainment against the request rate, KV-pool
+and cache-tier occupancy over time. Figures are made without pyplot: no global
+state, no display. matplotlib is an extra (pip install 'kvstash[bench]')."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bench.replay.runs import RunResult
-from kvstash.workload.metrics import Slo, summarize
+from kvstash.workload.metrics import RequestRecord, Slo, summarize
 
 MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What the plots need of one run."""
+
+    policy: str
+    rate: float  # mean arrivals/s
+    records: Sequence[RequestRecord]
+    times_s: Sequence[float] = ()  # occupancy samples: when,
+    pool_used: Sequence[float] = ()  # the share of the KV pool held by requests [0, 1],
+    tier_bytes: Sequence[int] = ()  # and the cache tier's bytes, memory + disk
 
 
 def _finish(fig: Figure, axes: tuple[Axes, ...], title: str, path: Path) -> None:
@@ -32,7 +45,7 @@ def _cdf(ax: Axes, values: Sequence[float], name: str) -> None:
                 label=name)
 
 
-def latency_cdfs(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) -> None:
+def latency_cdfs(runs: Sequence[Run], slo: Slo, path: Path, title: str) -> None:
     fig = Figure(figsize=(11, 4))
     ttft, tpot = fig.subplots(1, 2)
     for run in runs:
@@ -46,7 +59,7 @@ def latency_cdfs(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) ->
     _finish(fig, (ttft, tpot), title, path)
 
 
-def goodput_by_rate(runs: Sequence[RunResult], slo: Slo, path: Path, title: str) -> None:
+def goodput_by_rate(runs: Sequence[Run], slo: Slo, path: Path, title: str) -> None:
     fig = Figure(figsize=(11, 4))
     good, met = fig.subplots(1, 2)
     for policy in dict.fromkeys(run.policy for run in runs):
@@ -61,18 +74,13 @@ def goodput_by_rate(runs: Sequence[RunResult], slo: Slo, path: Path, title: str)
     _finish(fig, (good, met), title, path)
 
 
-def occupancy(runs: Sequence[RunResult], path: Path, title: str) -> None:
+def occupancy(runs: Sequence[Run], path: Path, title: str) -> None:
     fig = Figure(figsize=(11, 4))
     pool, tier = fig.subplots(1, 2)
     for run in runs:
-        samples = run.occupancy
-        if not samples:
-            continue
-        times = [o.t_s for o in samples]
-        pool.plot(times, [100 * o.used_blocks / o.total_blocks for o in samples],
-                  label=run.policy)
-        tier.plot(times, [(o.cache_memory_bytes + o.cache_disk_bytes) / MIB for o in samples],
-                  label=run.policy)
+        if run.times_s:
+            pool.plot(run.times_s, [100 * u for u in run.pool_used], label=run.policy)
+            tier.plot(run.times_s, [b / MIB for b in run.tier_bytes], label=run.policy)
     pool.set(xlabel="time (s)", ylabel="KV pool held by requests (%)", ylim=(0, 105))
     tier.set(xlabel="time (s)", ylabel="cache tier, memory + disk (MiB)")
     _finish(fig, (pool, tier), title, path)
