@@ -37,7 +37,7 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.common.units import MIB
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
-from kvstash.launch.stack import SHARED_MEMORY_DIR
+from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
 from kvstash.sim.profile import CopyCost, CostProfile, StepCost, step_terms
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
@@ -61,22 +61,23 @@ def step_shapes(max_context: int) -> list[tuple[int, int, int, int]]:
 
 
 def lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[list[float], float]:
-    """Least squares with every coefficient >= 0 (a negative one is dropped and
-    the rest refitted); and the fit's RMS error relative to the targets."""
+    """Least squares of the relative error (a 10 ms step matters as much as a
+    300 ms one), every coefficient >= 0 (a negative one is dropped and the
+    rest refitted); and the fit's RMS relative error."""
     import numpy as np
 
-    a, y = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    y = np.asarray(targets, dtype=float)
+    a = np.asarray(rows, dtype=float) / y[:, None]
     keep = list(range(a.shape[1]))
     while True:
-        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(a[:, keep], np.ones_like(y), rcond=None)
         if (coef >= 0).all():
             break
         keep.pop(int(np.argmin(coef)))
     full = [0.0] * a.shape[1]
     for i, c in zip(keep, coef, strict=True):
         full[i] = float(c)
-    relative = (a @ np.asarray(full) - y) / y
-    return full, float(np.sqrt(np.mean(relative**2)))
+    return full, float(np.sqrt(np.mean((a @ np.asarray(full) - 1) ** 2)))
 
 
 class Driver:
@@ -196,7 +197,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_stack(model: str, device: str, repeat: int, logs: Path, arena: bool
+def run_stack(model: str, device: str, threads: int, repeat: int, logs: Path, arena: bool
               ) -> tuple[Layout, list[tuple[list[float], float]], list[tuple[int, float]]]:
     """A cache (with or without its arena) and a worker, driven (steps only
     with the arena: the same either way)."""
@@ -206,7 +207,8 @@ def run_stack(model: str, device: str, repeat: int, logs: Path, arena: bool
     try:
         worker = start_service("worker", "gpu_worker", [
             "--listen", "127.0.0.1:0", "--model", model, "--device", device,
-            "--num-blocks", "5000", "--cache-address", cache.address], logs)
+            "--num-blocks", "5000", "--num-threads", str(threads),
+            "--cache-address", cache.address], logs)
         try:
             return asyncio.run(drive(worker, repeat, steps=arena))
         finally:
@@ -215,11 +217,11 @@ def run_stack(model: str, device: str, repeat: int, logs: Path, arena: bool
         cache.stop()
 
 
-def calibrate(model: str, device: str, repeat: int, name: str) -> CostProfile:
+def calibrate(model: str, device: str, threads: int, repeat: int, name: str) -> CostProfile:
     with tempfile.TemporaryDirectory(prefix="kvstash-calibrate-") as workdir:
         logs = Path(workdir)
-        layout, steps, arena = run_stack(model, device, repeat, logs, arena=True)
-        grpc = run_stack(model, device, repeat, logs, arena=False)[2]
+        layout, steps, arena = run_stack(model, device, threads, repeat, logs, arena=True)
+        grpc = run_stack(model, device, threads, repeat, logs, arena=False)[2]
         (logs / "disk").mkdir()
         disk = disk_copies(layout, repeat, logs / "disk")
     coef, step_error = lstsq([r for r, _ in steps], [s for _, s in steps])
@@ -230,7 +232,8 @@ def calibrate(model: str, device: str, repeat: int, name: str) -> CostProfile:
         print(f"{row[1]:>8.0f} {row[2]:>10.0f} {row[3]:>8.0f} {row[4]:>10.0f} "
               f"{seconds * 1e3:>12.2f} {fitted * 1e3:>10.2f}")
     copies = {"arena": fit_copy(arena), "grpc": fit_copy(grpc), "disk": fit_copy(disk)}
-    how = (f"kvstash calibrate --model {model} --device {device} --repeat {repeat}; "
+    how = (f"kvstash calibrate --model {model} --device {device} --worker-threads {threads} "
+           f"--repeat {repeat}; "
            f"{cpu_name()}, {os.cpu_count()} CPUs, {datetime.date.today().isoformat()}; "
            f"relative RMS error of the fit")
     source = {"step": f"{how} {step_error:.1%}"} | {
@@ -246,14 +249,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("out", type=Path, help="where to write the profile (JSON)")
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--worker-threads", type=int, default=worker_threads(StackConfig())[0],
+                   help="the worker's torch threads (default: what `kvstash up` gives its one "
+                        "worker here)")
     p.add_argument("--repeat", type=int, default=3, help="measures per shape (median)")
     p.add_argument("--name", help="the profile's name (default: model and device)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
-    profile = calibrate(args.model, args.device, args.repeat,
+    if args.repeat < 1 or args.worker_threads < 1:
+        raise ValueError(f"--repeat and --worker-threads must be >= 1, got {args.repeat}, "
+                         f"{args.worker_threads}")
+    profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
                         args.name or f"{Path(args.model).name} on {args.device}")
     args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     print(json.dumps(profile.to_json(), indent=1))

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from kvstash.sim.cluster import Cluster, SimCache, SimResult, least_load
+from kvstash.sim.cluster import Cluster, PrefixAware, SimCache, SimResult, least_load
 from kvstash.sim.profile import parse_profile
-from kvstash.workload.trace import synthetic
+from kvstash.workload.trace import Trace, TraceRequest, synthetic
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
 from tests.kvstash.sim.test_profile import GOOD
 
@@ -78,3 +78,44 @@ def test_round_robin_spreads_and_least_load_picks_the_emptiest() -> None:
     instances[0].held.update({"a", "b"})
     instances[2].held.add("c")
     assert least_load(instances, TRACE.requests[0]) is instances[1]
+
+
+def conversations(num: int = 7, turns: int = 4) -> Trace:
+    """Multi-turn chats: each turn's prompt is the last one's and more, turns
+    of different chats interleaved in arrival order (7 chats: round-robin over
+    4 instances moves each chat from turn to turn)."""
+    requests: list[TraceRequest] = []
+    for turn in range(turns):
+        for chat in range(num):
+            ids = tuple(1000 * chat + i for i in range(2 * turn + 2))
+            requests.append(TraceRequest(len(requests) * 0.2, 64 * len(ids) - 10, 8, ids))
+    return Trace(tuple(requests), block_tokens=64)
+
+
+def test_prefix_aware_routing_keeps_a_chat_where_its_prefix_is_cached() -> None:
+    trace = conversations()
+    hits = {}
+    for router in ("round-robin", "prefix-aware"):
+        configs = [SchedulerConfig(num_blocks=256, block_size=16, max_model_len=1024,
+                                   vocab_size=1 << 20, snapshot_id_prefix=f"i{n}")
+                   for n in range(4)]
+        cluster = Cluster(configs, PROFILE, SimCache(1 << 30, 0), router=router)
+        result = cluster.run(trace)
+        assert all(r.ok for r in result.records)
+        hits[router] = result.counters["num_prefix_hit_tokens"]
+    # Every later turn finds its chat's earlier turns cached only when routed there.
+    assert hits["prefix-aware"] > 2 * hits["round-robin"]
+
+
+def test_prefix_aware_falls_back_to_the_least_loaded() -> None:
+    _, cluster = simulate("auto", instances=3)
+    route = PrefixAware(threshold=0.5, balance=4)
+    a, b, c = cluster.instances
+    first = TraceRequest(0.0, 100, 1, (1, 2, 3))
+    assert route(cluster.instances, first) is a  # nothing known: the least loaded (first)
+    a.held.update({"x", "y"})
+    assert route(cluster.instances, TraceRequest(0.0, 100, 1, (1, 2, 3, 4))) is a  # 3 of 4 ids
+    assert route(cluster.instances, TraceRequest(0.0, 100, 1, (1, 9, 9, 9))) is b  # 1 of 4
+    a.held.update(str(i) for i in range(10))  # 12 held: more than 4 over the least
+    b.held.add("z")
+    assert route(cluster.instances, TraceRequest(0.0, 100, 1, (1, 2, 3, 5))) is c

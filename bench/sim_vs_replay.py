@@ -1,0 +1,111 @@
+"""The simulator against the real stack: the same trace slice replayed through
+real processes (bench.replay) and simulated (kvstash sim) with a profile
+calibrated on this machine, side by side, with the error of each figure.
+
+    python -m bench.sim_vs_replay --trace ../shared/traces/mooncake_conversation.jsonl \\
+        --count 40 --length-scale 0.0625 --rates 0.5,1 --policies recompute,auto \\
+        --model llama-small --num-blocks 160
+
+The profile must describe the model and the worker's threads the stack runs
+(the shipped CPU profile: llama-small float32 and what `kvstash up` gives one
+worker here); the scheduler settings are the same on both sides. Error =
+simulated / real - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.replay.runs import POLICIES, RunResult, run_policy
+from bench.worker_bench import write_checkpoint
+from kvstash.common.units import parse_bytes
+from kvstash.launch.stack import StackConfig
+from kvstash.sim.cli import DEFAULT_PROFILE, VOCAB
+from kvstash.sim.cluster import Cluster, SimCache, SimResult
+from kvstash.sim.profile import read_profile
+from kvstash.workload import flags
+from kvstash.workload.metrics import Slo, Summary, summarize
+from kvstash.workload.prompts import build_prompts
+from kvstash.workload.trace import Trace, fit
+from scheduler_svc.core.config import POLICIES as CORE_POLICIES
+from scheduler_svc.core.config import SchedulerConfig
+
+MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
+FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions")
+
+
+def figures(summary: Summary, preemptions: int) -> tuple[float, ...]:
+    return (summary.requests_per_s, summary.output_tokens_per_s, summary.ttft_s["p50"],
+            summary.ttft_s["p99"], summary.tpot_s["p50"], float(preemptions))
+
+
+def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
+    profile = read_profile(args.profile)
+    mode, reservation = CORE_POLICIES[policy]
+    config = SchedulerConfig(
+        num_blocks=args.num_blocks, block_size=16, max_model_len=MAX_MODEL_LEN[args.model],
+        vocab_size=VOCAB, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=mode,
+        reservation_policy=reservation, bytes_per_block=profile.bytes_per_block)
+    cache = SimCache(parse_bytes(args.cache_memory_budget), 0)
+    return Cluster([config], profile, cache).run(trace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim_vs_replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_flags(p)
+    p.add_argument("--policies", default="recompute,auto")
+    p.add_argument("--model", choices=sorted(MAX_MODEL_LEN), default="llama-small")
+    p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    p.add_argument("--num-blocks", type=int, default=160)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--cache-memory-budget", default="1GiB")
+    p.add_argument("--slo-ttft", type=float, default=5.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    args = p.parse_args(argv)
+    flags.check_flags(p, args)
+    policies = args.policies.split(",")
+    if unknown := [x for x in policies if x not in POLICIES]:
+        p.error(f"unknown policies {unknown}")
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    raw = flags.load_slice(args)
+    rows: list[tuple[str, float, tuple[float, ...], tuple[float, ...]]] = []
+    with tempfile.TemporaryDirectory(prefix="kvstash-simcheck-") as workdir:
+        model = args.model
+        if model != "tiny":
+            model = str(Path(workdir) / model)
+            write_checkpoint(Path(model), args.model, "float32")
+        base = StackConfig(model=model, dtype="auto" if args.model == "tiny" else "float32",
+                           num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           cache_memory_budget=args.cache_memory_budget)
+        for rate in args.rates:
+            trace, _ = fit(raw, args.length_scale, args.time_scale, rate,
+                           MAX_MODEL_LEN[args.model], args.output_scale)
+            prompts = build_prompts(trace, args.seed)
+            for policy in policies:
+                real: RunResult = run_policy(base, policy, trace, prompts)
+                sim = simulate(args, policy, trace)
+                real_pre = (real.counters["num_preemptions_offload"]
+                            + real.counters["num_preemptions_recompute"])
+                sim_pre = (sim.counters["num_preemptions_offload"]
+                           + sim.counters["num_preemptions_recompute"])
+                rows.append((policy, trace.rate,
+                             figures(summarize(real.records, slo), real_pre),
+                             figures(summarize(sim.records, slo), sim_pre)))
+                print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
+    print(f"{'policy':<12} {'rate':>5} {'figure':<12} {'real':>9} {'sim':>9} {'error':>7}")
+    for policy, rate, real_f, sim_f in rows:
+        for name, a, b in zip(FIGURES, real_f, sim_f, strict=True):
+            error = f"{b / a - 1:+.0%}" if a else "n/a"
+            print(f"{policy:<12} {rate:>5.3g} {name:<12} {a:>9.3f} {b:>9.3f} {error:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
