@@ -2,16 +2,16 @@
 # The GPU checks, one step or all, with the python given (the .venv's here,
 # a CUDA machine's own python3 there: see scripts/device_run.sh):
 #
-#   scripts/gpu_checks.sh PYTHON [versions|tests|worker|transfer|pd|all] ...
+#   scripts/gpu_checks.sh PYTHON [versions|tests|worker|transfer|pd|profile|all] ...
 #
 # Each step runs even when an earlier one failed (a device lease is short);
 # the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${1:?usage: $0 PYTHON [versions|tests|worker|transfer|pd|all] ...}
+python=${1:?usage: $0 PYTHON [versions|tests|worker|transfer|pd|profile|all] ...}
 shift
 steps=("${@:-all}")
-[[ ${steps[0]} == all ]] && steps=(versions tests worker transfer pd)
+[[ ${steps[0]} == all ]] && steps=(versions tests worker transfer pd profile)
 failed=()
 for step in "${steps[@]}"; do
     echo "=== $step"
@@ -28,6 +28,15 @@ print("varlen_attn", inspect.signature(varlen_attn))' ;;
         # outputs fit, so the run measures P/D, not preemption.
         pd) "$python" -m bench.pd_bench --model llama-1b --device cuda --num-blocks 4096 \
                 --max-prompt-tokens 1024 --max-tokens 128 ;;
+        # kvstash sim's cost profile of this GPU: bench-results/gpu-profile.json.
+        profile) dir=$(mktemp -d) && mkdir -p bench-results \
+                && "$python" -m bench.worker_bench --write-checkpoint "$dir/llama-1b" \
+                       --model llama-1b --dtype bfloat16 \
+                && "$python" -m kvstash.launch.cli calibrate bench-results/gpu-profile.json \
+                       --model "$dir/llama-1b" --device cuda \
+                       --name "Llama-3.2-1B shape, bf16, $("$python" -c \
+                           'import torch; print(torch.cuda.get_device_name())')"; rc=$? \
+                ; rm -rf "$dir"; (exit $rc) ;;
         *) echo "unknown step $step" >&2; false ;;
     esac || failed+=("$step")
 done
