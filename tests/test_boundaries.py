@@ -6,8 +6,10 @@ also inside functions and under TYPE_CHECKING; the scheduler core's purity
 also follows what importing it actually runs (module-level imports and
 parent packages), which replaces a subprocess that imported it.
 
+    kvstash.sim           kvstash sim / calibrate: runs the scheduler core itself,
+      |                   drives a real worker and cache to calibrate
     kvstash.launch        the `kvstash` command, stack, gateway, demo
-      |  (starts the services as processes, imports none)
+      |  (starts the services, and kvstash.sim, as processes: imports none)
     scheduler_svc  cache_svc  gpu_worker     never import each other
       |                                      only gpu_worker imports torch
     kvstash (Client)  kvstash.cache_sdk
@@ -48,6 +50,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gpu_worker": {"errors", "v1", "common", "cache_sdk"},
     # Runs the services as processes: imports none of them.
     "launch": {"errors", "v1", "common", "cache_sdk", "sdk"},
+    # The simulator: what it simulates is the scheduler's own code (its core,
+    # its decision record), and it calibrates by starting a worker and a cache
+    # (launch), driving the worker as the scheduler does (its worker link) and
+    # timing the cache's own disk files. Nothing of ours imports it.
+    "sim": {"errors", "v1", "common", "cache_sdk", "sdk", "launch", "scheduler_svc",
+            "cache_svc"},
 }
 # The worker's optional dependencies (pyproject's `worker` extra).
 WORKER_ONLY = ("torch", "numpy", "safetensors")
@@ -135,7 +143,7 @@ def component(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "sdk"
-    if parts[1] in ("errors", "v1", "common", "cache_sdk", "launch"):
+    if parts[1] in ("errors", "v1", "common", "cache_sdk", "launch", "sim"):
         return parts[1]
     return "sdk"  # any other module left in kvstash/ is what users import
 

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -40,6 +41,7 @@ from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
 from kvstash.sim.profile import CopyCost, CostProfile, StepCost, step_terms
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.costs import LinearFit
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.seq import ScheduledSeq
 from scheduler_svc.worker_link import StepStream, WorkerLink
@@ -62,22 +64,23 @@ def step_shapes(max_context: int) -> list[tuple[int, int, int, int]]:
 
 def lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[list[float], float]:
     """Least squares of the relative error (a 10 ms step matters as much as a
-    300 ms one), every coefficient >= 0 (a negative one is dropped and the
-    rest refitted); and the fit's RMS relative error."""
-    import numpy as np
-
-    y = np.asarray(targets, dtype=float)
-    a = np.asarray(rows, dtype=float) / y[:, None]
-    keep = list(range(a.shape[1]))
+    300 ms one), by the scheduler's own fit (scheduler_svc.core.costs), every
+    coefficient >= 0 (a negative one is dropped and the rest refitted); and
+    the fit's RMS relative error."""
+    keep = list(range(len(rows[0])))
     while True:
-        coef, *_ = np.linalg.lstsq(a[:, keep], np.ones_like(y), rcond=None)
-        if (coef >= 0).all():
+        fit = LinearFit(len(keep), forget=1.0)
+        for row, y in zip(rows, targets, strict=True):
+            fit.add([row[i] / y for i in keep], 1.0, clip=False)
+        if min(fit.theta) >= 0:
             break
-        keep.pop(int(np.argmin(coef)))
-    full = [0.0] * a.shape[1]
-    for i, c in zip(keep, coef, strict=True):
-        full[i] = float(c)
-    return full, float(np.sqrt(np.mean((a @ np.asarray(full) - 1) ** 2)))
+        keep.pop(fit.theta.index(min(fit.theta)))
+    full = [0.0] * len(rows[0])
+    for i, c in zip(keep, fit.theta, strict=True):
+        full[i] = c
+    errors = [sum(c * x for c, x in zip(full, row, strict=True)) / y - 1
+              for row, y in zip(rows, targets, strict=True)]
+    return full, math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
 class Driver:

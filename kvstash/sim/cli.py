@@ -186,6 +186,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("instances", "num_blocks", "block_size", "max_model_len", "max_num_seqs"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 < args.target <= 1:
+        parser.error(f"--target is an SLO attainment in (0, 1], got {args.target}")
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         args.host_bytes = parse_bytes(args.cache_memory_budget)

@@ -266,16 +266,22 @@ class Cluster:
                                        self.cache.used["disk"]))
         return inst
 
-    def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:
-        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
-        path = self.profile.copy[inst.transport]
-        tier = self.cache.put(cmd.snapshot_id, num_bytes)
-        if tier is None:  # refused: the copy fails once the cache answers
-            self.at(self.now + path.fixed_s, lambda: self._offloaded(inst, cmd, None, None))
-            return
-        seconds = path.seconds(num_bytes)
+    def _copy_seconds(self, inst: Instance, tier: str | None, num_bytes: int) -> float:
+        """A snapshot's copy between the instance and the cache, and the disk's
+        share where the snapshot is (or goes) there."""
+        seconds = self.profile.copy[inst.transport].seconds(num_bytes)
         if tier == "disk":
             seconds += self.profile.copy["disk"].seconds(num_bytes)
+        return seconds
+
+    def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:
+        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
+        tier = self.cache.put(cmd.snapshot_id, num_bytes)
+        if tier is None:  # refused: the copy fails once the cache answers
+            self.at(self.now + self.profile.copy[inst.transport].fixed_s,
+                    lambda: self._offloaded(inst, cmd, None, None))
+            return
+        seconds = self._copy_seconds(inst, tier, num_bytes)
         self.at(self.now + seconds, lambda: self._offloaded(inst, cmd, num_bytes, seconds))
 
     def _offloaded(self, inst: Instance, cmd: OffloadCommand, num_bytes: int | None,
@@ -286,10 +292,7 @@ class Cluster:
     def _restore(self, inst: Instance, cmd: RestoreCommand) -> None:
         tier = self.cache.tier(cmd.snapshot_id)
         num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
-        path = self.profile.copy[inst.transport]
-        seconds = path.seconds(num_bytes)
-        if tier == "disk":
-            seconds += self.profile.copy["disk"].seconds(num_bytes)
+        seconds = self._copy_seconds(inst, tier, num_bytes)
         got = None if tier is None else num_bytes
         self.at(self.now + seconds, lambda: self._restored(inst, cmd, got, seconds))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.replay.__main__ import main as replay_main
-from kvstash.launch.cli import main
+from kvstash.sim.__main__ import main
 from tests.bench.test_replay_e2e import PRESSURE
 
 

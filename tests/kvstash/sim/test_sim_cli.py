@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstash.launch.cli import main
+from kvstash.sim.__main__ import main
 from kvstash.sim.profile import read_profile
 from tests.gpu_worker.worker_factories import REPO
 from tests.kvstash.sim.test_profile import GOOD
