@@ -27,7 +27,7 @@ from kvstash.sim.cluster import ROUTERS, Cluster, SimCache, SimResult
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
-from kvstash.workload.metrics import Slo, Summary, summarize
+from kvstash.workload.metrics import Slo, Summary, spread, summarize
 from kvstash.workload.trace import Trace, TraceError, fit
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
 
@@ -131,14 +131,20 @@ HEADER = (f"{'policy':<16} {'rate/s':>7} {'done':>11} {'req/s':>7} {'goodput':>7
           f"{'recomp':>6} {'recomp tk':>9} {'sim s':>7}")
 
 
-def replay_record(path: Path) -> int:
+def replay_record(path: Path, profile_path: Path) -> int:
     try:
-        done = replay(read_record(path))
+        profile = read_profile(profile_path)
+        done = replay(read_record(path), profile)
     except (OSError, ValueError) as exc:
         print(f"kvstash sim: {exc}", file=sys.stderr)
         return 2
     print(f"replayed {done.calls} calls: {done.schedules} schedule() decisions, "
           f"{done.preemptions} preemptions, {done.copies} copies, {done.finishes} finishes")
+    if done.step_ratios:
+        ratios = spread(done.step_ratios)
+        print(f"recorded step seconds / {profile.name}'s prediction, over "
+              f"{len(done.step_ratios)} steps: p50 {ratios['p50']:.2f}, p90 {ratios['p90']:.2f}, "
+              f"p99 {ratios['p99']:.2f}")
     if done.mismatch is not None:
         print(f"DECISIONS DIFFER at {done.mismatch}", file=sys.stderr)
         return 1
@@ -178,7 +184,7 @@ def find_least(args: argparse.Namespace, slo: Slo, raw: Trace) -> int:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replay is not None:
-        return replay_record(args.replay)
+        return replay_record(args.replay, args.profile)
     flags.check_flags(parser, args)
     args.policies = args.policies.split(",")
     if unknown := [x for x in args.policies if x not in POLICIES]:

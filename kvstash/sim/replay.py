@@ -3,7 +3,8 @@ a fresh core: every call in its order, with its clock reading, its step
 seconds, its sampled tokens and its copy outcomes. The core must decide the
 same things at every schedule() and finish the same requests at every
 update(); the first difference ends the replay and is reported with the
-line it happened on.
+line it happened on. Given a profile, it also sets each recorded step's
+seconds beside the profile's prediction for the same work.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
+from kvstash.sim.profile import CostProfile
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
@@ -30,6 +32,9 @@ class Replayed:
     finishes: int = 0
     mismatch: str | None = None  # the first difference, with its line
     counters: dict[str, int] = field(default_factory=dict)
+    # With a profile: each recorded step's seconds over what the profile
+    # predicts for the same seqs (how well it times this run's steps).
+    step_ratios: list[float] = field(default_factory=list)
 
 
 def read_record(path: Path) -> list[dict[str, Any]]:
@@ -56,8 +61,9 @@ def _sampling(raw: dict[str, Any]) -> SamplingParams:
 
 
 class _Replay:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, profile: CostProfile | None) -> None:
         self.now = 0.0
+        self.profile = profile
         self.core = Scheduler(config, clock=lambda: self.now)
         self.last: SchedulerOutput | None = None
         self.copies: dict[str, OffloadCommand | RestoreCommand] = {}
@@ -82,7 +88,11 @@ class _Replay:
             if out.step_id != line["step"] or got != line["decided"]:
                 return f"step {line['step']}: recorded {line['decided']}, replayed {got}"
         elif op == "step":
-            core.observe_step(self.output(), line["seconds"])
+            out = self.output()
+            core.observe_step(out, line["seconds"])
+            if self.profile is not None:
+                predicted = self.profile.step.seconds(out.seqs, out.num_decodes)
+                self.result.step_ratios.append(line["seconds"] / predicted)
         elif op == "update":
             got_finished = finished(core.update(self.output(), line["sampled"]))
             self.result.finishes += len(got_finished)
@@ -106,8 +116,8 @@ class _Replay:
         return None
 
 
-def replay(lines: list[dict[str, Any]]) -> Replayed:
-    run = _Replay(_config(lines[0]["config"]))
+def replay(lines: list[dict[str, Any]], profile: CostProfile | None = None) -> Replayed:
+    run = _Replay(_config(lines[0]["config"]), profile)
     for n, line in enumerate(lines[1:], 2):
         run.now = line["t"]
         run.result.calls += 1

@@ -31,6 +31,8 @@ def test_a_recorded_run_replays_to_the_same_decisions(
     preemptions = sum(len(line["decided"]["preempted"]) for line in lines
                       if line["op"] == "schedule")
     assert preemptions > 0 and f"{preemptions} preemptions" in out
+    steps = sum(1 for line in lines if line["op"] == "step")
+    assert f"prediction, over {steps} steps: p50" in out  # the profile set beside each step
 
 
 def test_a_tampered_record_is_caught(tmp_path: Path,
