@@ -1,6 +1,8 @@
 """The simulator against the real stack: the same trace slice replayed through
 real processes (bench.replay) and simulated (kvstash sim) with a profile
 calibrated on this machine, side by side, with the error of each figure.
+Real figures are the median of --repeat runs (their min-max beside it): on a
+shared host one real run's TTFT can move by 2x from the next.
 
     python -m bench.sim_vs_replay --trace ../shared/traces/mooncake_conversation.jsonl \\
         --count 40 --length-scale 0.0625 --rates 0.5,1 --policies recompute,auto \\
@@ -15,11 +17,12 @@ simulated / real - 1.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.replay.runs import POLICIES, RunResult, run_policy
+from bench.replay.runs import POLICIES, run_policy
 from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
 from kvstash.launch.stack import StackConfig
@@ -37,9 +40,13 @@ MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions")
 
 
-def figures(summary: Summary, preemptions: int) -> tuple[float, ...]:
+def preemptions(counters: dict[str, int]) -> int:
+    return counters["num_preemptions_offload"] + counters["num_preemptions_recompute"]
+
+
+def figures(summary: Summary, num_preempted: int) -> tuple[float, ...]:
     return (summary.requests_per_s, summary.output_tokens_per_s, summary.ttft_s["p50"],
-            summary.ttft_s["p99"], summary.tpot_s["p50"], float(preemptions))
+            summary.ttft_s["p99"], summary.tpot_s["p50"], float(num_preempted))
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
@@ -67,14 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-memory-budget", default="1GiB")
     p.add_argument("--slo-ttft", type=float, default=5.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--repeat", type=int, default=1, help="real runs per point (median)")
     args = p.parse_args(argv)
     flags.check_flags(p, args)
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     policies = args.policies.split(",")
     if unknown := [x for x in policies if x not in POLICIES]:
         p.error(f"unknown policies {unknown}")
     slo = Slo(args.slo_ttft, args.slo_tpot)
     raw = flags.load_slice(args)
-    rows: list[tuple[str, float, tuple[float, ...], tuple[float, ...]]] = []
+    rows: list[tuple[str, float, list[tuple[float, ...]], tuple[float, ...]]] = []
     with tempfile.TemporaryDirectory(prefix="kvstash-simcheck-") as workdir:
         model = args.model
         if model != "tiny":
@@ -89,21 +99,22 @@ def main(argv: list[str] | None = None) -> int:
                            MAX_MODEL_LEN[args.model], args.output_scale)
             prompts = build_prompts(trace, args.seed)
             for policy in policies:
-                real: RunResult = run_policy(base, policy, trace, prompts)
+                reals = [run_policy(base, policy, trace, prompts) for _ in range(args.repeat)]
                 sim = simulate(args, policy, trace)
-                real_pre = (real.counters["num_preemptions_offload"]
-                            + real.counters["num_preemptions_recompute"])
-                sim_pre = (sim.counters["num_preemptions_offload"]
-                           + sim.counters["num_preemptions_recompute"])
                 rows.append((policy, trace.rate,
-                             figures(summarize(real.records, slo), real_pre),
-                             figures(summarize(sim.records, slo), sim_pre)))
+                             [figures(summarize(r.records, slo), preemptions(r.counters))
+                              for r in reals],
+                             figures(summarize(sim.records, slo), preemptions(sim.counters))))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
-    print(f"{'policy':<12} {'rate':>5} {'figure':<12} {'real':>9} {'sim':>9} {'error':>7}")
-    for policy, rate, real_f, sim_f in rows:
-        for name, a, b in zip(FIGURES, real_f, sim_f, strict=True):
-            error = f"{b / a - 1:+.0%}" if a else "n/a"
-            print(f"{policy:<12} {rate:>5.3g} {name:<12} {a:>9.3f} {b:>9.3f} {error:>7}")
+    print(f"{'policy':<12} {'rate':>5} {'figure':<12} {'real':>9} {'real min-max':>19} "
+          f"{'sim':>9} {'error':>7}")
+    for policy, rate, real_runs, sim_f in rows:
+        for i, name in enumerate(FIGURES):
+            values = [run[i] for run in real_runs]
+            real = statistics.median(values)
+            error = f"{sim_f[i] / real - 1:+.0%}" if real else "n/a"
+            print(f"{policy:<12} {rate:>5.3g} {name:<12} {real:>9.3f} "
+                  f"{min(values):>9.3f}-{max(values):<9.3f} {sim_f[i]:>9.3f} {error:>7}")
     return 0
 
 
