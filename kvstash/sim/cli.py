@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstash.common.units import parse_bytes
 from kvstash.sim import find
@@ -30,6 +30,9 @@ from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, spread, summarize
 from kvstash.workload.trace import Trace, TraceError, fit
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
+
+if TYPE_CHECKING:
+    from kvstash.workload import plots
 
 PROFILES = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
@@ -97,15 +100,15 @@ def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
         return cluster.run(trace, bar.update)
 
 
-def plotted(policy: str, rate: float, result: SimResult) -> Any:
-    from kvstash.workload import plots
+def plotted(policy: str, rate: float, result: SimResult) -> plots.Run:
+    from kvstash.workload import plots  # matplotlib: only with --plots
 
     s = result.samples
     return plots.Run(policy, rate, result.records, [x.t for x in s], [x.pool_used for x in s],
                      [x.host_bytes + x.disk_bytes for x in s])
 
 
-def write_plots(out: Path, runs: list[Any], slo: Slo, title: str) -> None:
+def write_plots(out: Path, runs: list[plots.Run], slo: Slo, title: str) -> None:
     from kvstash.workload import plots
 
     out.mkdir(parents=True, exist_ok=True)
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return find_least(args, slo, raw)
     print(HEADER)
     runs: list[dict[str, Any]] = []
-    shown: list[Any] = []  # plots.Run of each run, with --plots
+    shown: list[plots.Run] = []  # each run, with --plots
     for rate in args.rates:
         try:
             trace, dropped = fit(raw, args.length_scale, args.time_scale, rate,
