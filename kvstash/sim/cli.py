@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstash.common.units import parse_bytes
 from kvstash.sim import find
-from kvstash.sim.cluster import ROUTERS, Cluster, SimCache, SimResult
+from kvstash.sim.cluster import Cluster, SimCache, SimResult
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
+from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, spread, summarize
 from kvstash.workload.trace import Trace, TraceError, fit

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
 from kvstash.sim.profile import CostProfile
+from kvstash.sim.routers import ROUTERS
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace, TraceRequest
 from scheduler_svc.core.config import SchedulerConfig
@@ -96,52 +97,6 @@ def prompt_of(request: TraceRequest, block_tokens: int) -> list[int]:
     for hash_id in request.hash_ids:
         tokens += [hash_id] * block_tokens
     return tokens[:request.input_length]
-
-
-Router = Callable[[Sequence[Instance], TraceRequest], Instance]
-
-
-def round_robin() -> Router:
-    turn = itertools.count()
-    return lambda instances, _request: instances[next(turn) % len(instances)]
-
-
-def least_load(instances: Sequence[Instance], _request: TraceRequest) -> Instance:
-    return min(instances, key=lambda inst: len(inst.held))
-
-
-class PrefixAware:
-    """Like smg's cache-aware policy: each instance remembers the prompt
-    prefixes (runs of leading hash ids) routed to it; a request goes to the
-    instance that holds the longest run of its own when that covers at least
-    `threshold` of its ids and that instance holds at most `balance` requests
-    more than the least loaded one, else to the least loaded. (A model of the
-    router, not smg itself: no eviction of what an instance remembers.)"""
-
-    def __init__(self, threshold: float = 0.5, balance: int = 32) -> None:
-        self.threshold, self.balance = threshold, balance
-        self.seen: dict[str, set[int]] = {}
-
-    def __call__(self, instances: Sequence[Instance], request: TraceRequest) -> Instance:
-        keys, key = [], 0
-        for hash_id in request.hash_ids:  # one key per leading run: chained
-            key = hash((key, hash_id))
-            keys.append(key)
-        least = least_load(instances, request)
-        best, best_run = least, 0
-        for inst in instances:
-            seen = self.seen.setdefault(inst.name, set())
-            run = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
-            if run > best_run:
-                best, best_run = inst, run
-        covered = best_run >= self.threshold * len(keys)
-        choice = best if covered and len(best.held) <= len(least.held) + self.balance else least
-        self.seen[choice.name].update(keys)
-        return choice
-
-
-ROUTERS: dict[str, Callable[[], Router]] = {
-    "round-robin": round_robin, "least-load": lambda: least_load, "prefix-aware": PrefixAware}
 
 
 @dataclass(slots=True)

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from kvstash.sim.cluster import Cluster, PrefixAware, SimCache, SimResult, least_load
+from kvstash.sim.cluster import Cluster, SimCache, SimResult
 from kvstash.sim.profile import parse_profile
+from kvstash.sim.routers import PrefixAware, least_load
 from kvstash.workload.trace import Trace, TraceRequest, synthetic
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
 from tests.kvstash.sim.test_profile import GOOD
