@@ -288,12 +288,13 @@ def compare(rev: str, argv: list[str]) -> None:
 
 
 def tune_malloc_as_the_worker_does() -> None:
-    """build_runner's malloc thresholds; a revision from before them (--compare) ran without."""
-    try:
-        from gpu_worker.host_malloc import keep_large_blocks
-    except ImportError:
-        return
-    keep_large_blocks()
+    """The worker's malloc settings (its main, then build_runner); a revision
+    from before keep_large_tensors (--compare) ran without it."""
+    from kvstash.common import malloc_tuning
+
+    malloc_tuning.tune_malloc()
+    if hasattr(malloc_tuning, "keep_large_tensors"):
+        malloc_tuning.keep_large_tensors()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,6 @@ from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
 from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
-from gpu_worker.host_malloc import keep_large_blocks
 from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.invariance import choose_forward
 from gpu_worker.model import CausalLM
@@ -38,6 +37,7 @@ from gpu_worker.sampling import GREEDY, SamplingParams, sample_rows
 from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.common.cpu import usable_cpus
 from kvstash.common.layout import Layout
+from kvstash.common.malloc_tuning import keep_large_tensors
 from kvstash.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -282,12 +282,12 @@ def set_torch_threads(num_threads: int) -> int:
 
 
 def build_runner(config: WorkerConfig) -> ModelRunner:
-    """Sets torch's threads (and, on the CPU, malloc's thresholds: host_malloc.py),
+    """Sets torch's threads (and, on the CPU, malloc's: keep_large_tensors),
     loads the configured model and allocates its KV cache."""
     set_torch_threads(config.num_threads)
     loaded = load_model(config)
     if loaded.model.device.type == "cpu":
-        keep_large_blocks()
+        keep_large_tensors()
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,
                        tokenizer_json=loaded.tokenizer_json,
