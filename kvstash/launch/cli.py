@@ -21,7 +21,7 @@ from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-SIM_COMMANDS = {"sim": "simulate instances serving a trace, in virtual time (python -m kvstash.sim)",
+SIM_COMMANDS = {"sim": "simulate instances serving a trace, in virtual time (kvstash.sim)",
                 "calibrate": "measure a cost profile for kvstash sim on this machine"}
 
 
