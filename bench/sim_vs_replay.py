@@ -22,21 +22,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay.runs import POLICIES, run_policy
 from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
 from kvstash.launch.stack import StackConfig
-from kvstash.sim.cli import DEFAULT_PROFILE, VOCAB
-from kvstash.sim.cluster import Cluster, SimCache, SimResult
+from kvstash.sim.cli import DEFAULT_PROFILE
+from kvstash.sim.cluster import Cluster, SimCache, SimResult, instance_configs
 from kvstash.sim.profile import read_profile
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit
-from scheduler_svc.core.config import POLICIES as CORE_POLICIES
-from scheduler_svc.core.config import SchedulerConfig
 
-MAX_MODEL_LEN = {"tiny": 1024, "llama-small": 4096}
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions")
 
 
@@ -50,15 +48,15 @@ def figures(summary: Summary, num_preempted: int) -> tuple[float, ...]:
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
+    """The stack's settings (StackConfig's block size) in one simulated instance."""
     profile = read_profile(args.profile)
-    mode, reservation = CORE_POLICIES[policy]
-    config = SchedulerConfig(
-        num_blocks=args.num_blocks, block_size=16, max_model_len=MAX_MODEL_LEN[args.model],
-        vocab_size=VOCAB, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=mode,
-        reservation_policy=reservation, bytes_per_block=profile.bytes_per_block)
+    configs = instance_configs(
+        policy, 1, num_blocks=args.num_blocks, block_size=StackConfig().block_size,
+        max_model_len=MAX_MODEL_LEN[args.model], max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        bytes_per_block=profile.bytes_per_block)
     cache = SimCache(parse_bytes(args.cache_memory_budget), 0)
-    return Cluster([config], profile, cache).run(trace)
+    return Cluster(configs, profile, cache).run(trace)
 
 
 def main(argv: list[str] | None = None) -> int:

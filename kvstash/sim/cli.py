@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstash.common.units import parse_bytes
 from kvstash.sim import find
-from kvstash.sim.cluster import Cluster, SimCache, SimResult
+from kvstash.sim.cluster import Cluster, SimCache, SimResult, instance_configs
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 PROFILES = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
-VOCAB = 1 << 32  # prompt tokens are trace hash ids (cluster.prompt_of)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
@@ -79,14 +78,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def configs(args: argparse.Namespace, policy: str) -> list[SchedulerConfig]:
-    mode, reservation = POLICIES[policy]
-    return [SchedulerConfig(
-        num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
-        vocab_size=VOCAB, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=mode,
-        reservation_policy=reservation, fixed_blocks_per_decode=args.fixed_blocks_per_decode,
-        bytes_per_block=args.bytes_per_block, snapshot_id_prefix=f"i{n}")
-        for n in range(args.instances)]
+    return instance_configs(
+        policy, args.instances, num_blocks=args.num_blocks, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+        bytes_per_block=args.bytes_per_block)
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:

@@ -24,6 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
@@ -31,7 +32,7 @@ from kvstash.sim.profile import CostProfile
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace, TraceRequest
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import POLICIES, SchedulerConfig
 from scheduler_svc.core.outputs import (
     Counters,
     OffloadCommand,
@@ -41,6 +42,7 @@ from scheduler_svc.core.outputs import (
 from scheduler_svc.core.scheduler import Scheduler
 
 TOKEN = 0  # what every simulated sample draws (the sim's configs stop on no token)
+VOCAB = 1 << 32  # prompt tokens are trace hash ids (prompt_of)
 SAMPLE_EVERY_S = 0.5  # virtual seconds between occupancy samples
 
 
@@ -87,6 +89,15 @@ class Sample:
     pool_used: float  # the instances' KV pools held by requests, [0, 1]
     host_bytes: int
     disk_bytes: int
+
+
+def instance_configs(policy: str, instances: int, **settings: Any) -> list[SchedulerConfig]:
+    """One SchedulerConfig per instance under a named policy (the core's
+    POLICIES), the other `settings` as given; snapshot ids kept apart."""
+    mode, reservation = POLICIES[policy]
+    return [SchedulerConfig(vocab_size=VOCAB, preemption_mode=mode,
+                            reservation_policy=reservation, snapshot_id_prefix=f"i{n}",
+                            **settings) for n in range(instances)]
 
 
 def prompt_of(request: TraceRequest, block_tokens: int) -> list[int]:
