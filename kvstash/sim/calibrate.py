@@ -39,9 +39,9 @@ from kvstash.common.units import MIB
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
-from kvstash.sim.profile import CopyCost, CostProfile, StepCost, step_terms
+from kvstash.sim.profile import CopyCost, CostProfile, StepCost
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.core.costs import LinearFit
+from scheduler_svc.core.costs import LinearFit, step_features
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.seq import ScheduledSeq
 from scheduler_svc.worker_link import StepStream, WorkerLink
@@ -148,7 +148,7 @@ async def drive(worker: Service, repeat: int, steps: bool
                     step_shapes(min(info.max_model_len, 2048)) if steps else []):
                 seqs = driver.seqs(decodes, context, prefill, start)
                 seconds = await median(functools.partial(driver.step, seqs, decodes), repeat)
-                step_rows.append((list(step_terms(seqs, decodes)), seconds))
+                step_rows.append((list(step_features(seqs, decodes)), seconds))
             copies = [(n * layout.bytes_per_block,
                        await median(functools.partial(driver.copy, n), repeat))
                       for n in COPY_BLOCKS]

@@ -1,9 +1,10 @@
 """A cost profile: how long a simulated worker's step and a simulated copy take.
 
-    step_s = fixed_s + prefill_token_s * prefill tokens + prefill_key_s * their keys
-             + decode_row_s * decode rows + decode_key_s * their keys
-             (a row at position p attends p + 1 keys; a decode's key costs far more
-             than a prefill row's on the CPU path: a product of one row)
+    step_s = fixed_s + decode_row_s * decode rows + decode_position_s * their positions
+             + prefill_token_s * prefill tokens + prefill_square_s * sum((s+n)^2 - s^2)
+             over its prefill chunks [s, s+n): the line the scheduler's own cost
+             model fits (scheduler_svc/core/costs.py, step_features); a decode's
+             position costs far more than a prefill's on the CPU path
     copy_s = fixed_s + bytes / bytes_per_s        per path: arena, grpc, disk
 
 A profile is a small JSON file; every number sits beside where it came from
@@ -21,6 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.seq import ScheduledSeq
 
 COPY_PATHS = ("arena", "grpc", "disk")
@@ -32,33 +34,20 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepCost:
+    """Coefficients of step_features, in its order."""
+
     fixed_s: float
-    prefill_token_s: float
-    prefill_key_s: float
     decode_row_s: float
-    decode_key_s: float
+    decode_position_s: float
+    prefill_token_s: float
+    prefill_square_s: float
 
     def seconds(self, seqs: Sequence[ScheduledSeq], num_decodes: int) -> float:
         """One step over `seqs`, of which the first `num_decodes` are decodes."""
-        _, prefill_tokens, prefill_keys, decodes, decode_keys = step_terms(seqs, num_decodes)
-        return (self.fixed_s + self.prefill_token_s * prefill_tokens
-                + self.prefill_key_s * prefill_keys + self.decode_row_s * decodes
-                + self.decode_key_s * decode_keys)
-
-
-def step_terms(seqs: Sequence[ScheduledSeq], num_decodes: int) -> tuple[float, ...]:
-    """What StepCost's coefficients multiply: 1, prefill tokens and their keys,
-    decode rows and their keys."""
-    prefill_tokens = prefill_keys = decode_keys = 0
-    for i, seq in enumerate(seqs):
-        n, start = len(seq.token_ids), seq.start_pos
-        keys = n * start + n * (n + 1) // 2  # rows at start .. start+n-1
-        if i < num_decodes:
-            decode_keys += keys
-        else:
-            prefill_tokens += n
-            prefill_keys += keys
-    return (1.0, prefill_tokens, prefill_keys, num_decodes, decode_keys)
+        features = step_features(seqs, num_decodes)
+        return (self.fixed_s * features[0] + self.decode_row_s * features[1]
+                + self.decode_position_s * features[2] + self.prefill_token_s * features[3]
+                + self.prefill_square_s * features[4])
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,22 @@ def _solve(gram: list[list[float]], moment: list[float]) -> list[float]:
     return theta
 
 
+def step_features(seqs: Sequence[ScheduledSeq], num_decodes: int
+                  ) -> tuple[float, float, float, float, float]:
+    """What the step model's coefficients (c, d, e, a, b above) multiply:
+    1, decode rows, the sum of their positions, prefill tokens and the sum of
+    (s + n)^2 - s^2 over the prefill chunks [s, s + n); `seqs[:num_decodes]`
+    are the decodes. kvstash sim times its steps by the same line."""
+    decode_positions = sum(seq.start_pos for seq in islice(seqs, num_decodes))
+    num_prefill = prefill_squares = 0
+    for seq in islice(seqs, num_decodes, None):
+        start = seq.start_pos
+        end = start + len(seq.token_ids)
+        num_prefill += end - start
+        prefill_squares += end * end - start * start
+    return (1.0, num_decodes, decode_positions, num_prefill, prefill_squares)
+
+
 @dataclass(frozen=True, slots=True)
 class CostEstimates:
     """The fitted rates (None until trusted), for metrics and benchmarks."""
@@ -164,16 +180,9 @@ class CostModel:
 
     def observe_step(self, seqs: Sequence[ScheduledSeq], num_decodes: int, seconds: float) -> None:
         """A step ran `seqs` (its first `num_decodes` are decodes) in `seconds`."""
-        decode_positions = sum(seq.start_pos for seq in islice(seqs, num_decodes))
-        num_prefill = prefill_squares = 0
-        for seq in islice(seqs, num_decodes, None):
-            start = seq.start_pos
-            end = start + len(seq.token_ids)
-            num_prefill += end - start
-            prefill_squares += end * end - start * start
-        self.step.add((1.0, num_decodes, decode_positions, num_prefill, prefill_squares),
-                      seconds, self.num_prefill_steps >= self.min_samples)
-        if num_prefill:
+        features = step_features(seqs, num_decodes)
+        self.step.add(features, seconds, self.num_prefill_steps >= self.min_samples)
+        if features[3]:  # prefill tokens
             self.num_prefill_steps += 1
 
     def offload_restore_s(self, num_blocks: int) -> float | None:

@@ -11,13 +11,14 @@ import pytest
 
 from kvstash.common.sampling import SamplingParams
 from kvstash.sim.cli import PROFILES
-from kvstash.sim.profile import ProfileError, parse_profile, read_profile, step_terms
+from kvstash.sim.profile import ProfileError, parse_profile, read_profile
+from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.seq import ScheduledSeq
 
 GOOD: dict[str, Any] = {
     "name": "test", "bytes_per_block": 1024, "block_size": 16,
-    "step": {"fixed_s": 0.01, "prefill_token_s": 1e-4, "prefill_key_s": 1e-7,
-             "decode_row_s": 1e-3, "decode_key_s": 1e-6},
+    "step": {"fixed_s": 0.01, "decode_row_s": 1e-3, "decode_position_s": 1e-6,
+             "prefill_token_s": 1e-4, "prefill_square_s": 1e-7},
     "copy": {path: {"fixed_s": 0.001, "bytes_per_s": 1e9} for path in ("arena", "grpc", "disk")},
     "source": {"step": "a test"},
 }
@@ -32,14 +33,14 @@ def test_shipped_profiles_parse_and_say_where_each_number_came_from() -> None:
         assert profile.step.seconds([], 0) == profile.step.fixed_s > 0
 
 
-def test_step_terms_count_keys_per_row() -> None:
+def test_a_step_is_timed_by_the_cores_own_step_line() -> None:
     s = SamplingParams(1)
-    decode = ScheduledSeq("d", [1], 9, [0], True, s)  # position 9: 10 keys
-    chunk = ScheduledSeq("p", [1, 2, 3], 4, [1], True, s)  # positions 4..6: 5 + 6 + 7 keys
-    assert step_terms([decode, chunk], 1) == (1.0, 3, 18, 1, 10)
+    decode = ScheduledSeq("d", [1], 9, [0], True, s)  # position 9
+    chunk = ScheduledSeq("p", [1, 2, 3], 4, [1], True, s)  # positions 4..6: 7^2 - 4^2 = 33
+    assert step_features([decode, chunk], 1) == (1.0, 1, 9, 3, 33)
     profile = parse_profile(GOOD)
     assert profile.step.seconds([decode, chunk], 1) == pytest.approx(
-        0.01 + 3e-4 + 18e-7 + 1e-3 + 10e-6)
+        0.01 + 1e-3 + 9e-6 + 3e-4 + 33e-7)
     assert profile.copy["grpc"].seconds(10**9) == pytest.approx(1.001)
 
 
@@ -57,7 +58,8 @@ def edited(path: tuple[str, ...], value: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("path", "value", "message"), [
-    (("step", "decode_key_s"), KeyError, r"profile.step: missing field\(s\) decode_key_s"),
+    (("step", "prefill_square_s"), KeyError,
+     r"profile.step: missing field\(s\) prefill_square_s"),
     (("step", "warp_s"), 1.0, r"profile.step: unknown field\(s\) warp_s"),
     (("step", "fixed_s"), -1, r"profile.step.fixed_s: must be >= 0, got -1"),
     (("step", "fixed_s"), "fast", r"profile.step.fixed_s: a finite number is needed"),
