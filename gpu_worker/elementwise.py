@@ -57,12 +57,3 @@ def exp_(x: torch.Tensor) -> torch.Tensor:
 def silu_(x: torch.Tensor) -> torch.Tensor:
     """In place; `x` contiguous, its last dimension a multiple of `span`."""
     return whole_rows_(lambda piece: F.silu(piece, inplace=True), x)
-
-
-def exp(x: torch.Tensor) -> torch.Tensor:
-    """Any shape: copied into an even number of zero-padded rows of one span,
-    then `exp_`."""
-    n, width = x.numel(), span(x.dtype)
-    rows = x.new_zeros(-(-n // (2 * width)) * 2, width)
-    rows.view(-1)[:n] = x.reshape(-1)
-    return exp_(rows).view(-1)[:n].view(x.shape)

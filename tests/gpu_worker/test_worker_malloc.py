@@ -39,7 +39,8 @@ def step_page_faults(mode: str) -> int:
     return int(out.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="mallopt and minor-fault counts: glibc on Linux only")
 def test_repeated_steps_do_not_fault_their_pages_in_again() -> None:
     default = step_page_faults("default")
     assert default > 10_000  # each step maps its 38 MB score tensors afresh: this can fail

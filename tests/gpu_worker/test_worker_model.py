@@ -172,8 +172,6 @@ def test_exp_and_silu_give_an_element_the_same_bits_at_any_size(dtype: torch.dty
         for start, stop in CUTS:
             assert torch.equal(fn(x[start:stop].clone()), whole[start:stop])
         assert torch.equal(fn(torch.cat((x, x), dim=1)[:, :width]), whole)
-    odd = x[:, :3]  # any shape, through a padded copy
-    assert torch.equal(elementwise.exp(odd)[5:9], elementwise.exp(odd[5:9]))
 
 
 @pytest.mark.usefixtures("three_threads")
