@@ -217,7 +217,7 @@ def kernels(fn: Callable[[], object]) -> int:
 
 
 def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
-                ) -> dict[str, float | None]:
+                ) -> dict[str, Any]:
     device, batched = model.device, mode != "per-seq"
     total = max(args.prompt_len, args.context) + args.steps + 1
     runner = make_runner(model, mode, batch, total, args.row_tile)
@@ -234,9 +234,20 @@ def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
     busy = gpu_busy(device, lambda: decode(runner, batch, args.context, blocks, 2, batched))
     ops = (kernels(lambda: decode(runner, batch, args.context, blocks, 1, batched))
            if args.count_ops else None)
-    return {"decode": batch * args.steps / decode_s, "prefill": batch * args.prompt_len / prefill_s,
+    return {"steps": steps_layout(runner, mode),
+            "decode": batch * args.steps / decode_s, "prefill": batch * args.prompt_len / prefill_s,
             "prefill_tflops": prefill_flops(model, batch, args.prompt_len) / prefill_s / 1e12,
             "busy": busy, "decode_ops": ops}
+
+
+def steps_layout(runner: ModelRunner, mode: str) -> str:
+    """How the mode's steps ran: whole (invariant), in row tiles (invariant,
+    the fallback where the start-up check failed), plain (not invariant)."""
+    if mode == "per-seq":
+        return "per seq"
+    if runner.batched.row_tile is None:
+        return "plain"
+    return "whole" if runner.batched.whole else f"tiles {runner.batched.row_tile}"
 
 
 def prefill_chunk_ops(model: CausalLM, mode: str, length: int = 1024) -> int:
@@ -337,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} {str(dtype).removeprefix('torch.')} on {name} "
           f"({torch.get_num_threads()} threads); prompt {args.prompt_len}, decode at context "
           f"{args.context}, {args.steps} timed decode steps")
-    print(f"{'batch':>5} {'mode':<13} {'decode tok/s':>13} {'prefill tok/s':>14} "
+    print(f"{'batch':>5} {'mode':<13} {'steps':<9} {'decode tok/s':>13} {'prefill tok/s':>14} "
           f"{'prefill TFLOP/s':>16} {'vs dense':>9} {'GPU busy':>9}"
           + (f" {'kernels':>8}" if args.count_ops else ""))
     rows: dict[str, dict[str, Any]] = {}
@@ -353,14 +364,15 @@ def main(argv: list[str] | None = None) -> None:
         dense()
         dense_tflops = (prefill_flops(model, batch, args.prompt_len)
                         / timed(device, dense, args.repeat) / 1e12)
-        print(f"{batch:>5} {'dense torch':<13} {'':>13} {'':>14} {dense_tflops:>16.3f}")
+        print(f"{batch:>5} {'dense torch':<13} {'':<9} {'':>13} {'':>14} {dense_tflops:>16.3f}")
         for mode in args.modes.split(","):
             r = bench_batch(model, mode, batch, args)
             busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
             ratio = (r["prefill_tflops"] or 0.0) / dense_tflops
             ops = "" if r["decode_ops"] is None else f" {r['decode_ops']:>8}"
-            print(f"{batch:>5} {mode:<13} {r['decode']:>13.1f} {r['prefill']:>14.1f} "
-                  f"{r['prefill_tflops']:>16.3f} {ratio:>9.0%} {busy:>9}{ops}", flush=True)
+            print(f"{batch:>5} {mode:<13} {r['steps']:<9} {r['decode']:>13.1f} "
+                  f"{r['prefill']:>14.1f} {r['prefill_tflops']:>16.3f} {ratio:>9.0%} "
+                  f"{busy:>9}{ops}", flush=True)
             rows[f"{batch} {mode}"] = {**r, "vs_dense": ratio}
     summary: dict[str, Any] = {"model": args.model, "prompt_len": args.prompt_len, "rows": rows}
     if args.count_ops:

@@ -33,6 +33,15 @@ from scheduler_svc.backend import Backend
 _TOKENIZER_CHUNK_BYTES = 64 * 1024
 
 
+def package_version() -> str:
+    """The installed kvstash's version; a source tree run without installing
+    (PYTHONPATH=., as on a lent GPU machine) has no package metadata."""
+    try:
+        return importlib.metadata.version("kvstash")
+    except importlib.metadata.PackageNotFoundError:
+        return "(source tree)"
+
+
 class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
     """The informational VllmEngine RPCs; VllmEngineServicer adds generation."""
 
@@ -42,7 +51,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._attached = attached
         self._tokenizer_zip = b""
         self._started = time.monotonic()
-        self._version = f"kvstash {importlib.metadata.version('kvstash')}"
+        self._version = f"kvstash {package_version()}"
 
     @rpc_errors.maps_errors
     async def HealthCheck(self, request: pb.HealthCheckRequest,

@@ -2,16 +2,20 @@
 # The GPU checks, one step or all, with the python given (the .venv's here,
 # a CUDA machine's own python3 there: see scripts/device_run.sh):
 #
-#   scripts/gpu_checks.sh PYTHON [versions|tests|worker|transfer|pd|profile|all] ...
+#   scripts/gpu_checks.sh PYTHON [versions|tests|profile|worker|transfer|pd|all] ...
 #
-# Each step runs even when an earlier one failed (a device lease is short);
-# the exit status says whether any failed.
+# Each step runs even when an earlier one failed (a device lease is short),
+# within STEP_TIMEOUT seconds when that is set; the exit status says whether
+# any failed. Figures (JSON) land in RESULTS (default bench-results/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${1:?usage: $0 PYTHON [versions|tests|worker|transfer|pd|profile|all] ...}
+python=${1:?usage: $0 PYTHON [versions|tests|profile|worker|transfer|pd|all] ...}
 shift
 steps=("${@:-all}")
-[[ ${steps[0]} == all ]] && steps=(versions tests worker transfer pd profile)
+[[ ${steps[0]} == all ]] && steps=(versions tests profile worker transfer pd)
+results=${RESULTS:-bench-results}
+mkdir -p "$results"
+limit=(); [[ -n ${STEP_TIMEOUT:-} ]] && limit=(timeout "$STEP_TIMEOUT")
 failed=()
 for step in "${steps[@]}"; do
     echo "=== $step"
@@ -21,18 +25,23 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 from torch.nn.attention.varlen import varlen_attn
 print("varlen_attn", inspect.signature(varlen_attn))' ;;
-        tests) "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
-        worker) "$python" -m bench.worker_bench --model llama-1b --device cuda ;;
-        transfer) "$python" -m bench.kv_transfer_bench --device cuda ;;
+        tests) "${limit[@]}" "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
+        # The batched step (invariant, and plain) against dense torch on
+        # 1,024-token prompts, and its kernels per step.
+        worker) "${limit[@]}" "$python" -m bench.worker_bench --model llama-1b --device cuda \
+                --batches 1,16,64 --modes batched,batched-fast --prompt-len 1024 --repeat 2 \
+                --count-ops --json "$results/gpu-worker.json" ;;
+        transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda ;;
         # 4096 blocks of 16 tokens per worker: the 32 requests' prompts and
         # outputs fit, so the run measures P/D, not preemption.
-        pd) "$python" -m bench.pd_bench --model llama-1b --device cuda --num-blocks 4096 \
-                --max-prompt-tokens 1024 --max-tokens 128 ;;
-        # kvstash sim's cost profile of this GPU: bench-results/gpu-profile.json.
-        profile) dir=$(mktemp -d) && mkdir -p bench-results \
+        pd) "${limit[@]}" "$python" -m bench.pd_bench --model llama-1b --device cuda \
+                --num-blocks 4096 --max-prompt-tokens 1024 --max-tokens 128 \
+                --json "$results/gpu-pd.json" ;;
+        # kvstash sim's cost profile of this GPU: $results/gpu-profile.json.
+        profile) dir=$(mktemp -d) \
                 && "$python" -m bench.worker_bench --write-checkpoint "$dir/llama-1b" \
                        --model llama-1b --dtype bfloat16 \
-                && "$python" -m kvstash.launch.cli calibrate bench-results/gpu-profile.json \
+                && "${limit[@]}" "$python" -m kvstash.launch.cli calibrate "$results/gpu-profile.json" \
                        --model "$dir/llama-1b" --device cuda \
                        --name "Llama-3.2-1B shape, bf16, $("$python" -c \
                            'import torch; print(torch.cuda.get_device_name())')"; rc=$? \

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,11 +121,15 @@ def test_pooled_host_buffers_are_pinned_and_round_trip() -> None:
     assert torch.equal(runner.kv_cache[:, :, 11:17], runner.kv_cache[:, :, 1:7])
 
 
-async def test_offload_and_restore_through_the_arena_are_pinned_dma(tmp_path) -> None:
+async def test_offload_and_restore_through_the_arena_are_pinned_dma() -> None:
     runner = cuda_runner()
     runner.execute([SeqWork("r", PROMPTS["r2"], 0, [1, 2, 3, 4, 5, 6])])
+    # A tmpfs, as `kvstash up` gives the cache: CUDA refuses to pin a mapping
+    # of a file on disk (cudaErrorInvalidValue on an H200 VM's /tmp).
+    arena_dir = tempfile.TemporaryDirectory(dir="/dev/shm")
     _, port, cache = await create_cache_server(
-        CacheConfig(memory_budget_bytes=64 * MIB, arena_dir=tmp_path), "127.0.0.1:0")
+        CacheConfig(memory_budget_bytes=64 * MIB, arena_dir=Path(arena_dir.name)),
+        "127.0.0.1:0")
     client = CacheClient(f"127.0.0.1:{port}")
     try:
         with ThreadPoolExecutor(1) as compute:
@@ -140,3 +146,4 @@ async def test_offload_and_restore_through_the_arena_are_pinned_dma(tmp_path) ->
     finally:
         await client.close()
         await cache.stop(None)
+        arena_dir.cleanup()

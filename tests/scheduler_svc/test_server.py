@@ -31,6 +31,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.server import SERVICE_NAME, stats_to_proto
 from scheduler_svc.serving import SchedulerServer, create_scheduler_server
+from scheduler_svc.vllm_info import package_version
 from scheduler_svc.worker_link import WorkerLink
 from tests.scheduler_svc.factories import make_scheduler
 
@@ -316,3 +317,15 @@ async def test_an_unexpected_failure_is_internal_with_a_message(
         assert error.code() == grpc.StatusCode.INTERNAL, name
         assert name in (error.details() or "") and "Error" in (error.details() or ""), name
         assert any(name in r.getMessage() and r.exc_info for r in caplog.records), name
+
+
+def test_a_source_tree_without_package_metadata_still_reports_a_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a checkout on PYTHONPATH (a lent GPU machine), the scheduler
+    starts; it used to exit on the missing metadata."""
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    assert package_version() == importlib.metadata.version("kvstash")
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert package_version() == "(source tree)"
