@@ -30,6 +30,7 @@ from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
+from scheduler_svc.core.pd import HANDOFF_WAIT_S
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-address", default="",
                    help="prefill role: decode instances, comma-separated host:port; a name "
                         "that resolves to several addresses counts as each")
-    p.add_argument("--handoff-wait", type=float, default=10.0,
+    p.add_argument("--handoff-wait", type=float, default=HANDOFF_WAIT_S,
                    help="prefill role: seconds to retry decode instances that refuse before "
                         "decoding the request here")
     p.add_argument("--reservation-timeout", type=float,

@@ -36,6 +36,7 @@ from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core.pd import HANDOFF_WAIT_S, RESERVATION_MAX_BACKOFF_S
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.v1_wire import FINISH_STATUS, usage_from_proto
 
@@ -89,7 +90,7 @@ def remote_event(response: scheduler_pb2.GenerateResponse) -> RemoteEvent:
 class DecodePeers:
     def __init__(
         self, addresses: Sequence[str], layout: Layout, security: Security = PLAINTEXT, *,
-        wait_s: float = 10.0, max_backoff_s: float = 1.0,
+        wait_s: float = HANDOFF_WAIT_S, max_backoff_s: float = RESERVATION_MAX_BACKOFF_S,
     ) -> None:
         if not addresses:
             raise ValueError("a prefill instance needs at least one decode instance address")

@@ -33,6 +33,7 @@ from kvstash import errors
 from kvstash.common.sampling import SamplingParams
 from scheduler_svc.copies import Copies
 from scheduler_svc.core.outputs import OffloadCommand
+from scheduler_svc.core.pd import HANDOFF_ATTEMPTS
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeer, DecodePeers, RemoteAborted, RemoteFinished
@@ -42,9 +43,6 @@ from scheduler_svc.streams import RequestStream
 
 log = logging.getLogger(__name__)
 
-# Decode instances a handed-off request is offered to, one after another, while
-# each is lost before sending a token (its reservation expired, it went away).
-_HANDOFF_ATTEMPTS = 3
 
 
 class PrefillSide:
@@ -118,16 +116,16 @@ class PrefillSide:
         trace_context = self._requests.trace_context(request_id)
         token = None if trace_context is None else otel_context.attach(trace_context)
         try:
-            for attempt in range(1, _HANDOFF_ATTEMPTS + 1):
+            for attempt in range(1, HANDOFF_ATTEMPTS + 1):
                 reason = await self._relay(handoff.decoder, cmd, first_token_id, started)
                 if reason is None:
                     return  # finished there, or taken back after its tokens began
                 log.warning("request %s: decode instance %s lost before its first token (%s)%s",
                             request_id, handoff.decoder.address, reason,
-                            "; trying again" if attempt < _HANDOFF_ATTEMPTS else "")
+                            "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
                 # Its reservation expired, or the instance went away: the
                 # snapshot is still in the cache for another reservation.
-                if attempt == _HANDOFF_ATTEMPTS or (decoder := await self._peers.reserve(
+                if attempt == HANDOFF_ATTEMPTS or (decoder := await self._peers.reserve(
                         request_id, req.prompt_token_ids, req.sampling)) is None:
                     break
                 handoff.decoder = decoder

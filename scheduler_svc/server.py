@@ -33,12 +33,11 @@ from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import RequestUpdate, SchedulerStats
+from scheduler_svc.core.pd import RESERVATION_RETRY_AFTER_S
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.v1_wire import FINISH_REASON, usage_to_proto
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-# What a refused ReserveBlocks suggests: a decode step or two frees blocks.
-RETRY_AFTER_S = 0.05
 
 
 def stats_to_proto(stats: SchedulerStats) -> scheduler_pb2.SchedulerStats:
@@ -150,7 +149,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return scheduler_pb2.ReserveBlocksResponse(
                 accepted=True, expires_in_s=config.reservation_timeout_s)
         return scheduler_pb2.ReserveBlocksResponse(
-            accepted=False, retry_after_s=RETRY_AFTER_S,
+            accepted=False, retry_after_s=RESERVATION_RETRY_AFTER_S,
             reason="too few free blocks or seats after the reservations of running requests")
 
     def _decode_instance(self) -> Backend:

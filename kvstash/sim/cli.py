@@ -4,6 +4,7 @@
         --rates 0.5,1,2 --policies recompute,offload,auto --num-blocks 2048
     kvstash sim --synthetic 2000 --rates 4 --instances 4 --router least-load
     kvstash sim --synthetic 2000 --rates 4 --find instances --target 0.9
+    kvstash sim --synthetic 2000 --rates 4 --prefill-instances 2 --decode-instances 2
     kvstash sim --replay decisions.jsonl     # a scheduler's --record-decisions
 
 Each (rate, policy) runs fresh cores on the slice (fitted as the replayer
@@ -24,13 +25,15 @@ from typing import TYPE_CHECKING, Any
 from kvstash.common.units import parse_bytes
 from kvstash.sim import find
 from kvstash.sim.cluster import Cluster, SimCache, SimResult, instance_configs
+from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, spread, summarize
 from kvstash.workload.trace import Trace, TraceError, fit
-from scheduler_svc.core.config import POLICIES, SchedulerConfig
+from scheduler_svc.core.config import POLICIES
+from scheduler_svc.core.pd import HANDOFF_WAIT_S
 
 if TYPE_CHECKING:
     from kvstash.workload import plots
@@ -52,7 +55,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="cost profile JSON (default: the shipped CPU llama-small profile)")
     p.add_argument("--policies", default="recompute,offload,auto",
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
-    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1, help="mixed instances")
+    p.add_argument("--prefill-instances", type=int, default=0,
+                   help="P/D instead: this many prefill instances (arrivals are routed "
+                        "among them) ...")
+    p.add_argument("--decode-instances", type=int, default=0,
+                   help="... handing requests off through the cache to this many decode "
+                        "instances")
+    p.add_argument("--handoff-wait", type=float, default=HANDOFF_WAIT_S,
+                   help="P/D: seconds a request waits for a decode instance to reserve "
+                        "blocks before its prefill instance decodes it (the scheduler's own)")
     p.add_argument("--router", choices=sorted(ROUTERS), default="round-robin")
     p.add_argument("--transport", choices=[c for c in COPY_PATHS if c != "disk"],
                    default="arena", help="how snapshots reach the cache")
@@ -77,18 +89,26 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     return p
 
 
-def configs(args: argparse.Namespace, policy: str) -> list[SchedulerConfig]:
-    return instance_configs(
-        policy, args.instances, num_blocks=args.num_blocks, block_size=args.block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        fixed_blocks_per_decode=args.fixed_blocks_per_decode,
-        bytes_per_block=args.bytes_per_block)
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every instance's scheduler settings."""
+    return dict(num_blocks=args.num_blocks, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+                bytes_per_block=args.bytes_per_block)
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
     cache = SimCache(args.host_bytes, args.disk_bytes)
-    cluster = Cluster(configs(args, policy), args.cost, cache, args.transport, args.router)
+    cluster: Cluster
+    if args.prefill_instances:
+        prefill, decode = pd_configs(policy, args.prefill_instances, args.decode_instances,
+                                     **settings(args))
+        cluster = PdCluster(prefill, decode, args.cost, cache, args.transport, args.router,
+                            args.handoff_wait)
+    else:
+        cluster = Cluster(instance_configs(policy, args.instances, **settings(args)), args.cost,
+                          cache, args.transport, args.router)
     try:
         from tqdm import tqdm
     except ImportError:  # the bench extra is not installed: no bar
@@ -125,6 +145,13 @@ def row(policy: str, rate: float, summary: Summary, result: SimResult, seconds: 
             f"{summary.tpot_s['p50']:>8.4f} {c['num_preemptions_offload']:>6} "
             f"{c['num_preemptions_recompute']:>6} {c['num_recomputed_tokens']:>9} "
             f"{seconds:>7.1f}")
+
+
+def pd_row(result: SimResult) -> str:
+    c = result.counters
+    return (f"{'':<16} P/D: {c['num_handoffs']} handed off ({c['num_handoff_failures']} "
+            f"copies failed); reservations {c['num_reservations_accepted']} accepted, "
+            f"{c['num_reservations_refused']} refused, {c['num_reservations_expired']} expired")
 
 
 HEADER = (f"{'policy':<16} {'rate/s':>7} {'done':>11} {'req/s':>7} {'goodput':>7} "
@@ -193,6 +220,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("instances", "num_blocks", "block_size", "max_model_len", "max_num_seqs"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.prefill_instances or args.decode_instances:
+        if args.prefill_instances <= 0 or args.decode_instances <= 0:
+            parser.error("P/D needs both --prefill-instances and --decode-instances > 0")
+        if args.instances != 1:
+            parser.error("--instances counts mixed instances: give it or P/D pools, not both")
+        if args.find is not None:
+            parser.error("--find sizes mixed instances; with P/D pools, compare runs instead")
+    if args.handoff_wait < 0:
+        parser.error(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
     if not 0 < args.target <= 1:
         parser.error(f"--target is an SLO attainment in (0, 1], got {args.target}")
     try:
@@ -232,6 +268,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seconds = time.perf_counter() - started
             summary = summarize(result.records, slo)
             print(row(policy, trace.rate, summary, result, seconds), flush=True)
+            if args.prefill_instances:
+                print(pd_row(result), flush=True)
             if args.plots is not None:
                 shown.append(plotted(policy, trace.rate, result))
             runs.append({"policy": policy, "rate": trace.rate, "dropped": dropped,
@@ -246,7 +284,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                         indent=1, default=str))
         print(f"wrote {args.json}")
     if args.plots is not None:
-        write_plots(args.plots, shown, slo, f"kvstash sim: {args.cost.name}, "
-                                             f"{args.instances} instance(s)")
+        pools = (f"{args.prefill_instances} prefill + {args.decode_instances} decode instances"
+                 if args.prefill_instances else f"{args.instances} instance(s)")
+        write_plots(args.plots, shown, slo, f"kvstash sim: {args.cost.name}, {pools}")
         print(f"wrote plots to {args.plots}")
     return 0

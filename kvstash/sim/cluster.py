@@ -36,6 +36,7 @@ from scheduler_svc.core.config import POLICIES, SchedulerConfig
 from scheduler_svc.core.outputs import (
     Counters,
     OffloadCommand,
+    RequestUpdate,
     RestoreCommand,
     SchedulerOutput,
 )
@@ -91,13 +92,18 @@ class Sample:
     disk_bytes: int
 
 
-def instance_configs(policy: str, instances: int, **settings: Any) -> list[SchedulerConfig]:
+def instance_configs(policy: str, instances: int, *, prefix: str = "i", **settings: Any
+                     ) -> list[SchedulerConfig]:
     """One SchedulerConfig per instance under a named policy (the core's
     POLICIES), the other `settings` as given; snapshot ids kept apart."""
     mode, reservation = POLICIES[policy]
     return [SchedulerConfig(vocab_size=VOCAB, preemption_mode=mode,
-                            reservation_policy=reservation, snapshot_id_prefix=f"i{n}",
+                            reservation_policy=reservation, snapshot_id_prefix=f"{prefix}{n}",
                             **settings) for n in range(instances)]
+
+
+def sampling_of(request: TraceRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=request.output_length, ignore_eos=True)
 
 
 def prompt_of(request: TraceRequest, block_tokens: int) -> list[int]:
@@ -131,6 +137,7 @@ class Cluster:
             for n, config in enumerate(configs)]
         for inst in self.instances:
             inst.core.set_cache_available(True)
+        self.front = self.instances  # where arrivals are routed
         self.route = ROUTERS[router]()
         self.block_tokens = 1  # the trace's, once run
         self._next_sample_s = 0.0
@@ -186,19 +193,26 @@ class Cluster:
     # -- events ---------------------------------------------------------------
 
     def _arrive(self, index: int, request: TraceRequest) -> Instance | None:
-        inst = self.route(self.instances, request)
+        inst = self.route(self.front, request)
         inst.routed += 1
+        return self._admit(inst, index, prompt_of(request, self.block_tokens),
+                           sampling_of(request))
+
+    def _admit(self, inst: Instance, index: int, prompt: list[int], sampling: SamplingParams,
+               handoff: bool = False) -> Instance | None:
+        """add_request on `inst`: the instance to wake, or None where it refused."""
         try:
-            inst.core.add_request(str(index), prompt_of(request, self.block_tokens),
-                                  SamplingParams(max_tokens=request.output_length,
-                                                 ignore_eos=True))
+            inst.core.add_request(str(index), prompt, sampling, handoff=handoff)
         except KvstashError as exc:
-            self.records[index].error = type(exc).__name__
-            self.records[index].ended_s = self.now
-            self._ended += 1
+            self._refused(index, exc)
             return None
         inst.held.add(str(index))
         return inst
+
+    def _refused(self, index: int, exc: KvstashError) -> None:
+        self.records[index].error = type(exc).__name__
+        self.records[index].ended_s = self.now
+        self._ended += 1
 
     def _wake(self, inst: Instance) -> None:
         out = inst.core.schedule()
@@ -206,6 +220,8 @@ class Cluster:
             self._offload(inst, offload)
         for restore in out.restores:
             self._restore(inst, restore)
+        for handoff in out.handoffs:  # P/D prefill instances only
+            self._hand_off(inst, handoff)
         for snapshot_id in inst.core.take_snapshots_to_delete():
             self.cache.delete(snapshot_id)
         if out.seqs:
@@ -226,11 +242,19 @@ class Cluster:
                 record.ended_s = self.now
                 inst.held.discard(update.request_id)
                 self._ended += 1
+                self._finished(inst, update)
         if self.now >= self._next_sample_s:  # one sample per SAMPLE_EVERY_S at most
             self._next_sample_s = self.now + SAMPLE_EVERY_S
             self.samples.append(Sample(self.now, self.pool_used(), self.cache.used["host"],
                                        self.cache.used["disk"]))
         return inst
+
+    def _hand_off(self, inst: Instance, cmd: OffloadCommand) -> None:
+        """A prefilled request's KV, out to its decode instance (kvstash.sim.pd)."""
+        raise AssertionError("only a P/D prefill instance hands requests off")
+
+    def _finished(self, inst: Instance, update: RequestUpdate) -> None:
+        """A request finished on `inst` (its record is closed)."""
 
     def _copy_seconds(self, inst: Instance, tier: str | None, num_bytes: int) -> float:
         """A snapshot's copy between the instance and the cache, and the disk's

@@ -60,6 +60,13 @@ from scheduler_svc.core.outputs import (
 )
 from scheduler_svc.core.request import Request, RequestUsage
 
+# The hand-off protocol's timings: one source for the edge (server.py,
+# decode_peers.py, handoff.py) and for kvstash sim.
+RESERVATION_RETRY_AFTER_S = 0.05  # a refusal's hint: a decode step or two frees blocks
+RESERVATION_MAX_BACKOFF_S = 1.0  # the longest wait between rounds of refusals
+HANDOFF_WAIT_S = 10.0  # refusals a prefill instance sits out before decoding it itself
+HANDOFF_ATTEMPTS = 3  # decode instances a committed hand-off is offered to in turn
+
 
 class PdManager:
     def __init__(

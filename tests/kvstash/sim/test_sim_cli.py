@@ -77,3 +77,33 @@ def test_sim_plots(tmp_path: Path) -> None:
                  "recompute,offload", "--plots", str(tmp_path)]) == 0
     for name in ("latency_cdf.png", "occupancy.png", "goodput.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sim_runs_pd_pools_and_reports_their_hand_offs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "pd.json"
+    assert main(["sim", *SMALL, "--policies", "offload", "--prefill-instances", "1",
+                 "--decode-instances", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    run = json.loads(out.read_text())["runs"][0]
+    c = run["counters"]
+    assert run["summary"]["num_completed"] == 30 and c["num_handoffs"] > 0
+    assert (f"P/D: {c['num_handoffs']} handed off (0 copies failed); reservations "
+            f"{c['num_reservations_accepted']} accepted, {c['num_reservations_refused']} "
+            f"refused") in printed
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--prefill-instances", "2"], "needs both --prefill-instances and --decode-instances"),
+    (["--prefill-instances", "1", "--decode-instances", "1", "--instances", "3"],
+     "give it or P/D pools, not both"),
+    (["--prefill-instances", "1", "--decode-instances", "1", "--find", "instances"],
+     "--find sizes mixed instances"),
+    (["--handoff-wait", "-1"], "--handoff-wait must be >= 0"),
+])
+def test_sim_refuses_pd_flags_that_do_not_fit(
+        flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", *SMALL, *flags])
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err

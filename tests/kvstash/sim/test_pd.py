@@ -1,0 +1,101 @@
+"""P/D pools in virtual time: requests prefilled on one pool decode on the
+other through the cache, and every way the edge's protocol bends (refused
+reservations, expired ones, a refused hand-off copy, one-token requests)
+still ends every request, as the real edge does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstash.sim.cluster import SimCache, SimResult
+from kvstash.sim.pd import PdCluster, pd_configs
+from kvstash.sim.profile import parse_profile
+from kvstash.workload.trace import Trace, synthetic
+from tests.kvstash.sim.test_profile import GOOD
+
+PROFILE = parse_profile(GOOD)
+TRACE = synthetic(32, rate=20.0, input_mean=128, output_mean=48, shared_blocks=0, seed=5,
+                  block_tokens=64)
+
+
+def simulate(trace: Trace = TRACE, decode_blocks: int = 256, host_bytes: int = 1 << 30,
+             handoff_wait_s: float = 10.0, **settings: object) -> tuple[SimResult, PdCluster]:
+    base = dict(num_blocks=256, block_size=16, max_model_len=1024, max_num_seqs=16,
+                max_num_batched_tokens=256, bytes_per_block=PROFILE.bytes_per_block)
+    prefill, decode = pd_configs("offload", 2, 2, **{**base, **settings})
+    decode = [dataclasses.replace(config, num_blocks=decode_blocks) for config in decode]
+    cluster = PdCluster(prefill, decode, PROFILE, SimCache(host_bytes, 0),
+                        handoff_wait_s=handoff_wait_s)
+    return cluster.run(trace), cluster  # run() ends with each core's check_integrity
+
+
+def assert_all_served(result: SimResult, cluster: PdCluster, trace: Trace = TRACE) -> None:
+    assert all(r.ok and r.num_tokens == q.output_length
+               for r, q in zip(result.records, trace.requests, strict=True))
+    assert all(inst.core.is_idle and not inst.held for inst in cluster.instances)
+    assert cluster.cache.snapshots == {}  # every hand-off snapshot was restored
+
+
+def test_prefilled_requests_decode_on_the_decode_pool() -> None:
+    result, cluster = simulate()
+    assert_all_served(result, cluster)
+    c = result.counters
+    assert c["num_handoffs"] == c["num_reservations_accepted"] == len(TRACE.requests)
+    assert c["num_handoff_failures"] == c["num_reservations_expired"] == 0
+    # Each pool did its part: prompts on one, all but the first token on the other.
+    prefill = sum(i.core.stats().num_prompt_tokens for i in cluster.front)
+    assert prefill == sum(q.input_length for q in TRACE.requests)
+    decoded = sum(i.core.stats().num_generation_tokens for i in cluster.decoders)
+    assert decoded == sum(q.output_length - 1 for q in TRACE.requests)
+    assert all(i.routed for i in cluster.front) and not any(i.routed for i in cluster.decoders)
+
+
+def test_refused_reservations_wait_then_decode_on_the_prefill_instance() -> None:
+    """Decode instances too small for most prompts: requests wait out the
+    hand-off wait, then decode where they were prefilled."""
+    result, cluster = simulate(decode_blocks=12, handoff_wait_s=0.05)
+    assert_all_served(result, cluster)
+    c = result.counters
+    assert c["num_reservations_refused"] > 0
+    assert 0 < c["num_handoffs"] < len(TRACE.requests)
+    local = sum(i.core.stats().num_generation_tokens for i in cluster.front)
+    assert local > c["num_handoffs"]  # more than the handed-off requests' first tokens
+
+
+def test_a_refusing_decode_pool_delays_the_first_token_by_the_wait() -> None:
+    short, _ = simulate(decode_blocks=12, handoff_wait_s=0.05)
+    long, _ = simulate(decode_blocks=12, handoff_wait_s=0.5)
+    ttft = [sum(r.chunk_times[0] - r.sent_s for r in x.records) for x in (short, long)]
+    assert ttft[1] > ttft[0]
+
+
+def test_expired_reservations_are_replaced_or_taken_back() -> None:
+    """Reservations that end before the prefill does: the hand-off asks again
+    or the prefill instance resumes the request from its snapshot."""
+    result, cluster = simulate(reservation_timeout_s=0.002)
+    assert_all_served(result, cluster)
+    assert result.counters["num_reservations_expired"] > 0
+
+
+def test_a_refused_hand_off_copy_decodes_on_the_prefill_instance() -> None:
+    result, cluster = simulate(host_bytes=0)  # the cache takes nothing
+    assert_all_served(result, cluster)
+    c = result.counters
+    assert c["num_handoffs"] == 0
+    assert c["num_handoff_failures"] == c["num_reservations_accepted"] == len(TRACE.requests)
+
+
+def test_one_token_requests_reserve_nothing() -> None:
+    trace = dataclasses.replace(TRACE, requests=[
+        dataclasses.replace(q, output_length=1) for q in TRACE.requests])
+    result, cluster = simulate(trace)
+    assert_all_served(result, cluster, trace)
+    assert result.counters["num_reservations_accepted"] == result.counters["num_handoffs"] == 0
+
+
+def test_a_pd_run_repeats_exactly() -> None:
+    first, _ = simulate(reservation_timeout_s=0.002)
+    second, _ = simulate(reservation_timeout_s=0.002)
+    assert [dataclasses.astuple(r) for r in first.records] == [
+        dataclasses.astuple(r) for r in second.records]
+    assert first.counters == second.counters
