@@ -10,7 +10,9 @@ shared host one real run's TTFT can move by 2x from the next.
 
 The profile must describe the model and the worker's threads the stack runs
 (the shipped CPU profile: llama-small float32 and what `kvstash up` gives one
-worker here); the scheduler settings are the same on both sides. Error =
+worker here); the scheduler settings are the same on both sides. `--pd`: a
+prefill and a decode instance on each side (P/D through the cache; the
+figures are the prefill instance's, which streams every token). Error =
 simulated / real - 1.
 """
 
@@ -28,35 +30,41 @@ from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
 from kvstash.launch.stack import StackConfig
 from kvstash.sim.cli import DEFAULT_PROFILE
-from kvstash.sim.cluster import Cluster, SimCache, SimResult, instance_configs
+from kvstash.sim.cluster import Cluster, SimCache, SimResult, counters_of, instance_configs
+from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import read_profile
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit
 
-FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions")
+FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions",
+           "hand-offs")
 
 
-def preemptions(counters: dict[str, int]) -> int:
-    return counters["num_preemptions_offload"] + counters["num_preemptions_recompute"]
-
-
-def figures(summary: Summary, num_preempted: int) -> tuple[float, ...]:
+def figures(summary: Summary, counters: dict[str, int]) -> tuple[float, ...]:
+    """FIGURES; counters are the (prefill) instance's: its preemptions and
+    hand-offs (a decode instance's preemptions are not among them)."""
+    preempted = counters["num_preemptions_offload"] + counters["num_preemptions_recompute"]
     return (summary.requests_per_s, summary.output_tokens_per_s, summary.ttft_s["p50"],
-            summary.ttft_s["p99"], summary.tpot_s["p50"], float(num_preempted))
+            summary.ttft_s["p99"], summary.tpot_s["p50"], float(preempted),
+            float(counters["num_handoffs"]))
 
 
-def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
-    """The stack's settings (StackConfig's block size) in one simulated instance."""
+def simulate(args: argparse.Namespace, policy: str, trace: Trace
+             ) -> tuple[SimResult, dict[str, int]]:
+    """The stack's settings (StackConfig's block size) in simulated instances:
+    one mixed, or with --pd one prefill and one decode; and the counters of
+    the instance the real run reads its own from (the prefill one)."""
     profile = read_profile(args.profile)
-    configs = instance_configs(
-        policy, 1, num_blocks=args.num_blocks, block_size=StackConfig().block_size,
-        max_model_len=MAX_MODEL_LEN[args.model], max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        bytes_per_block=profile.bytes_per_block)
+    settings = dict(num_blocks=args.num_blocks, block_size=StackConfig().block_size,
+                    max_model_len=MAX_MODEL_LEN[args.model], max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    bytes_per_block=profile.bytes_per_block)
     cache = SimCache(parse_bytes(args.cache_memory_budget), 0)
-    return Cluster(configs, profile, cache).run(trace)
+    cluster = (PdCluster(*pd_configs(policy, 1, 1, **settings), profile, cache) if args.pd
+               else Cluster(instance_configs(policy, 1, **settings), profile, cache))
+    return cluster.run(trace), counters_of(cluster.front[0].core)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft", type=float, default=5.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--repeat", type=int, default=1, help="real runs per point (median)")
+    p.add_argument("--pd", action="store_true",
+                   help="a prefill and a decode instance (P/D), not one mixed instance")
     args = p.parse_args(argv)
     flags.check_flags(p, args)
     if args.repeat < 1:
@@ -91,18 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         base = StackConfig(model=model, dtype="auto" if args.model == "tiny" else "float32",
                            num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           cache_memory_budget=args.cache_memory_budget)
+                           cache_memory_budget=args.cache_memory_budget, pd=args.pd)
         for rate in args.rates:
             trace, _ = fit(raw, args.length_scale, args.time_scale, rate,
                            MAX_MODEL_LEN[args.model], args.output_scale)
             prompts = build_prompts(trace, args.seed)
             for policy in policies:
                 reals = [run_policy(base, policy, trace, prompts) for _ in range(args.repeat)]
-                sim = simulate(args, policy, trace)
+                sim, sim_counters = simulate(args, policy, trace)
                 rows.append((policy, trace.rate,
-                             [figures(summarize(r.records, slo), preemptions(r.counters))
-                              for r in reals],
-                             figures(summarize(sim.records, slo), preemptions(sim.counters))))
+                             [figures(summarize(r.records, slo), r.counters) for r in reals],
+                             figures(summarize(sim.records, slo), sim_counters)))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
     print(f"{'policy':<12} {'rate':>5} {'figure':<12} {'real':>9} {'real min-max':>19} "
           f"{'sim':>9} {'error':>7}")
