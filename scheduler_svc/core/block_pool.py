@@ -16,11 +16,17 @@ O(blocks touched); only `check_integrity` walks the whole pool.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import takewhile
+from typing import cast
 
 from kvstash.errors import InvalidArgument
 from scheduler_svc.core.kv_events import BlockRemoved, CacheCleared, KvEventLog
+
+_IS_BLOCK = functools.partial(operator.is_not, None)  # a lookup that found a block
 
 
 class IntegrityError(AssertionError):
@@ -58,11 +64,23 @@ class BlockPool:
     def ref_cnt(self, block_id: int) -> int:
         return self._ref_cnts[block_id]
 
+    def num_unreferenced(self, block_ids: Iterable[int]) -> int:
+        """How many of `block_ids` no request holds (cached ones: evictable)."""
+        ref_cnts = self._ref_cnts
+        return [ref_cnts[b] for b in block_ids].count(0)
+
     def block_hash(self, block_id: int) -> int | None:
         return self._hashes[block_id]
 
     def get_cached_block(self, block_hash: int) -> int | None:
         return self._hash_to_block.get(block_hash)
+
+    def cached_run(self, block_hashes: Iterable[int]) -> list[int]:
+        """The blocks cached under `block_hashes`, up to the first one that is
+        not (lookups in C: a long prompt's prefix is thousands of blocks, and
+        a waiting request's is looked up again every step)."""
+        lookup: Callable[[int], int | None] = self._hash_to_block.get
+        return cast(list[int], list(takewhile(_IS_BLOCK, map(lookup, block_hashes))))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free_ids) + len(self._evictable)

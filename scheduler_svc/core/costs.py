@@ -61,7 +61,9 @@ class LinearFit:
 
     def __init__(self, num_features: int, forget: float) -> None:
         self._forget = forget
-        self._gram = [[0.0] * num_features for _ in range(num_features)]  # sum w x x^T
+        # sum w x x^T, row after row in one list: one comprehension per sample
+        # (the step loop adds one every step).
+        self._gram = [0.0] * (num_features * num_features)
         self._moment = [0.0] * num_features  # sum w x y
         self._theta: list[float] | None = None  # solved lazily; None: stale
         self._reference: list[float] | None = None  # the theta samples are clipped by
@@ -76,8 +78,8 @@ class LinearFit:
             if expected > 0:
                 y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
         forget = self._forget
-        self._gram = [[g * forget + xi * xj for g, xj in zip(row, x, strict=True)]
-                      for row, xi in zip(self._gram, x, strict=True)]
+        outer = [xi * xj for xi in x for xj in x]
+        self._gram = [g * forget + o for g, o in zip(self._gram, outer, strict=True)]
         self._moment = [m * forget + xi * y for m, xi in zip(self._moment, x, strict=True)]
         self._theta = None
         self.num_samples += 1
@@ -96,13 +98,15 @@ def _dot(theta: Sequence[float], x: Sequence[float]) -> float:
     return sum(t * xi for t, xi in zip(theta, x, strict=True))
 
 
-def _solve(gram: list[list[float]], moment: list[float]) -> list[float]:
-    """theta with gram @ theta = moment, scaled to a unit diagonal first (the
-    features differ by many orders of magnitude); features never seen get 0."""
-    seen = [i for i in range(len(moment)) if gram[i][i] > 0]
-    scale = {i: 1 / math.sqrt(gram[i][i]) for i in seen}
+def _solve(gram: list[float], moment: list[float]) -> list[float]:
+    """theta with gram @ theta = moment (gram row after row), scaled to a unit
+    diagonal first (the features differ by many orders of magnitude); features
+    never seen get 0."""
+    n = len(moment)
+    seen = [i for i in range(n) if gram[i * n + i] > 0]
+    scale = {i: 1 / math.sqrt(gram[i * n + i]) for i in seen}
     # One row per seen feature: [scaled gram + ridge | scaled moment].
-    rows = [[gram[i][j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
+    rows = [[gram[i * n + j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
             + [moment[i] * scale[i]] for i in seen]
     size = len(rows)
     for col in range(size):  # Gauss-Jordan with partial pivoting

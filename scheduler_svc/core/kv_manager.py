@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import islice
 
 import xxhash
 
@@ -63,16 +64,9 @@ class KVCacheManager:
     def find_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding the longest computed prefix of req's tokens."""
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hit_ids: list[int] = []
         if max_blocks == 0:
-            return hit_ids
-        pool = self.pool
-        for block_hash in self._ensure_block_hashes(req, max_blocks)[:max_blocks]:
-            block_id = pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            hit_ids.append(block_id)
-        return hit_ids
+            return []
+        return self.pool.cached_run(islice(self._ensure_block_hashes(req, max_blocks), max_blocks))
 
     def allocate_slots(
         self,
@@ -94,7 +88,7 @@ class KVCacheManager:
             req.num_computed_tokens + num_prefix_tokens + num_new_tokens
         ) - len(req.block_ids) - len(prefix_block_ids)
         # Evictable prefix blocks stop being allocatable once taken.
-        num_evictable_hits = sum(1 for b in prefix_block_ids if pool.ref_cnt(b) == 0)
+        num_evictable_hits = pool.num_unreferenced(prefix_block_ids)
         if num_needed + num_evictable_hits + num_reserved_blocks > pool.num_allocatable_blocks:
             return None
         if prefix_block_ids:

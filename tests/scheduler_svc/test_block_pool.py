@@ -112,3 +112,24 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
     pool.free(held)  # a held block comes back free, not evictable
     assert (pool.num_free_blocks, pool.num_evictable_blocks) == (4, 0)
     pool.check_integrity([])
+
+
+def test_a_cached_run_stops_at_the_first_hash_not_cached() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)  # block 0 among them: a hit, not a stop
+    assert 0 in blocks
+    for block, block_hash in zip(blocks, (11, 12, 13, 14), strict=True):
+        pool.cache_block(block, block_hash)
+    assert pool.cached_run([11, 12, 13, 14]) == blocks
+    assert pool.cached_run([11, 99, 13]) == blocks[:1]  # 13 is cached, but after a miss
+    assert pool.cached_run([99, 11]) == [] and pool.cached_run([]) == []
+
+
+def test_unreferenced_blocks_are_counted() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    pool.cache_block(blocks[0], 7)
+    pool.free(blocks[:1])  # cached, held by no one: evictable
+    assert pool.num_unreferenced(blocks) == 1 and pool.num_unreferenced([]) == 0
+    pool.touch(blocks[:1])
+    assert pool.num_unreferenced(blocks) == 0
