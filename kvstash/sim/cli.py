@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvstash.common.units import parse_bytes
 from kvstash.sim import find
-from kvstash.sim.cluster import Cluster, SimCache, SimResult, instance_configs
+from kvstash.sim.cache import SimCache
+from kvstash.sim.cluster import Cluster, SimResult, instance_configs
 from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import COPY_PATHS, read_profile
 from kvstash.sim.replay import read_record, replay

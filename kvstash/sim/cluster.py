@@ -12,9 +12,10 @@ would await, the simulation turns into events on one heap:
     runs for the profile's seconds, or it waits for the next event.
 
 Copies run beside the steps, each for the profile's time on its path, as
-the engine's copy tasks do; the cache tier holds snapshots within its host
-budget, spills to disk within the disk budget, and refuses beyond (the
-core then recomputes, as with a real refusal).
+the engine's copy tasks do; the cache tier (cache.py) holds snapshots
+within its host budget, spills to disk within the disk budget, and refuses
+beyond (the core then recomputes, as with a real refusal). P/D pools:
+pd.py, on the same heap.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
+from kvstash.sim.cache import SimCache
 from kvstash.sim.profile import CostProfile
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload.metrics import RequestRecord
@@ -47,31 +49,6 @@ VOCAB = 1 << 32  # prompt tokens are trace hash ids (prompt_of)
 SAMPLE_EVERY_S = 0.5  # virtual seconds between occupancy samples
 
 
-class SimCache:
-    """The cache tier's capacity: snapshots in host memory, then on disk."""
-
-    def __init__(self, host_bytes: int, disk_bytes: int) -> None:
-        self.budget = {"host": host_bytes, "disk": disk_bytes}
-        self.used = {"host": 0, "disk": 0}
-        self.snapshots: dict[str, tuple[str, int]] = {}  # id -> (tier, bytes)
-
-    def put(self, snapshot_id: str, num_bytes: int) -> str | None:
-        for tier in ("host", "disk"):
-            if self.used[tier] + num_bytes <= self.budget[tier]:
-                self.used[tier] += num_bytes
-                self.snapshots[snapshot_id] = (tier, num_bytes)
-                return tier
-        return None
-
-    def tier(self, snapshot_id: str) -> str | None:
-        held = self.snapshots.get(snapshot_id)
-        return None if held is None else held[0]
-
-    def delete(self, snapshot_id: str) -> None:
-        if (held := self.snapshots.pop(snapshot_id, None)) is not None:
-            self.used[held[0]] -= held[1]
-
-
 @dataclass(slots=True)
 class Instance:
     name: str
@@ -80,6 +57,10 @@ class Instance:
     stepping: bool = False
     held: set[str] = field(default_factory=set)  # request ids routed here, not ended
     routed: int = 0  # requests routed here
+
+
+# A put's landing: (instance, command, bytes or None, seconds or None) -> the instance to wake.
+Landed = Callable[[Instance, OffloadCommand, int | None, float | None], Instance]
 
 
 @dataclass(slots=True)
@@ -265,14 +246,20 @@ class Cluster:
         return seconds
 
     def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:
+        self._put(inst, cmd, self._offloaded)
+
+    def _put(self, inst: Instance, cmd: OffloadCommand, done: Landed) -> None:
+        """A snapshot's copy into the cache (an offload or a hand-off): `done`
+        hears its bytes and seconds once it lands, or None twice once the cache
+        refused it."""
         num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
         tier = self.cache.put(cmd.snapshot_id, num_bytes)
         if tier is None:  # refused: the copy fails once the cache answers
             self.at(self.now + self.profile.copy[inst.transport].fixed_s,
-                    lambda: self._offloaded(inst, cmd, None, None))
+                    lambda: done(inst, cmd, None, None))
             return
         seconds = self._copy_seconds(inst, tier, num_bytes)
-        self.at(self.now + seconds, lambda: self._offloaded(inst, cmd, num_bytes, seconds))
+        self.at(self.now + seconds, lambda: done(inst, cmd, num_bytes, seconds))
 
     def _offloaded(self, inst: Instance, cmd: OffloadCommand, num_bytes: int | None,
                    seconds: float | None) -> Instance:

@@ -32,11 +32,11 @@ from typing import Any
 
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError, NotFound
+from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import (
     TOKEN,
     Cluster,
     Instance,
-    SimCache,
     instance_configs,
     prompt_of,
     sampling_of,
@@ -135,14 +135,7 @@ class PdCluster(Cluster):
     # -- the hand-off ----------------------------------------------------------
 
     def _hand_off(self, inst: Instance, cmd: OffloadCommand) -> None:
-        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
-        tier = self.cache.put(cmd.snapshot_id, num_bytes)
-        if tier is None:  # refused: the copy fails once the cache answers
-            self.at(self.now + self.profile.copy[inst.transport].fixed_s,
-                    lambda: self._handed_off(inst, cmd, None, None))
-            return
-        seconds = self._copy_seconds(inst, tier, num_bytes)
-        self.at(self.now + seconds, lambda: self._handed_off(inst, cmd, num_bytes, seconds))
+        self._put(inst, cmd, self._handed_off)
 
     def _handed_off(self, inst: Instance, cmd: OffloadCommand, num_bytes: int | None,
                     seconds: float | None) -> Instance:

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvstash.sim.cluster import Cluster, SimCache, SimResult
+from kvstash.sim.cache import SimCache
+from kvstash.sim.cluster import Cluster, SimResult
 from kvstash.sim.profile import parse_profile
 from kvstash.sim.routers import PrefixAware, least_load
 from kvstash.workload.trace import Trace, TraceRequest, synthetic

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstash.sim.cluster import SimCache, SimResult
+from kvstash.sim.cache import SimCache
+from kvstash.sim.cluster import SimResult
 from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import parse_profile
 from kvstash.workload.trace import Trace, synthetic
