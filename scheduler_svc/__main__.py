@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
     p.add_argument("--record-decisions", type=Path, default=None,
                    help="write every call into the scheduler core, with its clock, to this "
-                        "JSONL file, for `kvstash sim --replay` (mixed role only)")
+                        "JSONL file, for `kvstash sim --replay`")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--worker-reconnect", type=float, default=_ENGINE.worker_reconnect_s,
@@ -248,8 +248,6 @@ def check_role(args: argparse.Namespace) -> None:
             raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
     elif addresses:
         raise ValueError(f"--decode-address is for --role prefill, not {args.role}")
-    if args.role != "mixed" and args.record_decisions is not None:
-        raise ValueError(f"--record-decisions is for --role mixed, not {args.role}")
     if args.role != "mixed" and not args.cache_address:
         raise ValueError(f"--role {args.role} needs --cache-address: the KV handoff goes "
                          "through the cache service")

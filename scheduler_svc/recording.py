@@ -12,11 +12,18 @@ One JSON object per line, in call order, each with the core's clock `t`:
     offloaded / restored   a copy's outcome: snapshot, bytes (null: failed), seconds
     abort, cache (available or not), flush (the prefix cache forgotten)
 
+and, in a P/D role, the edge's calls into its PdManager (`Scheduler.pd`):
+
+    reserve    (decode) a reservation asked: id, prompt, sampling, and the answer
+    remote     (decode) start_remote_decode: id, snapshot, tokens, first token
+    handed_off (prefill) a hand-off copy's outcome, as offloaded
+    remote_tokens / remote_finish   (prefill) what the decode instance sent
+    take_back  (prefill) its decode instance was lost
+
 Replayed in the same order with the same clock readings, a fresh core must
 decide the same things: the record is every input the core has. Lines are
 written as calls happen (line-buffered), so a killed process leaves a record
-up to its last call. A MIXED instance only: a P/D one also takes calls the
-edge makes into its PdManager, which this does not see.
+up to its last call.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from scheduler_svc.core.outputs import (
     RestoreCommand,
     SchedulerOutput,
 )
+from scheduler_svc.core.pd import PdManager
 from scheduler_svc.core.request import Request, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 
@@ -59,7 +67,8 @@ def decisions(out: SchedulerOutput) -> dict[str, Any]:
         "preempted": [[p.request_id, p.mode.value] for p in out.preempted],
         "offloads": [[c.request_id, c.snapshot_id, len(c.block_ids)] for c in out.offloads],
         "restores": [[c.request_id, c.snapshot_id, len(c.block_ids)] for c in out.restores],
-    }
+    } | ({"handoffs": [[c.request_id, c.snapshot_id, len(c.block_ids)] for c in out.handoffs]}
+         if out.handoffs else {})
 
 
 def finished(updates: Sequence[RequestUpdate]) -> list[list[str]]:
@@ -70,11 +79,16 @@ def finished(updates: Sequence[RequestUpdate]) -> list[list[str]]:
 class RecordingScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, path: Path,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if config.role is not Role.MIXED:
-            raise ValueError(f"recording decisions is for a mixed instance, not {config.role}")
         super().__init__(config, clock=clock)
         self._file = path.open("w", buffering=1, encoding="utf-8")
         self._write("config", config=plain(dataclasses.asdict(config)))
+        self._recording_pd = None if config.role is Role.MIXED else _RecordingPd(
+            super().pd, self._write)
+
+    @property
+    def pd(self) -> PdManager:
+        """The P/D manager the edge calls, its calls written down."""
+        return self._recording_pd or super().pd  # type: ignore[return-value]
 
     def _write(self, op: str, **fields: Any) -> None:
         self._file.write(json.dumps({"op": op, "t": self._clock(), **fields}) + "\n")
@@ -86,7 +100,7 @@ class RecordingScheduler(Scheduler):
                     sampling: SamplingParams, *, handoff: bool = False) -> Request:
         req = super().add_request(request_id, prompt_token_ids, sampling, handoff=handoff)
         self._write("add", id=request_id, prompt=list(prompt_token_ids),
-                    sampling=plain(dataclasses.asdict(sampling)))
+                    sampling=plain(dataclasses.asdict(sampling)), handoff=handoff)
         return req
 
     def schedule(self) -> SchedulerOutput:
@@ -128,3 +142,54 @@ class RecordingScheduler(Scheduler):
         freed = super().reset_prefix_cache()
         self._write("flush")
         return freed
+
+
+class _RecordingPd:
+    """Forwards the edge's PdManager calls, writing each down (the core's own
+    hooks call the manager itself, unrecorded: they follow from the rest)."""
+
+    def __init__(self, pd: PdManager, write: Callable[..., None]) -> None:
+        self._pd = pd
+        self._write = write
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pd, name)  # what the edge only reads
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                sampling: SamplingParams) -> bool:
+        accepted = self._pd.reserve(request_id, prompt_token_ids, sampling)
+        self._write("reserve", id=request_id, prompt=list(prompt_token_ids),
+                    sampling=plain(dataclasses.asdict(sampling)), accepted=accepted)
+        return accepted
+
+    def start_remote_decode(self, request_id: str, snapshot_id: str, num_tokens: int,
+                            first_token_id: int) -> RestoreCommand:
+        cmd = self._pd.start_remote_decode(request_id, snapshot_id, num_tokens, first_token_id)
+        self._write("remote", id=request_id, snapshot=snapshot_id, tokens=num_tokens,
+                    first=first_token_id)
+        return cmd
+
+    def finish_handoff(self, cmd: OffloadCommand, num_bytes: int | None,
+                       seconds: float | None = None) -> bool:
+        handed_off = self._pd.finish_handoff(cmd, num_bytes, seconds)
+        self._write("handed_off", snapshot=cmd.snapshot_id, bytes=num_bytes, seconds=seconds,
+                    handed_off=handed_off)
+        return handed_off
+
+    def remote_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestUpdate | None:
+        update = self._pd.remote_tokens(request_id, token_ids)
+        self._write("remote_tokens", id=request_id, tokens=list(token_ids))
+        return update
+
+    def finish_remote(self, request_id: str, token_ids: Sequence[int], stopped: bool,
+                      remote: RequestUsage) -> RequestUpdate | None:
+        update = self._pd.finish_remote(request_id, token_ids, stopped, remote)
+        self._write("remote_finish", id=request_id, tokens=list(token_ids), stopped=stopped,
+                    usage=plain(dataclasses.asdict(remote)),
+                    status=None if update is None or update.finish_status is None
+                    else update.finish_status.value)
+        return update
+
+    def take_back(self, request_id: str) -> None:
+        self._pd.take_back(request_id)
+        self._write("take_back", id=request_id)

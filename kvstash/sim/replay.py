@@ -3,8 +3,11 @@ a fresh core: every call in its order, with its clock reading, its step
 seconds, its sampled tokens and its copy outcomes. The core must decide the
 same things at every schedule() and finish the same requests at every
 update(); the first difference ends the replay and is reported with the
-line it happened on. Given a profile, it also sets each recorded step's
-seconds beside the profile's prediction for the same work.
+line it happened on. A P/D instance's record also holds the edge's calls
+into its PdManager (reservations asked and answered, remote decodes,
+hand-off outcomes, tokens from the decode instance, take-backs): replayed
+in place, with the answers compared. Given a profile, it also sets each
+recorded step's seconds beside the profile's prediction for the same work.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvstash.errors import KvstashError
 from kvstash.sim.profile import CostProfile
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
+from scheduler_svc.core.request import RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.recording import decisions, finished
 
@@ -76,14 +80,17 @@ class _Replay:
     def call(self, line: dict[str, Any]) -> str | None:
         """Applies one recorded call; what differs, if anything."""
         core, op = self.core, line["op"]
+        if op in _PD_CALLS:
+            return self.pd_call(line)
         if op == "add":
-            core.add_request(line["id"], line["prompt"], _sampling(line["sampling"]))
+            core.add_request(line["id"], line["prompt"], _sampling(line["sampling"]),
+                             handoff=line.get("handoff", False))
         elif op == "schedule":
             self.last = out = core.schedule()
             self.result.schedules += 1
             self.result.preemptions += len(out.preempted)
-            self.copies.update({c.snapshot_id: c for c in out.offloads})
-            self.copies.update({c.snapshot_id: c for c in out.restores})
+            for cmds in (out.offloads, out.restores, out.handoffs):
+                self.copies.update({c.snapshot_id: c for c in cmds})
             got = decisions(out)
             if out.step_id != line["step"] or got != line["decided"]:
                 return f"step {line['step']}: recorded {line['decided']}, replayed {got}"
@@ -114,6 +121,42 @@ class _Replay:
         else:
             raise ValueError(f"unknown call {op!r}")
         return None
+
+    def pd_call(self, line: dict[str, Any]) -> str | None:
+        """A call the edge made into the P/D manager; what differs, if anything."""
+        pd, op = self.core.pd, line["op"]
+        if op == "reserve":
+            accepted = pd.reserve(line["id"], line["prompt"], _sampling(line["sampling"]))
+            if accepted != line["accepted"]:
+                return f"reserve {line['id']}: recorded {line['accepted']}, replayed {accepted}"
+        elif op == "remote":
+            cmd = pd.start_remote_decode(line["id"], line["snapshot"], line["tokens"],
+                                         line["first"])
+            self.copies[cmd.snapshot_id] = cmd
+        elif op == "handed_off":
+            handoff = self.copies.pop(line["snapshot"])
+            assert isinstance(handoff, OffloadCommand)
+            self.result.copies += 1
+            handed_off = pd.finish_handoff(handoff, line["bytes"], line["seconds"])
+            if handed_off != line["handed_off"]:
+                return (f"hand-off {line['snapshot']}: recorded {line['handed_off']}, "
+                        f"replayed {handed_off}")
+        elif op == "remote_tokens":
+            pd.remote_tokens(line["id"], line["tokens"])
+        elif op == "remote_finish":
+            update = pd.finish_remote(line["id"], line["tokens"], line["stopped"],
+                                      RequestUsage(**line["usage"]))
+            status = None if update is None or update.finish_status is None else (
+                update.finish_status.value)
+            if status != line["status"]:
+                return f"remote finish {line['id']}: recorded {line['status']}, replayed {status}"
+        else:  # take_back
+            pd.take_back(line["id"])
+        return None
+
+
+_PD_CALLS = frozenset({"reserve", "remote", "handed_off", "remote_tokens", "remote_finish",
+                       "take_back"})
 
 
 def replay(lines: list[dict[str, Any]], profile: CostProfile | None = None) -> Replayed:

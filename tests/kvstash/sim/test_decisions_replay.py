@@ -1,15 +1,19 @@
 """Decisions exact: a real stack under KV pressure records every call into
 its scheduler core (--record-decisions); replayed into a fresh core by
-`kvstash sim --replay`, every decision comes out the same."""
+`kvstash sim --replay`, every decision comes out the same. So do both
+instances of a P/D pair."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from bench.replay.__main__ import main as replay_main
+from kvstash.client import Client
+from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.sim.__main__ import main
 from tests.bench.test_replay_e2e import PRESSURE
 
@@ -50,3 +54,38 @@ def test_a_tampered_record_is_caught(tmp_path: Path,
     record.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert main(["sim", "--replay", str(record)]) == 1
     assert "DECISIONS DIFFER" in capsys.readouterr().err
+
+
+def test_a_recorded_pd_pair_replays_to_the_same_decisions(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both instances of a real P/D stack record; each record, the edge's
+    reservations, remote decodes, hand-offs and remote finishes included,
+    replays into a fresh core identically."""
+    prefill, decode = tmp_path / "prefill.jsonl", tmp_path / "decode.jsonl"
+    config = StackConfig(pd=True, num_blocks=64,
+                         prefill_scheduler_args=("--record-decisions", str(prefill)),
+                         decode_scheduler_args=("--record-decisions", str(decode)))
+    prompts = [[(i * 13 + j * 7 + 1) % 256 for j in range(10 + 9 * i)] for i in range(6)]
+
+    async def complete_all(address: str) -> None:
+        async with Client(address) as client:
+            await asyncio.gather(*[client.complete(p, max_tokens=12, ignore_eos=True)
+                                   for p in prompts])
+
+    with running_stack(config, tmp_path) as stack:
+        asyncio.run(complete_all(stack.address))
+    ops = {path: [json.loads(line)["op"] for line in path.read_text().splitlines()]
+           for path in (prefill, decode)}
+    assert ops[prefill].count("handed_off") == ops[prefill].count("remote_finish") == 6
+    assert ops[decode].count("remote") == 6 and "reserve" in ops[decode]
+    for path in (prefill, decode):
+        capsys.readouterr()
+        assert main(["sim", "--replay", str(path)]) == 0, capsys.readouterr().err
+        assert "every decision identical to the record" in capsys.readouterr().out
+    # The check can fail here too: a refusal where the record says accepted.
+    lines = [json.loads(line) for line in decode.read_text().splitlines()]
+    first = next(line for line in lines if line["op"] == "reserve" and line["accepted"])
+    first["accepted"] = False
+    decode.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["sim", "--replay", str(decode)]) == 1
+    assert "reserve" in capsys.readouterr().err
