@@ -248,6 +248,36 @@ def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
             "busy": busy, "decode_ops": ops}
 
 
+def top_ops(device: torch.device, fn: Callable[[], object], n: int
+            ) -> dict[str, list[tuple[str, float]]]:
+    """Where `fn`'s time goes: the `n` torch ops with the most self time on the
+    host and, on CUDA, the `n` with the most on the device (microseconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    averages = prof.key_averages()
+    where = {"host": "self_cpu_time_total"}
+    if device.type == "cuda":
+        where["device"] = "self_device_time_total"
+    return {side: [(e.key, getattr(e, attr)) for e in sorted(
+                averages, key=lambda e: getattr(e, attr), reverse=True)[:n]
+                   if getattr(e, attr) > 0]
+            for side, attr in where.items()}
+
+
+def print_top_ops(title: str, tops: dict[str, list[tuple[str, float]]]) -> None:
+    for side, ops in tops.items():
+        total = sum(us for _, us in ops)
+        print(f"{title}, {side} time, top {len(ops)} ops ({total / 1e3:.2f} ms):")
+        for name, us in ops:
+            print(f"  {us / 1e3:9.3f} ms  {name}")
+
+
 def steps_layout(runner: ModelRunner, mode: str) -> str:
     """How the mode's steps ran: whole (invariant), in row tiles (invariant,
     the fallback where the start-up check failed), plain (not invariant)."""
@@ -307,6 +337,31 @@ def compare(rev: str, argv: list[str]) -> None:
               f"{old.get('prefill_chunk_ops')} -> {new['prefill_chunk_ops']}")
 
 
+def where_time_goes(model: CausalLM, batch: int, args: argparse.Namespace
+                    ) -> dict[str, dict[str, list[tuple[str, float]]]]:
+    """--top-ops: one batched decode step of `batch` rows and one prefill
+    chunk of up to 1,024 tokens, each warmed up and then profiled."""
+    device, length = model.device, min(1024, model.config.max_model_len)
+    total = max(length, args.context) + 2
+    runner = make_runner(model, "batched", batch, total, args.row_tile)
+    blocks = tables(batch, total)
+    prefill(runner, prompts(batch, args.context, model.config.vocab_size), blocks,
+            args.max_step_tokens, True)
+    decode(runner, batch, args.context, blocks, 1, True)  # warm-up
+    chunk_runner = make_runner(model, "batched", 1, length, args.row_tile)
+    ids, chunk_blocks = prompts(1, length, model.config.vocab_size), tables(1, length)
+    prefill(chunk_runner, ids, chunk_blocks, length, True)  # warm-up
+    tops = {f"decode step, batch {batch}": top_ops(
+                device, lambda: decode(runner, batch, args.context, blocks, 1, True),
+                args.top_ops),
+            f"prefill chunk, {length} tokens": top_ops(
+                device, lambda: prefill(chunk_runner, ids, chunk_blocks, length, True),
+                args.top_ops)}
+    for title, found in tops.items():
+        print_top_ops(title, found)
+    return tops
+
+
 def tune_malloc_as_the_worker_does() -> None:
     """The worker's malloc settings (its main, then build_runner); a revision
     from before keep_large_tensors (--compare) ran without it."""
@@ -334,6 +389,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timings keep the best of these")
     parser.add_argument("--write-checkpoint", type=Path, default=None,
                         help="only write the --model checkpoint into this directory")
+    parser.add_argument("--top-ops", type=int, default=0, metavar="N",
+                        help="also print the N ops a batched decode step (at the first batch "
+                             "size) and a 1,024-token prefill chunk spend most time in, on the "
+                             "host and on the device")
     parser.add_argument("--count-ops", action="store_true",
                         help="also count the kernels of a decode step and a 1,024-token chunk")
     parser.add_argument("--compare", metavar="REV", help="also run against git revision REV")
@@ -389,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         summary["prefill_chunk_ops"] = prefill_chunk_ops(model, "batched")
         print(f"kernels per {summary['chunk']}-token prefill chunk (batched): "
               f"{summary['prefill_chunk_ops']}")
+    if args.top_ops > 0:
+        summary["top_ops"] = where_time_goes(model, int(args.batches.split(",")[0]), args)
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1))
 

@@ -27,10 +27,10 @@ from torch.nn.attention.varlen import varlen_attn
 print("varlen_attn", inspect.signature(varlen_attn))' ;;
         tests) "${limit[@]}" "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
         # The batched step (invariant, and plain) against dense torch on
-        # 1,024-token prompts, and its kernels per step.
+        # 1,024-token prompts, its kernels per step and where its time goes.
         worker) "${limit[@]}" "$python" -m bench.worker_bench --model llama-1b --device cuda \
                 --batches 1,16,64 --modes batched,batched-fast --prompt-len 1024 --repeat 2 \
-                --count-ops --json "$results/gpu-worker.json" ;;
+                --count-ops --top-ops 12 --json "$results/gpu-worker.json" ;;
         transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda ;;
         # 4096 blocks of 16 tokens per worker: the 32 requests' prompts and
         # outputs fit, so the run measures P/D, not preemption.
