@@ -5,11 +5,11 @@ decode_peers.py), around the same core P/D calls.
     arrival     routed among the prefill instances; a decode instance
                 reserves the request's blocks first (PdManager.reserve, the
                 decode instances asked in turn from a rotating start; one
-                that could never hold it is skipped). All
-                refusing: asked again after a back-off (their retry hint,
-                doubling up to 1 s) until `handoff_wait_s` is spent, then the
-                prefill instance decodes it itself. One output token: no
-                reservation. The request reaches the prefill core only then.
+                that could never hold it is skipped). All refusing: asked
+                again after a back-off (their retry hint, doubling up to 1
+                s) until `handoff_wait_s` is spent, then the prefill instance
+                decodes it itself. One output token: no reservation. The
+                request reaches the prefill core only then.
     prefilled   its first token sampled, the next schedule() hands it off:
                 its KV is copied into the cache (out.handoffs), then
                 finish_handoff; a refused copy decodes it on the prefill
@@ -20,7 +20,6 @@ decode_peers.py), around the same core P/D calls.
                 prefill instance takes it back (take_back) and resumes it
                 from the snapshot.
     finished    on the decode instance: finish_remote on the prefill one.
-
 """
 
 from __future__ import annotations

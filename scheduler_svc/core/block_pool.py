@@ -72,9 +72,6 @@ class BlockPool:
     def block_hash(self, block_id: int) -> int | None:
         return self._hashes[block_id]
 
-    def get_cached_block(self, block_hash: int) -> int | None:
-        return self._hash_to_block.get(block_hash)
-
     def cached_run(self, block_hashes: Iterable[int]) -> list[int]:
         """The blocks cached under `block_hashes`, up to the first one that is
         not (lookups in C: a long prompt's prefix is thousands of blocks, and

@@ -37,7 +37,7 @@ def test_cached_blocks_become_evictable_and_can_be_hit_again() -> None:
     assert pool.cache_block(block, 42)
     pool.free([block])
     assert (pool.num_free_blocks, pool.num_evictable_blocks) == (2, 1)
-    assert pool.get_cached_block(42) == block
+    assert pool.cached_run([42]) == [block]
     pool.touch([block])
     assert pool.ref_cnt(block) == 1 and pool.num_evictable_blocks == 0
     pool.check_integrity([[block]])
@@ -62,9 +62,9 @@ def test_eviction_is_lru_and_forgets_the_hash() -> None:
     pool.free([blocks[2]])
     # Released order 1, 0, 2: block 1 is the least recently used.
     assert pool.allocate(1) == [blocks[1]]
-    assert pool.get_cached_block(101) is None
+    assert pool.cached_run([101]) == []
     assert pool.allocate(1) == [blocks[0]]
-    assert pool.get_cached_block(102) == blocks[2]
+    assert pool.cached_run([102]) == [blocks[2]]
     pool.check_integrity([[blocks[1]], [blocks[0]]])
 
 
@@ -107,7 +107,7 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
     pool.free(released)
     assert pool.reset_prefix_cache() == 1
     assert (pool.num_free_blocks, pool.num_evictable_blocks) == (3, 0)
-    assert pool.get_cached_block(1) is None and pool.get_cached_block(2) is None
+    assert pool.cached_run([1]) == [] and pool.cached_run([2]) == []
     pool.check_integrity([held])
     pool.free(held)  # a held block comes back free, not evictable
     assert (pool.num_free_blocks, pool.num_evictable_blocks) == (4, 0)
