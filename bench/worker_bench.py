@@ -10,9 +10,10 @@ no row tiles: not invariant). Also the prefill FLOP/s of a plain batched torch
 forward of the same shapes (dense, no paging) and, on CUDA, the share of decode
 step wall time the GPU is busy.
 
-`--count-ops` adds the CPU kernels (leaf torch ops, views left out) of one
-decode step at each batch size and of one 1,024-token prefill chunk: on a
-GPU, kernel launches. `--compare REV` runs this same script against git
+`--count-ops` adds the kernels of one decode step at each batch size and of
+one 1,024-token prefill chunk: on the CPU leaf torch ops (views left out),
+on a GPU the device's own. `--top-ops N` prints the N ops such a step and
+chunk spend most time in, host and device. `--compare REV` runs this same script against git
 revision REV's worker (a worktree) and this tree's, one after the other in
 fresh processes, and prints both side by side.
 
@@ -21,7 +22,7 @@ downloaded) and loaded through the worker's own loader: `llama-1b` has
 Llama-3.2-1B's shapes, `llama-small` a shape a 2-core CPU runs in seconds, and
 `tiny` is the built-in model.
 Run: python -m bench.worker_bench [--model tiny] [--device auto] [--batches 1,16,64,256]
-                                  [--count-ops] [--compare REV] [--json PATH]
+                                  [--count-ops] [--top-ops N] [--compare REV] [--json PATH]
 """
 
 from __future__ import annotations
