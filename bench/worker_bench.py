@@ -41,12 +41,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models
 
 from gpu_worker.checkpoint import load_checkpoint, resolve_device
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
 from gpu_worker.runner import ModelRunner, SeqWork
+from kvstash.common.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, byte_tokenizer_json
 from tests.gpu_worker.oracle import execute_per_sequence
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -65,22 +65,29 @@ SHAPES: dict[str, dict[str, Any]] = {
 MODES = ("per-seq", "batched", "batched-fast")
 
 
-def write_checkpoint(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -> None:
-    """config.json, model.safetensors (fixed-seed random weights) and a stub
-    tokenizer.json, as a Hugging Face Llama export lays them out."""
+def write_checkpoint(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
+                     max_positions: int | None = None) -> None:
+    """config.json, model.safetensors (fixed-seed random weights) and the
+    tiny model's byte-level tokenizer.json (so a prompt sent as ASCII text,
+    through smg, encodes to the same ids as sent as ids), as a Hugging Face
+    Llama export lays them out;
+    `max_positions` overrides the shape's max_position_embeddings (RoPE has
+    no weights: the same weights serve longer sequences)."""
     from gpu_worker.hf_config import parse_model_config
 
     raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-           "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "dtype": dtype,
+           "rms_norm_eps": 1e-5, "bos_token_id": BYTE_BOS_ID, "eos_token_id": BYTE_EOS_ID,
+           "dtype": dtype,
            **SHAPES[shape]}
+    if max_positions is not None:
+        raw["max_position_embeddings"] = max_positions
     model = CausalLM(parse_model_config(raw), getattr(torch, dtype), "cpu")
     fill_random(model, seed, std=0.02)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({n: p.contiguous() for n, p in model.named_parameters()},
               str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(raw, indent=1))
-    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
-    (directory / "tokenizer.json").write_text(tokenizer.to_str())
+    (directory / "tokenizer.json").write_text(byte_tokenizer_json())
 
 
 def load(model: str, dtype: torch.dtype, device: torch.device, workdir: Path) -> CausalLM:

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50071", help="host:port; port 0 = any free")
     p.add_argument("--memory-budget", type=parse_size, default=d.memory_budget_bytes,
                    help="bytes of snapshots kept in memory, e.g. 8GiB")
+    p.add_argument("--unpinned-share", type=float, default=d.unpinned_share,
+                   help="share of the memory budget unpinned snapshots (prefix-tier "
+                        "segments) may hold; they never displace pinned ones")
     p.add_argument("--disk-dir", type=Path, default=d.disk_dir, help="disk tier; omit for none")
     p.add_argument("--disk-budget", type=parse_size, default=d.disk_budget_bytes,
                    help="bytes of snapshots kept on disk, e.g. 100GiB")
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         memory_budget_bytes=args.memory_budget,
+        unpinned_share=args.unpinned_share,
         disk_dir=args.disk_dir,
         disk_budget_bytes=args.disk_budget,
         default_ttl_s=max(1, round(args.default_ttl)),

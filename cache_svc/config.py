@@ -49,6 +49,10 @@ class CacheConfig:
     """
 
     memory_budget_bytes: int = 1 * GIB
+    # Share of the memory budget unpinned snapshots (the prefix tier's
+    # segments) may hold; beyond it an unpinned put moves older unpinned ones
+    # out (to disk, or evicted). Unpinned puts never displace pinned ones.
+    unpinned_share: float = 0.5
     disk_dir: Path | None = None  # None = no disk tier
     disk_budget_bytes: int = 0
     default_ttl_s: int = 3600  # for puts that send ttl_s = 0
@@ -104,6 +108,8 @@ class CacheConfig:
             raise ValueError(
                 f"disk_budget_bytes is {self.disk_budget_bytes} but no disk_dir is set"
             )
+        if not 0 < self.unpinned_share <= 1:
+            raise ValueError(f"unpinned_share is {self.unpinned_share}, must be in (0, 1]")
         if self.disk_budget_bytes < 0:
             raise ValueError(f"disk_budget_bytes is {self.disk_budget_bytes}, must be >= 0")
         if self.default_ttl_s <= 0:

@@ -55,6 +55,11 @@ def info_to_proto(info: SnapshotInfo) -> cache_pb2.SnapshotInfo:
     )
 
 
+def found_to_proto(tiers: list[TierName | None]) -> cache_pb2.FindSnapshotsResponse:
+    return cache_pb2.FindSnapshotsResponse(
+        tiers=[cache_pb2.TIER_UNSPECIFIED if t is None else _TIER_CODES[t] for t in tiers])
+
+
 def stats_to_proto(stats: CacheStats) -> cache_pb2.CacheStats:
     """Every declared stat (kvstash.common.stats) into the proto field of its name; a
     test keeps the two one to one, in names and types."""

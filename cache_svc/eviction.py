@@ -5,7 +5,10 @@ Walking memory snapshots from least to most recently used, each is either
     unpinned disk snapshots where that makes enough room; or
   - evicted, if it is unpinned and the disk cannot take it; or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
-Busy snapshots (being read or already spilling) are never chosen. A plan is
+Busy snapshots (being read or already spilling) are never chosen, nor, for an
+unpinned put (a prefix-tier segment), pinned ones: those take precedence, and
+an unpinned put over its share of the budget must also move as many bytes of
+unpinned snapshots out (`CappedRoom`). A plan is
 returned only when it frees enough (`Room`: in bytes, `BytesRoom`, or, in an
 arena, in one contiguous range, `ArenaRoom`); otherwise nothing is touched.
 """
@@ -65,10 +68,26 @@ class ArenaRoom:
         self.runs.free(victim.buffer)
 
 
-def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room) -> Plan | None:
+@dataclass(slots=True)
+class CappedRoom:
+    """`room`, and `excess` bytes of unpinned snapshots out of memory."""
+
+    room: Room
+    excess: int
+
+    def enough(self) -> bool:
+        return self.excess <= 0 and self.room.enough()
+
+    def add(self, victim: Entry) -> None:
+        self.excess -= victim.size
+        self.room.add(victim)
+
+
+def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
+              unpinned_only: bool = False) -> Plan | None:
     """`lru_entries`: every listed entry, least recently used first. Victims
-    are added to `room` in LRU order until it has enough; None if they never
-    make it."""
+    (unpinned ones only, with `unpinned_only`) are added to `room` in LRU
+    order until it has enough; None if they never make it."""
     entries = list(lru_entries)
     disk_victims = [
         e for e in entries
@@ -79,7 +98,8 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room) -> Plan 
     for entry in entries:
         if room.enough():
             break
-        if entry.residence is not Residence.MEMORY or entry.num_readers:
+        if (entry.residence is not Residence.MEMORY or entry.num_readers
+                or (unpinned_only and entry.meta.pinned)):
             continue
         if disk_free + disk_evictable >= entry.size:
             while disk_free < entry.size:

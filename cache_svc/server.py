@@ -21,7 +21,7 @@ import grpc
 
 from cache_svc.arena_calls import ArenaCalls
 from cache_svc.config import MAX_STREAMS_PER_CONNECTION, STREAM_WINDOW_BYTES, CacheConfig
-from cache_svc.convert import info_to_proto, stats_to_proto
+from cache_svc.convert import found_to_proto, info_to_proto, stats_to_proto
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.store import SnapshotStore
@@ -79,6 +79,10 @@ class CacheServicer(StreamedCalls, ArenaCalls):
         return info_to_proto(self._store.stat(request.snapshot_id))
 
     @rpc_errors.maps_errors
+    async def FindSnapshots(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return found_to_proto(self._store.find(list(request.snapshot_ids)))
+
+    @rpc_errors.maps_errors
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return stats_to_proto(self._store.stats())
 
@@ -105,6 +109,11 @@ def add_servicer(servicer: CacheServicer, server: grpc.aio.Server) -> None:
             servicer.StatSnapshot,
             request_deserializer=cache_pb2.StatSnapshotRequest.FromString,
             response_serializer=cache_pb2.SnapshotInfo.SerializeToString,
+        ),
+        "FindSnapshots": grpc.unary_unary_rpc_method_handler(
+            servicer.FindSnapshots,
+            request_deserializer=cache_pb2.FindSnapshotsRequest.FromString,
+            response_serializer=cache_pb2.FindSnapshotsResponse.SerializeToString,
         ),
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats, request_deserializer=common_pb2.GetStatsRequest.FromString,

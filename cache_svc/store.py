@@ -22,16 +22,27 @@ from cache_svc.arena import Arena
 from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
-from cache_svc.model import Buffer, CacheStats, Counters, Entry, Residence, SnapshotInfo
+from cache_svc.model import (
+    Buffer,
+    CacheStats,
+    Counters,
+    Entry,
+    Residence,
+    SnapshotInfo,
+    TierName,
+)
 from cache_svc.reads import Reads
 from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
 from kvstash.common.ids import check_snapshot_id
 from kvstash.common.malloc_tuning import trim_heap
 from kvstash.common.stats import values
-from kvstash.errors import AlreadyExists, ResourceExhausted, preview
+from kvstash.errors import AlreadyExists, InvalidArgument, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
+
+# Most ids one find takes: a 1M-token prompt in 256-token segments.
+MAX_FIND_IDS = 4096
 
 
 class SnapshotStore:
@@ -74,7 +85,7 @@ class SnapshotStore:
             )
         self._pending[snapshot_id] = None
         try:
-            self._pending[snapshot_id] = await self._tiers.reserve_memory(size)
+            self._pending[snapshot_id] = await self._tiers.reserve_memory(size, meta.pinned)
         except BaseException as exc:
             if isinstance(exc, ResourceExhausted):
                 self._counters.num_refused += 1
@@ -100,7 +111,7 @@ class SnapshotStore:
         """Gives back a reservation that never became a session (or, with the
         session's `buffer`, one whose put failed; the buffer goes to the pool)."""
         pooled = self._pending.pop(meta.snapshot_id, None)
-        self._tiers.unreserve(meta.total_bytes, buffer or pooled)
+        self._tiers.unreserve(meta.total_bytes, meta.pinned, buffer or pooled)
 
     def commit_shared_put(self, session: PutSession, checksums: list[int]) -> SnapshotInfo:
         """Commits a put whose client wrote the extent itself (see
@@ -159,6 +170,19 @@ class SnapshotStore:
     def stat(self, snapshot_id: str) -> SnapshotInfo:
         entry = self._tiers.lookup(check_snapshot_id(snapshot_id))
         return SnapshotInfo(entry.meta, entry.tier)
+
+    def find(self, snapshot_ids: list[str]) -> list[TierName | None]:
+        """Where each of `snapshot_ids` is stored (None: it is not), touching
+        none of them; InvalidArgument for a bad id or too many."""
+        if not 0 < len(snapshot_ids) <= MAX_FIND_IDS:
+            raise InvalidArgument(f"find takes 1-{MAX_FIND_IDS} snapshot ids, "
+                                  f"got {len(snapshot_ids)}")
+        tiers = self._tiers
+        found = []
+        for snapshot_id in snapshot_ids:
+            entry = tiers.get(check_snapshot_id(snapshot_id))
+            found.append(None if entry is None else entry.tier)
+        return found
 
     def sweep_expired(self) -> int:
         """Deletes idle snapshots past their TTL; returns how many."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from cache_svc.background import Background
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
-from cache_svc.eviction import Room, plan_room
+from cache_svc.eviction import CappedRoom, Room, plan_room
 from cache_svc.memory_tier import MemoryTier
 from cache_svc.model import Buffer, Entry, Residence
 from kvstash.errors import NotFound, ResourceExhausted, preview
@@ -43,6 +43,7 @@ class Tiers:
         self._lru: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self.disk_used = 0
         self.disk_reserved = 0
+        self.unpinned_reserved = 0  # of memory.reserved, by puts of unpinned snapshots
         self.num_evictions = 0
         self.num_spills = 0
 
@@ -77,6 +78,9 @@ class Tiers:
     def is_listed(self, snapshot_id: str) -> bool:
         return snapshot_id in self._lru
 
+    def get(self, snapshot_id: str) -> Entry | None:
+        return self._lru.get(snapshot_id)
+
     def lookup(self, snapshot_id: str) -> Entry:
         entry = self._lru.get(snapshot_id)
         if entry is None:
@@ -90,13 +94,17 @@ class Tiers:
     def list_reserved(self, entry: Entry) -> None:
         """Lists a new memory entry, whose bytes were reserved, as most recent."""
         self.memory.reserved -= entry.size
+        if not entry.meta.pinned:
+            self.unpinned_reserved -= entry.size
         self.memory.used += entry.size
         self._lru[entry.meta.snapshot_id] = entry
         self.background.notify()
 
-    def unreserve(self, num_bytes: int, buffer: Buffer | None = None) -> None:
+    def unreserve(self, num_bytes: int, pinned: bool, buffer: Buffer | None = None) -> None:
         """Gives back a reservation and, if one was mapped for it, its buffer."""
         self.memory.reserved -= num_bytes
+        if not pinned:
+            self.unpinned_reserved -= num_bytes
         if buffer is not None:
             self.memory.give_back(buffer)
         self.background.notify()
@@ -127,37 +135,43 @@ class Tiers:
 
     # -- making room ----------------------------------------------------------
 
-    async def reserve_memory(self, size: int) -> Buffer | None:
+    async def reserve_memory(self, size: int, pinned: bool = True) -> Buffer | None:
         """Counts `size` bytes as reserved, spilling or evicting to make room
         and waiting up to reserve_wait_s for that, or raises ResourceExhausted.
+        An unpinned snapshot displaces only unpinned ones, and keeps unpinned
+        ones within their share of the budget (eviction.py).
         Returns the buffer if one is ready: the arena's extent, or a pooled
         buffer of exactly `size` bytes (its bytes, counted as pooled, are now
         the reservation); None means the caller maps one.
         The wait is real time (the event loop's), not `clock`, which is for TTLs
         and can be a test's fake."""
         memory = self.memory
-        buffer = memory.pool.take(size)
+        buffer = memory.pool.take(size) if self._unpinned_excess(size, pinned) <= 0 else None
         if buffer is not None:
-            memory.reserved += size
+            self._count_reserved(size, pinned)
             return buffer
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.reserve_wait_s
         while True:
-            if memory.arena is not None:
+            excess = self._unpinned_excess(size, pinned)  # > 0: move unpinned out first
+            if excess <= 0 and memory.arena is not None:
                 extent = memory.arena.alloc(size)
                 if extent is not None:
-                    memory.reserved += size
+                    self._count_reserved(size, pinned)
                     return extent
-            elif memory.free() >= size:
+            elif excess <= 0 and memory.free() >= size:
                 pooled_needed = size - (memory.free() - memory.pool.num_bytes)
                 if pooled_needed <= 0:
-                    memory.reserved += size
+                    self._count_reserved(size, pinned)
                     return None
                 # Pooled bytes count as free: as many as the put needs are
                 # unmapped, and it waits below until they are.
                 memory.pool.release(pooled_needed)
             changed = self.background.changed
-            plan = plan_room(self._lru.values(), self.disk_free(), self._makes_room(size))
+            room = self._makes_room(size)
+            plan = plan_room(self._lru.values(), self.disk_free(),
+                             room if excess <= 0 else CappedRoom(room, excess),
+                             unpinned_only=not pinned)
             if plan is not None and (plan.spill or plan.evict_memory):
                 for entry in plan.evict_disk + plan.evict_memory:
                     self.num_evictions += 1
@@ -169,14 +183,34 @@ class Tiers:
             if remaining <= 0 or not self._may_change():
                 pieces = ("" if memory.arena is None
                           else f", the largest free range {memory.arena.largest_free()}")
+                share = ("" if pinned else
+                         f"; unpinned, within {self.config.unpinned_share:g} of the budget "
+                         f"({max(0, excess)} bytes over), displacing no pinned snapshot")
                 raise ResourceExhausted(
                     f"need {size} bytes of memory, {memory.free()} free{pieces} of "
                     f"{self.config.memory_budget_bytes} ({memory.reserved} reserved by puts "
                     f"in progress, {self.disk_free()} disk bytes free) and no snapshot "
-                    "can be spilled or evicted"
+                    f"can be spilled or evicted{share}"
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
+
+    def _count_reserved(self, size: int, pinned: bool) -> None:
+        self.memory.reserved += size
+        if not pinned:
+            self.unpinned_reserved += size
+
+    def _unpinned_excess(self, size: int, pinned: bool) -> int:
+        """Bytes an unpinned put of `size` would take unpinned snapshots in
+        memory (and puts of them in progress) over their share of the budget;
+        0 or less: none (a pinned put)."""
+        if pinned:
+            return 0
+        held = self.unpinned_reserved + sum(
+            e.size for e in self._lru.values()
+            if not e.meta.pinned and e.residence is Residence.MEMORY)
+        cap = int(self.config.unpinned_share * self.config.memory_budget_bytes)
+        return held + size - cap
 
     def _makes_room(self, size: int) -> Room:
         """The room for `size` bytes, counting the spills in progress."""
@@ -239,3 +273,4 @@ class Tiers:
         assert self.disk_used + self.disk_reserved <= max(self.config.disk_budget_bytes,
                                                            on_disk)
         assert self.disk_reserved >= 0
+        assert 0 <= self.unpinned_reserved <= self.memory.reserved

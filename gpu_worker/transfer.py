@@ -48,7 +48,7 @@ class SnapshotClient(Protocol):
     cache's --default-ttl), neither the worker's nor relayed through it."""
 
     async def put(self, snapshot_id: str, layout: Layout, num_blocks: int,
-                  num_tokens: int, data: memoryview, *,
+                  num_tokens: int, data: memoryview, *, pinned: bool = True,
                   timeout_s: float | None = None) -> int: ...
 
     async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
@@ -58,7 +58,7 @@ class SnapshotClient(Protocol):
     async def put_shared(self, snapshot_id: str, layout: Layout, num_blocks: int,
                          num_tokens: int, total_bytes: int,
                          write: Callable[[memoryview], Awaitable[list[int] | None]], *,
-                         timeout_s: float | None = None) -> int | None: ...
+                         pinned: bool = True, timeout_s: float | None = None) -> int | None: ...
 
     async def get_shared(
         self, snapshot_id: str,
@@ -106,12 +106,23 @@ class KvTransfer:
             raise errors.Unavailable(f"{what}: cache service call failed: {exc}") from None
 
     async def offload(self, snapshot_id: str, block_ids: Sequence[int], num_tokens: int,
-                      deadline: float) -> int:
+                      deadline: float, shared_prefix: bool = False) -> int:
         """Returns the bytes the cache service committed. Until this returns the
         caller must not reuse the blocks (they may still be being read). The
         put must finish by `deadline` (event-loop time). A refusal raises the
         cache's own error unchanged (worker.proto Offload: nothing stored);
-        no answer in time raises Unavailable (maybe stored)."""
+        no answer in time raises Unavailable (maybe stored). A `shared_prefix`
+        segment is put unpinned, and one the cache already holds returns 0."""
+        try:
+            return await self._offload(snapshot_id, block_ids, num_tokens, deadline,
+                                       pinned=not shared_prefix)
+        except errors.AlreadyExists:
+            if not shared_prefix:
+                raise
+            return 0
+
+    async def _offload(self, snapshot_id: str, block_ids: Sequence[int], num_tokens: int,
+                       deadline: float, *, pinned: bool) -> int:
         what = f"offload of snapshot {errors.preview(snapshot_id)}"
         cache = self._cache(what)
         capacity = len(block_ids) * self.runner.block_size
@@ -132,7 +143,7 @@ class KvTransfer:
         stored = await self._bounded(
             lambda timeout_s: cache.put_shared(
                 snapshot_id, layout, num_blocks, num_tokens, num_blocks * pool.block_bytes,
-                gather_into, timeout_s=timeout_s),
+                gather_into, pinned=pinned, timeout_s=timeout_s),
             deadline, what,
         )
         if stored is not None:
@@ -144,16 +155,18 @@ class KvTransfer:
             await self._on_compute(self.runner.gather_blocks_into, list(block_ids), loan.blocks)
             return await self._bounded(
                 lambda timeout_s: cache.put(snapshot_id, layout, len(block_ids), num_tokens,
-                                            byte_view(loan.blocks), timeout_s=timeout_s),
+                                            byte_view(loan.blocks), pinned=pinned,
+                                            timeout_s=timeout_s),
                 deadline, what,
             )
         finally:
             pool.release(loan)
 
-    async def restore(self, snapshot_id: str, block_ids: Sequence[int], deadline: float) -> int:
+    async def restore(self, snapshot_id: str, block_ids: Sequence[int], deadline: float,
+                      keep: bool = False) -> int:
         """Reads the snapshot into `block_ids` (as many as it holds), consuming
-        it (see worker.proto); returns its bytes. The read must finish by
-        `deadline` (event-loop time)."""
+        it unless `keep` (see worker.proto); returns its bytes. The read must
+        finish by `deadline` (event-loop time)."""
         what = f"restore of snapshot {errors.preview(snapshot_id)} into {len(block_ids)} blocks"
         cache = self._cache(what)
         # Before the consuming read and before a buffer is sized by them.
@@ -168,7 +181,7 @@ class KvTransfer:
                 list(block_ids), self._pinned_blocks(extent, num_blocks)))
 
         header = await self._bounded(
-            lambda timeout_s: cache.get_shared(snapshot_id, scatter_from, consume=True,
+            lambda timeout_s: cache.get_shared(snapshot_id, scatter_from, consume=not keep,
                                                timeout_s=timeout_s),
             deadline, what,
         )
@@ -179,7 +192,7 @@ class KvTransfer:
         try:
             try:
                 header = await self._bounded(
-                    lambda timeout_s: cache.get_into(snapshot_id, byte_view(host), consume=True,
+                    lambda timeout_s: cache.get_into(snapshot_id, byte_view(host), consume=not keep,
                                                      timeout_s=timeout_s),
                     deadline, what,
                 )

@@ -29,7 +29,13 @@ from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.cache_link import CacheLink
-from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
+from scheduler_svc.core.config import (
+    PreemptionMode,
+    PrefixWrite,
+    ReservationPolicy,
+    Role,
+    SchedulerConfig,
+)
 from scheduler_svc.core.pd import HANDOFF_WAIT_S
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
@@ -46,6 +52,11 @@ log = logging.getLogger("scheduler_svc")
 _CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
          if f.default is not dataclasses.MISSING}
 _ENGINE = EngineConfig()
+
+
+# 256 tokens, as LMCache's chunks: one read per segment, and a hit needs a
+# whole segment in common.
+DEFAULT_SEGMENT_TOKENS = 256
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,6 +107,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps of progress credited per decode request after a preemption")
     p.add_argument("--resume-headroom", type=int, default=_CORE["resume_headroom"],
                    help="free blocks per running decode request kept before a resume")
+    p.add_argument("--prefix-segment-tokens", type=int, default=DEFAULT_SEGMENT_TOKENS,
+                   help="the prefix tier: prompts' KV kept in the cache service in segments "
+                        "of this many tokens (a multiple of the block size), read by every "
+                        "instance sharing it; 0 = off. Needs --cache-address; off while "
+                        "--record-decisions is set (replay does not model it yet)")
+    p.add_argument("--prefix-write", choices=[w.value for w in PrefixWrite],
+                   default=_CORE["prefix_write"].value,
+                   help="when the prefix tier stores a prompt's segments: once it is prefilled "
+                        "(through: other instances can read it at once), or when this pool is "
+                        "about to evict them (back: fewer copies, later reuse elsewhere)")
     p.add_argument("--transfer-timeout", type=float, default=_ENGINE.transfer_timeout_s,
                    help="seconds one offload or restore may take, end to end")
     p.add_argument("--check-integrity", action="store_true",
@@ -144,6 +165,7 @@ def build_config(
     if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
         raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
                          f"got {args.num_blocks}")
+    segment_blocks, salt = prefix_tier(args, info, layout)
     return SchedulerConfig(
         num_blocks=args.num_blocks or info.num_blocks,
         block_size=layout.block_size,
@@ -166,7 +188,28 @@ def build_config(
         role=Role(args.role),
         reservation_timeout_s=args.reservation_timeout,
         bytes_per_block=layout.bytes_per_block,
+        prefix_segment_blocks=segment_blocks,
+        prefix_tier_salt=salt,
+        prefix_write=PrefixWrite(args.prefix_write),
     )
+
+
+def prefix_tier(
+    args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
+) -> tuple[int, str]:
+    """Blocks per prefix-tier segment (--prefix-segment-tokens; 0: no tier,
+    as without a cache) and the salt of its ids: all that decides a block's
+    bytes."""
+    tokens = args.prefix_segment_tokens
+    if tokens < 0 or tokens % layout.block_size:
+        raise ValueError(f"--prefix-segment-tokens must be 0 or a multiple of the block size "
+                         f"{layout.block_size}, got {tokens}")
+    if not tokens or not args.cache_address or args.record_decisions is not None:
+        return 0, ""
+    salt = "|".join((info.model_name, info.model_type, *info.architectures, layout.dtype,
+                     str(layout.num_layers), str(layout.block_size), str(layout.num_kv_heads),
+                     str(layout.head_dim)))
+    return tokens // layout.block_size, salt
 
 
 async def serve(args: argparse.Namespace, secured: security.Security,

@@ -1,4 +1,5 @@
-"""The scheduler's link to the cache service: is it there, and snapshot deletes.
+"""The scheduler's link to the cache service: is it there, snapshot deletes,
+and which prompt segments its prefix tier holds.
 
 The scheduler keeps no account of the cache's bytes: the cache's own
 admission (RESOURCE_EXHAUSTED on a put) is the one capacity answer. What the
@@ -17,16 +18,32 @@ from collections.abc import Callable
 
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 
 
 class CacheLink:
-    def __init__(self, client: CacheClient, probe_s: float = 0.5, timeout_s: float = 10.0) -> None:
-        """Probes every `probe_s`; a call that takes over `timeout_s` counts as failed."""
+    def __init__(self, client: CacheClient, probe_s: float = 0.5, timeout_s: float = 10.0,
+                 find_timeout_s: float = 0.5) -> None:
+        """Probes every `probe_s`; a call that takes over `timeout_s` counts as
+        failed. A prefix lookup waits `find_timeout_s` at most: it delays a
+        request's admission, and without an answer the request just prefills."""
         self._client = client
         self._probe_s = probe_s
         self._timeout_s = timeout_s
+        self._find_timeout_s = find_timeout_s
+
+    async def num_stored(self, segment_ids: list[str]) -> int:
+        """How many of `segment_ids` (a prompt's, in order) the cache holds
+        from the first on; 0 when it does not answer in time."""
+        try:
+            tiers = await self._client.find(segment_ids, timeout_s=self._find_timeout_s)
+        except errors.KvstashError as exc:
+            log.debug("prefix lookup failed (%s); prefilling", exc)
+            return 0
+        return next((i for i, t in enumerate(tiers) if t == cache_pb2.TIER_UNSPECIFIED),
+                    len(tiers))
 
     async def watch(self, on_change: Callable[[bool], None]) -> None:
         """Probes the cache every `probe_s` and calls `on_change(available)`

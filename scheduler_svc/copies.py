@@ -8,6 +8,10 @@ the snapshot deletes the core queued are sent and the step loop is woken.
     put(cmd, kind, finish)  worker.offload -> report -> delete a snapshot that
                             may exist but will never be read -> finish(...)
     restore(cmd)            worker.restore -> report -> core.finish_restore
+    save_prefix(cmd)        worker.offload (shared_prefix) -> core.finish_prefix_save
+    load_prefix(load)       worker.restore (keep) of every segment at once; the
+                            request takes those up to the first that failed
+                            (deleted if damaged) -> core.finish_prefix_load
 
 A copy's report: a failure is logged and marks its span failed; a success
 marks its span with the bytes copied and times the offload or restore
@@ -17,6 +21,7 @@ Each copy runs in the request's trace context as a "kvstash.<kind>" span.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +31,7 @@ from opentelemetry import trace
 
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
-from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
+from scheduler_svc.core.outputs import OffloadCommand, PrefixLoad, RestoreCommand
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
@@ -88,6 +93,53 @@ class Copies:
                 seconds = time.monotonic() - started
                 self._report("restore", cmd, outcome, span, seconds)
                 self._core.finish_restore(cmd, outcome.num_bytes, seconds)
+                self._landed()
+
+    async def save_prefix(self, cmd: OffloadCommand) -> None:
+        """A prefix-tier segment: nothing to delete whatever happens (it is
+        named by its content, and the cache evicts what nobody reads)."""
+        outcome = CopyOutcome(None, "cancelled")
+        with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
+                                   "kvstash.prefix_save", cmd) as span:
+            try:
+                outcome = await self._worker.offload(cmd, self._timeout_s)
+            finally:
+                if outcome.num_bytes is None:
+                    log.info("prefix segment save for %s failed (%s)", cmd.request_id,
+                             outcome.error)
+                    tracing.set_failed(span, outcome.error, "not_stored")
+                else:
+                    tracing.set_copied(span, outcome.num_bytes)
+                self._core.finish_prefix_save(cmd, outcome.num_bytes)
+                self._landed()
+
+    async def load_prefix(self, load: PrefixLoad) -> None:
+        """The segments are read at once (each into its own blocks); the
+        request takes those up to the first that failed."""
+        segments = load.segments
+        outcomes = [CopyOutcome(None, "cancelled")] * len(segments)
+        started = time.monotonic()
+        with tracing.prefix_load_span(self._requests.trace_context(load.request_id),
+                                      load) as span:
+            try:
+                outcomes = await asyncio.gather(*(
+                    self._worker.restore(segment, self._timeout_s) for segment in segments))
+            finally:
+                num_loaded = next((i for i, o in enumerate(outcomes) if o.num_bytes is None),
+                                  len(segments))
+                num_bytes = sum(o.num_bytes or 0 for o in outcomes[:num_loaded])
+                if num_loaded < len(segments):
+                    error = outcomes[num_loaded].error
+                    log.info("prefix segment load for %s failed (%s); prefilling from there",
+                             load.request_id, error)
+                    tracing.set_failed(span, error, "prefill")
+                else:
+                    tracing.set_copied(span, num_bytes)
+                # Stored anew by the prefill, where the cache's copy is damaged.
+                self.delete_snapshots([s.snapshot_id for s, o in zip(segments, outcomes,
+                                                                     strict=True) if o.damaged])
+                self._core.finish_prefix_load(load, num_loaded, num_bytes,
+                                              time.monotonic() - started)
                 self._landed()
 
     def _report(

@@ -5,9 +5,9 @@ I/O is awaited outside the core, so nothing is held across I/O and a slow
 copy never stalls the steps of other requests.
 
     core.schedule() --> StepStream.step() --> core.update() --> request streams
-        +-- offloads / restores (copies.py), hand-offs (handoff.py, a P/D
-            prefill instance only): their own tasks; each outcome goes back
-            into the core and wakes the loop
+        +-- offloads / restores, prefix-tier loads / saves (copies.py),
+            hand-offs (handoff.py, a P/D prefill instance only): their own
+            tasks; each outcome goes back into the core and wakes the loop
 
 One record per in-flight request (inflight.py), made when the core takes it
 and dropped when the core lets go of it (`_end`). A lost worker fails the
@@ -153,19 +153,33 @@ class Engine:
         returns the stream its tokens arrive on. A prefill instance first has
         a decode instance reserve blocks for it."""
         self._watch.check_admission()
+        self._core.check_request(request_id, prompt_token_ids, sampling)
+        stored = await self._stored_segments(prompt_token_ids)
         if self._prefill is None or (decoder := await self._prefill.find_decoder(
                 request_id, prompt_token_ids, sampling)) is None:
-            return self.submit(request_id, prompt_token_ids, sampling)
-        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, decoder)
+            return self.submit(request_id, prompt_token_ids, sampling, stored)
+        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored)
         self._wake.set()
         return stream
 
+    async def _stored_segments(self, prompt_token_ids: Sequence[int]) -> int:
+        """How many leading segments of the prompt the prefix tier holds."""
+        if self._cache is None or not (ids := self._core.prefix_segment_ids(prompt_token_ids)):
+            return 0
+        with tracing.prefix_lookup_span(self._config.tracing, len(ids)) as span:
+            num_stored = await self._cache.num_stored(ids)
+            span.set_attribute("kvstash.num_stored", num_stored)
+        return num_stored
+
     def submit(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+        stored_segments: int = 0,
     ) -> RequestStream:
-        """Admits a request to decode here, as `admit` but at once."""
+        """Admits a request to decode here, as `admit` but at once, its prompt's
+        first `stored_segments` held by the prefix tier."""
         self._watch.check_admission()
-        self._core.add_request(request_id, prompt_token_ids, sampling)
+        self._core.add_request(request_id, prompt_token_ids, sampling,
+                               stored_segments=stored_segments)
         stream = self._requests.open(request_id)
         self._wake.set()
         return stream
@@ -262,6 +276,10 @@ class Engine:
                 self._tasks.spawn(self._copies.offload(offload))
             for restore in output.restores:
                 self._tasks.spawn(self._copies.restore(restore))
+            for load in output.prefix_loads:
+                self._tasks.spawn(self._copies.load_prefix(load))
+            for save in output.prefix_saves:
+                self._tasks.spawn(self._copies.save_prefix(save))
             if output.handoffs:
                 assert self._prefill is not None, "only a prefill instance hands off"
                 for handoff in output.handoffs:

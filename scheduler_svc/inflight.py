@@ -102,7 +102,7 @@ class InFlightRequests:
                                      "but the core no longer holds it")
         stats = core.stats()
         num_live = (stats.num_waiting + stats.num_running_prefill + stats.num_running_decode
-                    + stats.num_offloaded + stats.num_handed_off)
+                    + stats.num_offloaded + stats.num_handed_off + stats.num_loading)
         if num_live != len(self._req_to_record):
             raise IntegrityError(f"the core holds {num_live} requests besides reservations, "
                                  f"the edge has records of {len(self._req_to_record)}")

@@ -79,6 +79,9 @@ def finished(updates: Sequence[RequestUpdate]) -> list[list[str]]:
 class RecordingScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, path: Path,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if config.prefix_segment_blocks:
+            raise ValueError("recording decisions needs the prefix tier off "
+                             "(--prefix-segment-tokens 0): replay does not model it yet")
         super().__init__(config, clock=clock)
         self._file = path.open("w", buffering=1, encoding="utf-8")
         self._write("config", config=plain(dataclasses.asdict(config)))
@@ -97,7 +100,8 @@ class RecordingScheduler(Scheduler):
         self._file.close()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams, *, handoff: bool = False) -> Request:
+                    sampling: SamplingParams, *, handoff: bool = False,
+                    stored_segments: int = 0) -> Request:
         req = super().add_request(request_id, prompt_token_ids, sampling, handoff=handoff)
         self._write("add", id=request_id, prompt=list(prompt_token_ids),
                     sampling=plain(dataclasses.asdict(sampling)), handoff=handoff)

@@ -12,7 +12,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import Attributes
 
-from scheduler_svc.core.outputs import OffloadCommand, Preempted, RestoreCommand
+from scheduler_svc.core.outputs import OffloadCommand, Preempted, PrefixLoad, RestoreCommand
 
 _tracer = trace.get_tracer("kvstash.scheduler")
 
@@ -79,6 +79,32 @@ def transfer_span(
         })
 
 
+def prefix_lookup_span(
+    on: bool, num_segments: int
+) -> contextlib.AbstractContextManager[trace.Span]:
+    """A span for asking the cache which of a new request's prompt segments
+    it holds, in the current context (the request's Generate call)."""
+    if not on:
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return _tracer.start_as_current_span(
+        "kvstash.prefix_lookup", record_exception=False,
+        attributes={"kvstash.num_segments": num_segments})
+
+
+def prefix_load_span(
+    trace_context: otel_context.Context | None, load: PrefixLoad
+) -> contextlib.AbstractContextManager[trace.Span]:
+    """A span for one prefix-tier load (its segments' reads), as transfer_span."""
+    if trace_context is None:
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return _tracer.start_as_current_span(
+        "kvstash.prefix_load", context=trace_context, record_exception=False, attributes={
+            "kvstash.request_id": load.request_id,
+            "kvstash.num_segments": len(load.segments),
+            "kvstash.num_blocks": sum(len(s.block_ids) for s in load.segments),
+        })
+
+
 def request_event(
     trace_context: otel_context.Context | None, name: str, attributes: Attributes
 ) -> None:
@@ -107,7 +133,9 @@ def set_copied(span: trace.Span, num_bytes: int) -> None:
     span.set_attributes({"kvstash.bytes": num_bytes, "kvstash.outcome": "copied"})
 
 
-def set_failed(span: trace.Span, description: str) -> None:
-    """Marks a transfer span failed: the request falls back to recompute."""
-    span.set_attribute("kvstash.outcome", "recompute")
+def set_failed(span: trace.Span, description: str, fallback: str = "recompute") -> None:
+    """Marks a transfer span failed, with what happens instead: the request
+    recomputes (offload, restore), prefills (a prefix load) or nothing does
+    (a prefix save: the segment is just not stored)."""
+    span.set_attribute("kvstash.outcome", fallback)
     span.set_status(trace.StatusCode.ERROR, description)

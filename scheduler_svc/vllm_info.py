@@ -88,7 +88,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
         stats = backend.stats()
         return pb.GetServerInfoResponse(
             active_requests=stats.num_running_prefill + stats.num_running_decode
-            + stats.num_waiting + stats.num_offloaded,
+            + stats.num_loading + stats.num_waiting + stats.num_offloaded,
             uptime_seconds=time.monotonic() - self._started, server_type="vllm-grpc",
             data_parallel_size=1, block_size=config.block_size, max_num_seqs=config.max_num_seqs)
 
@@ -99,7 +99,7 @@ class VllmInfo(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise errors.InvalidArgument(f"dp_rank {request.dp_rank}: this engine has rank 0 only")
         backend = self._attached()
         stats = backend.stats()
-        running = stats.num_running_prefill + stats.num_running_decode
+        running = stats.num_running_prefill + stats.num_running_decode + stats.num_loading
         waiting = stats.num_waiting + stats.num_offloaded
         num_free = stats.num_free_blocks + stats.num_evictable_blocks
         return pb.GetLoadsResponse(

@@ -57,6 +57,9 @@ class CopyOutcome:
     # answer in time, or the call broke after the put started): the owner of
     # the snapshot, the engine, deletes it.
     maybe_stored: bool = False
+    # A failed restore whose snapshot failed its checksums (DATA_LOSS): it is
+    # damaged where it is stored.
+    damaged: bool = False
 
 
 def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
@@ -166,7 +169,7 @@ class WorkerLink:
         policy (worker.proto Offload): nothing here or in the worker says how."""
         request = worker_pb2.OffloadRequest(
             request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids,
-            num_tokens=cmd.num_tokens)
+            num_tokens=cmd.num_tokens, shared_prefix=cmd.shared_prefix)
         try:
             response = await self._stub.Offload(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -177,11 +180,13 @@ class WorkerLink:
 
     async def restore(self, cmd: RestoreCommand, timeout_s: float) -> CopyOutcome:
         request = worker_pb2.RestoreRequest(
-            request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids)
+            request_id=cmd.request_id, snapshot_id=cmd.snapshot_id, block_ids=cmd.block_ids,
+            keep=cmd.keep)
         try:
             response = await self._stub.Restore(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            return CopyOutcome(None, _describe(exc))
+            return CopyOutcome(None, _describe(exc),
+                               damaged=exc.code() is grpc.StatusCode.DATA_LOSS)
         except Exception as exc:  # a closed channel, ...
             return CopyOutcome(None, repr(exc))
         return CopyOutcome(response.num_bytes)

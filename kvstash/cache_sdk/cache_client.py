@@ -239,6 +239,19 @@ class CacheClient:
         timeout = self._timeout(timeout_s)
         return await self._call(lambda: self._stub.StatSnapshot(request, timeout=timeout))
 
+    async def find(
+        self, snapshot_ids: list[str], timeout_s: float | None = None
+    ) -> list[int]:
+        """Where each snapshot is stored (cache_pb2.Tier values, TIER_UNSPECIFIED:
+        not stored), in the order asked."""
+        request = cache_pb2.FindSnapshotsRequest(snapshot_ids=snapshot_ids)
+        timeout = self._timeout(timeout_s)
+        response = await self._call(lambda: self._stub.FindSnapshots(request, timeout=timeout))
+        if len(response.tiers) != len(snapshot_ids):
+            raise errors.DataLoss(f"cache answered {len(response.tiers)} tiers for "
+                                  f"{len(snapshot_ids)} snapshot ids")
+        return list(response.tiers)
+
     async def stats(self, timeout_s: float | None = None) -> cache_pb2.CacheStats:
         request = common_pb2.GetStatsRequest()
         timeout = self._timeout(timeout_s)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvstash.v1 import common_pb2 as kvstash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstash/v1/cache.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\xf7\x01\n\x0eSnapshotHeader\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x39\n\x12\x63hecksum_algorithm\x18\x07 \x01(\x0e\x32\x1d.kvstash.v1.ChecksumAlgorithm\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05ttl_s\x18\t \x01(\r\"6\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"n\n\x12PutSnapshotRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\"=\n\x13PutSnapshotResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfo\"O\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_chunk\x18\x02 \x01(\r\x12\x0f\n\x07\x63onsume\x18\x03 \x01(\x08\"o\n\x13GetSnapshotResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\",\n\x15\x44\x65leteSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteSnapshotResponse\"*\n\x13StatSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"n\n\x0cSnapshotInfo\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstash.v1.Tier\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\xe1\x03\n\nCacheStats\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x02 \x01(\x04\x12\x18\n\x10memory_snapshots\x18\x03 \x01(\r\x12\x12\n\ndisk_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64isk_snapshots\x18\x06 \x01(\r\x12\x14\n\x0cpinned_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\x10\n\x08num_puts\x18\t \x01(\x04\x12\x10\n\x08num_gets\x18\n \x01(\x04\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x17\n\x0fnum_failed_puts\x18\x0c \x01(\x04\x12\x15\n\rnum_evictions\x18\r \x01(\x04\x12\x12\n\nnum_spills\x18\x0e \x01(\x04\x12\x13\n\x0bnum_expired\x18\x0f \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x10 \x01(\x04\x12\x11\n\tbytes_out\x18\x11 \x01(\x04\x12\x12\n\nfree_bytes\x18\x12 \x01(\x04\x12\x14\n\x0cnum_consumed\x18\x13 \x01(\x04\x12\x17\n\x0fnum_shared_puts\x18\x14 \x01(\x04\x12\x17\n\x0fnum_shared_gets\x18\x15 \x01(\x04\"\x11\n\x0fGetArenaRequest\"?\n\tArenaInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x61rena_id\x18\x03 \x01(\t\":\n\x06\x45xtent\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"$\n\x0fSharedPutCommit\x12\x11\n\tchecksums\x18\x01 \x03(\x04\"w\n\x10PutSharedRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12-\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1b.kvstash.v1.SharedPutCommitH\x00\x42\x06\n\x04kind\"k\n\x11PutSharedResponse\x12$\n\x06\x65xtent\x18\x01 \x01(\x0b\x32\x12.kvstash.v1.ExtentH\x00\x12(\n\x04info\x18\x02 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfoH\x00\x42\x06\n\x04kind\"\x0f\n\rSharedGetDone\"u\n\x10GetSharedRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kvstash.v1.GetSnapshotRequestH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.kvstash.v1.SharedGetDoneH\x00\x42\x06\n\x04kind\"v\n\x11GetSharedResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\"\n\x06\x65xtent\x18\x02 \x01(\x0b\x32\x12.kvstash.v1.Extent\x12\x11\n\tchecksums\x18\x03 \x03(\x04*W\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x01*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_MEMORY\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xee\x04\n\x07KVCache\x12P\n\x0bPutSnapshot\x12\x1e.kvstash.v1.PutSnapshotRequest\x1a\x1f.kvstash.v1.PutSnapshotResponse(\x01\x12P\n\x0bGetSnapshot\x12\x1e.kvstash.v1.GetSnapshotRequest\x1a\x1f.kvstash.v1.GetSnapshotResponse0\x01\x12W\n\x0e\x44\x65leteSnapshot\x12!.kvstash.v1.DeleteSnapshotRequest\x1a\".kvstash.v1.DeleteSnapshotResponse\x12I\n\x0cStatSnapshot\x12\x1f.kvstash.v1.StatSnapshotRequest\x1a\x18.kvstash.v1.SnapshotInfo\x12?\n\x08GetStats\x12\x1b.kvstash.v1.GetStatsRequest\x1a\x16.kvstash.v1.CacheStats\x12>\n\x08GetArena\x12\x1b.kvstash.v1.GetArenaRequest\x1a\x15.kvstash.v1.ArenaInfo\x12L\n\tPutShared\x12\x1c.kvstash.v1.PutSharedRequest\x1a\x1d.kvstash.v1.PutSharedResponse(\x01\x30\x01\x12L\n\tGetShared\x12\x1c.kvstash.v1.GetSharedRequest\x1a\x1d.kvstash.v1.GetSharedResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstash/v1/cache.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\xf7\x01\n\x0eSnapshotHeader\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x39\n\x12\x63hecksum_algorithm\x18\x07 \x01(\x0e\x32\x1d.kvstash.v1.ChecksumAlgorithm\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05ttl_s\x18\t \x01(\r\"6\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"n\n\x12PutSnapshotRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\"=\n\x13PutSnapshotResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfo\"O\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_chunk\x18\x02 \x01(\r\x12\x0f\n\x07\x63onsume\x18\x03 \x01(\x08\"o\n\x13GetSnapshotResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvstash.v1.ChunkH\x00\x42\x06\n\x04kind\",\n\x15\x44\x65leteSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteSnapshotResponse\"*\n\x13StatSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\",\n\x14\x46indSnapshotsRequest\x12\x14\n\x0csnapshot_ids\x18\x01 \x03(\t\"8\n\x15\x46indSnapshotsResponse\x12\x1f\n\x05tiers\x18\x01 \x03(\x0e\x32\x10.kvstash.v1.Tier\"n\n\x0cSnapshotInfo\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstash.v1.Tier\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\"\xe1\x03\n\nCacheStats\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x02 \x01(\x04\x12\x18\n\x10memory_snapshots\x18\x03 \x01(\r\x12\x12\n\ndisk_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64isk_snapshots\x18\x06 \x01(\r\x12\x14\n\x0cpinned_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\x10\n\x08num_puts\x18\t \x01(\x04\x12\x10\n\x08num_gets\x18\n \x01(\x04\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x04\x12\x17\n\x0fnum_failed_puts\x18\x0c \x01(\x04\x12\x15\n\rnum_evictions\x18\r \x01(\x04\x12\x12\n\nnum_spills\x18\x0e \x01(\x04\x12\x13\n\x0bnum_expired\x18\x0f \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x10 \x01(\x04\x12\x11\n\tbytes_out\x18\x11 \x01(\x04\x12\x12\n\nfree_bytes\x18\x12 \x01(\x04\x12\x14\n\x0cnum_consumed\x18\x13 \x01(\x04\x12\x17\n\x0fnum_shared_puts\x18\x14 \x01(\x04\x12\x17\n\x0fnum_shared_gets\x18\x15 \x01(\x04\"\x11\n\x0fGetArenaRequest\"?\n\tArenaInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x61rena_id\x18\x03 \x01(\t\":\n\x06\x45xtent\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"$\n\x0fSharedPutCommit\x12\x11\n\tchecksums\x18\x01 \x03(\x04\"w\n\x10PutSharedRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeaderH\x00\x12-\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1b.kvstash.v1.SharedPutCommitH\x00\x42\x06\n\x04kind\"k\n\x11PutSharedResponse\x12$\n\x06\x65xtent\x18\x01 \x01(\x0b\x32\x12.kvstash.v1.ExtentH\x00\x12(\n\x04info\x18\x02 \x01(\x0b\x32\x18.kvstash.v1.SnapshotInfoH\x00\x42\x06\n\x04kind\"\x0f\n\rSharedGetDone\"u\n\x10GetSharedRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kvstash.v1.GetSnapshotRequestH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.kvstash.v1.SharedGetDoneH\x00\x42\x06\n\x04kind\"v\n\x11GetSharedResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.kvstash.v1.SnapshotHeader\x12\"\n\x06\x65xtent\x18\x02 \x01(\x0b\x32\x12.kvstash.v1.Extent\x12\x11\n\tchecksums\x18\x03 \x03(\x04*W\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x01*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_MEMORY\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xc4\x05\n\x07KVCache\x12P\n\x0bPutSnapshot\x12\x1e.kvstash.v1.PutSnapshotRequest\x1a\x1f.kvstash.v1.PutSnapshotResponse(\x01\x12P\n\x0bGetSnapshot\x12\x1e.kvstash.v1.GetSnapshotRequest\x1a\x1f.kvstash.v1.GetSnapshotResponse0\x01\x12W\n\x0e\x44\x65leteSnapshot\x12!.kvstash.v1.DeleteSnapshotRequest\x1a\".kvstash.v1.DeleteSnapshotResponse\x12I\n\x0cStatSnapshot\x12\x1f.kvstash.v1.StatSnapshotRequest\x1a\x18.kvstash.v1.SnapshotInfo\x12T\n\rFindSnapshots\x12 .kvstash.v1.FindSnapshotsRequest\x1a!.kvstash.v1.FindSnapshotsResponse\x12?\n\x08GetStats\x12\x1b.kvstash.v1.GetStatsRequest\x1a\x16.kvstash.v1.CacheStats\x12>\n\x08GetArena\x12\x1b.kvstash.v1.GetArenaRequest\x1a\x15.kvstash.v1.ArenaInfo\x12L\n\tPutShared\x12\x1c.kvstash.v1.PutSharedRequest\x1a\x1d.kvstash.v1.PutSharedResponse(\x01\x30\x01\x12L\n\tGetShared\x12\x1c.kvstash.v1.GetSharedRequest\x1a\x1d.kvstash.v1.GetSharedResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstash.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKSUMALGORITHM']._serialized_start=2118
-  _globals['_CHECKSUMALGORITHM']._serialized_end=2205
-  _globals['_TIER']._serialized_start=2207
-  _globals['_TIER']._serialized_end=2267
+  _globals['_CHECKSUMALGORITHM']._serialized_start=2222
+  _globals['_CHECKSUMALGORITHM']._serialized_end=2309
+  _globals['_TIER']._serialized_start=2311
+  _globals['_TIER']._serialized_end=2371
   _globals['_SNAPSHOTHEADER']._serialized_start=64
   _globals['_SNAPSHOTHEADER']._serialized_end=311
   _globals['_CHUNK']._serialized_start=313
@@ -54,28 +54,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=808
   _globals['_STATSNAPSHOTREQUEST']._serialized_start=810
   _globals['_STATSNAPSHOTREQUEST']._serialized_end=852
-  _globals['_SNAPSHOTINFO']._serialized_start=854
-  _globals['_SNAPSHOTINFO']._serialized_end=964
-  _globals['_CACHESTATS']._serialized_start=967
-  _globals['_CACHESTATS']._serialized_end=1448
-  _globals['_GETARENAREQUEST']._serialized_start=1450
-  _globals['_GETARENAREQUEST']._serialized_end=1467
-  _globals['_ARENAINFO']._serialized_start=1469
-  _globals['_ARENAINFO']._serialized_end=1532
-  _globals['_EXTENT']._serialized_start=1534
-  _globals['_EXTENT']._serialized_end=1592
-  _globals['_SHAREDPUTCOMMIT']._serialized_start=1594
-  _globals['_SHAREDPUTCOMMIT']._serialized_end=1630
-  _globals['_PUTSHAREDREQUEST']._serialized_start=1632
-  _globals['_PUTSHAREDREQUEST']._serialized_end=1751
-  _globals['_PUTSHAREDRESPONSE']._serialized_start=1753
-  _globals['_PUTSHAREDRESPONSE']._serialized_end=1860
-  _globals['_SHAREDGETDONE']._serialized_start=1862
-  _globals['_SHAREDGETDONE']._serialized_end=1877
-  _globals['_GETSHAREDREQUEST']._serialized_start=1879
-  _globals['_GETSHAREDREQUEST']._serialized_end=1996
-  _globals['_GETSHAREDRESPONSE']._serialized_start=1998
-  _globals['_GETSHAREDRESPONSE']._serialized_end=2116
-  _globals['_KVCACHE']._serialized_start=2270
-  _globals['_KVCACHE']._serialized_end=2892
+  _globals['_FINDSNAPSHOTSREQUEST']._serialized_start=854
+  _globals['_FINDSNAPSHOTSREQUEST']._serialized_end=898
+  _globals['_FINDSNAPSHOTSRESPONSE']._serialized_start=900
+  _globals['_FINDSNAPSHOTSRESPONSE']._serialized_end=956
+  _globals['_SNAPSHOTINFO']._serialized_start=958
+  _globals['_SNAPSHOTINFO']._serialized_end=1068
+  _globals['_CACHESTATS']._serialized_start=1071
+  _globals['_CACHESTATS']._serialized_end=1552
+  _globals['_GETARENAREQUEST']._serialized_start=1554
+  _globals['_GETARENAREQUEST']._serialized_end=1571
+  _globals['_ARENAINFO']._serialized_start=1573
+  _globals['_ARENAINFO']._serialized_end=1636
+  _globals['_EXTENT']._serialized_start=1638
+  _globals['_EXTENT']._serialized_end=1696
+  _globals['_SHAREDPUTCOMMIT']._serialized_start=1698
+  _globals['_SHAREDPUTCOMMIT']._serialized_end=1734
+  _globals['_PUTSHAREDREQUEST']._serialized_start=1736
+  _globals['_PUTSHAREDREQUEST']._serialized_end=1855
+  _globals['_PUTSHAREDRESPONSE']._serialized_start=1857
+  _globals['_PUTSHAREDRESPONSE']._serialized_end=1964
+  _globals['_SHAREDGETDONE']._serialized_start=1966
+  _globals['_SHAREDGETDONE']._serialized_end=1981
+  _globals['_GETSHAREDREQUEST']._serialized_start=1983
+  _globals['_GETSHAREDREQUEST']._serialized_end=2100
+  _globals['_GETSHAREDRESPONSE']._serialized_start=2102
+  _globals['_GETSHAREDRESPONSE']._serialized_end=2220
+  _globals['_KVCACHE']._serialized_start=2374
+  _globals['_KVCACHE']._serialized_end=3082
 # @@protoc_insertion_point(module_scope)

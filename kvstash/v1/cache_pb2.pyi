@@ -291,6 +291,52 @@ class StatSnapshotRequest(_message.Message):
 Global___StatSnapshotRequest: _TypeAlias = StatSnapshotRequest  # noqa: Y015
 
 @_typing.final
+class FindSnapshotsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """1-4096 ids, each as for SnapshotHeader; INVALID_ARGUMENT otherwise."""
+
+    def __init__(
+        self,
+        *,
+        snapshot_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot_ids", b"snapshot_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindSnapshotsRequest: _TypeAlias = FindSnapshotsRequest  # noqa: Y015
+
+@_typing.final
+class FindSnapshotsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
+        """One per id asked, in order: where it is stored; TIER_UNSPECIFIED where
+        it is not (or only being put).
+        """
+
+    def __init__(
+        self,
+        *,
+        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindSnapshotsResponse: _TypeAlias = FindSnapshotsResponse  # noqa: Y015
+
+@_typing.final
 class SnapshotInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -57,6 +57,11 @@ class KVCacheStub:
                 request_serializer=kvstash_dot_v1_dot_cache__pb2.StatSnapshotRequest.SerializeToString,
                 response_deserializer=kvstash_dot_v1_dot_cache__pb2.SnapshotInfo.FromString,
                 _registered_method=True)
+        self.FindSnapshots = channel.unary_unary(
+                '/kvstash.v1.KVCache/FindSnapshots',
+                request_serializer=kvstash_dot_v1_dot_cache__pb2.FindSnapshotsRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_cache__pb2.FindSnapshotsResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvstash.v1.KVCache/GetStats',
                 request_serializer=kvstash_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
@@ -124,6 +129,16 @@ class KVCacheServicer:
 
     def StatSnapshot(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindSnapshots(self, request, context):
+        """Which of the given snapshots are stored, and in which tier, in one call:
+        how a scheduler learns, before it sends or reads anything, which
+        segments of a prompt's prefix the cache holds (the prefix tier). Touches
+        nothing: a snapshot found is neither refreshed nor held for a read.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -197,6 +212,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.StatSnapshot,
                     request_deserializer=kvstash_dot_v1_dot_cache__pb2.StatSnapshotRequest.FromString,
                     response_serializer=kvstash_dot_v1_dot_cache__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'FindSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindSnapshots,
+                    request_deserializer=kvstash_dot_v1_dot_cache__pb2.FindSnapshotsRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_cache__pb2.FindSnapshotsResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -329,6 +349,33 @@ class KVCache:
             '/kvstash.v1.KVCache/StatSnapshot',
             kvstash_dot_v1_dot_cache__pb2.StatSnapshotRequest.SerializeToString,
             kvstash_dot_v1_dot_cache__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.KVCache/FindSnapshots',
+            kvstash_dot_v1_dot_cache__pb2.FindSnapshotsRequest.SerializeToString,
+            kvstash_dot_v1_dot_cache__pb2.FindSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

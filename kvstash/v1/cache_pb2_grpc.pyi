@@ -62,6 +62,12 @@ class KVCacheStub:
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_cache_pb2.DeleteSnapshotRequest, _cache_pb2.DeleteSnapshotResponse]
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _grpc.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]
+    FindSnapshots: _grpc.UnaryUnaryMultiCallable[_cache_pb2.FindSnapshotsRequest, _cache_pb2.FindSnapshotsResponse]
+    """Which of the given snapshots are stored, and in which tier, in one call:
+    how a scheduler learns, before it sends or reads anything, which
+    segments of a prompt's prefix the cache holds (the prefix tier). Touches
+    nothing: a snapshot found is neither refreshed nor held for a read.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]
     GetArena: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]
     """The co-located path. A cache started with an arena directory keeps its
@@ -126,6 +132,12 @@ class KVCacheAsyncStub(KVCacheStub):
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_cache_pb2.DeleteSnapshotRequest, _cache_pb2.DeleteSnapshotResponse]  # type: ignore[assignment]
     """NOT_FOUND if the id is unknown."""
     StatSnapshot: _aio.UnaryUnaryMultiCallable[_cache_pb2.StatSnapshotRequest, _cache_pb2.SnapshotInfo]  # type: ignore[assignment]
+    FindSnapshots: _aio.UnaryUnaryMultiCallable[_cache_pb2.FindSnapshotsRequest, _cache_pb2.FindSnapshotsResponse]  # type: ignore[assignment]
+    """Which of the given snapshots are stored, and in which tier, in one call:
+    how a scheduler learns, before it sends or reads anything, which
+    segments of a prompt's prefix the cache holds (the prefix tier). Touches
+    nothing: a snapshot found is neither refreshed nor held for a read.
+    """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]  # type: ignore[assignment]
     GetArena: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]  # type: ignore[assignment]
     """The co-located path. A cache started with an arena directory keeps its
@@ -211,6 +223,18 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         request: _cache_pb2.StatSnapshotRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.SnapshotInfo, _abc.Awaitable[_cache_pb2.SnapshotInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def FindSnapshots(
+        self,
+        request: _cache_pb2.FindSnapshotsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.FindSnapshotsResponse, _abc.Awaitable[_cache_pb2.FindSnapshotsResponse]]:
+        """Which of the given snapshots are stored, and in which tier, in one call:
+        how a scheduler learns, before it sends or reads anything, which
+        segments of a prompt's prefix the cache holds (the prefix tier). Touches
+        nothing: a snapshot found is neither refreshed nor held for a read.
+        """
 
     @_abc_1.abstractmethod
     def GetStats(

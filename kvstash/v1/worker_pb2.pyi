@@ -225,10 +225,17 @@ class OffloadRequest(_message.Message):
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    SHARED_PREFIX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     snapshot_id: _builtins.str
     num_tokens: _builtins.int
     """tokens whose KV the blocks hold"""
+    shared_prefix: _builtins.bool
+    """The blocks are a segment of a prompt prefix (the prefix tier), whose id
+    names its content: the cache keeps it unpinned (evicted least recently
+    used under pressure), and an id the cache already holds is a success
+    with num_bytes 0 (the same content was stored first by someone else).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """in block-table order"""
@@ -240,10 +247,11 @@ class OffloadRequest(_message.Message):
         snapshot_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_tokens: _builtins.int = ...,
+        shared_prefix: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens", "request_id", b"request_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens", "request_id", b"request_id", "shared_prefix", b"shared_prefix", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -270,7 +278,7 @@ Global___OffloadResponse: _TypeAlias = OffloadResponse  # noqa: Y015
 
 @_typing.final
 class RestoreRequest(_message.Message):
-    """The snapshot is always read with consume set (cache.proto
+    """Unless `keep` is set, the snapshot is read with consume set (cache.proto
     GetSnapshotRequest): once the cache has sent its last chunk it is gone from
     the cache, even if the restore then fails (its layout or size does not
     match this request). A restore that ends before that leaves it there.
@@ -281,8 +289,13 @@ class RestoreRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     snapshot_id: _builtins.str
+    keep: _builtins.bool
+    """A prefix-tier segment (OffloadRequest.shared_prefix): read without
+    consuming it, as other requests and instances read it too.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """destination blocks, as many as the snapshot holds"""
@@ -293,10 +306,11 @@ class RestoreRequest(_message.Message):
         request_id: _builtins.str = ...,
         snapshot_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        keep: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "request_id", b"request_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "keep", b"keep", "request_id", b"request_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

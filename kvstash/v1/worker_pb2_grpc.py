@@ -100,7 +100,8 @@ class WorkerServicer:
 
     def Restore(self, request, context):
         """Reads a snapshot from the cache service into the given (fresh) blocks.
-        The read consumes it: the cache deletes it once it has sent it all.
+        The read consumes it (the cache deletes it once it has sent it all),
+        unless `keep` is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,7 +57,8 @@ class WorkerStub:
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]
     """Reads a snapshot from the cache service into the given (fresh) blocks.
-    The read consumes it: the cache deletes it once it has sent it all.
+    The read consumes it (the cache deletes it once it has sent it all),
+    unless `keep` is set.
     """
 
 @_typing.type_check_only
@@ -89,7 +90,8 @@ class WorkerAsyncStub(WorkerStub):
     """
     Restore: _aio.UnaryUnaryMultiCallable[_worker_pb2.RestoreRequest, _worker_pb2.RestoreResponse]  # type: ignore[assignment]
     """Reads a snapshot from the cache service into the given (fresh) blocks.
-    The read consumes it: the cache deletes it once it has sent it all.
+    The read consumes it (the cache deletes it once it has sent it all),
+    unless `keep` is set.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -142,7 +144,8 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.RestoreResponse, _abc.Awaitable[_worker_pb2.RestoreResponse]]:
         """Reads a snapshot from the cache service into the given (fresh) blocks.
-        The read consumes it: the cache deletes it once it has sent it all.
+        The read consumes it (the cache deletes it once it has sent it all),
+        unless `keep` is set.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -10,6 +10,7 @@ engine drives it, and the gRPC edges convert to and from its dataclasses.
     preemption.py  victims, offload or recompute, resume order (policy)
     costs.py       offload + restore vs recompute seconds, fitted to measurements
     admission.py   chunked prefill and admission under budget and reservation
+    prefix_tier.py prompt segments kept in the cache service for every instance
     reservation.py blocks kept back for running decodes (new_token_ratio)
     kv_manager.py  per-request block tables, prefix caching
     block_pool.py  block ids, refcounts, hashes

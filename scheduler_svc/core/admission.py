@@ -11,7 +11,7 @@
 
                reserved = reserved_blocks(running decodes)
                         + reserved_blocks(prefills whose next chunk is their last)
-                        + reserved_blocks(requests resuming)
+                        + reserved_blocks(requests resuming or loading)
                         + reserved_blocks(requests RESERVED for a prefill instance)
 
 A P/D decode instance accepts a reservation under the same rule
@@ -19,7 +19,10 @@ A P/D decode instance accepts a reservation under the same rule
 own reserved_blocks.
 
 A request admitted this way never needs another block before it decodes, so
-a prefill is never a preemption victim.
+a prefill is never a preemption victim. With a prefix tier (prefix_tier.py),
+an admitted request whose prompt the tier holds beyond the local prefix cache
+takes its blocks the same way, then waits LOADING for those segments instead
+of computing a chunk this step.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from collections.abc import Callable
 
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.lifecycle import RUNNING_PREFILL, Lifecycle
-from scheduler_svc.core.outputs import ScheduledSeq
+from scheduler_svc.core.outputs import PrefixLoad, ScheduledSeq
+from scheduler_svc.core.prefix_tier import PrefixTier
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.reservation import Reservation
 
@@ -36,18 +40,20 @@ from scheduler_svc.core.reservation import Reservation
 class Admission:
     def __init__(
         self, config: SchedulerConfig, life: Lifecycle, reservation: Reservation,
-        clock: Callable[[], float],
+        clock: Callable[[], float], tier: PrefixTier | None,
     ) -> None:
         self.config = config
         self.life = life
         self.reservation = reservation
         self._clock = clock
+        self._tier = tier
 
     def schedule_prefills(
-        self, budget: int, seqs: list[ScheduledSeq], admit: bool
+        self, budget: int, seqs: list[ScheduledSeq], admit: bool, loads: list[PrefixLoad]
     ) -> tuple[list[Request], int]:
         """Appends prefill chunks to `seqs` (running prefills, then admissions
-        if `admit`); returns the requests scheduled, in order, and the budget left."""
+        if `admit`) and prefix-tier loads of admitted requests to `loads`;
+        returns the requests scheduled, in order, and the budget left."""
         scheduled: list[Request] = []
         for req in self.life.prefilling.values():
             if budget == 0:
@@ -55,7 +61,7 @@ class Admission:
             budget -= self._chunk(req, budget, seqs)
             scheduled.append(req)
         if admit and budget:
-            budget = self._admit(budget, seqs, scheduled)
+            budget = self._admit(budget, seqs, scheduled, loads)
         return scheduled, budget
 
     def blocks_kept_back(self) -> int:
@@ -70,6 +76,7 @@ class Admission:
             + total(r for r in life.prefilling.values()
                     if r.num_tokens - r.num_computed_tokens <= chunk_limit)
             + total(life.resuming.values())
+            + total(life.loading.values())
             + total(life.reserved.values())
         )
 
@@ -82,7 +89,8 @@ class Admission:
         ))
         return end - start
 
-    def _admit(self, budget: int, seqs: list[ScheduledSeq], scheduled: list[Request]) -> int:
+    def _admit(self, budget: int, seqs: list[ScheduledSeq], scheduled: list[Request],
+               loads: list[PrefixLoad]) -> int:
         life = self.life
         waiting = life.waiting
         if not waiting:
@@ -92,20 +100,29 @@ class Admission:
         reserved_blocks = self.reservation.reserved_blocks
         chunk_limit = config.max_num_batched_tokens
         reserved = self.blocks_kept_back()
+        tier = self._tier
         num_running = life.num_running
         while waiting and budget > 0 and num_running < config.max_num_seqs:
             req = waiting[0]
             prefix_block_ids = kv.find_prefix(req)
+            plan = None if tier is None else tier.plan_load(req, len(prefix_block_ids))
+            if plan is not None:  # the local prefix up to the first segment loaded
+                del prefix_block_ids[plan.num_local_blocks:]
             num_new_tokens = req.num_tokens - len(prefix_block_ids) * config.block_size
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved) is None:
                 break
-            life.move(req, RUNNING_PREFILL)
             num_hit_tokens = len(prefix_block_ids) * config.block_size
             life.counters.num_prefix_hit_tokens += num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self._clock()
                 req.num_cached_tokens = num_hit_tokens
             num_running += 1
+            if plan is not None:
+                assert tier is not None
+                loads.append(tier.load(req, plan, life.start_load(req)))
+                reserved += reserved_blocks(req)
+                continue
+            life.move(req, RUNNING_PREFILL)
             if req.num_tokens - req.num_computed_tokens <= chunk_limit:
                 reserved += reserved_blocks(req)
             budget -= self._chunk(req, budget, seqs)

@@ -20,7 +20,7 @@ import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import cast
 
 from kvstash.errors import InvalidArgument
@@ -78,6 +78,10 @@ class BlockPool:
         a waiting request's is looked up again every step)."""
         lookup: Callable[[int], int | None] = self._hash_to_block.get
         return cast(list[int], list(takewhile(_IS_BLOCK, map(lookup, block_hashes))))
+
+    def oldest_evictable(self, num_blocks: int) -> list[int]:
+        """The next `num_blocks` blocks `allocate` would evict, first first."""
+        return list(islice(self._evictable, num_blocks))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free_ids) + len(self._evictable)

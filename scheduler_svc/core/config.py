@@ -26,6 +26,11 @@ class ReservationPolicy(enum.Enum):
     FIXED_BLOCKS = "fixed_blocks"  # fixed_blocks_per_decode blocks
 
 
+class PrefixWrite(enum.Enum):
+    THROUGH = "through"
+    BACK = "back"
+
+
 class Role(enum.Enum):
     """What this instance does in P/D disaggregation (core/pd.py)."""
 
@@ -130,6 +135,15 @@ class SchedulerConfig:
     # Starts every snapshot id, so that schedulers sharing a cache service (or
     # one restarted with its disk tier intact) never reuse each other's ids.
     snapshot_id_prefix: str = field(default_factory=lambda: secrets.token_hex(6))
+    # The prefix tier (prefix_tier.py): blocks per prompt segment kept in the
+    # cache service; 0: no tier. Its salt names the model, dtype and KV layout
+    # (the edge makes it from the worker's info); segments with another salt
+    # are never read.
+    prefix_segment_blocks: int = 0
+    prefix_tier_salt: str = ""
+    # When segments are written: as soon as a prompt is prefilled (through),
+    # or when the pool is about to evict them (back).
+    prefix_write: PrefixWrite = PrefixWrite.THROUGH
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs",
@@ -140,12 +154,15 @@ class SchedulerConfig:
         _check_int("clip_max_new_tokens", self.clip_max_new_tokens, 1)
         _check_int("min_cost_samples", self.min_cost_samples, 1)
         for name in ("fixed_blocks_per_decode", "retract_steps", "bytes_per_block",
-                     "resume_headroom"):
+                     "resume_headroom", "prefix_segment_blocks"):
             _check_int(name, getattr(self, name), 0)
         _check_float("init_new_token_ratio", self.init_new_token_ratio, 1e-9, 1.0)
         _check_float("min_new_token_ratio_factor", self.min_new_token_ratio_factor, 0.0, 1.0)
         _check_float("reservation_timeout_s", self.reservation_timeout_s, 1e-3, 86400.0)
         _check_snapshot_prefix(self.snapshot_id_prefix)
+        if self.prefix_segment_blocks and not self.prefix_tier_salt:
+            raise ValueError("a prefix tier (prefix_segment_blocks > 0) needs a prefix_tier_salt "
+                             "naming the model and KV layout")
         eos = tuple(self.eos_token_ids)
         for token_id in eos:
             _check_int("eos_token_ids entry", token_id, 0)
@@ -157,6 +174,8 @@ class SchedulerConfig:
         object.__setattr__(self, "preemption_mode",
                            _coerce(PreemptionMode, "preemption_mode", self.preemption_mode))
         object.__setattr__(self, "role", _coerce(Role, "role", self.role))
+        object.__setattr__(self, "prefix_write",
+                           _coerce(PrefixWrite, "prefix_write", self.prefix_write))
 
     @property
     def max_servable_len(self) -> int:

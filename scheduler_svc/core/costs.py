@@ -196,6 +196,19 @@ class CostModel:
         x = (1.0, num_blocks)
         return _positive(self.offload.predict(x) + self.restore.predict(x))
 
+    def restore_s(self, num_blocks: int) -> float | None:
+        """Predicted seconds to read `num_blocks` from the cache into blocks."""
+        if self.num_restores < self.min_samples:
+            return None
+        return _positive(self.restore.predict((1.0, num_blocks)))
+
+    def prefill_s(self, start: int, end: int) -> float | None:
+        """Predicted seconds to prefill positions [start, end) after [0, start)."""
+        if self.num_prefill_steps < self.min_samples:
+            return None
+        a, b = self.step.theta[3:]
+        return _positive(a * (end - start) + b * (end * end - start * start))
+
     def recompute_s(self, num_tokens: int) -> float | None:
         """Predicted seconds to prefill positions [0, num_tokens) again."""
         if self.num_prefill_steps < self.min_samples:

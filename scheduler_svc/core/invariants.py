@@ -3,7 +3,8 @@
 The table in lifecycle.py, checked: every held request sits in exactly one
 queue, whose name fixes its status and what it may hold (blocks, snapshot);
 every copy in flight belongs to a request in offloading, resuming or
-handing_off, or to an aborted request that is in no queue. P/D (pd.py): only
+handing_off, every prefix-tier load to one in loading, or either to an
+aborted request that is in no queue. P/D (pd.py): only
 a DECODE scheduler holds RESERVED requests, only a PREFILL one hands off, and
 the requests its manager is to hand off are live and not yet handed off.
 """
@@ -17,6 +18,7 @@ from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.pd import PdManager
+from scheduler_svc.core.prefix_tier import PrefixTier
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.reservation import Reservation
 
@@ -27,6 +29,7 @@ _ALLOWED = {
     "offloading": {RequestStatus.OFFLOADING},
     "offloaded": {RequestStatus.OFFLOADED},
     "resuming": {RequestStatus.RESUMING},
+    "loading": {RequestStatus.LOADING},
     "reserved": {RequestStatus.RESERVED},
     "handing_off": {RequestStatus.HANDING_OFF},
     "handed_off": {RequestStatus.HANDED_OFF},
@@ -36,14 +39,17 @@ _WITH_SNAPSHOT = (*_COPYING, "offloaded", "handed_off")
 
 
 def check_scheduler(
-    config: SchedulerConfig, life: Lifecycle, reservation: Reservation, pd: PdManager | None
+    config: SchedulerConfig, life: Lifecycle, reservation: Reservation, pd: PdManager | None,
+    tier: PrefixTier | None,
 ) -> None:
     """Every invariant of a scheduler's state; raises IntegrityError naming the first broken."""
     check_requests(config, queues_of(life), life.requests, life.copies)
+    check_loads(life)
     check_pd(config.role, life, pd)
     holders = chain(life.prefilling.values(), life.decoding.values(), life.reserved.values(),
-                    life.copies.values())
-    life.kv.pool.check_integrity(r.block_ids for r in holders)
+                    life.copies.values(), life.loads.values())
+    saves = () if tier is None else tier.saves.values()
+    life.kv.pool.check_integrity(chain((r.block_ids for r in holders), saves))
     ratio = reservation.new_token_ratio
     if not 0 <= ratio <= config.init_new_token_ratio:
         raise IntegrityError(f"new_token_ratio {ratio} outside [0, init]")
@@ -58,10 +64,25 @@ def queues_of(life: Lifecycle) -> dict[str, list[Request]]:
         "waiting": list(life.waiting), "prefilling": list(life.prefilling.values()),
         "decoding": list(life.decoding.values()),
         "offloading": list(life.offloading.values()), "offloaded": list(life.offloaded),
-        "resuming": list(life.resuming.values()), "reserved": list(life.reserved.values()),
+        "resuming": list(life.resuming.values()), "loading": list(life.loading.values()),
+        "reserved": list(life.reserved.values()),
         "handing_off": list(life.handing_off.values()),
         "handed_off": list(life.handed_off.values()),
     }
+
+
+def check_loads(life: Lifecycle) -> None:
+    """Every LOADING request has one load in flight; every load belongs to a
+    LOADING request or an aborted one."""
+    loading = {id(r) for r in life.loading.values()}
+    for load_id, req in life.loads.items():
+        if id(req) not in loading and req.status is not RequestStatus.FINISHED_ABORTED:
+            raise IntegrityError(f"load {load_id} belongs to request {req.request_id} "
+                                 f"with status {req.status.value}")
+    num_live = sum(1 for r in life.loads.values() if not r.status.is_finished)
+    if num_live != len(life.loading):
+        raise IntegrityError(f"{num_live} live loads in flight, {len(life.loading)} requests "
+                             "loading")
 
 
 def check_pd(role: Role, life: Lifecycle, pd: PdManager | None) -> None:
@@ -148,11 +169,11 @@ def _check_request(config: SchedulerConfig, queue: str, req: Request) -> None:
         raise IntegrityError(f"request {rid} in {queue} holds {num_blocks} blocks")
     if queue == "waiting" and num_computed:
         raise IntegrityError(f"waiting request {rid} has {num_computed} computed tokens")
-    if queue == "prefilling" and (
+    if queue in ("prefilling", "loading") and (
         not num_computed < req.num_tokens or num_blocks != blocks_for(req.num_tokens)
     ):
         raise IntegrityError(
-            f"prefilling request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
+            f"{queue} request {rid}: {num_computed} of {req.num_tokens} tokens computed, "
             f"{num_blocks} blocks"
         )
     if queue == "reserved" and (

@@ -24,7 +24,7 @@ from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.kv_events import BlockStored
 from scheduler_svc.core.request import Request
 
-_ROOT_HASH = 0
+ROOT_HASH = 0
 
 
 def chain_hashes(parent_hash: int, token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -57,7 +57,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         have, size = len(hashes), self.block_size
         if have < num_blocks:
-            hashes += chain_hashes(hashes[-1] if hashes else _ROOT_HASH,
+            hashes += chain_hashes(hashes[-1] if hashes else ROOT_HASH,
                                    req.token_ids(have * size, num_blocks * size), size)
         return hashes
 

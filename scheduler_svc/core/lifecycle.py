@@ -11,7 +11,9 @@
        │◀──────────────────────────────────── restore failed ─────┘
 
 P/D disaggregation (pd.py pictures its paths) adds RESERVED on a decode
-instance and HANDING_OFF, HANDED_OFF on a prefill instance; _NEXT holds them all.
+instance and HANDING_OFF, HANDED_OFF on a prefill instance; the prefix tier
+(prefix_tier.py) adds WAITING ──admit──▶ LOADING ──loaded──▶ RUNNING_PREFILL.
+_NEXT holds them all.
 
     any live status ──abort──▶ FINISHED_ABORTED
 
@@ -26,13 +28,16 @@ status names. What a status may hold:
     OFFLOADING       offloading   pinned by its copy               being written
     OFFLOADED        offloaded    none                             yes
     RESUMING         resuming     pinned by its copy               being read
+    LOADING          loading      all of prompt + output, pinned   none (segments being read)
+                                  by its load
     RESERVED         reserved     the prompt's, empty              none
     HANDING_OFF      handing_off  pinned by its copy               being written
     HANDED_OFF       handed_off   none                             yes (read there)
 
-A copy in flight is keyed by its snapshot id and owns the blocks it pins: an
-aborted request leaves every queue at once (its id can be reused), and its
-copy frees the blocks when it lands. invariants.py checks the table.
+A copy in flight is keyed by its snapshot id (a load by its load id) and owns
+the blocks it pins: an aborted request leaves every queue at once (its id can
+be reused), and its copy frees the blocks when it lands. invariants.py checks
+the table.
 
 Why one file over 300 lines: the transition table, the queues and every
 move that frees blocks or writes a snapshot are one rule (one writer, checked
@@ -59,6 +64,7 @@ RUNNING_DECODE = RequestStatus.RUNNING_DECODE
 OFFLOADING = RequestStatus.OFFLOADING
 OFFLOADED = RequestStatus.OFFLOADED
 RESUMING = RequestStatus.RESUMING
+LOADING = RequestStatus.LOADING
 RESERVED = RequestStatus.RESERVED
 HANDING_OFF = RequestStatus.HANDING_OFF
 HANDED_OFF = RequestStatus.HANDED_OFF
@@ -69,7 +75,8 @@ FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _DONE = {FINISHED_STOPPED, FINISHED_LENGTH, FINISHED_ABORTED}
 # The picture above, as data.
 _NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
-    WAITING: frozenset({RUNNING_PREFILL, FINISHED_ABORTED}),
+    WAITING: frozenset({RUNNING_PREFILL, LOADING, FINISHED_ABORTED}),
+    LOADING: frozenset({RUNNING_PREFILL, FINISHED_ABORTED}),
     RUNNING_PREFILL: frozenset({RUNNING_DECODE, FINISHED_ABORTED}),
     RUNNING_DECODE: frozenset({WAITING, OFFLOADING, HANDING_OFF, *_DONE}),
     OFFLOADING: frozenset({WAITING, OFFLOADED, FINISHED_ABORTED}),
@@ -95,17 +102,21 @@ class Lifecycle:
         self.offloading: dict[str, Request] = {}
         self.offloaded: list[Request] = []  # by arrival: older ones resume first
         self.resuming: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
         self.handing_off: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
         # Copies in flight by snapshot id, with the request whose blocks they pin
         # (aborted requests included).
         self.copies: dict[str, Request] = {}
+        # Prefix-tier loads in flight by load id, likewise.
+        self.loads: dict[str, Request] = {}
         self._snapshots_to_delete: list[str] = []
         self._num_snapshots = 0
         self._queues: dict[RequestStatus, dict[str, Request]] = {
             RUNNING_PREFILL: self.prefilling, RUNNING_DECODE: self.decoding,
-            OFFLOADING: self.offloading, RESUMING: self.resuming, RESERVED: self.reserved,
+            OFFLOADING: self.offloading, RESUMING: self.resuming, LOADING: self.loading,
+            RESERVED: self.reserved,
             HANDING_OFF: self.handing_off, HANDED_OFF: self.handed_off,
         }
 
@@ -203,9 +214,7 @@ class Lifecycle:
         `finish_offload` (`finish_handoff`)."""
         num_tokens = req.num_computed_tokens
         num_blocks = self.kv.num_blocks_for(num_tokens)
-        snapshot_id = snapshot_id_for(
-            self.config.snapshot_id_prefix, req.request_id, self._num_snapshots)
-        self._num_snapshots += 1
+        snapshot_id = self._new_id(req)
         req.snapshot = Snapshot(snapshot_id, num_tokens, num_blocks)
         self.move(req, to)
         self.copies[snapshot_id] = req
@@ -260,6 +269,28 @@ class Lifecycle:
         else:
             self.counters.num_restore_failures += 1
             self.recompute(req)
+        return req
+
+    # ------------------------------------------------------ prefix tier
+
+    def start_load(self, req: Request) -> str:
+        """An admitted request (its blocks allocated) waits in LOADING for
+        prefix-tier segments; returns the load's id."""
+        load_id = self._new_id(req)
+        self.move(req, LOADING)
+        self.loads[load_id] = req
+        return load_id
+
+    def finish_load(self, load_id: str, num_tokens: int) -> Request:
+        """`num_tokens` more positions hold KV (loaded): RUNNING_PREFILL for the
+        rest; an aborted request just lets go of its blocks."""
+        req = self.loads.pop(load_id)
+        if req.status is FINISHED_ABORTED:
+            self.kv.free(req)
+            return req
+        req.num_computed_tokens += num_tokens
+        self.kv.cache_full_blocks(req)
+        self.move(req, RUNNING_PREFILL)
         return req
 
     # ------------------------------------------------------------- P/D
@@ -317,6 +348,12 @@ class Lifecycle:
         self.copies[snapshot_id] = req
         return RestoreCommand(req.request_id, snapshot_id, list(req.block_ids))
 
+    def _new_id(self, req: Request) -> str:
+        """A snapshot (or load) id unique to this scheduler."""
+        self._num_snapshots += 1
+        return snapshot_id_for(self.config.snapshot_id_prefix, req.request_id,
+                               self._num_snapshots - 1)
+
     def _take_copy(self, snapshot_id: str, status: RequestStatus) -> Request:
         """The request whose copy (its status says which kind) just landed."""
         req = self.copies.get(snapshot_id)
@@ -342,7 +379,7 @@ class Lifecycle:
     def num_running(self) -> int:
         """Requests that count against max_num_seqs."""
         return (len(self.prefilling) + len(self.decoding) + len(self.resuming)
-                + len(self.reserved))
+                + len(self.loading) + len(self.reserved))
 
     @property
     def num_preempted(self) -> int:
@@ -351,4 +388,5 @@ class Lifecycle:
     @property
     def is_idle(self) -> bool:
         """No request held, no copy in flight, no snapshot left to delete."""
-        return not self.requests and not self.copies and not self._snapshots_to_delete
+        return (not self.requests and not self.copies and not self.loads
+                and not self._snapshots_to_delete)

@@ -28,6 +28,11 @@ class OffloadCommand:
     block_ids: list[int]
     # Positions of KV to keep.
     num_tokens: int
+    # A prefix-tier segment (prefix_tier.py), named by its content: stored
+    # unpinned; one already stored counts as saved. Its blocks are held by the
+    # save, not the request; the engine reports back with
+    # `Scheduler.finish_prefix_save`.
+    shared_prefix: bool = False
 
 
 @dataclass(slots=True)
@@ -44,6 +49,25 @@ class RestoreCommand:
     snapshot_id: str
     # Target blocks, in order (as many as the snapshot holds).
     block_ids: list[int]
+    # Read without consuming: a prefix-tier segment (PrefixLoad).
+    keep: bool = False
+
+
+@dataclass(slots=True)
+class PrefixLoad:
+    """Copy stored segments into a LOADING request's fresh blocks, in order.
+
+    Answered with `Scheduler.finish_prefix_load(load, n)`: the first n
+    segments landed; the request prefills the rest."""
+
+    # The request loading.
+    request_id: str
+    # Keys this load while in flight (Lifecycle.loads).
+    load_id: str
+    # The prompt segment segments[0] is.
+    first_segment: int
+    # One read per segment, in prompt order (RestoreCommand.keep set).
+    segments: list[RestoreCommand]
 
 
 class PreemptReason(enum.Enum):
@@ -95,6 +119,10 @@ class SchedulerOutput:
     num_decodes: int = 0
     # Every request preempted this step, either mode, in the order chosen.
     preempted: list[Preempted] = field(default_factory=list)
+    # Prefix tier (prefix_tier.py): admitted requests' segments to load, and
+    # prefilled prompts' segments to save.
+    prefix_loads: list[PrefixLoad] = field(default_factory=list)
+    prefix_saves: list[OffloadCommand] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -158,6 +186,23 @@ class Counters:
     bytes_handed_off: int = counter("handoff_bytes", "P/D: KV bytes handed to decode instances")
     num_handoff_failures: int = counter(
         "handoff_failures", "P/D: handoffs that failed (the request finished on this instance)")
+    # Prefix tier (prefix_tier.py).
+    num_tier_hit_tokens: int = counter(
+        "prefix_tier_hit_tokens", "Prompt tokens whose KV was loaded from the prefix tier")
+    bytes_tier_loaded: int = counter("prefix_tier_loaded_bytes",
+                                     "KV bytes loaded from the prefix tier")
+    num_tier_load_failures: int = counter(
+        "prefix_tier_load_failures", "Prefix-tier segment loads that failed (prefilled instead)")
+    num_tier_loads_declined: int = counter(
+        "prefix_tier_loads_declined",
+        "Prefix-tier hits prefilled instead: the load was predicted dearer")
+    num_tier_saves: int = counter("prefix_tier_saves",
+                                  "Prompt segments saved to the prefix tier")
+    bytes_tier_saved: int = counter(
+        "prefix_tier_saved_bytes", "KV bytes saved to the prefix tier (0 for a segment "
+        "another instance stored first)")
+    num_tier_save_failures: int = counter("prefix_tier_save_failures",
+                                          "Prompt segment saves that failed")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -185,6 +230,7 @@ class SchedulerStats(Counters):
     cache_available: bool = gauge("1 while the cache service answers; 0: preemptions recompute")
     num_reserved: int = gauge(
         "P/D decode instance: requests holding blocks reserved for their KV")
+    num_loading: int = gauge("Requests loading prompt segments from the prefix tier")
     # HANDING_OFF + HANDED_OFF.
     num_handed_off: int = gauge(
         "P/D prefill instance: requests handing off or decoding elsewhere")

@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
     OFFLOADING = "offloading"  # preempted; its blocks are being copied to the cache
     OFFLOADED = "offloaded"  # preempted; KV lives only in a snapshot
     RESUMING = "resuming"  # snapshot being copied back into fresh blocks
+    # Admitted; prompt segments being copied from the prefix tier into its
+    # blocks, then it prefills the rest.
+    LOADING = "loading"
     # P/D, decode instance: blocks held for a prefill instance's request
     # until its KV arrives (or the reservation expires).
     RESERVED = "reserved"
@@ -106,8 +109,12 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Leading blocks of block_ids registered in the prefix cache (KV manager).
     num_cached_blocks: int = 0
-    # Prompt tokens its first admission found in the prefix cache.
+    # Prompt tokens its first admission found in the prefix cache (the prefix
+    # tier's included).
     num_cached_tokens: int = 0
+    # Leading segments of its prompt the prefix tier held at arrival
+    # (prefix_tier.py); 0 without one.
+    stored_segments: int = 0
     # Re-prefilling positions below this counts as recomputation (set on a
     # recompute preemption to the positions that had KV; 0 otherwise).
     recompute_until: int = 0

@@ -34,12 +34,12 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.common.stats import values
 from kvstash.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from scheduler_svc.core.admission import Admission
-from scheduler_svc.core.config import Role, SchedulerConfig
+from scheduler_svc.core.config import PrefixWrite, Role, SchedulerConfig
 from scheduler_svc.core.costs import CostEstimates
 from scheduler_svc.core.intake import Intake
 from scheduler_svc.core.invariants import check_scheduler
 from scheduler_svc.core.kv_events import KvEvent, KvEventLog
-from scheduler_svc.core.kv_manager import KVCacheManager
+from scheduler_svc.core.kv_manager import ROOT_HASH, KVCacheManager, chain_hashes
 from scheduler_svc.core.lifecycle import (
     FINISHED_LENGTH,
     FINISHED_STOPPED,
@@ -50,6 +50,7 @@ from scheduler_svc.core.lifecycle import (
 from scheduler_svc.core.outputs import (
     Counters,
     OffloadCommand,
+    PrefixLoad,
     RequestUpdate,
     RestoreCommand,
     ScheduledSeq,
@@ -58,6 +59,7 @@ from scheduler_svc.core.outputs import (
 )
 from scheduler_svc.core.pd import PdManager
 from scheduler_svc.core.preemption import Preemption
+from scheduler_svc.core.prefix_tier import PrefixTier
 from scheduler_svc.core.request import Request, RequestUsage
 from scheduler_svc.core.reservation import Reservation
 
@@ -72,7 +74,14 @@ class Scheduler:
         self._counters = Counters()
         self.life = Lifecycle(config, self.kv, self._counters)
         self.preemption = Preemption(config, self.life, self.reservation)
-        self.admission = Admission(config, self.life, self.reservation, clock)
+        # None without one: admission and update() never enter its code.
+        self.tier = None if not config.prefix_segment_blocks else PrefixTier(
+            config.prefix_segment_blocks, config.prefix_tier_salt, self.kv,
+            self.preemption.costs, self._counters,
+            # Write-back keeps as many blocks free as one step may take.
+            write_back_below=(-(-config.max_num_batched_tokens // config.block_size)
+                              if config.prefix_write is PrefixWrite.BACK else 0))
+        self.admission = Admission(config, self.life, self.reservation, clock, self.tier)
         self.intake = Intake(config, self.life.requests, clock)
         # None on a MIXED instance: every hook call below is skipped.
         self._pd = None if config.role is Role.MIXED else PdManager(
@@ -100,11 +109,13 @@ class Scheduler:
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        *, handoff: bool = False,
+        *, handoff: bool = False, stored_segments: int = 0,
     ) -> Request:
         """A new request, WAITING. `handoff` (PREFILL instance only, else
         FailedPrecondition): a decode instance reserved blocks for it; once
-        prefilled it goes there (PdManager.hand_off_once_prefilled)."""
+        prefilled it goes there (PdManager.hand_off_once_prefilled).
+        `stored_segments`: the leading segments of its prompt the prefix tier
+        holds (`prefix_segment_ids`, asked of the cache)."""
         self.check_request(request_id, prompt_token_ids, sampling)
         pd = self.pd if handoff else None
         if pd is not None:
@@ -114,10 +125,20 @@ class Scheduler:
                 f"request {request_id}: the waiting queue is full ({len(self.life.waiting)} "
                 f"requests, max_num_waiting {self.config.max_num_waiting}); retry later")
         req = self.intake.create(request_id, prompt_token_ids, sampling)
+        if self.tier is not None:
+            req.stored_segments = stored_segments
         self.life.add(req)
         if pd is not None:
             pd.hand_off_once_prefilled(req)
         return req
+
+    def prefix_segment_ids(self, prompt_token_ids: Sequence[int]) -> list[str]:
+        """The prefix-tier ids of the prompt's whole segments, in order ([]
+        without a tier)."""
+        if self.tier is None:
+            return []
+        return self.tier.segment_ids(
+            chain_hashes(ROOT_HASH, prompt_token_ids, self.config.block_size))
 
     def get_request(self, request_id: str) -> Request | None:
         return self.life.requests.get(request_id)
@@ -130,6 +151,8 @@ class Scheduler:
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id)
         self.reservation.on_step(idle=not life.requests)
+        if self.tier is not None:  # before this step's allocations evict anything
+            self.tier.write_back()
         if self._pd is not None:
             self._pd.on_schedule(out)
         out.preempted, out.offloads = self.preemption.preempt_for_decodes()
@@ -145,8 +168,10 @@ class Scheduler:
         # Preempted requests come back before anything new is admitted.
         admit = not victims and not life.offloaded and not life.offloading
         self._scheduled_prefills, budget = self.admission.schedule_prefills(
-            config.max_num_batched_tokens - len(seqs), seqs, admit)
+            config.max_num_batched_tokens - len(seqs), seqs, admit, out.prefix_loads)
         out.num_scheduled_tokens = config.max_num_batched_tokens - budget
+        if self.tier is not None:
+            out.prefix_saves = self.tier.take_saves()
         return out
 
     def _schedule_decodes(self, seqs: list[ScheduledSeq]) -> None:
@@ -217,6 +242,9 @@ class Scheduler:
                 req.first_token_time = self._clock()
                 self._counters.num_prompt_tokens += req.num_prompt_tokens
             completed.append(req)
+        if completed and self.tier is not None:
+            for req in completed:
+                self.tier.on_prefilled(req)
         if completed and self._pd is not None:
             self._pd.on_prefilled(completed)
         updates: list[RequestUpdate] = []
@@ -286,6 +314,25 @@ class Scheduler:
         if num_bytes is not None and seconds is not None:
             self.preemption.costs.observe_restore(len(cmd.block_ids), seconds)
 
+    def finish_prefix_load(
+        self, load: PrefixLoad, num_loaded: int, num_bytes: int, seconds: float | None = None
+    ) -> None:
+        """The first `num_loaded` segments of `load` (num_bytes) are in the
+        request's blocks; it prefills the rest. `seconds`, the whole load's
+        duration when every segment landed, teaches the cost model."""
+        if not 0 <= num_loaded <= len(load.segments):
+            raise InvalidArgument(f"{num_loaded} of {len(load.segments)} segments loaded")
+        assert self.tier is not None, "only a scheduler with a prefix tier loads segments"
+        num_tokens = self.tier.tokens_of(load.segments[:num_loaded])
+        self.tier.finish_load(self.life.finish_load(load.load_id, num_tokens), load,
+                              num_loaded, num_bytes, seconds)
+
+    def finish_prefix_save(self, cmd: OffloadCommand, num_bytes: int | None) -> None:
+        """A prefix-tier segment is stored (num_bytes; 0 where another
+        instance stored it first) or its save failed (None)."""
+        assert self.tier is not None, "only a scheduler with a prefix tier saves segments"
+        self.tier.finish_save(cmd, num_bytes)
+
     # ------------------------------------------------------------- measures
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
@@ -310,12 +357,14 @@ class Scheduler:
         the next worker."""
         life = self.life
         return [*life.prefilling, *life.decoding, *life.offloading, *life.resuming,
-                *life.handing_off]
+                *life.loading, *life.handing_off]
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix: the worker's KV tensor was lost (it
-        restarted), so no cached block holds what its hash says. Returns the
-        blocks freed."""
+        restarted), so no cached block holds what its hash says, and no
+        segment save not yet sent may read them. Returns the blocks freed."""
+        if self.tier is not None:
+            self.tier.forget_blocks()
         return self.kv.pool.reset_prefix_cache()
 
     def record_kv_events(self) -> None:
@@ -340,7 +389,7 @@ class Scheduler:
     @property
     def is_idle(self) -> bool:
         """Nothing to schedule and nothing in flight: no request of any kind held."""
-        return self.life.is_idle
+        return self.life.is_idle and (self.tier is None or not self.tier.saves)
 
     def cost_estimates(self) -> CostEstimates:
         """What the cost model learned so far (preemption.py, costs.py)."""
@@ -364,6 +413,7 @@ class Scheduler:
             new_token_ratio=self.reservation.new_token_ratio,
             cache_available=self.preemption.cache_available,
             num_reserved=len(life.reserved),
+            num_loading=len(life.loading),
             num_handed_off=len(life.handing_off) + len(life.handed_off),
         )
 
@@ -371,4 +421,4 @@ class Scheduler:
         """Raises IntegrityError naming the first broken invariant (invariants.py).
 
         O(pool + requests): call it in tests and when idle, not every step."""
-        check_scheduler(self.config, self.life, self.reservation, self._pd)
+        check_scheduler(self.config, self.life, self.reservation, self._pd, self.tier)

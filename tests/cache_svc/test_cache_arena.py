@@ -229,7 +229,7 @@ async def test_snapshot_on_disk_falls_back_to_streaming(start_cache, tmp_path) -
 
 async def test_fragmented_arena_evicts_until_one_range_fits(start_cache, tmp_path) -> None:
     running = await start_cache(arena_dir=tmp_path / "arena", memory_budget_bytes=8 * MIB,
-                                disk_dir=None, disk_budget_bytes=0)
+                                disk_dir=None, disk_budget_bytes=0, unpinned_share=1.0)
     client = running.client
     sizes = {"a": 96, "b": 64, "c": 96}  # blocks of 32 KiB: 3 + 2 + 3 MiB, the whole arena
     for name, blocks in sizes.items():

@@ -39,7 +39,8 @@ async def test_a_reader_that_stops_reading_is_let_go(start_cache) -> None:
     # No disk: the new put fits only once "big" is evicted, which its reader
     # prevents while it holds it.
     running = await start_cache(memory_budget_bytes=64 * MIB, disk_dir=None,
-                                disk_budget_bytes=0, get_idle_s=0.5, reserve_wait_s=3.0)
+                                disk_budget_bytes=0, get_idle_s=0.5, reserve_wait_s=3.0,
+                                unpinned_share=1.0)
     data = make_payload(LAYOUT, 1536)  # 48 MiB
     await running.client.put("big", LAYOUT, 1536, 0, data, pinned=False)
     call = running.stub.GetSnapshot(cache_pb2.GetSnapshotRequest(snapshot_id="big"))

@@ -41,7 +41,8 @@ async def test_least_recently_used_spills_first(start_cache) -> None:
 
 
 async def test_unpinned_evicted_lru_when_both_tiers_full(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=8 * MIB)
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=8 * MIB,
+                                unpinned_share=1.0)
     payloads = {name: await put(running, name, pinned=False) for name in "abcd"}
     assert await tiers(running, "a", "b", "c", "d") == [DISK, DISK, MEMORY, MEMORY]
     await running.client.get("a")  # LRU order now b, c, d, a
@@ -141,3 +142,59 @@ async def test_sweeper_expires_on_its_own(start_cache) -> None:
     await wait_until(expired, "the sweeper expires the idle snapshot")
     with pytest.raises(errors.NotFound):
         await running.client.stat("idle")
+
+
+async def test_find_answers_where_each_snapshot_is_without_touching_it(start_cache) -> None:
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=16 * MIB)
+    await put(running, "a")
+    await put(running, "b")
+    await put(running, "c")  # a spills
+    found = await running.client.find(["c", "nope", "a", "b"])
+    assert found == [MEMORY, cache_pb2.TIER_UNSPECIFIED, DISK, MEMORY]
+    # Finding b did not make it recent: it is the next to spill.
+    await put(running, "d")
+    assert await running.client.find(["b", "c", "d"]) == [DISK, MEMORY, MEMORY]
+
+
+@pytest.mark.parametrize("ids", [[], ["ok", "../etc"], ["x"] * 4097])
+async def test_find_refuses_bad_ids_and_too_many(start_cache, ids: list[str]) -> None:
+    running = await start_cache()
+    with pytest.raises(errors.InvalidArgument):
+        await running.client.find(ids)
+
+
+@pytest.mark.parametrize("disk", [0, 16 * MIB])
+async def test_an_unpinned_put_never_displaces_a_pinned_snapshot(start_cache, disk: int) -> None:
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=disk,
+                                reserve_wait_s=0.2, **({} if disk else {"disk_dir": None}))
+    await put(running, "p1")
+    await put(running, "p2")
+    with pytest.raises(errors.ResourceExhausted, match="displacing no pinned"):
+        await put(running, "segment", pinned=False)
+    assert await tiers(running, "p1", "p2") == [MEMORY, MEMORY]
+    assert (await running.client.stats()).num_refused == 1
+    running.cache.store.check_integrity()
+
+
+async def test_unpinned_snapshots_stay_within_their_share(start_cache) -> None:
+    running = await start_cache(memory_budget_bytes=16 * MIB, disk_budget_bytes=4 * MIB,
+                                unpinned_share=0.5)
+
+    async def settle(expected: list[int]) -> None:
+        """Until the tiers are `expected` (a spill ends after the put it made room for)."""
+        async def done() -> bool:
+            return await running.client.find(["u1", "u2", "u3", "u4"]) == expected
+
+        await wait_until(done, f"tiers {expected}")
+
+    absent = cache_pb2.TIER_UNSPECIFIED
+    await put(running, "u1", pinned=False)
+    await put(running, "u2", pinned=False)
+    await put(running, "u3", pinned=False)  # over 8 MiB: u1 moves out, to disk
+    await settle([DISK, MEMORY, MEMORY, absent])
+    await put(running, "u4", pinned=False)  # the disk is full: u1 evicted, u2 spilled
+    await settle([absent, DISK, MEMORY, MEMORY])
+    await put(running, "p1")  # pinned ones use the rest of the budget
+    await put(running, "p2")
+    assert await tiers(running, "p1", "p2", "u3", "u4") == [MEMORY] * 4
+    running.cache.store.check_integrity()

@@ -95,6 +95,32 @@ async def test_offloaded_request_resumes_with_identical_tokens(services: Service
     assert out == expected
 
 
+async def test_a_prefix_segment_is_kept_unpinned_read_without_consuming_and_sent_once(
+        services: Services) -> None:
+    stub = services.stub
+    ids = prompt("A system prompt every conversation starts with.")[:16]
+    await run_steps(stub, [[SeqWork("a", ids, 0, [0, 1, 2, 3])]])
+    save = worker_pb2.OffloadRequest(request_id="a", snapshot_id="pfx-0123", block_ids=[0, 1],
+                                     num_tokens=8, shared_prefix=True)
+    assert (await stub.Offload(save)).num_bytes == 2 * 8192
+    assert not (await services.cache.stat("pfx-0123")).header.pinned  # evictable
+    assert (await stub.Offload(save)).num_bytes == 0  # already stored: a success
+    # Two readers, into other blocks; the segment stays for the next.
+    for target in ([10, 11], [20, 21]):
+        read = worker_pb2.RestoreRequest(request_id="b", snapshot_id="pfx-0123",
+                                         block_ids=target, keep=True)
+        assert (await stub.Restore(read)).num_bytes == 2 * 8192
+    assert (await services.cache.stats()).num_consumed == 0
+    # The blocks read back hold what the prefill wrote: decoding from either
+    # table gives the same tokens as from the original.
+    tokens = []
+    for table in ([0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]):
+        if table[2] != 2:
+            await run_steps(stub, [[SeqWork("b", ids[8:], 8, table)]])
+        tokens.append((await run_steps(stub, [[SeqWork("b", ids[-1:], 15, table, True)]]))[0])
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 async def test_cache_side_errors_keep_their_codes(services: Services) -> None:
     stub = services.stub
     request = worker_pb2.OffloadRequest(request_id="r", snapshot_id="dup", block_ids=[0, 1],

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import render, render_error
+from chart_helpers import env, render, render_error
 
 SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"colour": "blue"}, "Additional property colour is not allowed"),
@@ -15,6 +15,9 @@ SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"worker": {"gpu": {"count": "one"}}}, "worker.gpu.count: Invalid type. Expected: integer"),
     ({"instances": {"replicas": 1.5}}, "instances.replicas: Invalid type. Expected: integer"),
     ({"cache": {"memoryBudget": "8GB"}}, "cache.memoryBudget: Does not match pattern"),
+    ({"cache": {"prefixTier": {"memoryShare": 0}}}, "cache.prefixTier.memoryShare"),
+    ({"cache": {"prefixTier": {"segmentTokens": -16}}}, "cache.prefixTier.segmentTokens"),
+    ({"cache": {"prefixTier": {"write": "around"}}}, "cache.prefixTier.write"),
     ({"cache": {"mode": "per-node"}}, "cache.mode: cache.mode must be one of the following"),
     ({"worker": {"gpu": {"count": -1}}}, "worker.gpu.count: Must be greater than or equal to 0"),
     ({"instances": {"role": "decode"}}, "instances.role: instances.role must be one of"),
@@ -226,3 +229,17 @@ def test_memory_limit_is_derived_from_the_budget(tmp_path: Path) -> None:
     assert cache["resources"]["requests"]["memory"] == f"{6 * 1024 + 768}Mi"
     arena = next(v for v in pod["volumes"] if v["name"] == "arena")
     assert arena["emptyDir"]["sizeLimit"] == f"{6 * 1024 + 64}Mi"
+
+
+@pytest.mark.parametrize(("tier", "tokens", "write", "share"), [
+    ({}, "256", "through", "0.5"),
+    ({"segmentTokens": 0, "write": "back", "memoryShare": 0.25}, "0", "back", "0.25"),
+])
+def test_the_prefix_tier_reaches_the_scheduler_and_the_cache(
+        tier: dict[str, Any], tokens: str, write: str, share: str, tmp_path: Path) -> None:
+    docs = render({"cache": {"prefixTier": tier}} if tier else {}, tmp_path)
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    containers = {c["name"]: env(c) for c in pod["containers"]}
+    assert containers["scheduler"]["KVSTASH_SCHEDULER_PREFIX_SEGMENT_TOKENS"] == tokens
+    assert containers["scheduler"]["KVSTASH_SCHEDULER_PREFIX_WRITE"] == write
+    assert containers["cache"]["KVSTASH_CACHE_UNPINNED_SHARE"] == share

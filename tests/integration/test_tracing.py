@@ -192,3 +192,31 @@ async def test_one_trace_spans_both_pd_instances(receiver: Receiver, tmp_path: P
         assert [(r.name, r.kind) for r in roots] == [(GENERATE, SERVER)]
         ids = {s.span_id for s in t}
         assert all(not s.parent_span_id or s.parent_span_id in ids for s in t)
+
+
+async def test_a_prompt_from_the_prefix_tier_shows_its_lookup_save_and_load(
+    receiver: Receiver, tmp_path: Path
+) -> None:
+    config = StackConfig(instances=2, scheduler_args=("--prefix-segment-tokens", "32"))
+    prompt = [(7 * j + 3) % 256 for j in range(70)]  # 2 segments
+    with running_stack(config, tmp_path) as stack:
+        first, second = stack.addresses
+        for address in (first, second):
+            async with Client(address) as client:
+                await client.complete(prompt, max_tokens=4, ignore_eos=True)
+                # The first one's saves land before the second one looks.
+                while (await client.stats()).num_tier_saves < 2 and address == first:
+                    await asyncio.sleep(0.05)
+        await asyncio.to_thread(stack.stop)
+    traces: dict[bytes, set[tuple[str, str]]] = defaultdict(set)
+    for s in receiver.spans:
+        traces[s.trace_id].add((s.service, s.name))
+    requests = [t for t in traces.values() if (telemetry.SCHEDULER_SERVICE, GENERATE) in t]
+    assert len(requests) == 2 and len(traces) == 2  # saves and loads join them
+    saved, loaded = sorted(requests, key=lambda t: (telemetry.WORKER_SERVICE, RESTORE) in t)
+    scheduler, worker = telemetry.SCHEDULER_SERVICE, telemetry.WORKER_SERVICE
+    assert {(scheduler, "kvstash.prefix_lookup"), (scheduler, "kvstash.prefix_save"),
+            (worker, OFFLOAD), (telemetry.CACHE_SERVICE, PUT)} <= saved
+    assert {(scheduler, "kvstash.prefix_lookup"), (scheduler, "kvstash.prefix_load"),
+            (worker, RESTORE), (telemetry.CACHE_SERVICE, GET)} <= loaded
+    assert (scheduler, "kvstash.prefix_save") not in loaded

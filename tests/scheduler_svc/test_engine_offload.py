@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,7 +16,7 @@ from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
-from kvstash.launch.processes import Service, start_service
+from kvstash.launch.processes import Service
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.request import RequestStatus
@@ -27,52 +25,12 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import WorkerLink
 from tests.integration.reference import reference_greedy
+from tests.scheduler_svc.engine_services import NUM_BLOCKS, Harness, collect
 
-NUM_BLOCKS = 16
 _DEFAULT_ENGINE = EngineConfig()
 MAX_TOKENS = 96
 PROMPTS = {f"r{i}": [(i * 31 + j * 7 + 3) % 256 for j in range(10 + (i * 13) % 50)]
            for i in range(12)}
-
-
-def start_services(logs: Path) -> tuple[Service, Service]:
-    # 1 MiB/s: a snapshot of a few 64 KiB blocks takes a good fraction of a second.
-    cache = start_service("cache", "cache_svc", [
-        "--listen", "127.0.0.1:0", "--memory-budget", "256MiB", "--bandwidth-limit", "1MiB",
-    ], logs)
-    try:
-        worker = start_service("worker", "gpu_worker", [
-            "--listen", "127.0.0.1:0", "--dtype", "float64", "--num-blocks", str(NUM_BLOCKS),
-            "--cache-address", cache.address,
-        ], logs)
-    except BaseException:
-        cache.stop()
-        raise
-    return cache, worker
-
-
-@pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
-    cache, worker = start_services(tmp_path_factory.mktemp("engine-logs"))
-    yield cache, worker
-    worker.stop()
-    cache.stop()
-
-
-@pytest.fixture
-def own_services(tmp_path: Path) -> Iterator[tuple[Service, Service]]:
-    """A pair for a test that kills one of them."""
-    cache, worker = start_services(tmp_path)
-    yield cache, worker
-    worker.stop()
-    cache.stop()
-
-
-@dataclass(slots=True)
-class Harness:
-    engine: Engine
-    core: Scheduler
-    cache: CacheClient
 
 
 @pytest.fixture
@@ -104,16 +62,6 @@ async def running_engine(cache_service: Service, worker: Service,
 def submit_all(engine: Engine) -> dict[str, RequestStream]:
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return {rid: engine.submit(rid, prompt, sampling) for rid, prompt in PROMPTS.items()}
-
-
-async def collect(stream: RequestStream) -> tuple[list[int], RequestStatus]:
-    tokens: list[int] = []
-    while True:
-        event = await stream.events.get()
-        assert not isinstance(event, Exception), event
-        tokens.extend(event.new_token_ids)
-        if event.finish_status is not None:
-            return tokens, event.finish_status
 
 
 async def wait_for_state(core: Scheduler, status: RequestStatus, timeout_s: float = 60) -> str:

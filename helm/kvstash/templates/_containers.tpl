@@ -12,6 +12,8 @@ the service's real parser, so chart and code cannot drift apart.
 {{- $flags := include "kvstash.serverFlags" (dict "root" $root "port" $s.port "metricsPort" $v.metrics.ports.scheduler) | fromYaml -}}
 {{- $_ := set $flags "worker-address" (printf "127.0.0.1:%d" (int $v.worker.port)) -}}
 {{- $_ := set $flags "cache-address" (include "kvstash.cacheAddress" $root) -}}
+{{- $_ := set $flags "prefix-segment-tokens" (int $v.cache.prefixTier.segmentTokens) -}}
+{{- $_ := set $flags "prefix-write" $v.cache.prefixTier.write -}}
 {{- if $v.auth.enabled -}}
 {{- $_ := set $flags "auth-token-file" (include "kvstash.authTokenFile" $root) -}}
 {{- end -}}
@@ -115,6 +117,7 @@ the service's real parser, so chart and code cannot drift apart.
 {{- $arena := include "kvstash.arena" . | eq "true" -}}
 {{- $flags := include "kvstash.serverFlags" (dict "root" . "port" $c.port "metricsPort" .Values.metrics.ports.cache) | fromYaml -}}
 {{- $_ := set $flags "memory-budget" (printf "%sMiB" (include "kvstash.mib" $c.memoryBudget)) -}}
+{{- $_ := set $flags "unpinned-share" $c.prefixTier.memoryShare -}}
 {{- if $arena -}}
 {{- $_ := set $flags "arena-dir" $c.arena.path -}}
 {{- end -}}

@@ -147,9 +147,9 @@ message naming the keys involved and what to change.
 {{- /* Flags the chart sets itself cannot also come from <component>.flags. */ -}}
 {{- $server := list "listen" "metrics-port" "metrics-host" "tls-cert" "tls-key" "tls-ca" "plaintext" -}}
 {{- $owned := dict
-  "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file" "token-file" "role" "decode-address" "reservation-timeout" "handoff-wait"))
+  "scheduler" (concat $server (list "worker-address" "cache-address" "auth-token-file" "token-file" "role" "decode-address" "reservation-timeout" "handoff-wait" "prefix-segment-tokens" "prefix-write"))
   "worker" (concat $server (list "device" "model" "cache-address" "cache-arena"))
-  "cache" (concat $server (list "memory-budget" "arena-dir" "disk-dir" "disk-budget"))
+  "cache" (concat $server (list "memory-budget" "unpinned-share" "arena-dir" "disk-dir" "disk-budget"))
   "gateway" (include "kvstash.gateway.ownedFlags" . | fromYamlArray) -}}
 {{- range $component, $names := $owned -}}
 {{- range $flag, $_ := (index $v $component).flags -}}

@@ -1,0 +1,241 @@
+"""The prefix tier's fallbacks, the engine against a real worker and a real,
+deliberately slow cache service (1 MiB/s: a 2-block segment takes ~0.13 s),
+the core in the test's event loop: whatever goes wrong with the tier, the
+request prefills instead and its tokens are the model's greedy ones."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common import rpc_connections
+from kvstash.common.sampling import SamplingParams
+from kvstash.launch.processes import Service
+from kvstash.v1 import cache_pb2
+from scheduler_svc.cache_link import CacheLink
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.outputs import OffloadCommand
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.worker_link import WorkerLink
+from tests.integration.reference import reference_greedy
+from tests.scheduler_svc.engine_services import NUM_BLOCKS, Harness, collect, start_services
+
+PROMPT = [(13 * j + 2) % 256 for j in range(70)]  # 2 segments of 32 tokens, and 6
+SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
+EXPECTED = reference_greedy(PROMPT, 8)
+MEMORY, DISK = cache_pb2.TIER_MEMORY, cache_pb2.TIER_DISK
+
+
+@contextlib.asynccontextmanager
+async def tiered_engine(cache_service: Service, worker: Service) -> AsyncIterator[Harness]:
+    core = Scheduler(SchedulerConfig(
+        num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
+        eos_token_ids=(257,), prefix_segment_blocks=2, prefix_tier_salt="tiny|float64"))
+    channel = rpc_connections.insecure_channel(worker.address)
+    cache = CacheClient(cache_service.address)
+    engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache),
+                    EngineConfig(transfer_timeout_s=10))
+    await engine.start()
+    try:
+        yield Harness(engine, core, cache)
+    finally:
+        await engine.close()
+        await cache.close()
+        await channel.close()
+
+
+async def idle(h: Harness) -> None:
+    async def poll() -> None:
+        while not h.core.is_idle:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), 30)
+    h.engine.check_integrity()
+
+
+async def serve_and_forget(h: Harness, request_id: str,
+                           tiers: Sequence[int] = (MEMORY, MEMORY)) -> list[str]:
+    """Serves PROMPT (its segments saved), then empties the local prefix
+    cache, as if the next request came to another instance; the segment ids,
+    once the cache holds them in `tiers`."""
+    tokens, _ = await collect(await h.engine.admit(request_id, PROMPT, SAMPLING))
+    assert tokens == EXPECTED
+    await idle(h)
+    h.engine.flush_prefix_cache()
+    ids = h.core.prefix_segment_ids(PROMPT)
+    for _ in range(500):
+        if await h.cache.find(ids) == list(tiers):
+            return ids
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"segments in {await h.cache.find(ids)}, not {tiers}")
+
+
+async def test_a_segment_gone_between_lookup_and_load_is_prefilled(services) -> None:
+    async with tiered_engine(*services) as h:
+        ids = await serve_and_forget(h, "first")
+        # The lookup found both; the cache drops the second before it is read.
+        await h.cache.delete(ids[1])
+        tokens, _ = await collect(h.engine.submit("second", PROMPT, SAMPLING, 2))
+        assert tokens == EXPECTED
+        await idle(h)
+        stats = h.core.stats()
+        assert (stats.num_tier_hit_tokens, stats.num_tier_load_failures) == (32, 1)
+        # What was prefilled instead is stored again.
+        assert stats.num_tier_saves == 3
+        assert await h.cache.find(ids) == [1, 1]
+
+
+async def test_an_abort_while_loading_lets_go_once_the_load_lands(services) -> None:
+    async with tiered_engine(*services) as h:
+        await serve_and_forget(h, "first")
+        stream = await h.engine.admit("second", PROMPT, SAMPLING)
+        req = h.core.get_request("second")
+        assert req is not None
+
+        async def loading() -> None:
+            while req.status is not RequestStatus.LOADING:
+                await asyncio.sleep(0.002)
+
+        await asyncio.wait_for(loading(), 10)
+        blocks = list(req.block_ids)
+        h.engine.abort("second")
+        _, status = await collect(stream)
+        assert status is RequestStatus.FINISHED_ABORTED
+        assert h.core.kv.pool.ref_cnt(blocks[0]) == 1  # the load still holds them
+        await idle(h)
+        pool = h.core.kv.pool
+        assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
+
+
+async def test_a_cache_that_is_down_leaves_every_prompt_to_prefill(own_services) -> None:
+    cache_service, worker = own_services
+    async with tiered_engine(cache_service, worker) as h:
+        await serve_and_forget(h, "first")
+        cache_service.stop()
+        tokens, _ = await collect(await h.engine.admit("second", PROMPT, SAMPLING))
+        assert tokens == EXPECTED
+        await idle(h)
+        stats = h.core.stats()
+        assert stats.num_tier_hit_tokens == 0 and stats.num_tier_save_failures == 0
+
+
+async def until(condition, what: str, timeout_s: float = 10.0) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.002)
+
+    try:
+        await asyncio.wait_for(poll(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"never: {what}") from None
+
+
+async def test_a_cache_killed_during_a_save_or_a_load_costs_only_the_tier(own_services) -> None:
+    cache_service, worker = own_services
+    async with tiered_engine(cache_service, worker) as h:
+        stream = await h.engine.admit("first", PROMPT, SAMPLING)
+        # At 1 MiB/s a segment's save takes ~0.13 s: the cache dies under it.
+        await until(lambda: h.core.tier.saves, "a save in flight")
+        cache_service.kill()
+        tokens, _ = await collect(stream)
+        assert tokens == EXPECTED
+        await idle(h)
+        assert h.core.stats().num_tier_save_failures >= 1
+        await until(lambda: not h.core.preemption.cache_available, "the cache seen gone")
+        restarted = cache_service.restart()
+        try:
+            await until(lambda: h.core.preemption.cache_available, "the cache seen back")
+            # The failed segments are not remembered as stored: the next
+            # request to prefill the prompt stores them (once the worker's
+            # channel is back too).
+            for attempt in range(20):
+                ids = h.core.prefix_segment_ids(PROMPT)
+                if await h.cache.find(ids) == [MEMORY, MEMORY]:
+                    break
+                tokens, _ = await collect(await h.engine.admit(f"again{attempt}", PROMPT,
+                                                               SAMPLING))
+                assert tokens == EXPECTED
+                await idle(h)
+                h.engine.flush_prefix_cache()
+            else:
+                raise AssertionError("the segments were never stored again")
+            stream = await h.engine.admit("third", PROMPT, SAMPLING)
+            await until(lambda: h.core.stats().num_loading, "a load in flight")
+            restarted.kill()
+            tokens, _ = await collect(stream)
+            assert tokens == EXPECTED
+            await idle(h)
+            assert h.core.stats().num_tier_load_failures == 1
+        finally:
+            restarted.stop()
+
+
+async def worker_reaches_cache(worker: Service) -> None:
+    """Returns once the worker's channel to a restarted cache is back: a
+    throwaway (pinned) offload of one block goes through."""
+    async with rpc_connections.insecure_channel(worker.address) as channel:
+        link = WorkerLink(channel)
+        for attempt in range(100):
+            probe = OffloadCommand("probe", f"probe-{attempt}", [0], 1)
+            if (await link.offload(probe, 5.0)).num_bytes is not None:
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError("the worker never reached the cache again")
+
+
+@contextlib.contextmanager
+def spilling_services(tmp_path: Path) -> Iterator[tuple[Service, Service]]:
+    """A cache whose segments may hold 2% of 8 MiB (one 128 KiB segment): of
+    a prompt's two, the first is spilled to its disk tier."""
+    cache, worker = start_services(tmp_path, (
+        "--memory-budget", "8MiB", "--unpinned-share", "0.02",
+        "--disk-dir", str(tmp_path / "disk"), "--disk-budget", "64MiB"))
+    try:
+        yield cache, worker
+    finally:
+        worker.stop()
+        cache.stop()
+
+
+async def test_a_damaged_segment_is_dropped_prefilled_and_stored_anew(tmp_path: Path) -> None:
+    with spilling_services(tmp_path) as services:
+        async with tiered_engine(*services) as h:
+            ids = await serve_and_forget(h, "first", tiers=[DISK, MEMORY])
+            (path,) = (tmp_path / "disk").glob(ids[0] + "~*")
+            data = bytearray(path.read_bytes())
+            data[-1000] ^= 0x01  # one bit of the payload's end
+            path.write_bytes(bytes(data))
+            tokens, _ = await collect(await h.engine.admit("second", PROMPT, SAMPLING))
+            assert tokens == EXPECTED
+            await idle(h)
+            stats = h.core.stats()
+            assert (stats.num_tier_load_failures, stats.num_tier_hit_tokens) == (1, 0)
+            # Both sent again: the damaged one stored anew, the other found there.
+            assert stats.num_tier_saves == 4
+            h.engine.flush_prefix_cache()
+            tokens, _ = await collect(await h.engine.admit("third", PROMPT, SAMPLING))
+            assert tokens == EXPECTED
+            await idle(h)
+            assert h.core.stats().num_tier_hit_tokens == 64
+
+
+async def test_a_spilled_segment_is_read_after_a_cache_restart(tmp_path: Path) -> None:
+    with spilling_services(tmp_path) as (cache_service, worker):
+        async with tiered_engine(cache_service, worker) as h:
+            ids = await serve_and_forget(h, "first", tiers=[DISK, MEMORY])
+            cache_service.kill()
+            restarted = cache_service.restart()  # the memory tier is gone, the disk's found
+            try:
+                await worker_reaches_cache(worker)
+                assert await h.cache.find(ids) == [DISK, cache_pb2.TIER_UNSPECIFIED]
+                tokens, _ = await collect(await h.engine.admit("second", PROMPT, SAMPLING))
+                assert tokens == EXPECTED
+                await idle(h)
+                assert h.core.stats().num_tier_hit_tokens == 32
+            finally:
+                restarted.stop()

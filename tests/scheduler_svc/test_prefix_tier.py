@@ -1,0 +1,247 @@
+"""The prefix tier in the core: which segments are saved and when, what
+admission loads, and how a load that fails or a request aborted mid-load ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstash.common.sampling import SamplingParams
+from scheduler_svc.core.lifecycle import LOADING, RUNNING_DECODE, RUNNING_PREFILL
+from scheduler_svc.core.outputs import PrefixLoad
+from scheduler_svc.core.scheduler import Scheduler
+from tests.scheduler_svc.factories import make_scheduler, step, teach_costs
+
+SEGMENT_BLOCKS = 2  # block_size 4: segments of 8 tokens
+PROMPT = list(range(10, 30))  # 20 tokens: 2 whole segments and 4 tokens
+
+
+def tiered(salt: str = "model-a|float32|4 layers", **overrides: object) -> Scheduler:
+    return make_scheduler(prefix_segment_blocks=SEGMENT_BLOCKS, prefix_tier_salt=salt,
+                          **overrides)
+
+
+def add(core: Scheduler, request_id: str, prompt: list[int] = PROMPT, stored: int = 0) -> None:
+    core.add_request(request_id, prompt, SamplingParams(4), stored_segments=stored)
+
+
+def save_all(core: Scheduler) -> list[str]:
+    """Steps `core` until its prefills completed; lands every save; the ids saved."""
+    saved = []
+    for _ in range(4):
+        out, _ = step(core)
+        for save in out.prefix_saves:
+            core.finish_prefix_save(save, 100)
+            saved.append(save.snapshot_id)
+    core.check_integrity()
+    return saved
+
+
+def test_a_prefilled_prompt_saves_its_whole_segments_once_holding_their_blocks() -> None:
+    core = tiered()
+    add(core, "a")
+    step(core)  # the whole prompt in one chunk: decoding now
+    assert core.get_request("a").status is RUNNING_DECODE
+    out = core.schedule()
+    saves = out.prefix_saves
+    assert [len(s.block_ids) for s in saves] == [2, 2] and all(s.shared_prefix for s in saves)
+    assert [s.num_tokens for s in saves] == [8, 8]
+    assert saves[0].snapshot_id == core.prefix_segment_ids(PROMPT)[0]
+    pool = core.kv.pool
+    held = saves[0].block_ids + saves[1].block_ids
+    assert [pool.ref_cnt(b) for b in held] == [2, 2, 2, 2]  # the request's and the save's
+    core.update(out, {"a": 1})
+    core.check_integrity()
+    core.abort("a")  # the saves keep their blocks from reuse
+    assert [pool.ref_cnt(b) for b in held] == [1, 1, 1, 1]
+    for save in saves:
+        core.finish_prefix_save(save, 512)
+    assert [pool.ref_cnt(b) for b in held] == [0, 0, 0, 0]
+    stats = core.stats()
+    assert (stats.num_tier_saves, stats.bytes_tier_saved) == (2, 1024)
+    core.check_integrity()
+    add(core, "b")  # the same prompt again: stored already, nothing sent
+    assert save_all(core) == []
+
+
+def test_a_failed_save_is_counted_and_tried_again_by_the_next_prompt() -> None:
+    core = tiered()
+    add(core, "a")
+    step(core)
+    out, _ = step(core)
+    for save in out.prefix_saves:
+        core.finish_prefix_save(save, None)
+    assert core.stats().num_tier_save_failures == 2
+    add(core, "b")
+    assert len(save_all(core)) == 2
+
+
+def test_segment_ids_name_the_prefix_and_the_salt() -> None:
+    ids = tiered().prefix_segment_ids(PROMPT)
+    assert len(ids) == 2 and ids == tiered().prefix_segment_ids(PROMPT)
+    assert tiered(salt="model-b|float32|4 layers").prefix_segment_ids(PROMPT)[0] != ids[0]
+    other = [10, 11, 12, 13, 14, 15, 16, 17, 99, 99, 99, 99, 99, 99, 99, 99]
+    assert tiered().prefix_segment_ids(other) == [ids[0], tiered().prefix_segment_ids(other)[1]]
+    assert tiered().prefix_segment_ids(other)[1] != ids[1]
+    assert make_scheduler().prefix_segment_ids(PROMPT) == []  # no tier
+
+
+def load_of(core: Scheduler, request_id: str, stored: int) -> PrefixLoad:
+    add(core, request_id, stored=stored)
+    out, _ = step(core)
+    assert len(out.prefix_loads) == 1
+    assert request_id not in {s.request_id for s in out.seqs}  # no chunk while loading
+    assert core.get_request(request_id).status is LOADING
+    return out.prefix_loads[0]
+
+
+def test_admission_loads_stored_segments_and_prefills_only_the_rest() -> None:
+    writer = tiered()
+    add(writer, "a")
+    saved = save_all(writer)
+    core = tiered()  # another instance: an empty pool
+    load = load_of(core, "b", stored=2)
+    assert [s.snapshot_id for s in load.segments] == saved
+    assert all(s.keep for s in load.segments)
+    req = core.get_request("b")
+    assert [s.block_ids for s in load.segments] == [req.block_ids[0:2], req.block_ids[2:4]]
+    core.finish_prefix_load(load, 2, 1024, 0.01)
+    assert req.status is RUNNING_PREFILL and req.num_computed_tokens == 16
+    out, updates = step(core)
+    assert [(s.start_pos, len(s.token_ids)) for s in out.seqs] == [(16, 4)]
+    assert updates[0].num_cached_tokens == 16
+    stats = core.stats()
+    assert (stats.num_tier_hit_tokens, stats.bytes_tier_loaded) == (16, 1024)
+    assert save_all(core) == []  # what it loaded is stored
+
+
+def test_a_failed_segment_is_prefilled_with_everything_after_it() -> None:
+    core = tiered()
+    load = load_of(core, "b", stored=2)
+    core.finish_prefix_load(load, 1, 512)
+    assert core.stats().num_tier_load_failures == 1
+    out, _ = step(core)
+    assert [(s.start_pos, len(s.token_ids)) for s in out.seqs] == [(8, 12)]
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    core = tiered()
+    prompt = PROMPT[:16]  # exactly two segments
+    add(core, "b", prompt=prompt, stored=2)
+    out, _ = step(core)
+    assert len(out.prefix_loads[0].segments) == 1
+
+
+def test_the_local_prefix_cache_comes_first() -> None:
+    core = tiered()
+    add(core, "a")
+    save_all(core)
+    step(core)
+    add(core, "b", stored=2)  # the pool still holds the prompt's blocks
+    out, _ = step(core)
+    assert out.prefix_loads == [] and core.get_request("b").num_cached_tokens == 16
+
+
+def test_a_partial_local_hit_loads_from_its_segment_boundary() -> None:
+    core = tiered()
+    add(core, "a", prompt=PROMPT[:12])  # caches blocks 0-2 locally: 1.5 segments
+    save_all(core)
+    load = load_of(core, "b", stored=2)
+    assert len(load.segments) == 1  # segment 1 only; segment 0 is the local hit
+    req = core.get_request("b")
+    assert req.num_computed_tokens == 8 and load.segments[0].block_ids == req.block_ids[2:4]
+    core.finish_prefix_load(load, 1, 512)
+    assert req.num_computed_tokens == 16
+    core.check_integrity()
+
+
+def test_an_abort_while_loading_frees_the_blocks_when_the_load_lands() -> None:
+    core = tiered()
+    load = load_of(core, "b", stored=2)
+    blocks = list(core.get_request("b").block_ids)
+    core.abort("b")
+    core.check_integrity()
+    assert core.kv.pool.ref_cnt(blocks[0]) == 1 and not core.is_idle
+    core.finish_prefix_load(load, 2, 1024)
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks and core.is_idle
+    core.check_integrity()
+
+
+def test_a_load_predicted_dearer_than_its_prefill_is_declined() -> None:
+    core = tiered()
+    costs = core.preemption.costs
+    teach_costs(costs, offload=(0.01, 0.001), restore=(5.0, 1.0), prefill=(1e-4, 0.0))
+    add(core, "b", stored=2)
+    out, _ = step(core)
+    assert out.prefix_loads == [] and core.stats().num_tier_loads_declined == 1
+    assert core.get_request("b").status is RUNNING_DECODE
+
+
+def test_a_lost_worker_drops_the_saves_not_yet_sent() -> None:
+    core = tiered()
+    add(core, "a")
+    step(core)
+    core.reset_prefix_cache()  # the worker restarted: its blocks hold nothing
+    core.abort("a")
+    assert core.schedule().prefix_saves == []
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    core.check_integrity()
+
+
+def test_a_tier_needs_a_salt() -> None:
+    with pytest.raises(ValueError, match="salt"):
+        make_scheduler(prefix_segment_blocks=2)
+
+
+def test_a_failed_load_saves_what_it_prefilled_instead() -> None:
+    core = tiered()
+    load = load_of(core, "b", stored=2)
+    core.finish_prefix_load(load, 1, 512)
+    step(core)
+    out = core.schedule()
+    assert [s.block_ids for s in out.prefix_saves] == [core.get_request("b").block_ids[2:4]]
+
+
+def finish(core: Scheduler, request_id: str) -> list[str]:
+    """Steps until `request_id` finished, landing every save; the ids saved."""
+    saved = []
+    while core.get_request(request_id) is not None:
+        for save in step(core)[0].prefix_saves:
+            core.finish_prefix_save(save, 512)
+            saved.append(save.snapshot_id)
+    return saved
+
+
+def test_write_back_saves_a_prompt_only_when_its_blocks_are_about_to_be_evicted() -> None:
+    core = tiered(prefix_write="back")  # 64 blocks; one step may take 16
+    add(core, "a")
+    finish(core, "a")
+    assert core.stats().num_tier_saves == 0 and core.tier.saves == {}
+    ids = core.prefix_segment_ids(PROMPT)
+    a_blocks = core.kv.pool.oldest_evictable(64)
+    # A long prompt takes all but 8 free blocks: a's are next to go.
+    core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
+    step(core)
+    out, _ = step(core)
+    # The segment evicted first (the prompt's tail) goes first.
+    assert [s.snapshot_id for s in out.prefix_saves] == ids[::-1]
+    held = [b for s in out.prefix_saves for b in s.block_ids]
+    assert set(held) <= set(a_blocks) and all(core.kv.pool.ref_cnt(b) == 1 for b in held)
+    for save in out.prefix_saves:
+        core.finish_prefix_save(save, 512)
+    core.check_integrity()
+    saved = finish(core, "big")
+    add(core, "c", prompt=[(3 * i) % 90 + 5 for i in range(200)])
+    saved += finish(core, "c")  # evicts a's blocks (and big's, written back first)
+    assert saved and not set(saved) & set(ids)  # a's: stored already, not sent again
+    core.check_integrity()
+
+
+def test_write_back_never_saves_blocks_evicted_before_it_saw_them() -> None:
+    core = tiered(prefix_write="back", num_blocks=53)
+    add(core, "a")
+    finish(core, "a")
+    # One admission takes every free block and a's two oldest evictable (its
+    # tail, segment 1's last block among them) in the same step.
+    core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
+    saves = [s.snapshot_id for _ in range(4) for s in step(core)[0].prefix_saves]
+    assert saves == core.prefix_segment_ids(PROMPT)[:1]
