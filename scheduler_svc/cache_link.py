@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
+
+_TIER_NAMES: dict[int, str] = {cache_pb2.TIER_MEMORY: "memory", cache_pb2.TIER_DISK: "disk"}
 
 
 class CacheLink:
@@ -34,16 +37,17 @@ class CacheLink:
         self._timeout_s = timeout_s
         self._find_timeout_s = find_timeout_s
 
-    async def num_stored(self, segment_ids: list[str]) -> int:
-        """How many of `segment_ids` (a prompt's, in order) the cache holds
-        from the first on; 0 when it does not answer in time."""
+    async def stored_run(self, segment_ids: list[str]) -> list[str]:
+        """Where the cache holds `segment_ids` (a prompt's, in order) from the
+        first on, up to the first it does not ("memory" or "disk" each); none
+        when it does not answer in time."""
         try:
             tiers = await self._client.find(segment_ids, timeout_s=self._find_timeout_s)
         except errors.KvstashError as exc:
             log.debug("prefix lookup failed (%s); prefilling", exc)
-            return 0
-        return next((i for i, t in enumerate(tiers) if t == cache_pb2.TIER_UNSPECIFIED),
-                    len(tiers))
+            return []
+        run = itertools.takewhile(lambda t: t != cache_pb2.TIER_UNSPECIFIED, tiers)
+        return [_TIER_NAMES[t] for t in run]
 
     async def watch(self, on_change: Callable[[bool], None]) -> None:
         """Probes the cache every `probe_s` and calls `on_change(available)`

@@ -135,6 +135,8 @@ class Copies:
                     tracing.set_failed(span, error, "prefill")
                 else:
                     tracing.set_copied(span, num_bytes)
+                    if self._metrics is not None:
+                        self._metrics.prefix_load_s.observe(time.monotonic() - started)
                 # Stored anew by the prefill, where the cache's copy is damaged.
                 self.delete_snapshots([s.snapshot_id for s, o in zip(segments, outcomes,
                                                                      strict=True) if o.damaged])

@@ -167,9 +167,11 @@ class Engine:
         if self._cache is None or not (ids := self._core.prefix_segment_ids(prompt_token_ids)):
             return 0
         with tracing.prefix_lookup_span(self._config.tracing, len(ids)) as span:
-            num_stored = await self._cache.num_stored(ids)
-            span.set_attribute("kvstash.num_stored", num_stored)
-        return num_stored
+            tiers = await self._cache.stored_run(ids)
+            span.set_attribute("kvstash.num_stored", len(tiers))
+        if self._metrics is not None:
+            self._metrics.observe_lookup(tiers)
+        return len(tiers)
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,

@@ -5,9 +5,10 @@ Queue, pool, token and preemption figures, and the rates the preemption cost
 model learned, are read from the core at scrape time, so they cost the step
 loop nothing. Per-request histograms are observed once per request when its
 Generate call ends (`observe_finished`), copy durations once per offload or
-restore (`offload_s`, `restore_s`), P/D handoffs once each (`handoff_s`) and
-preemptions by mode and reason once each (`observe_preemption`), by the
-engine: never per token.
+restore (`offload_s`, `restore_s`), P/D handoffs once each (`handoff_s`),
+preemptions by mode and reason once each (`observe_preemption`) and
+prefix-tier lookups once per request (`observe_lookup`), by the engine:
+never per token.
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class SchedulerMetrics:
         self.handoff_s = latency(
             "handoff_seconds", "P/D: first token sampled to the decode instance's first token",
             TRANSFER_BUCKETS)
+        self.prefix_load_s = latency(
+            "prefix_tier_load_seconds", "Command to completion of one prefix-tier load "
+            "(all its segments)", TRANSFER_BUCKETS)
+        lookups = Counter(_PREFIX + "prefix_tier_lookups",
+                          "Requests whose prompt segments the prefix tier was asked for, by "
+                          "whether it held the first", ["result"], registry=r)
+        self._lookups = {hit: lookups.labels("hit" if hit else "miss") for hit in (True, False)}
+        found = Counter(_PREFIX + "prefix_tier_found_segments",
+                        "Leading prompt segments the prefix tier held at arrival, by tier",
+                        ["tier"], registry=r)
+        self._found = {tier: found.labels(tier) for tier in ("memory", "disk")}
         finished = Counter(_PREFIX + "finished_requests_by_reason",
                            "Requests finished, by finish_reason", ["reason"], registry=r)
         self._finished = {status: finished.labels(reason) for status, reason in _REASONS.items()}
@@ -102,6 +114,12 @@ class SchedulerMetrics:
                               ["mode", "reason"], registry=r)
         self._preemptions = {(mode, reason): preemptions.labels(mode.value, reason.value)
                              for mode, reason in _PREEMPTIONS}
+
+    def observe_lookup(self, tiers: list[str]) -> None:
+        """A lookup found the leading segments in these tiers (memory, disk)."""
+        self._lookups[bool(tiers)].inc()
+        for tier in tiers:
+            self._found[tier].inc()
 
     def observe_preemption(self, choice: Preempted) -> None:
         self._preemptions[choice.mode, choice.reason].inc()

@@ -102,6 +102,10 @@ def prefix_load_span(
             "kvstash.request_id": load.request_id,
             "kvstash.num_segments": len(load.segments),
             "kvstash.num_blocks": sum(len(s.block_ids) for s in load.segments),
+            **({} if load.predicted_load_s is None else
+               {"kvstash.predicted_load_s": load.predicted_load_s}),
+            **({} if load.predicted_prefill_s is None else
+               {"kvstash.predicted_prefill_s": load.predicted_prefill_s}),
         })
 
 

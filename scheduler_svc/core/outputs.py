@@ -68,6 +68,10 @@ class PrefixLoad:
     first_segment: int
     # One read per segment, in prompt order (RestoreCommand.keep set).
     segments: list[RestoreCommand]
+    # Seconds predicted for these reads, and for prefilling their tokens
+    # instead (None: not yet measured): why admission chose to load.
+    predicted_load_s: float | None = None
+    predicted_prefill_s: float | None = None
 
 
 class PreemptReason(enum.Enum):

@@ -57,11 +57,15 @@ _MAX_KNOWN_STORED = 65536
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
     """What admission loads: segments [first, end) of the prompt, after the
-    local prefix's first `num_local_blocks` blocks."""
+    local prefix's first `num_local_blocks` blocks, and the seconds the cost
+    model predicted for reading them and for prefilling them (None: not yet
+    measured)."""
 
     first: int
     end: int
     num_local_blocks: int
+    load_s: float | None
+    prefill_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +124,7 @@ class PrefixTier:
         if load_s is not None and prefill_s is not None and load_s >= prefill_s:
             self._counters.num_tier_loads_declined += 1
             return None
-        return LoadPlan(first, end, first * k)
+        return LoadPlan(first, end, first * k, load_s, prefill_s)
 
     def load(self, req: Request, plan: LoadPlan, load_id: str) -> PrefixLoad:
         """The reads of `plan` into `req`'s blocks (allocated for the whole
@@ -132,7 +136,7 @@ class PrefixTier:
             RestoreCommand(req.request_id, self.segment_id(hashes[(s + 1) * k - 1]),
                            blocks[s * k:(s + 1) * k], keep=True)
             for s in range(plan.first, plan.end)
-        ])
+        ], plan.load_s, plan.prefill_s)
 
     def tokens_of(self, segments: Sequence[RestoreCommand]) -> int:
         return sum(len(s.block_ids) for s in segments) * self._kv.block_size

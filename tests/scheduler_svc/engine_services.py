@@ -13,6 +13,7 @@ from kvstash.launch.processes import Service, start_service
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 
 NUM_BLOCKS = 16
@@ -39,6 +40,7 @@ class Harness:
     engine: Engine
     core: Scheduler
     cache: CacheClient
+    metrics: SchedulerMetrics | None = None
 
 
 async def collect(stream: RequestStream) -> tuple[list[int], RequestStatus]:

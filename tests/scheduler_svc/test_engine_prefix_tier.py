@@ -21,6 +21,7 @@ from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.worker_link import WorkerLink
 from tests.integration.reference import reference_greedy
 from tests.scheduler_svc.engine_services import NUM_BLOCKS, Harness, collect, start_services
@@ -38,11 +39,12 @@ async def tiered_engine(cache_service: Service, worker: Service) -> AsyncIterato
         eos_token_ids=(257,), prefix_segment_blocks=2, prefix_tier_salt="tiny|float64"))
     channel = rpc_connections.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
     engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache),
-                    EngineConfig(transfer_timeout_s=10))
+                    EngineConfig(transfer_timeout_s=10), metrics=metrics)
     await engine.start()
     try:
-        yield Harness(engine, core, cache)
+        yield Harness(engine, core, cache, metrics)
     finally:
         await engine.close()
         await cache.close()
@@ -59,15 +61,16 @@ async def idle(h: Harness) -> None:
 
 
 async def serve_and_forget(h: Harness, request_id: str,
-                           tiers: Sequence[int] = (MEMORY, MEMORY)) -> list[str]:
-    """Serves PROMPT (its segments saved), then empties the local prefix
+                           tiers: Sequence[int] = (MEMORY, MEMORY),
+                           prompt: list[int] = PROMPT) -> list[str]:
+    """Serves `prompt` (its segments saved), then empties the local prefix
     cache, as if the next request came to another instance; the segment ids,
     once the cache holds them in `tiers`."""
-    tokens, _ = await collect(await h.engine.admit(request_id, PROMPT, SAMPLING))
-    assert tokens == EXPECTED
+    tokens, _ = await collect(await h.engine.admit(request_id, prompt, SAMPLING))
+    assert tokens == reference_greedy(prompt, 8)
     await idle(h)
     h.engine.flush_prefix_cache()
-    ids = h.core.prefix_segment_ids(PROMPT)
+    ids = h.core.prefix_segment_ids(prompt)
     for _ in range(500):
         if await h.cache.find(ids) == list(tiers):
             return ids
@@ -87,7 +90,29 @@ async def test_a_segment_gone_between_lookup_and_load_is_prefilled(services) -> 
         assert (stats.num_tier_hit_tokens, stats.num_tier_load_failures) == (32, 1)
         # What was prefilled instead is stored again.
         assert stats.num_tier_saves == 3
-        assert await h.cache.find(ids) == [1, 1]
+        assert await h.cache.find(ids) == [MEMORY, MEMORY]
+
+
+async def test_lookups_and_loads_are_measured(services) -> None:
+    prompt = [(17 * j + 5) % 256 for j in range(70)]  # stored by no other test
+    async with tiered_engine(*services) as h:
+        await serve_and_forget(h, "first", prompt=prompt)  # a miss: nothing stored yet
+        tokens, _ = await collect(await h.engine.admit("second", prompt, SAMPLING))
+        assert tokens == reference_greedy(prompt, 8)
+        await idle(h)
+        assert h.metrics is not None
+        registry = h.metrics.registry
+
+        async def sample(name: str, **labels: str) -> float | None:
+            # A scrape's thread: the collector reads the core on this loop.
+            return await asyncio.to_thread(
+                registry.get_sample_value, "kvstash_scheduler_" + name, labels)
+
+        assert await sample("prefix_tier_lookups_total", result="miss") == 1
+        assert await sample("prefix_tier_lookups_total", result="hit") == 1
+        assert await sample("prefix_tier_found_segments_total", tier="memory") == 2
+        assert await sample("prefix_tier_load_seconds_count") == 1
+        assert await sample("prefix_tier_hit_tokens_total") == 64
 
 
 async def test_an_abort_while_loading_lets_go_once_the_load_lands(services) -> None:

@@ -55,7 +55,8 @@ async def test_every_declared_stat_is_exported_with_its_kind_help_and_value() ->
     rest = {name for name, family in families.items()
             if family.type in ("counter", "gauge") and not name.endswith("_created")
             and not name.startswith(P + "cost_")}
-    assert rest == {P + "finished_requests_by_reason", P + "preemptions"}
+    assert rest == {P + "finished_requests_by_reason", P + "preemptions",
+                    P + "prefix_tier_lookups", P + "prefix_tier_found_segments"}
 
 
 async def test_metrics_agree_with_a_preempting_workload(tmp_path: Path) -> None:
