@@ -22,7 +22,7 @@ SERVICES = {"scheduler": "SCHEDULER", "worker": "WORKER", "cache": "CACHE"}
 
 
 def check_scheduler() -> None:
-    from scheduler_svc.__main__ import parse_args
+    from scheduler_svc.flags import parse_args
 
     args = parse_args([])
     security.check_listen(args.listen, security.from_args(args, require_client_cert=False))

@@ -15,8 +15,8 @@ from kvstash.client import Client
 from kvstash.common import settings
 from kvstash.common.stats import declared
 from kvstash.launch.stack import StackConfig, running_stack
-from scheduler_svc.__main__ import parse_args
 from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.flags import parse_args
 from scheduler_svc.metrics import SchedulerMetrics
 from tests.integration.workload import (
     MAX_TOKENS,

@@ -1,0 +1,191 @@
+"""The scheduler's command line: its flags (each also a KVSTASH_SCHEDULER_*
+variable), the checks that need no peer, and the core's config built from
+them and the worker's model and KV layout (`build_config`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from kvstash.common import rpc_connections, security, settings
+from kvstash.common.layout import Layout
+from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.v1 import worker_pb2
+from scheduler_svc.core.config import (
+    PreemptionMode,
+    PrefixWrite,
+    ReservationPolicy,
+    Role,
+    SchedulerConfig,
+)
+from scheduler_svc.core.pd import HANDOFF_WAIT_S
+from scheduler_svc.engine import EngineConfig
+
+# Defaults come from the config dataclasses, never restated here.
+_CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
+         if f.default is not dataclasses.MISSING}
+_ENGINE = EngineConfig()
+
+
+# 256 tokens, as LMCache's chunks: one read per segment, and a hit needs a
+# whole segment in common.
+DEFAULT_SEGMENT_TOKENS = 256
+
+
+def parse_args(argv: list[str] | None = None,
+               description: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scheduler_svc", description=description,
+        epilog="Every flag may also be set as KVSTASH_SCHEDULER_<FLAG> (e.g. "
+               "KVSTASH_SCHEDULER_MAX_NUM_SEQS=128); the command line wins.")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="host:port; port 0 = any free")
+    p.add_argument("--worker-address", default="127.0.0.1:50061")
+    p.add_argument("--cache-address", default="", help="KV cache service; empty = no offload")
+    p.add_argument("--role", choices=[r.value for r in Role], default=Role.MIXED.value,
+                   help="P/D disaggregation: a prefill instance hands each prefilled request "
+                        "to a decode instance (both need the same --cache-address)")
+    p.add_argument("--decode-address", default="",
+                   help="prefill role: decode instances, comma-separated host:port; a name "
+                        "that resolves to several addresses counts as each")
+    p.add_argument("--handoff-wait", type=float, default=HANDOFF_WAIT_S,
+                   help="prefill role: seconds to retry decode instances that refuse before "
+                        "decoding the request here")
+    p.add_argument("--reservation-timeout", type=float,
+                   default=_CORE["reservation_timeout_s"],
+                   help="decode role: seconds a block reservation waits for its KV")
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="use at most this many of the worker's KV blocks (0 = all)")
+    p.add_argument("--max-num-seqs", type=int, default=_CORE["max_num_seqs"])
+    p.add_argument("--max-num-waiting", type=int, default=_CORE["max_num_waiting"],
+                   help="requests queued for admission at most; beyond, RESOURCE_EXHAUSTED")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=_CORE["max_num_batched_tokens"])
+    p.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode],
+                   default=_CORE["preemption_mode"].value)
+    p.add_argument("--min-cost-samples", type=int, default=_CORE["min_cost_samples"],
+                   help="offloads, restores and prefill steps timed before auto preemption "
+                        "weighs offload against recompute (until then it offloads)")
+    p.add_argument("--reservation", choices=[r.value for r in ReservationPolicy],
+                   default=_CORE["reservation_policy"].value)
+    p.add_argument("--fixed-blocks-per-decode", type=int,
+                   default=_CORE["fixed_blocks_per_decode"])
+    p.add_argument("--init-new-token-ratio", type=float, default=_CORE["init_new_token_ratio"])
+    p.add_argument("--min-new-token-ratio-factor", type=float,
+                   default=_CORE["min_new_token_ratio_factor"],
+                   help="the ratio decays to this times its initial value")
+    p.add_argument("--new-token-ratio-decay-steps", type=int,
+                   default=_CORE["new_token_ratio_decay_steps"])
+    p.add_argument("--clip-max-new-tokens", type=int, default=_CORE["clip_max_new_tokens"],
+                   help="reserve for at most this many remaining tokens per request")
+    p.add_argument("--retract-steps", type=int, default=_CORE["retract_steps"],
+                   help="steps of progress credited per decode request after a preemption")
+    p.add_argument("--resume-headroom", type=int, default=_CORE["resume_headroom"],
+                   help="free blocks per running decode request kept before a resume")
+    p.add_argument("--prefix-segment-tokens", type=int, default=DEFAULT_SEGMENT_TOKENS,
+                   help="the prefix tier: prompts' KV kept in the cache service in segments "
+                        "of this many tokens (a multiple of the block size), read by every "
+                        "instance sharing it; 0 = off. Needs --cache-address; off while "
+                        "--record-decisions is set (replay does not model it yet)")
+    p.add_argument("--prefix-write", choices=[w.value for w in PrefixWrite],
+                   default=_CORE["prefix_write"].value,
+                   help="when the prefix tier stores a prompt's segments: once it is prefilled "
+                        "(through: other instances can read it at once), or when this pool is "
+                        "about to evict them (back: fewer copies, later reuse elsewhere)")
+    p.add_argument("--transfer-timeout", type=float, default=_ENGINE.transfer_timeout_s,
+                   help="seconds one offload or restore may take, end to end")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the scheduler's invariants whenever it goes idle; exit with "
+                        "code 70 on a broken one (for tests: O(pool + requests) each time)")
+    p.add_argument("--record-decisions", type=Path, default=None,
+                   help="write every call into the scheduler core, with its clock, to this "
+                        "JSONL file, for `kvstash sim --replay`")
+    p.add_argument("--worker-wait", type=float, default=120.0,
+                   help="seconds to wait for the worker at start")
+    p.add_argument("--worker-reconnect", type=float, default=_ENGINE.worker_reconnect_s,
+                   help="seconds requests that need nothing from a lost worker (waiting, or "
+                        "offloaded to the cache) wait for it to come back before they fail "
+                        "UNAVAILABLE; 0 = fail them with it")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
+                   help="address /metrics listens on; 0.0.0.0 = every interface")
+    p.add_argument("--log-level", default="info")
+    # --token-file: what a prefill instance sends its decode instances.
+    security.add_flags(p, accepts_tokens=True, sends_token=True)
+    rpc_connections.add_connection_flags(p)
+    return settings.parse_args(p, "scheduler", argv)
+
+
+def build_config(
+    args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
+) -> SchedulerConfig:
+    """The core's config: the flags, and the worker's model and KV `layout`."""
+    if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
+        raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
+                         f"got {args.num_blocks}")
+    segment_blocks, salt = prefix_tier(args, info, layout)
+    return SchedulerConfig(
+        num_blocks=args.num_blocks or info.num_blocks,
+        block_size=layout.block_size,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        max_num_seqs=args.max_num_seqs,
+        max_num_waiting=args.max_num_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        min_cost_samples=args.min_cost_samples,
+        reservation_policy=ReservationPolicy(args.reservation),
+        fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+        init_new_token_ratio=args.init_new_token_ratio,
+        min_new_token_ratio_factor=args.min_new_token_ratio_factor,
+        new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
+        clip_max_new_tokens=args.clip_max_new_tokens,
+        retract_steps=args.retract_steps,
+        resume_headroom=args.resume_headroom,
+        role=Role(args.role),
+        reservation_timeout_s=args.reservation_timeout,
+        bytes_per_block=layout.bytes_per_block,
+        prefix_segment_blocks=segment_blocks,
+        prefix_tier_salt=salt,
+        prefix_write=PrefixWrite(args.prefix_write),
+    )
+
+
+def prefix_tier(
+    args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
+) -> tuple[int, str]:
+    """Blocks per prefix-tier segment (--prefix-segment-tokens; 0: no tier,
+    as without a cache) and the salt of its ids: all that decides a block's
+    bytes."""
+    tokens = args.prefix_segment_tokens
+    if tokens < 0 or tokens % layout.block_size:
+        raise ValueError(f"--prefix-segment-tokens must be 0 or a multiple of the block size "
+                         f"{layout.block_size}, got {tokens}")
+    if not tokens or not args.cache_address or args.record_decisions is not None:
+        return 0, ""
+    salt = "|".join((info.model_name, info.model_type, *info.architectures, layout.dtype,
+                     str(layout.num_layers), str(layout.block_size), str(layout.num_kv_heads),
+                     str(layout.head_dim)))
+    return tokens // layout.block_size, salt
+
+
+def check_role(args: argparse.Namespace) -> None:
+    """P/D flags that contradict each other fail at start, not at the first request."""
+    addresses = [a for a in args.decode_address.split(",") if a]
+    if args.role == "prefill":
+        if not addresses:
+            raise ValueError("--role prefill needs --decode-address")
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--decode-address {address!r} is not host:port")
+        if args.handoff_wait < 0:
+            raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
+    elif addresses:
+        raise ValueError(f"--decode-address is for --role prefill, not {args.role}")
+    if args.role != "mixed" and not args.cache_address:
+        raise ValueError(f"--role {args.role} needs --cache-address: the KV handoff goes "
+                         "through the cache service")
+
+
