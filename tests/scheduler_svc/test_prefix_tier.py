@@ -245,3 +245,14 @@ def test_write_back_never_saves_blocks_evicted_before_it_saw_them() -> None:
     core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
     saves = [s.snapshot_id for _ in range(4) for s in step(core)[0].prefix_saves]
     assert saves == core.prefix_segment_ids(PROMPT)[:1]
+
+
+def test_kv_events_announce_loaded_blocks_only_once_they_are_in_the_pool() -> None:
+    core = tiered()
+    core.record_kv_events()
+    load = load_of(core, "b", stored=2)
+    assert core.take_kv_events() == []  # allocated, still being read: not announced
+    core.finish_prefix_load(load, 2, 1024)
+    stored = core.take_kv_events()
+    assert len(stored) == 4  # the four blocks of the two segments, now in the pool
+    assert [e.block_hash for e in stored] == core.get_request("b").block_hashes[:4]
