@@ -154,17 +154,19 @@ class Engine:
         a decode instance reserve blocks for it."""
         self._watch.check_admission()
         self._core.check_request(request_id, prompt_token_ids, sampling)
-        stored = await self._stored_segments(prompt_token_ids)
+        hashes = self._core.prompt_block_hashes(prompt_token_ids)  # once, kept by the core
+        stored = await self._stored_segments(hashes)
         if self._prefill is None or (decoder := await self._prefill.find_decoder(
                 request_id, prompt_token_ids, sampling)) is None:
-            return self.submit(request_id, prompt_token_ids, sampling, stored)
-        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored)
+            return self.submit(request_id, prompt_token_ids, sampling, stored, hashes)
+        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored,
+                                      hashes)
         self._wake.set()
         return stream
 
-    async def _stored_segments(self, prompt_token_ids: Sequence[int]) -> int:
+    async def _stored_segments(self, block_hashes: list[int]) -> int:
         """How many leading segments of the prompt the prefix tier holds."""
-        if self._cache is None or not (ids := self._core.prefix_segment_ids(prompt_token_ids)):
+        if self._cache is None or not (ids := self._core.prefix_segment_ids(block_hashes)):
             return 0
         with tracing.prefix_lookup_span(self._config.tracing, len(ids)) as span:
             tiers = await self._cache.stored_run(ids)
@@ -175,13 +177,13 @@ class Engine:
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        stored_segments: int = 0,
+        stored_segments: int = 0, block_hashes: Sequence[int] = (),
     ) -> RequestStream:
         """Admits a request to decode here, as `admit` but at once, its prompt's
-        first `stored_segments` held by the prefix tier."""
+        first `stored_segments` held by the prefix tier (Scheduler.add_request)."""
         self._watch.check_admission()
         self._core.add_request(request_id, prompt_token_ids, sampling,
-                               stored_segments=stored_segments)
+                               stored_segments=stored_segments, block_hashes=block_hashes)
         stream = self._requests.open(request_id)
         self._wake.set()
         return stream

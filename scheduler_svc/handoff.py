@@ -71,13 +71,13 @@ class PrefillSide:
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        decoder: DecodePeer, stored_segments: int = 0,
+        decoder: DecodePeer, stored_segments: int = 0, block_hashes: Sequence[int] = (),
     ) -> RequestStream:
         """Admits a request `decoder` reserved blocks for (raises as
         Engine.submit, releasing the reservation)."""
         try:
             self._core.add_request(request_id, prompt_token_ids, sampling, handoff=True,
-                                   stored_segments=stored_segments)
+                                   stored_segments=stored_segments, block_hashes=block_hashes)
         except errors.KvstashError:
             self.let_go(request_id, Handoff(decoder))
             raise

@@ -43,6 +43,8 @@ Why one file over 300 lines: the transition table, the queues and every
 move that frees blocks or writes a snapshot are one rule (one writer, checked
 against one table), read together to see that it holds; a move kept
 elsewhere would be a second writer.
+The prefix tier's LOADING moves live here for the same reason: they are
+status writes that hand blocks between a load and its request.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ halves over shared bookkeeping (the requests behind the output's seqs), and
 every other method is a line or two over the part that owns it: the core's
 whole API in one place, so the edge holds one object and reaches no further.
 Splitting would scatter the step, or hand the edge `core.x.y` chains.
+The prefix tier's entry points (`prompt_block_hashes`, `finish_prefix_*`)
+are such lines over prefix_tier.py.
 """
 
 from __future__ import annotations
@@ -109,13 +111,14 @@ class Scheduler:
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        *, handoff: bool = False, stored_segments: int = 0,
+        *, handoff: bool = False, stored_segments: int = 0, block_hashes: Sequence[int] = (),
     ) -> Request:
         """A new request, WAITING. `handoff` (PREFILL instance only, else
         FailedPrecondition): a decode instance reserved blocks for it; once
         prefilled it goes there (PdManager.hand_off_once_prefilled).
         `stored_segments`: the leading segments of its prompt the prefix tier
-        holds (`prefix_segment_ids`, asked of the cache)."""
+        holds (`prefix_segment_ids`, asked of the cache); `block_hashes`, the
+        prompt's (`prompt_block_hashes`) where the caller has them already."""
         self.check_request(request_id, prompt_token_ids, sampling)
         pd = self.pd if handoff else None
         if pd is not None:
@@ -127,18 +130,23 @@ class Scheduler:
         req = self.intake.create(request_id, prompt_token_ids, sampling)
         if self.tier is not None:
             req.stored_segments = stored_segments
+            req.block_hashes.extend(block_hashes)
         self.life.add(req)
         if pd is not None:
             pd.hand_off_once_prefilled(req)
         return req
 
-    def prefix_segment_ids(self, prompt_token_ids: Sequence[int]) -> list[str]:
-        """The prefix-tier ids of the prompt's whole segments, in order ([]
-        without a tier)."""
+    def prompt_block_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prefix hashes of the prompt's whole blocks ([] without a prefix
+        tier, which is what asks for them before the request exists)."""
         if self.tier is None:
             return []
-        return self.tier.segment_ids(
-            chain_hashes(ROOT_HASH, prompt_token_ids, self.config.block_size))
+        return chain_hashes(ROOT_HASH, prompt_token_ids, self.config.block_size)
+
+    def prefix_segment_ids(self, block_hashes: Sequence[int]) -> list[str]:
+        """The prefix-tier ids of the whole segments of a prompt with these
+        block hashes, in order ([] without a tier)."""
+        return [] if self.tier is None else self.tier.segment_ids(block_hashes)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.life.requests.get(request_id)

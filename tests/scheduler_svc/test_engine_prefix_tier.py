@@ -25,6 +25,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.worker_link import WorkerLink
 from tests.integration.reference import reference_greedy
 from tests.scheduler_svc.engine_services import NUM_BLOCKS, Harness, collect, start_services
+from tests.scheduler_svc.test_prefix_tier import segment_ids
 
 PROMPT = [(13 * j + 2) % 256 for j in range(70)]  # 2 segments of 32 tokens, and 6
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -70,7 +71,7 @@ async def serve_and_forget(h: Harness, request_id: str,
     assert tokens == reference_greedy(prompt, 8)
     await idle(h)
     h.engine.flush_prefix_cache()
-    ids = h.core.prefix_segment_ids(prompt)
+    ids = segment_ids(h.core, prompt)
     for _ in range(500):
         if await h.cache.find(ids) == list(tiers):
             return ids
@@ -179,7 +180,7 @@ async def test_a_cache_killed_during_a_save_or_a_load_costs_only_the_tier(own_se
             # request to prefill the prompt stores them (once the worker's
             # channel is back too).
             for attempt in range(20):
-                ids = h.core.prefix_segment_ids(PROMPT)
+                ids = segment_ids(h.core, PROMPT)
                 if await h.cache.find(ids) == [MEMORY, MEMORY]:
                     break
                 tokens, _ = await collect(await h.engine.admit(f"again{attempt}", PROMPT,

@@ -15,6 +15,10 @@ SEGMENT_BLOCKS = 2  # block_size 4: segments of 8 tokens
 PROMPT = list(range(10, 30))  # 20 tokens: 2 whole segments and 4 tokens
 
 
+def segment_ids(core: Scheduler, prompt: list[int]) -> list[str]:
+    return core.prefix_segment_ids(core.prompt_block_hashes(prompt))
+
+
 def tiered(salt: str = "model-a|float32|4 layers", **overrides: object) -> Scheduler:
     return make_scheduler(prefix_segment_blocks=SEGMENT_BLOCKS, prefix_tier_salt=salt,
                           **overrides)
@@ -45,7 +49,7 @@ def test_a_prefilled_prompt_saves_its_whole_segments_once_holding_their_blocks()
     saves = out.prefix_saves
     assert [len(s.block_ids) for s in saves] == [2, 2] and all(s.shared_prefix for s in saves)
     assert [s.num_tokens for s in saves] == [8, 8]
-    assert saves[0].snapshot_id == core.prefix_segment_ids(PROMPT)[0]
+    assert saves[0].snapshot_id == segment_ids(core, PROMPT)[0]
     pool = core.kv.pool
     held = saves[0].block_ids + saves[1].block_ids
     assert [pool.ref_cnt(b) for b in held] == [2, 2, 2, 2]  # the request's and the save's
@@ -76,13 +80,13 @@ def test_a_failed_save_is_counted_and_tried_again_by_the_next_prompt() -> None:
 
 
 def test_segment_ids_name_the_prefix_and_the_salt() -> None:
-    ids = tiered().prefix_segment_ids(PROMPT)
-    assert len(ids) == 2 and ids == tiered().prefix_segment_ids(PROMPT)
-    assert tiered(salt="model-b|float32|4 layers").prefix_segment_ids(PROMPT)[0] != ids[0]
+    ids = segment_ids(tiered(), PROMPT)
+    assert len(ids) == 2 and ids == segment_ids(tiered(), PROMPT)
+    assert segment_ids(tiered(salt="model-b|float32|4 layers"), PROMPT)[0] != ids[0]
     other = [10, 11, 12, 13, 14, 15, 16, 17, 99, 99, 99, 99, 99, 99, 99, 99]
-    assert tiered().prefix_segment_ids(other) == [ids[0], tiered().prefix_segment_ids(other)[1]]
-    assert tiered().prefix_segment_ids(other)[1] != ids[1]
-    assert make_scheduler().prefix_segment_ids(PROMPT) == []  # no tier
+    assert segment_ids(tiered(), other) == [ids[0], segment_ids(tiered(), other)[1]]
+    assert segment_ids(tiered(), other)[1] != ids[1]
+    assert segment_ids(make_scheduler(), PROMPT) == []  # no tier
 
 
 def load_of(core: Scheduler, request_id: str, stored: int) -> PrefixLoad:
@@ -216,7 +220,7 @@ def test_write_back_saves_a_prompt_only_when_its_blocks_are_about_to_be_evicted(
     add(core, "a")
     finish(core, "a")
     assert core.stats().num_tier_saves == 0 and core.tier.saves == {}
-    ids = core.prefix_segment_ids(PROMPT)
+    ids = segment_ids(core, PROMPT)
     a_blocks = core.kv.pool.oldest_evictable(64)
     # A long prompt takes all but 8 free blocks: a's are next to go.
     core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
@@ -244,7 +248,7 @@ def test_write_back_never_saves_blocks_evicted_before_it_saw_them() -> None:
     # tail, segment 1's last block among them) in the same step.
     core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
     saves = [s.snapshot_id for _ in range(4) for s in step(core)[0].prefix_saves]
-    assert saves == core.prefix_segment_ids(PROMPT)[:1]
+    assert saves == segment_ids(core, PROMPT)[:1]
 
 
 def test_kv_events_announce_loaded_blocks_only_once_they_are_in_the_pool() -> None:
