@@ -5,10 +5,12 @@ For each batch size: decode tokens/s (every sequence one token per step, with
 `--prompt-len` prompt, packed into steps of at most `--max-step-tokens`).
 Modes: `per-seq` (one forward and one sync per sequence: the old path, now
 the tests' oracle, tests/gpu_worker/oracle.py),
-`batched` (one forward per step, batch-invariant), `batched-fast` (one forward,
-no row tiles: not invariant). Also the prefill FLOP/s of a plain batched torch
-forward of the same shapes (dense, no paging) and, on CUDA, the share of decode
-step wall time the GPU is busy.
+`batched` (one forward per step, batch-invariant), `batched-tiles` (the
+same, made to run in row tiles: the fallback, and the GPU's path before
+fixed_gemm), `batched-fast` (one forward, no row tiles: not invariant).
+Also the prefill FLOP/s of a plain batched torch forward of the same shapes
+(dense, no paging) and, on CUDA, the share of decode step wall time the GPU
+is busy.
 
 `--count-ops` adds the kernels of one decode step at each batch size and of
 one 1,024-token prefill chunk: on the CPU leaf torch ops (views left out),
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from gpu_worker.batched import default_row_tile
 from gpu_worker.checkpoint import load_checkpoint, resolve_device
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
@@ -62,7 +65,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                     "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 4096,
                     "rope_theta": 500000.0},
 }
-MODES = ("per-seq", "batched", "batched-fast")
+MODES = ("per-seq", "batched", "batched-tiles", "batched-fast")
+DEFAULT_MODES = "per-seq,batched,batched-fast"
 
 
 def write_checkpoint(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
@@ -121,6 +125,8 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 def make_runner(model: CausalLM, mode: str, batch: int, tokens: int,
                 row_tile: int | None = None) -> ModelRunner:
     per_seq = -(-tokens // 16)
+    if mode == "batched-tiles":
+        row_tile = row_tile or default_row_tile(model.device)
     return ModelRunner(model, block_size=16, num_blocks=batch * per_seq + 1,
                        batch_invariant=mode != "batched-fast", row_tile=row_tile)
 
@@ -387,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 (tiny: float32)")
     parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps")
@@ -406,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", metavar="REV", help="also run against git revision REV")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        parser.error(f"unknown --modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     if args.compare:
         rest = list(sys.argv[1:] if argv is None else argv)
         at = rest.index("--compare")

@@ -14,19 +14,21 @@ row). Matmul, norm and softmax kernels choose their blocking, vector tails and
 thread splits from the shape they see. So with `row_tile` set the step is
 padded to whole tiles of `row_tile` rows and either
 
-- `whole` steps (the CPU default): each op runs once over all rows, padded
-  to a multiple of 4. CPU GEMMs (MKL, oneDNN) compute rows in panels of 4
-  (`query_tiles.GEMM_ROW_PANEL`): at any row count that is a multiple of 4 a
-  row gets the same bits, as long as the inner dimension is not split by
-  row count (matmuls take K in fixed pieces, `model.linear`). exp and silu
-  go through `elementwise`, so that no row is cut into a scalar tail. That
-  is a property of the BLAS, not of torch's contract, so the runner checks
-  it when it starts (`invariance.rows_match_alone`: steps of several sizes
-  against each sequence alone, decode rows against the same token
-  recomputed) and falls back to tiles where it does not hold; or
-- tiles (GPUs, where cuBLAS picks kernels and split-K by shape, and the
-  fallback): every token-wise op runs on slices of exactly `row_tile` rows,
-  so each kernel sees one shape only.
+- `whole` steps (the default): each op runs once over all rows, padded to a
+  multiple of `row_tile`, with matmuls whose rows' bits do not depend on the
+  row count. CPU: GEMMs (MKL, oneDNN) compute rows in panels of 4
+  (`query_tiles.GEMM_ROW_PANEL`, the CPU's `row_tile`), so at any row count
+  that is a multiple of 4 a row gets the same bits, as long as the inner
+  dimension is not split by row count (`model.k_pieces`); exp and silu go
+  through `elementwise`, so that no row is cut into a scalar tail. GPU:
+  cuBLAS picks kernels and split-K by shape, so matmuls run in a Triton
+  kernel of one tile shape (`fixed_gemm`), on steps padded to 128 rows.
+  Either is a property of the machine, not of torch's contract, so the
+  runner checks it when it starts (`invariance.rows_match_alone`: steps of
+  several sizes against each sequence alone, decode rows against the same
+  token recomputed) and falls back to tiles where it does not hold; or
+- tiles (the fallback, and GPUs without Triton): every token-wise op runs
+  on slices of exactly `row_tile` rows, so each kernel sees one shape only.
 
 Rotary angles come from a table (a gather, not a computation per step).
 Attention is invariant by its own construction (attention.py), on the same
@@ -38,13 +40,11 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker import elementwise
+from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
-from gpu_worker.model import CausalLM, DecoderLayer
+from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_inputs import DeviceStep
-
-K_PIECE = 512  # see model.linear
 
 
 def rotary_table(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,26 +67,36 @@ def default_row_tile(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 16
 
 
+def invariant_matmul(device: torch.device, dtype: torch.dtype) -> Matmul:
+    """The matmul of whole invariant steps on this device (see above)."""
+    if device.type == "cpu":
+        return k_pieces
+    if not fixed_gemm.available(device, dtype):
+        raise ValueError(f"whole batch-invariant steps on {device} need Triton "
+                         f"(fixed_gemm) and a dtype it has a tile for; got {dtype}")
+    return fixed_gemm.matmul
+
+
 def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         k_piece: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         matmul: Matmul | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, projections and rotary of rows `x`: q [rows, heads, d], k, v [rows, kv, d]
     (views into one matmul's output)."""
     attn, rows = layer.self_attn, x.shape[0]
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = attn.qkv(layer.input_layernorm(x), k_piece)
+    qkv = attn.qkv(layer.input_layernorm(x), matmul)
     qk = rotate(qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
 
 
 def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
-          k_piece: int | None) -> torch.Tensor:
+          matmul: Matmul | None) -> torch.Tensor:
     """Output projection and residual, norm, MLP and residual."""
-    h = x + layer.self_attn.o_proj(attended, k_piece)
+    h = x + layer.self_attn.o_proj(attended, matmul)
     mlp = layer.mlp
-    gate_up = mlp.gate_up(layer.post_attention_layernorm(h), k_piece)
+    gate_up = mlp.gate_up(layer.post_attention_layernorm(h), matmul)
     size = gate_up.shape[1] // 2
     gate = elementwise.silu_(gate_up[:, :size])
-    return h + mlp.down_proj(gate * gate_up[:, size:], k_piece)
+    return h + mlp.down_proj(gate * gate_up[:, size:], matmul)
 
 
 class BatchedForward:
@@ -111,8 +121,8 @@ class BatchedForward:
         self.model = model
         self.row_tile = row_tile
         self.whole = whole
-        # Whole invariant steps: matmuls over K in fixed pieces (model.linear).
-        self.k_piece = K_PIECE if whole and row_tile is not None else None
+        self.matmul = (invariant_matmul(model.device, model.dtype)
+                       if whole and row_tile is not None else None)
         invariant = row_tile is not None
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)
@@ -146,7 +156,7 @@ class BatchedForward:
         for i, layer in enumerate(self.model.model.layers[:num_layers]):
             assert isinstance(layer, DecoderLayer)
             if self.whole:
-                q, k, v = _qkv(layer, x, cos, sin, self.k_piece)
+                q, k, v = _qkv(layer, x, cos, sin, self.matmul)
             else:
                 for t in tiles:
                     q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t], None)
@@ -154,7 +164,7 @@ class BatchedForward:
             flat[i, 1].index_copy_(0, step.write_slots, v[:n])
             out = self.attention(q, flat[i], step, keys).view(rows, -1)
             if self.whole:
-                x = _rest(layer, x, out, self.k_piece)
+                x = _rest(layer, x, out, self.matmul)
             else:
                 for t in tiles:
                     x[t] = _rest(layer, x[t], out[t], None)
@@ -163,6 +173,6 @@ class BatchedForward:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head, tile by tile: [rows, vocab]."""
-        parts = [self.model.lm_head(self.model.model.norm(hidden[t]), self.k_piece)
+        parts = [self.model.lm_head(self.model.model.norm(hidden[t]), self.matmul)
                  for t in self._tiles(hidden.shape[0])]
         return torch.cat(parts) if len(parts) != 1 else parts[0]

@@ -11,7 +11,8 @@ against the same token as the last row of a prefill (a recomputed token):
 
 Row counts from 4 to 212 (fewer where max_model_len is shorter) and both
 query tile sizes, on scratch caches (the runner's own blocks are not
-touched).
+touched); on a GPU also a prompt of 600 tokens, so that a step spans several
+of its 128-row pads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker import fixed_gemm
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.batched import BatchedForward, default_row_tile
 from gpu_worker.model import CausalLM
@@ -30,6 +32,7 @@ from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.step_inputs import StepStaging, pack_step
 
 CHECK_LENGTHS = (1, 3, 17, 40, 150)
+GPU_CHECK_LENGTHS = (*CHECK_LENGTHS, 600)
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +50,8 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     longest = len(forward.cos) - 1  # the decode after it must fit too
-    lengths = [min(n, longest) for n in CHECK_LENGTHS]
+    lengths = [min(n, longest) for n in (CHECK_LENGTHS if model.device.type == "cpu"
+                                         else GPU_CHECK_LENGTHS)]
     per_seq = -(-(max(lengths) + 1) // block_size)
     shape = (1, 2, per_seq * len(lengths), block_size, cfg.num_kv_heads, cfg.head_dim)
     together, alone = (torch.zeros(shape, dtype=model.dtype, device=model.device)
@@ -83,18 +87,21 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
 
 def choose_forward(model: CausalLM, block_size: int, max_model_len: int, batch_invariant: bool,
                    row_tile: int | None, attention: AttentionBackend | None) -> BatchedForward:
-    """Whole steps on CPU where this check passes; tiles on GPUs, where a row
-    tile is asked for, and where the check fails."""
+    """Whole steps where this check passes (on a GPU: where Triton runs
+    `fixed_gemm`); tiles where a row tile is asked for, and elsewhere."""
     def forward(tile: int | None, whole: bool) -> BatchedForward:
         return BatchedForward(model, block_size, max_model_len, tile, whole, attention)
 
     if not batch_invariant:
         return forward(None, True)
-    if row_tile is not None or model.device.type != "cpu":
-        return forward(row_tile or default_row_tile(model.device), False)
-    whole = forward(GEMM_ROW_PANEL, True)
+    tiles = row_tile or default_row_tile(model.device)
+    cpu = model.device.type == "cpu"
+    if row_tile is not None or not (cpu or fixed_gemm.available(model.device, model.dtype)):
+        return forward(tiles, False)
+    whole = forward(GEMM_ROW_PANEL if cpu else tiles, True)
     if rows_match_alone(whole, block_size):
         return whole
-    log.warning("on this CPU's BLAS a row's numbers change with the size of its step: "
-                "batch-invariant steps run tile by tile, slower")
-    return forward(default_row_tile(model.device), False)
+    log.warning("on this %s a row's numbers change with the size of its step: "
+                "batch-invariant steps run tile by tile, slower",
+                "CPU's BLAS" if cpu else "GPU (fixed_gemm)")
+    return forward(tiles, False)

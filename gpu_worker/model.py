@@ -22,6 +22,7 @@ the tests check it against live with the tests (tests/gpu_worker/oracle.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -44,30 +45,40 @@ def stored_transposed(out_features: int, in_features: int, dtype: torch.dtype,
     return torch.empty(in_features, out_features, dtype=dtype, device=device).t()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           k_piece: int | None = None) -> torch.Tensor:
-    """`F.linear`, or with `k_piece` a form whose rows' bits do not depend on
-    the row count, on the CPU BLAS we have measured (invariance.py checks it
-    at start): the inner dimension in fixed pieces of `k_piece` columns,
-    summed in order (one mm, then addmm), because MKL splits a long K into
-    blocks whose size follows the row count (AVX-512: from K = 1024, a row
-    gets other bits from 20 rows):
+# x [rows, K] . weight^T, weight [out, K]: a product whose rows' bits do not
+# depend on the row count (whole batch-invariant steps, batched.py).
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+K_PIECE = 512  # see k_pieces
+
+
+def k_pieces(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The CPU's invariant product, on the BLAS we have measured
+    (invariance.py checks it at start): the inner dimension in fixed pieces
+    of `K_PIECE` columns, summed in order (one mm, then addmm), because MKL
+    splits a long K into blocks whose size follows the row count (AVX-512:
+    from K = 1024, a row gets other bits from 20 rows):
 
         x [rows, K] . W^T = x[:, 0:p] W^T[0:p] + x[:, p:2p] W^T[p:2p] + ...
 
     A weight laid out [in, out] (stored_transposed) is multiplied as it lies;
     one laid out [out, in] (a tied output head: the embedding) as
     (W . x^T)^T, with the rows as the product's columns: x . W^T with W^T a
-    transposed view gives a row other bits from 8-16 rows."""
-    if k_piece is None:
-        return F.linear(x, weight, bias)
-    flat, size = x.reshape(-1, weight.shape[1]), weight.shape[1]
+    transposed view gives a row other bits from 8-16 rows. (GPUs: fixed_gemm.)"""
     stored_in_out = weight.t().is_contiguous()
-    a, b = (flat, weight.t()) if stored_in_out else (weight, flat.t())
-    out = a[:, :k_piece] @ b[:k_piece]
-    for start in range(k_piece, size, k_piece):
-        out = torch.addmm(out, a[:, start:start + k_piece], b[start:start + k_piece])
-    out = out if stored_in_out else out.t()
+    a, b = (x, weight.t()) if stored_in_out else (weight, x.t())
+    out = a[:, :K_PIECE] @ b[:K_PIECE]
+    for start in range(K_PIECE, weight.shape[1], K_PIECE):
+        out = torch.addmm(out, a[:, start:start + K_PIECE], b[start:start + K_PIECE])
+    return out if stored_in_out else out.t()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           matmul: Matmul | None = None) -> torch.Tensor:
+    """`F.linear`, or with `matmul` (k_pieces, fixed_gemm.matmul) a form whose
+    rows' bits do not depend on the row count."""
+    if matmul is None:
+        return F.linear(x, weight, bias)
+    out = matmul(x.reshape(-1, weight.shape[1]), weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -84,8 +95,8 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
 
-    def forward(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, k_piece)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, matmul)
 
 
 class Fused:
@@ -111,9 +122,9 @@ class Fused:
             self.parts.append(part)
             start += out
 
-    def __call__(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
         """[rows, sum(outs)]: every part's output side by side."""
-        return linear(x, self.weight, self.bias, k_piece)
+        return linear(x, self.weight, self.bias, matmul)
 
 
 class OutputHead(Linear):
@@ -134,8 +145,8 @@ class OutputHead(Linear):
         # Not a weight: no checkpoint stores it.
         self.register_buffer("blocked", blocked, persistent=False)
 
-    def forward(self, x: torch.Tensor, k_piece: int | None = None) -> torch.Tensor:
-        logits = super().forward(x, k_piece)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+        logits = super().forward(x, matmul)
         return logits.masked_fill(self.blocked, torch.finfo(logits.dtype).min)
 
 

@@ -2,17 +2,17 @@
 # The GPU checks, one step or all, with the python given (the .venv's here,
 # a CUDA machine's own python3 there: see scripts/device_run.sh):
 #
-#   scripts/gpu_checks.sh PYTHON [versions|tests|profile|worker|transfer|pd|all] ...
+#   scripts/gpu_checks.sh PYTHON [versions|tests|gemm|profile|worker|transfer|pd|all] ...
 #
 # Each step runs even when an earlier one failed (a device lease is short),
 # within STEP_TIMEOUT seconds when that is set; the exit status says whether
 # any failed. Figures (JSON) land in RESULTS (default bench-results/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${1:?usage: $0 PYTHON [versions|tests|profile|worker|transfer|pd|all] ...}
+python=${1:?usage: $0 PYTHON [versions|tests|gemm|profile|worker|transfer|pd|all] ...}
 shift
 steps=("${@:-all}")
-[[ ${steps[0]} == all ]] && steps=(versions tests profile worker transfer pd)
+[[ ${steps[0]} == all ]] && steps=(versions tests gemm worker profile pd transfer)
 results=${RESULTS:-bench-results}
 mkdir -p "$results"
 limit=(); [[ -n ${STEP_TIMEOUT:-} ]] && limit=(timeout "$STEP_TIMEOUT")
@@ -24,12 +24,17 @@ for step in "${steps[@]}"; do
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 from torch.nn.attention.varlen import varlen_attn
-print("varlen_attn", inspect.signature(varlen_attn))' ;;
+print("varlen_attn", inspect.signature(varlen_attn))
+import triton; print("triton", triton.__version__)' ;;
         tests) "${limit[@]}" "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
-        # The batched step (invariant, and plain) against dense torch on
-        # 1,024-token prompts, its kernels per step and where its time goes.
+        # fixed_gemm (whole invariant steps' matmul) against cuBLAS.
+        gemm) "${limit[@]}" "$python" -m bench.fixed_gemm_bench --json "$results/gpu-gemm.json" ;;
+        # The batched step (invariant whole, invariant in tiles, plain) against
+        # dense torch on 1,024-token prompts, its kernels per step and where
+        # its time goes.
         worker) "${limit[@]}" "$python" -m bench.worker_bench --model llama-1b --device cuda \
-                --batches 1,16,64 --modes batched,batched-fast --prompt-len 1024 --repeat 2 \
+                --batches 1,16,64 --modes batched,batched-tiles,batched-fast --prompt-len 1024 \
+                --repeat 2 \
                 --count-ops --top-ops 12 --json "$results/gpu-worker.json" ;;
         transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda ;;
         # 4096 blocks of 16 tokens per worker: the 32 requests' prompts and

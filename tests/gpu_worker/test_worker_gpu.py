@@ -17,6 +17,7 @@ import torch
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
+from gpu_worker import fixed_gemm
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.config import tiny_model_config
 from gpu_worker.model import build_tiny_model
@@ -71,6 +72,31 @@ def test_greedy_outputs_survive_offload_and_recompute_in_bf16() -> None:
     for rid, (output, logits) in alone.items():
         assert together[rid][0] == output, rid
         assert torch.equal(together[rid][1], logits), rid
+
+
+def test_invariant_steps_run_whole_on_the_gpu() -> None:
+    """With Triton, fixed_gemm passes the start-up check: one launch per op
+    per step, not one per 128-row tile (batched.py)."""
+    runner = cuda_runner()
+    assert runner.batched.whole and runner.batched.matmul is fixed_gemm.matmul
+
+
+@pytest.mark.parametrize(("k", "out", "in_out"), [(2048, 3072, True), (8192, 2048, True),
+                                                   (2048, 32000, False)])
+def test_fixed_gemm_rows_do_not_depend_on_the_row_count_in_bf16(k: int, out: int,
+                                                                 in_out: bool) -> None:
+    """At Llama-3.2-1B's shapes (q/k/v, down_proj, a tied output head laid
+    out [vocab, hidden]): each row bit for bit the same among 1 to 4,096 rows."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(out, k, generator=gen, device="cuda").to(torch.bfloat16)
+    if in_out:
+        weight = weight.t().contiguous().t()
+    x = torch.randn(4096, k, generator=gen, device="cuda").to(torch.bfloat16)
+    product = fixed_gemm.matmul(x, weight)
+    torch.testing.assert_close(product.float(), (x.float() @ weight.float().t()),
+                               atol=0.5, rtol=0.02)
+    for rows in (1, 7, 128, 300, 1024):
+        assert torch.equal(fixed_gemm.matmul(x[:rows], weight), product[:rows]), rows
 
 
 def test_flash_and_torch_attention_agree() -> None:

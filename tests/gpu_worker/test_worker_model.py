@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gpu_worker import elementwise
 from gpu_worker.batched import rotary_table, rotate
-from gpu_worker.model import apply_rotary, linear, stored_transposed
+from gpu_worker.model import apply_rotary, k_pieces, linear, stored_transposed
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import byte_view
@@ -186,7 +186,7 @@ def test_plain_exp_and_silu_do_not() -> None:
 
 @pytest.mark.parametrize("stored_in_out", [True, False])
 def test_linear_in_k_pieces_is_the_product_and_row_invariant(stored_in_out: bool) -> None:
-    """model.linear with k_piece: the same product (float64: to rounding), and
+    """model.linear with k_pieces: the same product (float64: to rounding), and
     a row's bits the same at every row count that is a multiple of 4, for a
     K (1536) that MKL itself splits by row count, in both weight layouts."""
     gen = torch.Generator().manual_seed(0)
@@ -198,11 +198,11 @@ def test_linear_in_k_pieces_is_the_product_and_row_invariant(stored_in_out: bool
         weight = torch.randn(out_features, k, generator=gen, dtype=torch.float64)
     bias = torch.randn(out_features, generator=gen, dtype=torch.float64)
     x = torch.randn(2, 128, k, generator=gen, dtype=torch.float64)
-    assert torch.allclose(linear(x, weight, bias, 512), F.linear(x, weight, bias))
+    assert torch.allclose(linear(x, weight, bias, k_pieces), F.linear(x, weight, bias))
     x32, w32 = x[0].float(), weight.float()
-    first = linear(x32[:4], w32, None, 512)
+    first = linear(x32[:4], w32, None, k_pieces)
     for rows in range(8, 129, 4):
-        assert torch.equal(linear(x32[:rows], w32, None, 512)[:4], first), rows
+        assert torch.equal(linear(x32[:rows], w32, None, k_pieces)[:4], first), rows
 
 
 def test_fused_projections_are_the_checkpoint_weights() -> None:

@@ -1,0 +1,85 @@
+"""fixed_gemm, the GPU's row-invariant matmul, run here by Triton's
+interpreter on CPU tensors (in a process of its own: the interpreter is
+chosen when triton is imported). Float32 and float16: the interpreter
+multiplies bfloat16 tiles as integers, so bf16 is checked on a GPU
+(test_worker_gpu.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_worker import fixed_gemm
+from tests.gpu_worker.worker_factories import REPO
+
+SCRIPT = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import torch.nn.functional as F
+from gpu_worker import fixed_gemm
+from gpu_worker.model import linear, stored_transposed
+
+gen = torch.Generator().manual_seed(0)
+cpu = torch.device("cpu")
+# Sizes that are no multiple of any tile: edges masked in all three dimensions.
+rows, k, out = 333, 300, 200
+for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+    assert fixed_gemm.available(cpu, dtype)
+    in_out = stored_transposed(out, k, dtype, cpu)
+    in_out.copy_(torch.randn(out, k, generator=gen))
+    for weight in (in_out, torch.randn(out, k, generator=gen).to(dtype)):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        product = fixed_gemm.matmul(x, weight)
+        exact = x.double() @ weight.double().t()
+        error = ((product.double() - exact).abs().max() / exact.abs().max()).item()
+        assert error < tol, (dtype, error)
+        for first in (1, 5, 64, 128, 130):
+            assert torch.equal(fixed_gemm.matmul(x[:first], weight), product[:first]), first
+        bias = torch.randn(out, generator=gen).to(dtype)
+        batched = x[:6].view(2, 3, k)
+        got = linear(batched, weight, bias, fixed_gemm.matmul)
+        assert got.shape == (2, 3, out)
+        assert torch.allclose(got.float(), F.linear(batched.float(), weight.float(),
+                                                    bias.float()), atol=tol * 30), dtype
+
+# A whole step as a GPU runs it (128-row pads, every matmul in fixed_gemm)
+# passes the runner's start-up check.
+from gpu_worker.batched import BatchedForward
+from gpu_worker.config import tiny_model_config
+from gpu_worker.invariance import rows_match_alone
+from gpu_worker.model import build_tiny_model
+model = build_tiny_model(tiny_model_config(), seed=0, dtype=torch.float32, device="cpu")
+whole = BatchedForward(model, 16, 1024, 128, True)
+whole.matmul = fixed_gemm.matmul
+assert rows_match_alone(whole, 16)
+print("ok")
+"""
+
+
+def test_the_kernel_multiplies_and_a_row_bits_do_not_depend_on_the_row_count() -> None:
+    """Against float64 to the dtype's rounding, in both weight layouts; each
+    row bit for bit the same whether 1, 5, 64, 128, 130 or 333 rows are
+    multiplied (the tile is 64 or 128 rows); through model.linear with a
+    bias and leading dimensions; and a whole step built as on a GPU passes
+    the start-up check (invariance.rows_match_alone)."""
+    done = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", "-c", SCRIPT],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
+
+
+def test_it_is_offered_only_where_it_runs() -> None:
+    """Not on a CPU without the interpreter (whole CPU steps use k_pieces),
+    not for a dtype without a tile, and a whole GPU step without it is refused."""
+    cpu = torch.device("cpu")
+    assert not fixed_gemm.available(cpu, torch.float32)
+    assert not fixed_gemm.available(torch.device("cuda"), torch.float64)
+    from gpu_worker.batched import invariant_matmul
+    from gpu_worker.model import k_pieces
+    assert invariant_matmul(cpu, torch.float32) is k_pieces
+    with pytest.raises(ValueError, match="Triton"):
+        invariant_matmul(torch.device("cuda"), torch.float64)
