@@ -228,11 +228,11 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str) -> 
         (logs / "disk").mkdir()
         disk = disk_copies(layout, repeat, logs / "disk")
     coef, step_error = lstsq([r for r, _ in steps], [s for _, s in steps])
-    print(f"{'prefill':>8} {'keys':>10} {'decodes':>8} {'keys':>10} {'measured ms':>12} "
+    print(f"{'decodes':>8} {'positions':>10} {'prefill':>8} {'squares':>14} {'measured ms':>12} "
           f"{'fitted ms':>10}")
     for row, seconds in steps:
         fitted = sum(c * x for c, x in zip(coef, row, strict=True))
-        print(f"{row[1]:>8.0f} {row[2]:>10.0f} {row[3]:>8.0f} {row[4]:>10.0f} "
+        print(f"{row[1]:>8.0f} {row[2]:>10.0f} {row[3]:>8.0f} {row[4]:>14.0f} "
               f"{seconds * 1e3:>12.2f} {fitted * 1e3:>10.2f}")
     copies = {"arena": fit_copy(arena), "grpc": fit_copy(grpc), "disk": fit_copy(disk)}
     how = (f"kvstash calibrate --model {model} --device {device} --worker-threads {threads} "
