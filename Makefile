@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test protos check-protos lint bench fuzz load test-gpu bench-gpu clean
+.PHONY: demo test protos check-protos lint bench fuzz load test-gpu bench-gpu dashboard clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ check-protos: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy kvstash scheduler_svc cache_svc gpu_worker bench scripts
+	$(BIN)/python scripts/gen_dashboard.py --check
+
+# The Grafana dashboard (helm/kvstash/files/grafana-dashboard.json) from
+# scripts/gen_dashboard.py, and docs/dashboard.png drawn from a real run.
+dashboard: $(STAMP)
+	$(BIN)/python scripts/gen_dashboard.py
+	$(BIN)/python -m bench.dashboard_snapshot --out docs/dashboard.png
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

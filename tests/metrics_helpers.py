@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port() -> int:
-    """A port nothing listens on now (for a metrics endpoint, which cannot bind 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:

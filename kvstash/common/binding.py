@@ -66,3 +66,12 @@ def check_free(host: str, port: int) -> None:
                 if exc.errno == errno.EADDRINUSE:
                     shown = f"[{host}]" if ":" in host else host
                     raise in_use(f"{shown}:{port}") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a child told to listen there (one
+    that does not say which port 0 got it). Another program may take it
+    before the child binds it; the child then fails with BindError."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -95,7 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     port = int(args.listen.rsplit(":", 1)[1])
     host = args.listen.rsplit(":", 1)[0]
     config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext,
-                           gateway_port=args.gateway_port)
+                           gateway_port=args.gateway_port, metrics=args.metrics)
     # Ctrl-C, a service manager's SIGTERM, a closed terminal's SIGHUP: each
     # must stop the services too, not orphan them. SIGINT explicitly: a shell
     # script that starts us in the background (`kvstash up &`) hands it down
@@ -141,8 +141,13 @@ def _print_stack(stack: Stack, listen: str, threads: tuple[int, str]) -> None:
         print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
               f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models\n"
               f"Prometheus (smg) at {gateway.metrics_url}")
-    print("Prometheus (scheduler, worker, cache): off unless KVSTASH_<SERVICE>_METRICS_PORT "
-          "is set, or --metrics-port when each runs alone (README: Observability)")
+    urls = [(service.name, service.metrics_url) for service in stack.services]
+    for name, url in urls:
+        if url is not None:
+            print(f"Prometheus ({name}) at {url}")
+    if all(url is None for _, url in urls):
+        print("Prometheus (scheduler, worker, cache): off; kvstash up --metrics serves each "
+              "one's /metrics (README: Observability)")
     reach = ("loopback only" if security.is_loopback(listen)
              else "anyone who can reach this host")
     print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
@@ -225,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gRPC to anyone who can reach that host")
     up.add_argument("--gateway-port", type=int, default=8000,
                     help="with --gateway: smg's HTTP port, on --listen's host (0: a free one)")
+    up.add_argument("--metrics", action="store_true",
+                    help="every service serves Prometheus /metrics on a free port of "
+                         "--listen's host (printed at start)")
     up.add_argument("--log-dir", default=None,
                     help="where each service writes its log, kept after stop (default: a new "
                          "temporary directory, printed at start and at stop)")

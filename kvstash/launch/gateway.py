@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from kvstash.common.binding import free_port
 from kvstash.launch.processes import stop_process
 
 # smg 1.13.0's --policy choices.
@@ -95,8 +95,8 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
     if not addresses:
         raise ValueError("no scheduler addresses: smg needs at least one")
     check_gateway(policy)
-    port = port or _free_port(host)
-    prometheus_port = _free_port(host)
+    port = port or free_port(host)
+    prometheus_port = free_port(host)
     log_path = log_dir / "smg.log"
     log_path.write_bytes(b"")
     process = subprocess.Popen(
@@ -165,9 +165,3 @@ def _copy_plain(output: IO[bytes], log_path: Path) -> None:
             log.write(_ANSI.sub(b"", line))
             log.flush()
 
-
-def _free_port(host: str) -> int:
-    """A port nothing listens on now: smg does not say which one port 0 got."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

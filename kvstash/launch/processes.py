@@ -39,6 +39,21 @@ class Service:
     module: str
     args: tuple[str, ...]  # as started; "--listen" may name port 0
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where it serves /metrics, if it was started with --metrics-port."""
+        port = self._flag("--metrics-port", "0")
+        if port == "0":
+            return None
+        return f"http://{self._flag('--metrics-host', '127.0.0.1')}:{port}/metrics"
+
+    def _flag(self, name: str, default: str) -> str:
+        """The value of `name` as started (its last, as argparse takes it)."""
+        for flag, value in reversed(list(zip(self.args, self.args[1:], strict=False))):
+            if flag == name:
+                return value
+        return default
+
     def stop(self, timeout_s: float = 10.0) -> None:
         stop_process(self.process, timeout_s)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstash.common.binding import check_free
+from kvstash.common.binding import check_free, free_port
 from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
@@ -87,6 +87,9 @@ class StackConfig:
     gateway: bool = False
     gateway_port: int = 0
     gateway_policy: str = "cache_aware"
+    # Every service (not smg: it always serves its own) serves /metrics on a
+    # free port of `host`.
+    metrics: bool = False
     # torch threads of each worker; None: the CPUs this process may use,
     # less one, shared among the workers it starts (worker_threads()).
     worker_threads: int | None = None
@@ -194,6 +197,13 @@ def arena_args(config: StackConfig) -> list[str]:
     return ["--arena-dir", str(shm)]
 
 
+def metrics_args(config: StackConfig) -> list[str]:
+    """--metrics-port (a free one) and --metrics-host, with config.metrics."""
+    if not config.metrics:
+        return []
+    return ["--metrics-port", str(free_port(config.host)), "--metrics-host", config.host]
+
+
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, workers, schedulers and the gateway (as configured),
     each logging to `log_dir` (default: a temporary directory removed at
@@ -216,7 +226,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
         cache = start_service("cache", "cache_svc", [
             "--listen", listen, "--memory-budget", config.cache_memory_budget,
             "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
-            *arena_args(config), *plain, *config.cache_args,
+            *arena_args(config), *plain, *metrics_args(config), *config.cache_args,
         ], logs)
         started.append(cache)
         decode: list[Service] = []
@@ -260,7 +270,7 @@ def _start_instance(
         "--device", config.device, "--block-size", str(config.block_size),
         "--num-blocks", str(config.num_blocks), "--cache-address", cache_address,
         "--num-threads", str(worker_threads(config)[0]),
-        *plain, *config.worker_args, *worker_args,
+        *plain, *metrics_args(config), *config.worker_args, *worker_args,
     ], logs)
     started.append(worker)
     scheduler = start_service(prefix + "scheduler", "scheduler_svc", [
@@ -269,7 +279,7 @@ def _start_instance(
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--preemption-mode", config.preemption_mode,
-        *role_args, *plain, *config.scheduler_args, *scheduler_args,
+        *role_args, *plain, *metrics_args(config), *config.scheduler_args, *scheduler_args,
     ], logs)
     started.append(scheduler)
     return [scheduler, worker]

@@ -17,8 +17,9 @@ from cache_svc.metrics import TransferMetrics, serve_metrics
 from cache_svc.model import CacheStats
 from cache_svc.store import SnapshotStore
 from kvstash.common import settings
+from kvstash.common.binding import free_port
 from kvstash.common.stats import Kind, declared
-from tests.metrics_helpers import free_port, scrape
+from tests.metrics_helpers import scrape
 from tests.stats_helpers import count_distinct
 
 LAYOUT = make_layout()  # 32 KiB blocks

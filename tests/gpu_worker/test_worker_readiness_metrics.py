@@ -16,12 +16,13 @@ from cache_svc.server import create_cache_server
 from gpu_worker import server as worker_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner, SeqWork
+from kvstash.common.binding import free_port
 from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_server import run_steps
 from tests.gpu_worker.worker_factories import make_runner, worker_process
-from tests.metrics_helpers import free_port, scrape
+from tests.metrics_helpers import scrape
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,

@@ -44,6 +44,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                             "sampler": "parentbased_traceidratio", "samplerArg": "0.25"}},
     "servicemonitor": {"metrics": {"enabled": True, "serviceMonitor": {
         "enabled": True, "labels": {"release": "prometheus"}}}},
+    # Prometheus Operator and Grafana's sidecar: scraped, alerted on, drawn.
+    "monitoring": {"metrics": {
+        "enabled": True, "serviceMonitor": {"enabled": True},
+        "grafanaDashboard": {"enabled": True, "folder": "LLM serving"},
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "tls": {"tls": {"enabled": True, "secretName": "kvstash-tls"},
             "auth": {"enabled": True, "secretName": "kvstash-tokens"}},
     # No claim anywhere: the built-in model, the disk tier on an emptyDir.

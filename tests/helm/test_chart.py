@@ -52,8 +52,10 @@ def test_every_manifest_validates_strictly(value_set: str) -> None:
         docs = rendered(value_set, version)
         assert {"Deployment", "StatefulSet"} & {d["kind"] for d in docs}
         for doc in docs:
-            if doc["kind"] == "ServiceMonitor":
-                check_service_monitor(doc, docs)  # a CRD: no schema ships for it
+            if doc["kind"] in ("ServiceMonitor", "PrometheusRule"):
+                # CRDs: no schema ships for them.
+                (check_service_monitor if doc["kind"] == "ServiceMonitor"
+                 else check_prometheus_rule)(doc, docs)
                 continue
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
@@ -76,6 +78,30 @@ def check_service_monitor(monitor: dict[str, Any], docs: list[dict[str, Any]]) -
     for endpoint in monitor["spec"]["endpoints"]:
         assert set(endpoint) == {"port", "path", "interval", "scrapeTimeout"}
         assert endpoint["port"] in ports
+
+
+def check_prometheus_rule(rule: dict[str, Any], _docs: list[dict[str, Any]]) -> None:
+    """The rules file as it is, as the spec of a monitoring.coreos.com/v1 PrometheusRule."""
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    for group in rule["spec"]["groups"]:
+        for alert in group["rules"]:
+            assert set(alert) == {"alert", "expr", "for", "labels", "annotations"}
+
+
+def test_monitoring_ships_the_dashboard_and_the_alert_rules() -> None:
+    """Off by default; on, the dashboard as a ConfigMap Grafana's sidecar
+    finds (its label, the folder annotation) holding the file byte for byte,
+    and one PrometheusRule with the labels Prometheus selects rules by."""
+    assert not of_kind(rendered("defaults"), "PrometheusRule")
+    assert not [c for c in of_kind(rendered("servicemonitor"), "ConfigMap")
+                if "grafana_dashboard" in c["metadata"]["labels"]]
+    docs = rendered("monitoring")
+    (board,) = [c for c in of_kind(docs, "ConfigMap")
+                if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert board["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+    assert board["data"]["kvstash.json"] == (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert one(docs, "PrometheusRule")["metadata"]["labels"]["release"] == "prometheus"
 
 
 def test_service_monitors_cover_every_metrics_endpoint() -> None:

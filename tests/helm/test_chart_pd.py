@@ -170,8 +170,9 @@ def test_service_monitors_scrape_both_pools_by_role() -> None:
         for role in ROLES:
             assert selects(selector, pod_labels(by_role[role]))
         assert monitor["podTargetLabels"] == ["kvstash.io/role"]
-    assert all("podTargetLabels" not in m["spec"]
-               for m in of_kind(rendered("servicemonitor"), "ServiceMonitor"))
+    mixed = {m["metadata"]["name"]: m["spec"] for m in of_kind(rendered("servicemonitor"),
+                                                               "ServiceMonitor")}
+    assert all(m["podTargetLabels"] == ["kvstash.io/role"] for m in mixed.values())
 
 
 def test_pools_are_placed_and_sized_on_their_own() -> None:

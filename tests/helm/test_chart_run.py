@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -20,16 +19,12 @@ import pytest
 from chart_helpers import REPO, container, env, instances, one, pod_labels, render, workloads
 from fake_kubernetes import FakeKubernetes, ready_pod
 
+from kvstash.common.binding import free_port
 from kvstash.launch.gateway import smg_executable
 from kvstash.launch.processes import Service, start_service, stop_process
 
 MODULES = {"cache": "cache_svc", "worker": "gpu_worker", "scheduler": "scheduler_svc"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_instance_pod(pod: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from chart_helpers import CHART, INSTALL_HINT, REPO
+
+from kvstash.common.binding import free_port
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 HEALTH = REPO / "docker" / "kvstash-health"
@@ -85,11 +86,6 @@ def test_gateway_image_is_the_pinned_smg_without_torch_as_our_user() -> None:
         assert users == ["${UID}:${UID}"], target
         assert re.search(r"^ARG UID=\d+$", by_name[target], re.MULTILINE), target
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def health(*args: str) -> subprocess.CompletedProcess[str]:

@@ -140,10 +140,20 @@ def test_up_writes_its_logs_to_log_dir_and_keeps_them(tmp_path: Path) -> None:
     assert up.process.wait(30) == 0
     assert not wait_gone(up.pids)
     assert "listening on port" in (up.log_dir / "scheduler.log").read_text()
+    # Without --metrics, one line says how to have them.
+    assert any("kvstash up --metrics" in line for line in up.printed)
 
 
 def test_up_pd_hands_requests_to_its_decode_instance_then_stops() -> None:
-    up = start_up("--pd")
+    """With --metrics: every service's /metrics URL printed, and served."""
+    up = start_up("--pd", "--metrics")
+    urls = dict(re.findall(r"Prometheus \(([\w-]+)\) at (http://\S+/metrics)",
+                           "\n".join(up.printed)))
+    assert set(urls) == set(up.services)
+    for name, url in urls.items():
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            prefix = "kvstash_" + name.rpartition("-")[2]
+            assert prefix in reply.read().decode(), name
 
     async def call() -> tuple[list[int], int]:
         async with Client(up.services["scheduler"][0]) as client:

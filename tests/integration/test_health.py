@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstash.client import Client
 from kvstash.common import rpc_connections
+from kvstash.common.binding import free_port
 from kvstash.launch.stack import Stack, StackConfig, running_stack
-from tests.metrics_helpers import free_port
 
 SERVICES = {
     "scheduler": "kvstash.v1.Scheduler",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import grpc
 import pytest
 
 from kvstash import errors
+from kvstash.common.binding import free_port
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -82,11 +82,6 @@ async def serve() -> AsyncIterator[Serve]:
     for server in servers:
         await server.stop(None)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_refusals_and_unreachable_instances_are_skipped(serve: Serve) -> None:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstash.client import Client
 from kvstash.common import settings
+from kvstash.common.binding import free_port
 from kvstash.common.stats import declared
 from kvstash.launch.stack import StackConfig, running_stack
 from scheduler_svc.core.outputs import SchedulerStats
@@ -25,7 +26,7 @@ from tests.integration.workload import (
     prompts,
     wait_drained,
 )
-from tests.metrics_helpers import free_port, scrape
+from tests.metrics_helpers import scrape
 from tests.scheduler_svc.factories import make_scheduler
 from tests.stats_helpers import count_distinct
 

@@ -104,8 +104,10 @@ message naming the keys involved and what to change.
 {{- if and $v.tracing.enabled (not $v.tracing.endpoint) -}}
 {{- $errors = append $errors "tracing.enabled: set tracing.endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)" -}}
 {{- end -}}
-{{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.enabled) -}}
-{{- $errors = append $errors "metrics.serviceMonitor.enabled needs metrics.enabled (no port to scrape)" -}}
+{{- range $key := list "serviceMonitor" "grafanaDashboard" "prometheusRule" -}}
+{{- if and (index $v.metrics $key).enabled (not $v.metrics.enabled) -}}
+{{- $errors = append $errors (printf "metrics.%s.enabled needs metrics.enabled (no port to scrape)" $key) -}}
+{{- end -}}
 {{- end -}}
 
 {{- /* The gateway: schedulers to route to, over channels smg can speak. */ -}}
