@@ -2,10 +2,10 @@
 
     rows      [ a8 a9 a10 | b21 | c4 | pad ]   (see step_inputs)
     per layer:
-      tile by tile  norm -> q, k, v -> rotary          token-wise, fixed [row_tile, ...] shapes
-      once          write k, v of the real rows into their slots
-      once          paged attention over the block tables (attention.py)
-      tile by tile  o_proj + residual -> norm -> MLP + residual
+      whole (or tile by tile)  norm -> q, k, v -> rotary      token-wise (see below)
+      once                     write k, v of the real rows into their slots
+      once                     paged attention over the block tables (attention.py)
+      whole (or tile by tile)  o_proj + residual -> norm -> MLP + residual
 
 Batch invariance. A row's numbers must not depend on which rows share its
 step, or greedy outputs change when a request is preempted, restored or
