@@ -34,11 +34,12 @@ from bench.dashboard_snapshot import (
     Scraper,
     alert_rules,
     dashboard_queries,
+    expand,
     pressure,
     pressured_stack,
     targets,
 )
-from bench.promql import Series, expand
+from bench.promql import Series
 from kvstash.common.binding import free_port
 from kvstash.launch.stack import Stack, running_stack
 

@@ -7,7 +7,8 @@ dashboard lays them out.
 Run: python -m bench.dashboard_snapshot [--requests 32] [--out docs/dashboard.png]
 
 Its helpers are also the dashboard test's (tests/integration/test_dashboard.py):
-the queries of the dashboard and of the alert rules, and a stack's scrape
+the queries of the dashboard and of the alert rules and what each uses
+(metrics, labels, the quantities a rule compares), and a stack's scrape
 targets with the labels Kubernetes would give them.
 """
 
@@ -20,13 +21,14 @@ import math
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import promql_parser as pq
 import yaml
 
-from bench.promql import Series, expand
+from bench.promql import Series
 from kvstash.client import Client
 from kvstash.launch.demo import make_prompts
 from kvstash.launch.openai_http import stream_completion
@@ -62,6 +64,59 @@ def alert_rules(path: Path = RULES) -> dict[str, str]:
     """Alert name -> expression."""
     return {rule["alert"]: rule["expr"] for group in yaml.safe_load(path.read_text())["groups"]
             for rule in group["rules"]}
+
+
+def expand(query: str, variables: Mapping[str, str]) -> str:
+    """Grafana's `$name` variables replaced (longest names first)."""
+    for name in sorted(variables, key=len, reverse=True):
+        query = query.replace(f"${name}", variables[name])
+    return query
+
+
+def nodes(query: str) -> Iterator[object]:
+    """Every node of the query's syntax tree."""
+    stack: list[object] = [pq.parse(query)]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, pq.BinaryExpr):
+            stack += [node.lhs, node.rhs]
+        elif isinstance(node, pq.AggregateExpr):
+            stack += [node.expr] + ([node.param] if node.param is not None else [])
+        elif isinstance(node, pq.Call):
+            stack += list(node.args)
+        elif isinstance(node, (pq.ParenExpr, pq.UnaryExpr)):
+            stack.append(node.expr)
+        elif isinstance(node, pq.MatrixSelector):
+            stack.append(node.vector_selector)
+
+
+def metric_names(query: str) -> set[str]:
+    """Every metric the query selects."""
+    return {n.name for n in nodes(query) if isinstance(n, pq.VectorSelector) and n.name}
+
+
+def labels_used(query: str, legend: str = "") -> set[str]:
+    """Every label the query matches, groups or joins on, and those its legend
+    names; `le` (a histogram's) left out."""
+    found = {part.split("}}")[0] for part in legend.split("{{")[1:]}
+    for node in nodes(query):
+        if isinstance(node, pq.VectorSelector):
+            found.update(m.name for m in node.matchers.matchers)
+        elif isinstance(node, pq.AggregateExpr) and node.modifier is not None:
+            found.update(node.modifier.labels)
+        elif isinstance(node, pq.BinaryExpr) and node.modifier is not None \
+                and node.modifier.matching is not None:
+            found.update(node.modifier.matching.labels)
+    return found - {"le"}
+
+
+def quantities(query: str) -> list[str]:
+    """What a rule compares with a number: the series it watches, which exist
+    whether or not it fires."""
+    return [node.lhs.prettify() for node in nodes(query)
+            if isinstance(node, pq.BinaryExpr) and isinstance(node.rhs, pq.NumberLiteral)
+            and str(node.op) in (">", "<", ">=", "<=", "==", "!=")]
 
 
 def targets(stack: Stack) -> list[tuple[str, dict[str, str]]]:

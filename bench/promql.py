@@ -12,7 +12,8 @@ arithmetic and comparisons between scalars and vectors (one-to-one and
 many-to-one matching, `on`/`ignoring`, `bool`), `and`/`or`/`unless`.
 Anything else is a ValueError naming it. Unlike Prometheus, `rate` does not
 extrapolate to the window's edges: over sparse scrapes it is the mean slope
-between the first and last sample in the window.
+between the first and last sample in the window. (What a query uses: the
+dashboard's helpers, bench.dashboard_snapshot.)
 
     series = Series()
     series.add(time.time(), text, {"pod": "a", "job": "scheduler"})  # each scrape
@@ -47,41 +48,6 @@ _COMPARE: dict[str, Callable[[float, float], bool]] = {
 _AGGREGATE: dict[str, Callable[[list[float]], float]] = {
     "sum": sum, "min": min, "max": max, "count": len, "avg": lambda v: sum(v) / len(v),
 }
-
-
-def expand(query: str, variables: Mapping[str, str]) -> str:
-    """Grafana's `$name` variables replaced (longest names first)."""
-    for name in sorted(variables, key=len, reverse=True):
-        query = query.replace(f"${name}", variables[name])
-    return query
-
-
-def metric_names(query: str) -> set[str]:
-    """Every metric a query selects."""
-    names: set[str] = set()
-
-    def visit(node: object) -> None:
-        if isinstance(node, pq.VectorSelector) and node.name:
-            names.add(node.name)
-        for child in children(node):
-            visit(child)
-
-    visit(pq.parse(query))
-    return names
-
-
-def children(node: object) -> list[object]:
-    if isinstance(node, pq.BinaryExpr):
-        return [node.lhs, node.rhs]
-    if isinstance(node, pq.AggregateExpr):
-        return [node.expr] + ([node.param] if node.param is not None else [])
-    if isinstance(node, pq.Call):
-        return list(node.args)
-    if isinstance(node, (pq.ParenExpr, pq.UnaryExpr)):
-        return [node.expr]
-    if isinstance(node, pq.MatrixSelector):
-        return [node.vector_selector]
-    return []
 
 
 class Series:

@@ -9,16 +9,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import unicodedata
 from pathlib import Path
 
 from kvstash import errors
-from kvstash.client import Client, TokenDelta
+from kvstash.client import Client
 from kvstash.common import security
 from kvstash.common.binding import BindError
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
+from kvstash.launch.terminal import print_delta
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SIM_COMMANDS = {"sim": "simulate instances serving a trace, in virtual time (kvstash.sim)",
@@ -141,13 +141,9 @@ def _print_stack(stack: Stack, listen: str, threads: tuple[int, str]) -> None:
         print(f"{gateway.name:<20} {gateway.address:<22} pid {gateway.process.pid}\n"
               f"OpenAI HTTP (smg) at {gateway.url}/v1, e.g. {gateway.url}/v1/models\n"
               f"Prometheus (smg) at {gateway.metrics_url}")
-    urls = [(service.name, service.metrics_url) for service in stack.services]
-    for name, url in urls:
-        if url is not None:
-            print(f"Prometheus ({name}) at {url}")
-    if all(url is None for _, url in urls):
-        print("Prometheus (scheduler, worker, cache): off; kvstash up --metrics serves each "
-              "one's /metrics (README: Observability)")
+    urls = [f"Prometheus ({s.name}) at {s.metrics_url}" for s in stack.services if s.metrics_url]
+    print("\n".join(urls) or "Prometheus (scheduler, worker, cache): off; kvstash up "
+          "--metrics serves each one's /metrics (README: Observability)")
     reach = ("loopback only" if security.is_loopback(listen)
              else "anyone who can reach this host")
     print(f"plaintext gRPC, {reach} (TLS: start the services with --tls-*)")
@@ -171,28 +167,6 @@ def _say(line: str) -> None:
     or a parent gone fails the write, and stopping must go on regardless."""
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)
-
-
-_KEPT_CONTROLS = frozenset("\n\t")
-
-
-def terminal_safe(text: str) -> str:
-    """`text` with every control character a terminal would act on (ESC, CR,
-    BEL, DEL, the C1 controls) written as an escape like repr's, `\\x1b`;
-    newline and tab stay as they are."""
-    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc"
-                   and c not in _KEPT_CONTROLS else c for c in text)
-
-
-def print_delta(delta: TokenDelta) -> None:
-    """One streamed delta: its text on stdout (terminal-safe), and on stderr
-    the usage line of the last one."""
-    print(terminal_safe(delta.text), end="", flush=True)
-    if delta.usage is not None:
-        u = delta.usage
-        print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
-              f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
-              f"{u.num_preemptions} preemptions", file=sys.stderr)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -230,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                          "gRPC to anyone who can reach that host")
     up.add_argument("--gateway-port", type=int, default=8000,
                     help="with --gateway: smg's HTTP port, on --listen's host (0: a free one)")
-    up.add_argument("--metrics", action="store_true",
-                    help="every service serves Prometheus /metrics on a free port of "
-                         "--listen's host (printed at start)")
+    up.add_argument("--metrics", action="store_true", help="every service serves Prometheus "
+                    "/metrics on a free port of --listen's host (printed at start)")
     up.add_argument("--log-dir", default=None,
                     help="where each service writes its log, kept after stop (default: a new "
                          "temporary directory, printed at start and at stop)")

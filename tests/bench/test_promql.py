@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from bench.promql import Series, expand, metric_names
+from bench.dashboard_snapshot import expand, metric_names
+from bench.promql import Series
 
 FIRST = """\
 # TYPE req_total counter

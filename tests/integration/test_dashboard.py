@@ -10,7 +10,6 @@ import asyncio
 import math
 from collections.abc import Iterator
 
-import promql_parser as pq
 import pytest
 
 from bench.dashboard_snapshot import (
@@ -18,13 +17,17 @@ from bench.dashboard_snapshot import (
     Scraper,
     alert_rules,
     dashboard_queries,
+    expand,
+    labels_used,
+    metric_names,
     pressure,
     pressured_stack,
+    quantities,
     scrape,
     targets,
     variable_queries,
 )
-from bench.promql import Series, Value, children, expand, metric_names
+from bench.promql import Series, Value
 from kvstash.launch.stack import running_stack
 
 # Labels a Kubernetes scrape adds (the chart's ServiceMonitors), not the services.
@@ -42,42 +45,6 @@ def scraped() -> Iterator[tuple[Series, float]]:
         asyncio.run(pressure(stack, 24, 64))
         scraper.stop()
         yield series, scrape(stack, series)
-
-
-def labels_used(query: str, legend: str = "") -> set[str]:
-    """Every label a query matches, groups or joins on, and its legend names."""
-    found = {part.split("}}")[0] for part in legend.split("{{")[1:]}
-
-    def visit(node: object) -> None:
-        if isinstance(node, pq.VectorSelector):
-            found.update(m.name for m in node.matchers.matchers)
-        if isinstance(node, pq.AggregateExpr) and node.modifier is not None:
-            found.update(node.modifier.labels)
-        if isinstance(node, pq.BinaryExpr) and node.modifier is not None \
-                and node.modifier.matching is not None:
-            found.update(node.modifier.matching.labels)
-        for child in children(node):
-            visit(child)
-
-    visit(pq.parse(query))
-    return found - {"le"}
-
-
-def quantities(query: str) -> list[str]:
-    """The sides of a rule's comparisons with a number: the series the rule
-    watches, which exist whether or not it fires."""
-    found = []
-
-    def visit(node: object) -> None:
-        if isinstance(node, pq.BinaryExpr):
-            if str(node.op) in (">", "<", ">=", "<=", "==", "!=") and isinstance(
-                    node.rhs, pq.NumberLiteral):
-                found.append(node.lhs.prettify())
-            visit(node.lhs)
-            visit(node.rhs)
-
-    visit(pq.parse(query))
-    return found
 
 
 def series_of(value: Value) -> list[tuple[dict[str, str], float]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstash.client import TokenDelta, Usage
-from kvstash.launch import cli
+from kvstash.launch import terminal
 
 
 @pytest.mark.parametrize(("text", "shown"), [
@@ -17,15 +17,15 @@ from kvstash.launch import cli
     ("c1 csi\x9b2J", "c1 csi\\x9b2J"),
 ])
 def test_generate_escapes_what_a_terminal_would_act_on(text: str, shown: str) -> None:
-    assert cli.terminal_safe(text) == shown
+    assert terminal.terminal_safe(text) == shown
 
 
 def test_generate_prints_each_delta_escaped_and_usage_on_stderr(
         capsys: pytest.CaptureFixture[str]) -> None:
     usage = Usage(prompt_tokens=3, completion_tokens=4, num_preemptions=0,
                   num_recomputed_tokens=0, bytes_offloaded=0, ttft_s=0.0125)
-    cli.print_delta(TokenDelta("r", [27, 91], "ok\x1b["))
-    cli.print_delta(TokenDelta("r", [127, 10], "\x7f\n", "length", usage))
+    terminal.print_delta(TokenDelta("r", [27, 91], "ok\x1b["))
+    terminal.print_delta(TokenDelta("r", [127, 10], "\x7f\n", "length", usage))
     out, err = capsys.readouterr()
     assert out == "ok\\x1b[\\x7f\n"
     assert err == "\n[length] 3 prompt + 4 completion tokens, ttft 12.5 ms, 0 preemptions\n"
