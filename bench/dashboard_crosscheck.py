@@ -91,10 +91,12 @@ def main() -> int:
         base = f"http://127.0.0.1:{port}"
         try:
             scraper = Scraper(stack, series, 1.0, [])
-            time.sleep(3)
-            asyncio.run(pressure(stack, args.requests, 96))
-            now = time.time() - 1.5  # both have scraped up to here
-            scraper.stop()
+            try:
+                time.sleep(3)
+                asyncio.run(pressure(stack, args.requests, 96))
+                now = time.time() - 1.5  # both have scraped up to here
+            finally:
+                scraper.stop()
             return compare(base, series, now)
         finally:
             server.terminate()

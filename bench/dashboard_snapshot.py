@@ -253,10 +253,12 @@ def main() -> None:
     series, times = Series(), list[float]()
     with running_stack(pressured_stack()) as stack:
         scraper = Scraper(stack, series, args.interval, times)
-        time.sleep(2 * args.interval)
-        asyncio.run(pressure(stack, args.requests, args.max_tokens))
-        time.sleep(4 * args.interval)
-        scraper.stop()
+        try:
+            time.sleep(2 * args.interval)
+            asyncio.run(pressure(stack, args.requests, args.max_tokens))
+            time.sleep(4 * args.interval)
+        finally:
+            scraper.stop()
     draw(series, times, args.out, args.window)
     print(f"{len(times)} scrapes; wrote {args.out}")
 

@@ -355,6 +355,11 @@ def test_notes_render_for_every_value_set(tmp_path: Path) -> None:
         assert ("KV cache: shared, one cache service" in text) is (mode == "shared"), name
         assert ("shared-memory arena at" in text) is (mode in ("sidecar", "daemonset") and cache
                                                       .get("arena", {}).get("enabled", True)), name
+        monitoring = values.get("metrics", {})
+        assert ("ConfigMap rel-kvstash-dashboard" in text) is monitoring.get(
+            "grafanaDashboard", {}).get("enabled", False), name
+        assert ("PrometheusRule rel-kvstash " in text) is monitoring.get(
+            "prometheusRule", {}).get("enabled", False), name
         tokens = "with the first token in\nthe Secret" in text
         assert tokens is (pd and values.get("auth", {}).get("enabled", False)), name
         if pd:

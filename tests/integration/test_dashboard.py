@@ -42,8 +42,10 @@ def scraped() -> Iterator[tuple[Series, float]]:
         assert len(targets(stack)) == 6  # 2 schedulers, 2 workers, the cache, smg
         # As Prometheus would: from before the load, every second through it.
         scraper = Scraper(stack, series, 1.0, [])
-        asyncio.run(pressure(stack, 24, 64))
-        scraper.stop()
+        try:
+            asyncio.run(pressure(stack, 24, 64))
+        finally:
+            scraper.stop()
         yield series, scrape(stack, series)
 
 
