@@ -131,6 +131,19 @@ def panels() -> list[dict[str, Any]]:
     b.panel("Bytes in and out", "Bps", [
         (rate(c + "bytes_in_total", labels=""), "in"),
         (rate(c + "bytes_out_total", labels=""), "out")])
+    b.row("Prefix tier")
+    b.panel("Prompt tokens loaded from the tier", "short",
+            [(rate(s + "prefix_tier_hit_tokens_total"), "tokens/s")],
+            "Prompt segments read from the cache tier instead of prefilled.")
+    b.panel("Tier bytes", "Bps", [(rate(s + "prefix_tier_loaded_bytes_total"), "loaded"),
+                                  (rate(s + "prefix_tier_saved_bytes_total"), "saved")])
+    b.panel("Tier lookups, loads and saves", "ops", [
+        (rate(s + "prefix_tier_lookups_total", "result"), "lookups ({{result}})"),
+        (rate(s + "prefix_tier_loads_declined_total"), "loads declined (prefill cheaper)"),
+        (rate(s + "prefix_tier_load_failures_total"), "load failures"),
+        (rate(s + "prefix_tier_saves_total"), "saves"),
+        (rate(s + "prefix_tier_save_failures_total"), "save failures")])
+    b.panel("Tier load time", "s", quantiles(s + "prefix_tier_load_seconds"))
     b.row("Prefill/decode")
     b.panel("Decode reservations", "ops", [
         (rate(s + "reservations_accepted_total"), "accepted"),
@@ -174,7 +187,8 @@ def dashboard() -> dict[str, Any]:
         "tags": ["kvstash", "llm-serving"], "time": {"from": "now-1h", "to": "now"},
         "refresh": "30s", "graphTooltip": 1,
         "description": "KV-cache-aware LLM serving: traffic, latency, KV memory, "
-                       "preemption, the cache service, P/D, the worker and smg.",
+                       "preemption, the cache service, the prefix tier, P/D, the worker "
+                       "and smg.",
         "templating": {"list": [
             {"name": "datasource", "label": "Prometheus", "type": "datasource",
              "query": "prometheus", "current": {}},
