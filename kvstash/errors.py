@@ -68,3 +68,10 @@ class Unimplemented(KvstashError):
 
 class DataLoss(KvstashError):
     """Bytes did not match their checksum (or size): damaged in transit or at rest."""
+
+
+class IntegrityError(AssertionError):
+    """An invariant of the scheduler's pool or queues does not hold: a bug, not
+    a bad request (no gRPC status of its own). Here, not in the core, so that
+    the core compiles with mypyc (kvstash.sim.compiled), which builds no
+    subclass of a builtin exception but Exception's."""

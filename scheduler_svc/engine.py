@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
+from kvstash.errors import IntegrityError
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.copies import Copies
-from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.kv_events import KvEvent
 from scheduler_svc.core.outputs import Preempted, RequestUpdate

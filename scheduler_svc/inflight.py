@@ -24,8 +24,8 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
+from kvstash.errors import IntegrityError
 from scheduler_svc import tracing
-from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeer
 from scheduler_svc.streams import RequestStream

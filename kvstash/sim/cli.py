@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstash.common.units import parse_bytes
-from kvstash.sim import find
+from kvstash.sim import compiled, find
 from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import Cluster, SimResult, instance_configs
 from kvstash.sim.pd import PdCluster, pd_configs
@@ -52,6 +52,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "--replay", type=Path, metavar="RECORD",
         help="instead: replay a scheduler's decision record (its --record-decisions) into a "
              "fresh core and check that it decides the same")
+    p.add_argument("--core", choices=compiled.CORES, default="auto",
+                   help="the scheduler core as its Python sources, or compiled by mypyc "
+                        "(built once per version of the sources, ~1.5x faster; needs "
+                        "'kvstash[bench]' and a C compiler); auto: compiled where built")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
                    help="cost profile JSON (default: the shipped CPU llama-small profile)")
     p.add_argument("--policies", default="recompute,offload,auto",
@@ -251,6 +255,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # The profile's block bytes, for this block size.
     args.bytes_per_block = args.cost.bytes_per_block * args.block_size // args.cost.block_size
     print(f"profile: {args.cost.name} ({args.profile})")
+    args.core = compiled.running()
+    print(f"core: {args.core}" + ("" if args.core == "compiled" else
+                                  " (--core compiled: mypyc, about 1.5x faster)"))
     if args.find is not None:
         return find_least(args, slo, raw)
     print(HEADER)

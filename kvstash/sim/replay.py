@@ -12,8 +12,9 @@ recorded step's seconds beside the profile's prediction for the same work.
 
 from __future__ import annotations
 
+import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,13 @@ def read_record(path: Path) -> list[dict[str, Any]]:
 
 
 def _config(raw: dict[str, Any]) -> SchedulerConfig:
-    return SchedulerConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+    """The recorded config, its enums made from their values here (the core
+    compiled by mypyc, `--core compiled`, takes no strings for them)."""
+    values = {**raw, "eos_token_ids": tuple(raw["eos_token_ids"])}
+    for spec in fields(SchedulerConfig):
+        if isinstance(spec.default, enum.Enum) and spec.name in values:
+            values[spec.name] = type(spec.default)(values[spec.name])
+    return SchedulerConfig(**values)
 
 
 def _sampling(raw: dict[str, Any]) -> SamplingParams:

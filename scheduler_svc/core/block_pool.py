@@ -23,14 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice, takewhile
 from typing import cast
 
-from kvstash.errors import InvalidArgument
+from kvstash.errors import IntegrityError, InvalidArgument
 from scheduler_svc.core.kv_events import BlockRemoved, CacheCleared, KvEventLog
 
 _IS_BLOCK = functools.partial(operator.is_not, None)  # a lookup that found a block
-
-
-class IntegrityError(AssertionError):
-    """An invariant of the pool or the scheduler does not hold."""
 
 
 class BlockPool:
@@ -93,22 +89,24 @@ class BlockPool:
                 f"need {num_blocks} blocks, {len(self._free_ids)} free and "
                 f"{len(self._evictable)} evictable"
             )
-        ref_cnts = self._ref_cnts
         free_ids = self._free_ids
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            if free_ids:
-                block_id = free_ids.pop()
-            else:
-                block_id, _ = self._evictable.popitem(last=False)
-                block_hash = self._hashes[block_id]
-                assert block_hash is not None
-                del self._hash_to_block[block_hash]
-                self._hashes[block_id] = None
-                if self.events is not None:
-                    self.events.append(BlockRemoved(block_hash))
-            ref_cnts[block_id] = 1
+        num_free = min(num_blocks, len(free_ids))
+        # Free blocks first, last freed first (in one slice), then the LRU cached.
+        block_ids = free_ids[len(free_ids) - num_free:]
+        del free_ids[len(free_ids) - num_free:]
+        block_ids.reverse()
+        for _ in range(num_blocks - num_free):
+            block_id, _ = self._evictable.popitem(last=False)
+            block_hash = self._hashes[block_id]
+            assert block_hash is not None
+            del self._hash_to_block[block_hash]
+            self._hashes[block_id] = None
+            if self.events is not None:
+                self.events.append(BlockRemoved(block_hash))
             block_ids.append(block_id)
+        ref_cnts = self._ref_cnts
+        for block_id in block_ids:
+            ref_cnts[block_id] = 1
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -33,9 +33,10 @@ none.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import combinations_with_replacement, islice
 
 from scheduler_svc.core.seq import ScheduledSeq
 
@@ -46,24 +47,27 @@ _FORGET_STEP = 0.999
 # Once a fit is trusted, a sample more than this many times off its prediction
 # counts as only this far off: a step that waited seconds for a busy CPU (seen
 # on the 2-core machine, against milliseconds usually) moves it no further
-# than a plain slow one. The prediction is re-solved every _CLIP_EVERY samples.
+# than a plain slow one. The prediction it is bounded by is re-solved every
+# 1/16 of a fit's memory: every 3 copies, every 62 steps.
 _MAX_RATIO = 4.0
-_CLIP_EVERY = 8
 # Added to the diagonal of the scaled normal equations: a direction no sample
 # has told apart (two features always in proportion) gets the least-norm answer.
 _RIDGE = 1e-9
+_START_POS = operator.attrgetter("start_pos")
 
 
 class LinearFit:
     """y ~ theta . x by exponentially weighted least squares."""
 
-    __slots__ = ("_forget", "_gram", "_moment", "_reference", "_theta", "num_samples")
+    __slots__ = ("_clip_every", "_forget", "_gram", "_moment", "_reference", "_theta",
+                 "num_samples")
 
     def __init__(self, num_features: int, forget: float) -> None:
         self._forget = forget
-        # sum w x x^T, row after row in one list: one comprehension per sample
-        # (the step loop adds one every step).
-        self._gram = [0.0] * (num_features * num_features)
+        self._clip_every = max(1, round(1 / (1 - forget) / 16)) if forget < 1 else 64
+        # sum w x x^T (symmetric): its upper triangle, row after row, in one
+        # list, so a sample is one comprehension (the step loop adds one every step).
+        self._gram = [0.0] * (num_features * (num_features + 1) // 2)
         self._moment = [0.0] * num_features  # sum w x y
         self._theta: list[float] | None = None  # solved lazily; None: stale
         self._reference: list[float] | None = None  # the theta samples are clipped by
@@ -72,14 +76,15 @@ class LinearFit:
     def add(self, x: Sequence[float], y: float, clip: bool) -> None:
         """One measurement; `clip`: bound it by the prediction (see _MAX_RATIO)."""
         if clip:
-            if self._reference is None or not self.num_samples % _CLIP_EVERY:
+            if self._reference is None or not self.num_samples % self._clip_every:
                 self._reference = self.theta
             expected = _dot(self._reference, x)
             if expected > 0:
                 y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
         forget = self._forget
-        outer = [xi * xj for xi in x for xj in x]
-        self._gram = [g * forget + o for g, o in zip(self._gram, outer, strict=True)]
+        self._gram = [g * forget + xi * xj
+                      for g, (xi, xj) in zip(self._gram, combinations_with_replacement(x, 2),
+                                             strict=True)]
         self._moment = [m * forget + xi * y for m, xi in zip(self._moment, x, strict=True)]
         self._theta = None
         self.num_samples += 1
@@ -95,18 +100,21 @@ class LinearFit:
 
 
 def _dot(theta: Sequence[float], x: Sequence[float]) -> float:
-    return sum(t * xi for t, xi in zip(theta, x, strict=True))
+    return sum(map(operator.mul, theta, x))
 
 
-def _solve(gram: list[float], moment: list[float]) -> list[float]:
-    """theta with gram @ theta = moment (gram row after row), scaled to a unit
-    diagonal first (the features differ by many orders of magnitude); features
-    never seen get 0."""
+def _solve(upper: list[float], moment: list[float]) -> list[float]:
+    """theta with gram @ theta = moment (`upper`: gram's upper triangle, row
+    after row), scaled to a unit diagonal first (the features differ by many
+    orders of magnitude); features never seen get 0."""
     n = len(moment)
-    seen = [i for i in range(n) if gram[i * n + i] > 0]
-    scale = {i: 1 / math.sqrt(gram[i * n + i]) for i in seen}
+    gram = [[0.0] * n for _ in range(n)]
+    for value, (i, j) in zip(upper, combinations_with_replacement(range(n), 2), strict=True):
+        gram[i][j] = gram[j][i] = value
+    seen = [i for i in range(n) if gram[i][i] > 0]
+    scale = {i: 1 / math.sqrt(gram[i][i]) for i in seen}
     # One row per seen feature: [scaled gram + ridge | scaled moment].
-    rows = [[gram[i * n + j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
+    rows = [[gram[i][j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
             + [moment[i] * scale[i]] for i in seen]
     size = len(rows)
     for col in range(size):  # Gauss-Jordan with partial pivoting
@@ -128,7 +136,7 @@ def step_features(seqs: Sequence[ScheduledSeq], num_decodes: int
     1, decode rows, the sum of their positions, prefill tokens and the sum of
     (s + n)^2 - s^2 over the prefill chunks [s, s + n); `seqs[:num_decodes]`
     are the decodes. kvstash sim times its steps by the same line."""
-    decode_positions = sum(seq.start_pos for seq in islice(seqs, num_decodes))
+    decode_positions = sum(map(_START_POS, islice(seqs, num_decodes)))
     num_prefill = prefill_squares = 0
     for seq in islice(seqs, num_decodes, None):
         start = seq.start_pos

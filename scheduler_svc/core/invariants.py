@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from itertools import chain
 
-from scheduler_svc.core.block_pool import IntegrityError
+from kvstash.errors import IntegrityError
 from scheduler_svc.core.config import Role, SchedulerConfig
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.pd import PdManager

@@ -53,8 +53,7 @@ import bisect
 from collections import deque
 
 from kvstash.common.ids import snapshot_id_for
-from kvstash.errors import FailedPrecondition, NotFound
-from scheduler_svc.core.block_pool import IntegrityError
+from kvstash.errors import FailedPrecondition, IntegrityError, NotFound
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.outputs import Counters, OffloadCommand, RestoreCommand

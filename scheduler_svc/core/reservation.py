@@ -52,10 +52,6 @@ class Reservation:
         ratio = (num_decoded + self.config.retract_steps * num_decode) / (num_max_tokens + 1)
         self.new_token_ratio = min(ratio, self.init_ratio)
 
-    def reserved_tokens(self, req: Request) -> float:
-        remaining = min(req.num_remaining_tokens, self.config.clip_max_new_tokens)
-        return max(remaining, 0) * self.new_token_ratio
-
     def reserved_blocks(self, req: Request, num_held: int | None = None) -> int:
         """Never more than it can still use: blocks for prompt + max_tokens - 1
         positions in all (its last token needs no KV), less those it holds
@@ -63,10 +59,23 @@ class Reservation:
         config = self.config
         if config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
             return config.fixed_blocks_per_decode
-        block_size = config.block_size
-        usable = -(-(req.num_prompt_tokens + req.sampling.max_tokens - 1) // block_size)
-        return max(0, min(math.ceil(self.reserved_tokens(req) / block_size),
-                          usable - (len(req.block_ids) if num_held is None else num_held)))
+        return _blocks(req, len(req.block_ids) if num_held is None else num_held,
+                       config.block_size, config.clip_max_new_tokens, self.new_token_ratio)
 
     def total_reserved_blocks(self, reqs: Iterable[Request]) -> int:
-        return sum(self.reserved_blocks(req) for req in reqs)
+        """`reserved_blocks` summed (admission sums it over every running
+        decode on every step a request waits: one call per request, not three)."""
+        config = self.config
+        if config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
+            return config.fixed_blocks_per_decode * sum(1 for _ in reqs)
+        args = config.block_size, config.clip_max_new_tokens, self.new_token_ratio
+        return sum([_blocks(req, len(req.block_ids), *args) for req in reqs])
+
+
+def _blocks(req: Request, num_held: int, block_size: int, clip: int, ratio: float) -> int:
+    """reserved_blocks under the ratio (module docstring)."""
+    max_tokens = req.sampling.max_tokens
+    remaining = min(max_tokens - len(req.output_token_ids), clip)
+    wanted = math.ceil((remaining if remaining > 0 else 0) * ratio / block_size)
+    usable = -(-(req.num_prompt_tokens + max_tokens - 1) // block_size) - num_held
+    return max(0, min(wanted, usable))

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstash.errors import InvalidArgument
-from scheduler_svc.core.block_pool import BlockPool, IntegrityError
+from kvstash.errors import IntegrityError, InvalidArgument
+from scheduler_svc.core.block_pool import BlockPool
 
 
 def test_allocate_and_free_keep_the_invariant() -> None:

@@ -15,8 +15,8 @@ import pytest
 
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
+from kvstash.errors import IntegrityError
 from scheduler_svc import handoff
-from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import SchedulerOutput
 from scheduler_svc.core.request import RequestStatus, RequestUsage

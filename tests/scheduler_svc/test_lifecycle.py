@@ -6,8 +6,7 @@ import ast
 
 import pytest
 
-from kvstash.errors import FailedPrecondition, NotFound
-from scheduler_svc.core.block_pool import IntegrityError
+from kvstash.errors import FailedPrecondition, IntegrityError, NotFound
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvstash.common.sampling import SamplingParams
-from kvstash.errors import FailedPrecondition
+from kvstash.errors import FailedPrecondition, IntegrityError
 from scheduler_svc.core import scheduler as scheduler_module
-from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus, RequestUsage

@@ -72,12 +72,23 @@ def test_recomputed_ratio_is_capped_at_init() -> None:
     assert reservation.new_token_ratio == 0.7
 
 
-def test_reserved_tokens_clip_remaining_output() -> None:
+def test_reserved_blocks_clip_remaining_output() -> None:
     reservation = Reservation(make_config(block_size=16))
-    assert reservation.reserved_tokens(make_request(100_000)) == pytest.approx(4096 * 0.7)
-    assert reservation.reserved_blocks(make_request(100_000)) == 180  # ceil(2867.2 / 16)
-    assert reservation.reserved_tokens(make_request(100, num_output=60)) == pytest.approx(28)
-    assert reservation.reserved_blocks(make_request(100, num_output=60)) == 2
+    clipped, near_end = make_request(100_000), make_request(100, num_output=60)
+    assert reservation.reserved_blocks(clipped) == 180  # ceil(4096 * 0.7 / 16)
+    assert reservation.reserved_blocks(near_end) == 2  # ceil(40 * 0.7 / 16)
+    assert reservation.total_reserved_blocks([clipped, near_end, near_end]) == 184
+
+
+def test_reserved_blocks_stop_at_what_the_request_can_still_use() -> None:
+    reservation = Reservation(make_config(block_size=16))
+    # 1 prompt + 100 output tokens: 100 positions need KV, 7 blocks in all.
+    req = make_request(100)
+    assert reservation.reserved_blocks(req) == 5  # ceil(100 * 0.7 / 16)
+    req.block_ids.extend(range(4))
+    assert reservation.reserved_blocks(req) == 3
+    assert reservation.reserved_blocks(req, num_held=7) == 0
+    assert reservation.total_reserved_blocks([req]) == 3
 
 
 def test_fixed_blocks_policy() -> None:

@@ -6,11 +6,11 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.errors import (
     AlreadyExists,
     FailedPrecondition,
+    IntegrityError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from scheduler_svc.core.block_pool import IntegrityError
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler

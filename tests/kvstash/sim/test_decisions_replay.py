@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,11 @@ from kvstash.client import Client
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.sim.__main__ import main
 from tests.bench.test_replay_e2e import PRESSURE
+from tests.gpu_worker.worker_factories import REPO
 
 
 def test_a_recorded_run_replays_to_the_same_decisions(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], compiled_core: str) -> None:
     record = tmp_path / "decisions.jsonl"
     args = [a if a != "--init-new-token-ratio 0.1" else
             f"--init-new-token-ratio 0.1 --record-decisions {record}" for a in PRESSURE]
@@ -37,6 +40,13 @@ def test_a_recorded_run_replays_to_the_same_decisions(
     assert preemptions > 0 and f"{preemptions} preemptions" in out
     steps = sum(1 for line in lines if line["op"] == "step")
     assert f"prediction, over {steps} steps: p50" in out  # the profile set beside each step
+    # The core compiled by mypyc (`kvstash sim --core compiled`) decides as the
+    # sources that served the run did.
+    done = subprocess.run([sys.executable, "-m", "kvstash.sim", "sim", "--core", "compiled",
+                           "--replay", str(record)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "every decision identical to the record" in done.stdout
 
 
 def test_a_tampered_record_is_caught(tmp_path: Path,
