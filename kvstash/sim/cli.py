@@ -54,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
              "fresh core and check that it decides the same")
     p.add_argument("--core", choices=compiled.CORES, default="auto",
                    help="the scheduler core as its Python sources, or compiled by mypyc "
-                        "(built once per version of the sources, ~1.5x faster; needs "
+                        "(built once per version of the sources, 1.2-1.6x faster; needs "
                         "'kvstash[bench]' and a C compiler); auto: compiled where built")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
                    help="cost profile JSON (default: the shipped CPU llama-small profile)")
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"profile: {args.cost.name} ({args.profile})")
     args.core = compiled.running()
     print(f"core: {args.core}" + ("" if args.core == "compiled" else
-                                  " (--core compiled: mypyc, about 1.5x faster)"))
+                                  " (--core compiled: mypyc, 1.2-1.6x faster)"))
     if args.find is not None:
         return find_least(args, slo, raw)
     print(HEADER)

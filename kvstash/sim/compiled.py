@@ -16,12 +16,13 @@ The cache is $KVSTASH_CACHE_DIR, else $XDG_CACHE_HOME/kvstash, else
 ~/.cache/kvstash. A build whose sources changed since is never used: its
 key is another.
 
-Compiled code checks its annotations when it runs: where the sources coerce
-an enum setting given as a string, or answer a float token id with
-InvalidArgument, it raises TypeError. The simulator passes neither (its
-configs and prompts are built typed); the same pressured workloads, P/D
-pools and a real stack's decision record decide identically under both
-(tests/kvstash/sim/test_compiled.py, test_decisions_replay.py).
+Compiled code trusts its annotations: given a value of another type (a
+string for an enum setting, True for a count, a float token id) it raises
+TypeError or takes it as it is, where the sources coerce it or answer
+InvalidArgument. The simulator builds its configs and prompts typed; the
+same pressured workloads, P/D pools and a real stack's decision record
+decide identically under both (tests/kvstash/sim/test_compiled.py,
+test_decisions_replay.py).
 """
 
 from __future__ import annotations
