@@ -30,10 +30,9 @@ from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
 from kvstash.launch.stack import StackConfig
 from kvstash.sim.cache import SimCache
-from kvstash.sim.cli import DEFAULT_PROFILE
 from kvstash.sim.cluster import Cluster, SimResult, counters_of, instance_configs
 from kvstash.sim.pd import PdCluster, pd_configs
-from kvstash.sim.profile import read_profile
+from kvstash.sim.profile import DEFAULT_PROFILE, read_profile
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts

@@ -39,7 +39,8 @@ from kvstash.common.units import MIB
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
-from kvstash.sim.profile import CopyCost, CostProfile, StepCost
+from kvstash.sim.profile import DEFAULT_PROFILE, CopyCost, CostProfile, StepCost, read_profile
+from kvstash.sim.replay import read_record, replay
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.core.costs import LinearFit, step_features
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
@@ -245,6 +246,22 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str) -> 
                        {path: cost for path, (cost, _) in copies.items()}, source)
 
 
+def from_record(path: Path, base: CostProfile, name: str | None) -> CostProfile:
+    """`base` with its step line fitted to the steps a served run recorded:
+    what each step took with the scheduler, cache and clients beside the
+    worker, where `calibrate` times the worker alone."""
+    steps = replay(read_record(path)).steps
+    if len(steps) < 5:
+        raise ValueError(f"{path}: {len(steps)} recorded steps; a fit needs at least 5")
+    coef, error = lstsq([list(x) for x, _ in steps], [s for _, s in steps])
+    how = (f"kvstash calibrate --from-record {path.name}: {len(steps)} served steps, "
+           f"{datetime.date.today().isoformat()}; relative RMS error of the fit {error:.1%}")
+    print(f"fitted {len(steps)} recorded steps: relative RMS error {error:.1%}")
+    return CostProfile(name or f"{base.name}, steps as served", base.bytes_per_block,
+                       base.block_size, StepCost(*coef), base.copy,
+                       {**base.source, "step": how})
+
+
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("calibrate", help="measure a cost profile for kvstash sim here",
                             description=__doc__,
@@ -257,14 +274,24 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "worker here)")
     p.add_argument("--repeat", type=int, default=3, help="measures per shape (median)")
     p.add_argument("--name", help="the profile's name (default: model and device)")
+    p.add_argument("--from-record", type=Path, metavar="RECORD",
+                   help="instead of driving a worker: fit the step line to the steps a "
+                        "served run recorded (a scheduler's --record-decisions), the other "
+                        "processes on its host included; copies from --copies")
+    p.add_argument("--copies", type=Path, default=DEFAULT_PROFILE,
+                   help="with --from-record: the profile whose copy lines and block size "
+                        "to keep")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.worker_threads < 1:
         raise ValueError(f"--repeat and --worker-threads must be >= 1, got {args.repeat}, "
                          f"{args.worker_threads}")
-    profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
-                        args.name or f"{Path(args.model).name} on {args.device}")
+    if args.from_record is not None:
+        profile = from_record(args.from_record, read_profile(args.copies), args.name)
+    else:
+        profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
+                            args.name or f"{Path(args.model).name} on {args.device}")
     args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     print(json.dumps(profile.to_json(), indent=1))
     print(f"wrote {args.out}")

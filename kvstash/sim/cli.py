@@ -27,7 +27,7 @@ from kvstash.sim import compiled, find
 from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import Cluster, SimResult, instance_configs
 from kvstash.sim.pd import PdCluster, pd_configs
-from kvstash.sim.profile import COPY_PATHS, read_profile
+from kvstash.sim.profile import COPY_PATHS, DEFAULT_PROFILE, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
@@ -39,8 +39,6 @@ from scheduler_svc.core.pd import HANDOFF_WAIT_S
 if TYPE_CHECKING:
     from kvstash.workload import plots
 
-PROFILES = Path(__file__).parent / "profiles"
-DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]

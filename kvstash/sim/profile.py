@@ -26,6 +26,8 @@ from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.seq import ScheduledSeq
 
 COPY_PATHS = ("arena", "grpc", "disk")
+PROFILES = Path(__file__).parent / "profiles"  # the shipped ones
+DEFAULT_PROFILE = PROFILES / "cpu-llama-small-float32.json"
 
 
 class ProfileError(ValueError):

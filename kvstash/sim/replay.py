@@ -22,6 +22,7 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.errors import KvstashError
 from kvstash.sim.profile import CostProfile
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.request import RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
@@ -40,6 +41,8 @@ class Replayed:
     # With a profile: each recorded step's seconds over what the profile
     # predicts for the same seqs (how well it times this run's steps).
     step_ratios: list[float] = field(default_factory=list)
+    # Each recorded step's features (costs.step_features) and seconds.
+    steps: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
 
 
 def read_record(path: Path) -> list[dict[str, Any]]:
@@ -104,6 +107,8 @@ class _Replay:
         elif op == "step":
             out = self.output()
             core.observe_step(out, line["seconds"])
+            self.result.steps.append((step_features(out.seqs, out.num_decodes),
+                                      line["seconds"]))
             if self.profile is not None:
                 predicted = self.profile.step.seconds(out.seqs, out.num_decodes)
                 self.result.step_ratios.append(line["seconds"] / predicted)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from bench.replay.__main__ import main as replay_main
 from kvstash.client import Client
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.sim.__main__ import main
+from kvstash.sim.profile import DEFAULT_PROFILE, read_profile
+from kvstash.sim.replay import read_record, replay
 from tests.bench.test_replay_e2e import PRESSURE
 from tests.gpu_worker.worker_factories import REPO
 
@@ -47,6 +50,14 @@ def test_a_recorded_run_replays_to_the_same_decisions(
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "every decision identical to the record" in done.stdout
+    # A profile whose step line is fitted to this served run's steps times them.
+    fitted = tmp_path / "served.json"
+    assert main(["calibrate", str(fitted), "--from-record", str(record)]) == 0
+    profile = read_profile(fitted)
+    assert "--from-record decisions.jsonl" in profile.source["step"]
+    assert profile.copy == read_profile(DEFAULT_PROFILE).copy
+    ratios = replay(read_record(record), profile).step_ratios
+    assert len(ratios) == steps and 0.67 < statistics.median(ratios) < 1.5
 
 
 def test_a_tampered_record_is_caught(tmp_path: Path,

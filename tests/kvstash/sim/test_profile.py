@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from kvstash.common.sampling import SamplingParams
-from kvstash.sim.cli import PROFILES
-from kvstash.sim.profile import ProfileError, parse_profile, read_profile
+from kvstash.sim.profile import PROFILES, ProfileError, parse_profile, read_profile
 from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.seq import ScheduledSeq
 
