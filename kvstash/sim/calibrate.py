@@ -23,13 +23,12 @@ import contextlib
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvstash.common import rpc_connections
@@ -39,10 +38,17 @@ from kvstash.common.units import MIB
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
-from kvstash.sim.profile import DEFAULT_PROFILE, CopyCost, CostProfile, StepCost, read_profile
+from kvstash.sim.profile import (
+    DEFAULT_PROFILE,
+    CopyCost,
+    CostProfile,
+    StepCost,
+    lstsq,
+    read_profile,
+)
 from kvstash.sim.replay import read_record, replay
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_svc.core.costs import LinearFit, step_features
+from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.seq import ScheduledSeq
 from scheduler_svc.worker_link import StepStream, WorkerLink
@@ -61,27 +67,6 @@ def step_shapes(max_context: int) -> list[tuple[int, int, int, int]]:
     shapes += [(0, 0, n, s) for n in PREFILL_CHUNKS for s in (0, max_context // 2)]
     shapes += [(MIXED_DECODES, c, 512, 0) for c in contexts]
     return shapes
-
-
-def lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[list[float], float]:
-    """Least squares of the relative error (a 10 ms step matters as much as a
-    300 ms one), by the scheduler's own fit (scheduler_svc.core.costs), every
-    coefficient >= 0 (a negative one is dropped and the rest refitted); and
-    the fit's RMS relative error."""
-    keep = list(range(len(rows[0])))
-    while True:
-        fit = LinearFit(len(keep), forget=1.0)
-        for row, y in zip(rows, targets, strict=True):
-            fit.add([row[i] / y for i in keep], 1.0, clip=False)
-        if min(fit.theta) >= 0:
-            break
-        keep.pop(fit.theta.index(min(fit.theta)))
-    full = [0.0] * len(rows[0])
-    for i, c in zip(keep, fit.theta, strict=True):
-        full[i] = c
-    errors = [sum(c * x for c, x in zip(full, row, strict=True)) / y - 1
-              for row, y in zip(rows, targets, strict=True)]
-    return full, math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
 class Driver:
@@ -250,7 +235,12 @@ def from_record(path: Path, base: CostProfile, name: str | None) -> CostProfile:
     """`base` with its step line fitted to the steps a served run recorded:
     what each step took with the scheduler, cache and clients beside the
     worker, where `calibrate` times the worker alone."""
-    steps = replay(read_record(path)).steps
+    if not path.is_file():
+        raise ValueError(f"--from-record {path}: no such file")
+    replayed = replay(read_record(path))
+    if replayed.mismatch is not None:  # its steps would not be the steps it ran
+        raise ValueError(f"{path} does not replay: {replayed.mismatch}")
+    steps = replayed.steps
     if len(steps) < 5:
         raise ValueError(f"{path}: {len(steps)} recorded steps; a fit needs at least 5")
     coef, error = lstsq([list(x) for x, _ in steps], [s for _, s in steps])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.core.costs import step_features
+from scheduler_svc.core.costs import LinearFit, step_features
 from scheduler_svc.core.seq import ScheduledSeq
 
 COPY_PATHS = ("arena", "grpc", "disk")
@@ -136,3 +136,24 @@ def read_profile(path: Path) -> CostProfile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: not JSON: {exc}") from None
     return parse_profile(raw, str(path))
+
+
+def lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[list[float], float]:
+    """Least squares of the relative error (a 10 ms step matters as much as a
+    300 ms one), by the scheduler's own fit (scheduler_svc.core.costs), every
+    coefficient >= 0 (a negative one is dropped and the rest refitted); and
+    the fit's RMS relative error."""
+    keep = list(range(len(rows[0])))
+    while True:
+        fit = LinearFit(len(keep), forget=1.0)
+        for row, y in zip(rows, targets, strict=True):
+            fit.add([row[i] / y for i in keep], 1.0, clip=False)
+        if min(fit.theta) >= 0:
+            break
+        keep.pop(fit.theta.index(min(fit.theta)))
+    full = [0.0] * len(rows[0])
+    for i, c in zip(keep, fit.theta, strict=True):
+        full[i] = c
+    errors = [sum(c * x for c, x in zip(full, row, strict=True)) / y - 1
+              for row, y in zip(rows, targets, strict=True)]
+    return full, math.sqrt(sum(e * e for e in errors) / len(errors))
