@@ -75,6 +75,13 @@ def test_a_tampered_record_is_caught(tmp_path: Path,
     record.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert main(["sim", "--replay", str(record)]) == 1
     assert "DECISIONS DIFFER" in capsys.readouterr().err
+    # Nor is a profile fitted to its steps (they are not the steps it ran).
+    assert main(["calibrate", str(tmp_path / "p.json"), "--from-record", str(record)]) == 2
+    assert "does not replay" in capsys.readouterr().err
+    assert main(["calibrate", str(tmp_path / "p.json"), "--from-record",
+                 str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_a_recorded_pd_pair_replays_to_the_same_decisions(
