@@ -7,7 +7,9 @@ Modes: `per-seq` (one forward and one sync per sequence: the old path, now
 the tests' oracle, tests/gpu_worker/oracle.py),
 `batched` (one forward per step, batch-invariant), `batched-tiles` (the
 same, made to run in row tiles: the fallback, and the GPU's path before
-fixed_gemm), `batched-fast` (one forward, no row tiles: not invariant).
+fixed_gemm), `batched-eager` (the default step without CUDA graphs; on the
+CPU the same as `batched`), `batched-fast` (one forward, no row tiles: not
+invariant).
 Also the prefill FLOP/s of a plain batched torch forward of the same shapes
 (dense, no paging) and, on CUDA, the share of decode step wall time the GPU
 is busy.
@@ -46,7 +48,7 @@ from safetensors.torch import save_file
 
 from gpu_worker.batched import default_row_tile
 from gpu_worker.checkpoint import load_checkpoint, resolve_device
-from gpu_worker.config import tiny_model_config
+from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS, tiny_model_config
 from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
 from gpu_worker.runner import ModelRunner, SeqWork
 from kvstash.common.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, byte_tokenizer_json
@@ -65,7 +67,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 4096,
                     "rope_theta": 500000.0},
 }
-MODES = ("per-seq", "batched", "batched-tiles", "batched-fast")
+MODES = ("per-seq", "batched", "batched-eager", "batched-tiles", "batched-fast")
 DEFAULT_MODES = "per-seq,batched,batched-fast"
 
 
@@ -128,7 +130,8 @@ def make_runner(model: CausalLM, mode: str, batch: int, tokens: int,
     if mode == "batched-tiles":
         row_tile = row_tile or default_row_tile(model.device)
     return ModelRunner(model, block_size=16, num_blocks=batch * per_seq + 1,
-                       batch_invariant=mode != "batched-fast", row_tile=row_tile)
+                       batch_invariant=mode != "batched-fast", row_tile=row_tile,
+                       cuda_graph_rows=0 if mode == "batched-eager" else DEFAULT_CUDA_GRAPH_ROWS)
 
 
 def tables(batch: int, tokens: int) -> list[list[int]]:
@@ -220,22 +223,31 @@ VIEWS = frozenset(f"aten::{op}" for op in (
     "resolve_neg", "chunk", "contiguous"))
 
 
-def kernels(device: torch.device, fn: Callable[[], object]) -> int:
-    """Kernels `fn` runs: on CUDA the device's own (launches, copies included;
-    the CPU profiler's op count came out at 71 per decode step on an H200 for
-    16 layers, which cannot be); on the CPU leaf torch ops, views and
-    allocations left out."""
+# The host's calls that put work on a CUDA stream: a graph's replay is one.
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"}
+
+
+def kernels(device: torch.device, fn: Callable[[], object]) -> tuple[int, int | None]:
+    """Kernels `fn` runs and, on CUDA, the host's launches: the device's own
+    kernels (copies included; the CPU profiler's op count came out at 71 per
+    decode step on an H200 for 16 layers, which cannot be) and the launch
+    calls (LAUNCH_CALLS: a CUDA graph runs many kernels from one); on the
+    CPU leaf torch ops, views and allocations left out, and no launches."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type == "cuda":
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        events = prof.events()
+        return (sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                    and e.name in LAUNCH_CALLS))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(1 for e in prof.events()
-               if e.name.startswith("aten::") and not e.cpu_children and e.name not in VIEWS)
+               if e.name.startswith("aten::") and not e.cpu_children and e.name not in VIEWS), None
 
 
 def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
@@ -254,12 +266,13 @@ def bench_batch(model: CausalLM, mode: str, batch: int, args: argparse.Namespace
     decode_s = timed(device, lambda: decode(runner, batch, args.context, blocks, args.steps,
                                             batched), args.repeat)
     busy = gpu_busy(device, lambda: decode(runner, batch, args.context, blocks, 2, batched))
-    ops = (kernels(device, lambda: decode(runner, batch, args.context, blocks, 1, batched))
-           if args.count_ops else None)
+    ops, launches = (kernels(device, lambda: decode(runner, batch, args.context, blocks, 1,
+                                                    batched))
+                     if args.count_ops else (None, None))
     return {"steps": steps_layout(runner, mode),
             "decode": batch * args.steps / decode_s, "prefill": batch * args.prompt_len / prefill_s,
             "prefill_tflops": prefill_flops(model, batch, args.prompt_len) / prefill_s / 1e12,
-            "busy": busy, "decode_ops": ops}
+            "busy": busy, "decode_ops": ops, "decode_launches": launches}
 
 
 def top_ops(device: torch.device, fn: Callable[[], object], n: int
@@ -299,7 +312,9 @@ def steps_layout(runner: ModelRunner, mode: str) -> str:
         return "per seq"
     if runner.batched.row_tile is None:
         return "plain"
-    return "whole" if runner.batched.whole else f"tiles {runner.batched.row_tile}"
+    if not runner.batched.whole:
+        return f"tiles {runner.batched.row_tile}"
+    return "whole" if runner.batched.graphs is None else "graphs"
 
 
 def prefill_chunk_ops(model: CausalLM, mode: str, length: int = 1024) -> int:
@@ -309,7 +324,7 @@ def prefill_chunk_ops(model: CausalLM, mode: str, length: int = 1024) -> int:
     ids = prompts(1, length, model.config.vocab_size)
     prefill(runner, ids, tables(1, length), length, mode != "per-seq")  # warm-up
     return kernels(model.device,
-                   lambda: prefill(runner, ids, tables(1, length), length, mode != "per-seq"))
+                   lambda: prefill(runner, ids, tables(1, length), length, mode != "per-seq"))[0]
 
 
 def compare(rev: str, argv: list[str]) -> None:
@@ -435,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.context}, {args.steps} timed decode steps")
     print(f"{'batch':>5} {'mode':<13} {'steps':<9} {'decode tok/s':>13} {'prefill tok/s':>14} "
           f"{'prefill TFLOP/s':>16} {'vs dense':>9} {'GPU busy':>9}"
-          + (f" {'kernels':>8}" if args.count_ops else ""))
+          + (f" {'kernels':>8} {'launches':>8}" if args.count_ops else ""))
     rows: dict[str, dict[str, Any]] = {}
     for batch in (int(b) for b in args.batches.split(",")):
         ids = prompts(batch, args.prompt_len, model.config.vocab_size)
@@ -454,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
             r = bench_batch(model, mode, batch, args)
             busy = "n/a" if r["busy"] is None else f"{r['busy']:.0%}"
             ratio = (r["prefill_tflops"] or 0.0) / dense_tflops
-            ops = "" if r["decode_ops"] is None else f" {r['decode_ops']:>8}"
+            ops = ("" if r["decode_ops"] is None
+                   else f" {r['decode_ops']:>8} {r['decode_launches'] or '-':>8}")
             print(f"{batch:>5} {mode:<13} {r['steps']:<9} {r['decode']:>13.1f} "
                   f"{r['prefill']:>14.1f} {r['prefill_tflops']:>16.3f} {ratio:>9.0%} "
                   f"{busy:>9}{ops}", flush=True)

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--row-tile", type=int, default=_DEFAULTS.row_tile,
                    help="run batch-invariant steps in tiles of this many rows; unset = 128 on "
                         "CUDA, whole steps on CPU (tiles of 16 where its start-up check fails)")
+    p.add_argument("--cuda-graph-rows", type=int, default=_DEFAULTS.cuda_graph_rows,
+                   help="on CUDA, batch-invariant steps of at most this many rows replay "
+                        "CUDA graphs; 0 = off")
     p.add_argument("--num-threads", type=int, default=_DEFAULTS.num_threads,
                    help="torch intra-op threads; 0 = the CPUs this process may use (its "
                         "affinity mask, bounded by its cgroup's CPU quota)")
@@ -82,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
             cache_address=args.cache_address, cache_timeout_s=args.cache_timeout_s,
             cache_arena=args.cache_arena,
             seed=args.seed, batch_invariant=args.batch_invariant, row_tile=args.row_tile,
+            cuda_graph_rows=args.cuda_graph_rows,
             host_pool_bytes=args.host_pool, num_threads=args.num_threads,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             security=security.from_args(args, require_client_cert=True),

@@ -171,15 +171,17 @@ class PagedAttention:
                         step.query_start.to(torch.int32))
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
-                 keys: StepKeys) -> torch.Tensor:
+                 keys: StepKeys, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [rows, heads, d]; cache [2, slots, kv_heads, d] with this step's K/V
-        already written. Returns [rows, heads, d] (padding rows: unspecified)."""
+        already written. Returns [rows, heads, d] (padding rows: unspecified),
+        in `out` where given."""
         if self.backend is AttentionBackend.FLASH:
-            return self._flash(q, cache, step, keys)
-        return self._torch(q, cache, step, keys)
+            return self._flash(q, cache, step, keys, out)
+        attended = self._torch(q, cache, step, keys)
+        return attended if out is None else out.copy_(attended)
 
     def _flash(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
-               keys: StepKeys) -> torch.Tensor:
+               keys: StepKeys, out: torch.Tensor | None) -> torch.Tensor:
         options = self._varlen_options
         n = step.host.num_tokens
         k = cache[0].index_select(0, keys.packed_slots)
@@ -191,7 +193,8 @@ class PagedAttention:
             q[:n], k, v, keys.cu_queries, keys.cu_keys, step.host.max_query_len,
             step.host.max_context_len, **options.keywords)
         assert isinstance(attended, torch.Tensor)  # no aux outputs were asked for
-        out = torch.zeros_like(q)
+        if out is None:
+            out = torch.zeros_like(q)
         out[:n] = attended
         return out
 

@@ -38,6 +38,8 @@ kind of matmul.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gpu_worker import elementwise, fixed_gemm
@@ -45,6 +47,9 @@ from gpu_worker.attention import AttentionBackend, PagedAttention, flash_support
 from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_inputs import DeviceStep
+
+if TYPE_CHECKING:
+    from gpu_worker.step_graphs import StepGraphs
 
 
 def rotary_table(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +135,42 @@ class BatchedForward:
                                         block_size, attention, invariant, tiles, kv_chunk,
                                         model.dtype)
         self.cos, self.sin = rotary_table(model, max_model_len)
+        self.graphs: StepGraphs | None = None  # see use_graphs
 
     def _tiles(self, rows: int) -> list[slice]:
         if self.whole or self.row_tile is None:  # the latter: for the type checker
             return [slice(0, rows)]
         return [slice(i, i + self.row_tile) for i in range(0, rows, self.row_tile)]
+
+    def use_graphs(self, max_rows: int) -> None:
+        """Whole steps of at most `max_rows` rows replay CUDA graphs
+        (step_graphs.py): padded steps only, so a few row counts cover them."""
+        if not (self.whole and self.row_tile and self.model.device.type == "cuda"
+                and max_rows > 0):
+            raise ValueError("CUDA graphs need whole padded (batch-invariant) steps on a "
+                             "CUDA device and max_rows > 0")
+        from gpu_worker.step_graphs import StepGraphs
+
+        self.graphs = StepGraphs(self, max_rows)
+
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' embeddings and rotary cos, sin."""
+        return self.model.model.embed_tokens(token_ids), self.cos[positions], self.sin[positions]
+
+    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q, k, v of the whole step's rows."""
+        return _qkv(self._layer(i), x, cos, sin, self.matmul)
+
+    def rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer i's output rows from its input rows and their attention."""
+        return _rest(self._layer(i), x, attended, self.matmul)
+
+    def _layer(self, i: int) -> DecoderLayer:
+        layer = self.model.model.layers[i]
+        assert isinstance(layer, DecoderLayer)
+        return layer
 
     @torch.inference_mode()
     def hidden(self, step: DeviceStep, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -145,29 +181,29 @@ class BatchedForward:
         num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
         flat = kv_cache.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
         rows, n = step.host.num_rows, step.host.num_tokens
-        tiles = self._tiles(rows)
-        x = self.model.model.embed_tokens(step.token_ids)
-        cos, sin = self.cos[step.positions], self.sin[step.positions]
         keys = self.attention.prepare(step)
+        if self.graphs is not None and rows <= self.graphs.max_rows:
+            return self.graphs.hidden(step, flat, keys)
+        tiles = self._tiles(rows)
+        x, cos, sin = self.embed(step.token_ids, step.positions)
         if not self.whole:
             q = x.new_empty(rows, cfg.num_heads, head_dim)
             k = x.new_empty(rows, kv_heads, head_dim)
             v = x.new_empty(rows, kv_heads, head_dim)
-        for i, layer in enumerate(self.model.model.layers[:num_layers]):
-            assert isinstance(layer, DecoderLayer)
+        for i in range(num_layers):
             if self.whole:
-                q, k, v = _qkv(layer, x, cos, sin, self.matmul)
+                q, k, v = self.qkv(i, x, cos, sin)
             else:
                 for t in tiles:
-                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t], None)
+                    q[t], k[t], v[t] = _qkv(self._layer(i), x[t], cos[t], sin[t], None)
             flat[i, 0].index_copy_(0, step.write_slots, k[:n])
             flat[i, 1].index_copy_(0, step.write_slots, v[:n])
             out = self.attention(q, flat[i], step, keys).view(rows, -1)
             if self.whole:
-                x = _rest(layer, x, out, self.matmul)
+                x = self.rest(i, x, out)
             else:
                 for t in tiles:
-                    x[t] = _rest(layer, x[t], out[t], None)
+                    x[t] = _rest(self._layer(i), x[t], out[t], None)
         return x
 
     @torch.inference_mode()

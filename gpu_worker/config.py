@@ -23,6 +23,11 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 
 DEFAULT_HOST_POOL_BYTES = 2 * GIB
+# Whole invariant steps on CUDA of at most this many rows replay CUDA graphs
+# (step_graphs.py): decodes and mixed steps with chunks up to ~2k tokens, 16
+# row counts at a row tile of 128 (at Llama-3.2-1B's shapes ~250 MiB of
+# graph buffers in all); longer steps are bound by their kernels.
+DEFAULT_CUDA_GRAPH_ROWS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,7 @@ class WorkerConfig:
     # Invariant steps in tiles of this many rows; None = whole steps on CPU
     # where its start-up check passes, else the device's tile (batched.py).
     row_tile: int | None = None
+    cuda_graph_rows: int = DEFAULT_CUDA_GRAPH_ROWS  # 0 = no CUDA graphs
     # torch's intra-op threads (process-wide); 0 = the CPUs this process may
     # use (kvstash.common.cpu: affinity mask, cgroup quota), not torch's
     # default of one per node core: threads beyond the CPUs granted stall
@@ -85,6 +91,8 @@ class WorkerConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.row_tile is not None and not 1 <= self.row_tile <= 4096:
             raise ValueError(f"row_tile must be in [1, 4096], got {self.row_tile}")
+        if not 0 <= self.cuda_graph_rows <= 1 << 16:
+            raise ValueError(f"cuda_graph_rows must be in [0, 65536], got {self.cuda_graph_rows}")
         if self.host_pool_bytes < 0:
             raise ValueError(f"host_pool_bytes must be >= 0, got {self.host_pool_bytes}")
         if not 0 <= self.metrics_port <= 65535:

@@ -19,7 +19,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
 from gpu_worker import fixed_gemm
 from gpu_worker.attention import AttentionBackend
-from gpu_worker.config import tiny_model_config
+from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS, tiny_model_config
 from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import SamplingBatch, SamplingParams, sample_rows, to_device
@@ -37,10 +37,11 @@ pytestmark = [
 
 
 def cuda_runner(attention: AttentionBackend | None = None, dtype: torch.dtype = torch.bfloat16,
-                batch_invariant: bool = True) -> ModelRunner:
+                batch_invariant: bool = True,
+                cuda_graph_rows: int = DEFAULT_CUDA_GRAPH_ROWS) -> ModelRunner:
     model = build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cuda")
     return ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=512, attention=attention,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, cuda_graph_rows=cuda_graph_rows)
 
 
 @pytest.mark.parametrize("attention", list(AttentionBackend))
@@ -79,6 +80,62 @@ def test_invariant_steps_run_whole_on_the_gpu() -> None:
     per step, not one per 128-row tile (batched.py)."""
     runner = cuda_runner()
     assert runner.batched.whole and runner.batched.matmul is fixed_gemm.matmul
+
+
+def test_cuda_graph_steps_give_the_eager_steps_bits() -> None:
+    """A step replayed from CUDA graphs (step_graphs.py) gives every row the
+    bits the same step gets op by op: prefills, decodes and both mixed, in
+    steps of two row counts taking turns (their sets share one memory pool);
+    a step longer than the graphs' rows runs op by op."""
+    graphed, eager = cuda_runner(cuda_graph_rows=256), cuda_runner(cuda_graph_rows=0)
+    graphs = graphed.batched.graphs
+    assert graphs is not None and eager.batched.graphs is None
+    table, rids = tables(num_blocks=80), list(PROMPTS)  # 320 positions each
+    done: dict[str, int] = {}  # request -> tokens in the cache
+    last: dict[str, int] = {}  # request -> its next input token
+
+    def step(seqs: list[SeqWork]) -> None:
+        rows = graphed.logits(seqs)
+        assert torch.equal(rows, eager.logits(seqs)), [s.request_id for s in seqs]
+        for seq, row in zip(seqs, rows, strict=True):
+            done[seq.request_id] = seq.start_pos + len(seq.token_ids)
+            last[seq.request_id] = int(row.argmax())
+
+    def decodes(among: list[str]) -> list[SeqWork]:
+        return [SeqWork(r, [last[r]], done[r], table[r]) for r in among]
+
+    step([SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[:2]])  # 25 rows: 128
+    step(decodes(rids[:2]) + [SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[2:]])  # 256
+    for _ in range(3):  # the two row counts take turns
+        step(decodes(rids))  # 128
+        step(decodes(rids[:2]) + [SeqWork(r, [last[r]] * 40, done[r], table[r])
+                                  for r in rids[2:]])  # 162 rows: 256
+    assert graphs.captured == [(128, tiny_model_config().num_layers),
+                               (256, tiny_model_config().num_layers)]
+    small, small_eager = cuda_runner(cuda_graph_rows=128), cuda_runner(cuda_graph_rows=0)
+    whole = [SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()]  # 159 rows: 256
+    assert torch.equal(small.logits(whole), small_eager.logits(whole))
+    assert small.batched.graphs is not None and small.batched.graphs.captured == []
+
+
+def test_cuda_graphs_cut_a_decode_steps_launches() -> None:
+    """One decode step launches under half the kernels and copies op by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.worker_bench import LAUNCH_CALLS
+
+    def launches(runner: ModelRunner) -> int:
+        table = tables()
+        runner.execute([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
+        decode = [SeqWork(r, [1], len(ids), table[r], True) for r, ids in PROMPTS.items()]
+        runner.execute(decode)  # warm-up: captures the graphs
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner.execute([SeqWork(s.request_id, [2], s.start_pos + 1, s.block_ids, True)
+                            for s in decode])
+        return sum(1 for e in prof.events() if e.name in LAUNCH_CALLS)
+
+    graphed, eager = launches(cuda_runner()), launches(cuda_runner(cuda_graph_rows=0))
+    assert graphed * 2 < eager, (graphed, eager)
 
 
 @pytest.mark.parametrize(("k", "out", "in_out"), [(2048, 3072, True), (8192, 2048, True),

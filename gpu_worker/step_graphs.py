@@ -1,0 +1,124 @@
+"""CUDA graphs of a whole step's token-wise work: a step of Llama-3.2-1B
+replays 17 graphs and runs 16 attention calls where it launched 660 kernels
+one by one (196 launches in all; on an H100 a lone decode 2.9x as fast).
+
+A whole step (batched.py) runs, per layer, token-wise pieces whose shapes
+follow only the padded row count, and between them the cache write and paged
+attention, whose shapes follow the sequences' lengths. The first are graphs,
+the second run as they are:
+
+    graph 0        embed, rotary rows, layer 0: norm -> q, k, v -> rotary
+    eager          layer 0: write k, v into their slots; attention -> attended
+    graph i        layer i-1: o_proj + residual -> norm -> MLP + residual,
+                   layer i: norm -> q, k, v -> rotary
+    ...
+    graph L        layer L-1's rest: the step's hidden rows
+
+A row count's graphs are captured the first time a step of that size runs
+(tens of ms), up to `max_rows` (longer steps are bound by their kernels, not
+by launching them), from static buffers the step's token ids and positions
+are copied into. All sets share one memory pool: they replay one after the
+other on one stream, so what one frees the next may reuse. A set keeps its
+inputs, one layer's q, k, v and attention output, and its hidden rows:
+about 15 KiB a row at Llama-3.2-1B's shapes in bf16.
+A replay runs the eager step's kernels on the eager step's shapes, so every
+row's bits are the eager step's (tests/gpu_worker/test_worker_gpu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu_worker.attention import StepKeys
+from gpu_worker.step_inputs import DeviceStep
+
+if TYPE_CHECKING:
+    from gpu_worker.batched import BatchedForward
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _GraphSet:
+    """One row count's graphs and the static tensors they read and write."""
+
+    token_ids: torch.Tensor  # [rows] inputs, copied in before a replay
+    positions: torch.Tensor
+    qkv: QKV  # the layer's q, k, v: graph i's output, the cache write's and attention's input
+    attended: torch.Tensor  # [rows, heads, d] attention's output, graph i + 1's input
+    graphs: list[torch.cuda.CUDAGraph]  # num_layers + 1
+    hidden: torch.Tensor  # the last graph's output
+    rotary: tuple[torch.Tensor, torch.Tensor]  # graph 0's, read by the others: kept alive
+
+
+class StepGraphs:
+    def __init__(self, forward: BatchedForward, max_rows: int) -> None:
+        self._forward = forward
+        self.max_rows = max_rows
+        self._sets: dict[tuple[int, int], _GraphSet] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """(rows, layers) of every set captured so far."""
+        return sorted(self._sets)
+
+    def hidden(self, step: DeviceStep, flat: torch.Tensor, keys: StepKeys) -> torch.Tensor:
+        """BatchedForward.hidden's result for `step` over the layers of `flat`
+        ([layers, 2, slots, kv_heads, d]), `step` at most `max_rows` rows."""
+        rows, n = step.host.num_rows, step.host.num_tokens
+        key = (rows, flat.shape[0])
+        graphs = self._sets.get(key) or self._capture(*key)
+        graphs.token_ids.copy_(step.token_ids)
+        graphs.positions.copy_(step.positions)
+        attention = self._forward.attention
+        q, k, v = graphs.qkv
+        for i, graph in enumerate(graphs.graphs[:-1]):
+            graph.replay()
+            flat[i, 0].index_copy_(0, step.write_slots, k[:n])
+            flat[i, 1].index_copy_(0, step.write_slots, v[:n])
+            attention(q, flat[i], step, keys, out=graphs.attended)
+        graphs.graphs[-1].replay()
+        return graphs.hidden
+
+    def _capture(self, rows: int, num_layers: int) -> _GraphSet:
+        f, device, dtype = self._forward, self._forward.model.device, self._forward.model.dtype
+        cfg = f.model.config
+        token_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        positions = torch.zeros(rows, dtype=torch.long, device=device)
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+        q, k, v = (torch.zeros(rows, n, cfg.head_dim, dtype=dtype, device=device)
+                   for n in heads.values())
+        attended = torch.zeros_like(q)
+        flat_attended = attended.view(rows, -1)
+
+        def layer_qkv(i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+            # Into buffers every layer shares: a set keeps one layer's q, k,
+            # v, not all of them (the pool reuses whatever else it frees).
+            for static, value in zip((q, k, v), f.qkv(i, x, cos, sin), strict=True):
+                static.copy_(value)
+
+        # Warm-up off the capture (Triton compiles a kernel on its first launch).
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            x, cos, sin = f.embed(token_ids, positions)
+            for i in range(num_layers):
+                layer_qkv(i, x, cos, sin)
+                x = f.rest(i, x, flat_attended)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graphs = [torch.cuda.CUDAGraph() for _ in range(num_layers + 1)]
+        with torch.cuda.graph(graphs[0], pool=self._pool):
+            x, cos, sin = f.embed(token_ids, positions)
+            layer_qkv(0, x, cos, sin)
+        for i, graph in enumerate(graphs[1:], start=1):
+            with torch.cuda.graph(graph, pool=self._pool):
+                x = f.rest(i - 1, x, flat_attended)
+                if i < num_layers:
+                    layer_qkv(i, x, cos, sin)
+        captured = _GraphSet(token_ids, positions, (q, k, v), attended, graphs, x, (cos, sin))
+        self._sets[rows, num_layers] = captured
+        return captured
