@@ -29,11 +29,11 @@ import triton; print("triton", triton.__version__)' ;;
         tests) "${limit[@]}" "$python" -m pytest -q -rs -m gpu tests/gpu_worker ;;
         # fixed_gemm (whole invariant steps' matmul) against cuBLAS.
         gemm) "${limit[@]}" "$python" -m bench.fixed_gemm_bench --json "$results/gpu-gemm.json" ;;
-        # The batched step (invariant whole, invariant in tiles, plain) against
-        # dense torch on 1,024-token prompts, its kernels per step and where
-        # its time goes.
+        # The batched step (invariant whole with and without CUDA graphs, plain)
+        # against dense torch on 1,024-token prompts, its kernels and launches
+        # per step and where its time goes.
         worker) "${limit[@]}" "$python" -m bench.worker_bench --model llama-1b --device cuda \
-                --batches 1,16,64 --modes batched,batched-tiles,batched-fast --prompt-len 1024 \
+                --batches 1,16,64 --modes batched,batched-eager,batched-fast --prompt-len 1024 \
                 --repeat 2 \
                 --count-ops --top-ops 12 --json "$results/gpu-worker.json" ;;
         transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda ;;
@@ -47,7 +47,7 @@ import triton; print("triton", triton.__version__)' ;;
                 && "$python" -m bench.worker_bench --write-checkpoint "$dir/llama-1b" \
                        --model llama-1b --dtype bfloat16 \
                 && "${limit[@]}" "$python" -m kvstash.launch.cli calibrate "$results/gpu-profile.json" \
-                       --model "$dir/llama-1b" --device cuda \
+                       --model "$dir/llama-1b" --device cuda --prefill-chunks 64,256,512,2048,8192 \
                        --name "Llama-3.2-1B shape, bf16, $("$python" -c \
                            'import torch; print(torch.cuda.get_device_name())')"; rc=$? \
                 ; rm -rf "$dir"; (exit $rc) ;;

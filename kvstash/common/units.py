@@ -1,4 +1,4 @@
-"""Byte and time units, and the parsers for sizes and durations given as text.
+"""Byte and time units, and the parsers for sizes, durations and counts given as text.
 
 Imports neither grpc nor torch, so configs, CLIs and wire codecs can all use it.
 """
@@ -34,3 +34,14 @@ def parse_duration(text: str) -> float:
         return float(s.rstrip("smhd")) * _SECONDS_PER_UNIT[unit]
     except ValueError:
         raise ValueError(f"not a duration: {text!r} (try 90s, 30m, 1h)") from None
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """"64,256,512" -> (64, 256, 512), each >= 1. Raises ValueError naming the input."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ValueError(f"not counts >= 1, comma-separated: {text!r} (try 64,256,512)")
+    return counts

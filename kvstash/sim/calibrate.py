@@ -34,7 +34,7 @@ from pathlib import Path
 from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
-from kvstash.common.units import MIB
+from kvstash.common.units import MIB, parse_counts
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
@@ -58,13 +58,16 @@ COPY_BLOCKS = (4, 16, 64, 256)
 DECODE_BATCHES = (1, 8, 32, 64)
 PREFILL_CHUNKS = (64, 256, 512)
 MIXED_DECODES = 32
+# A worker's layout, its steps (fit rows, seconds) and copies (bytes, seconds).
+Measured = tuple[Layout, list[tuple[list[float], float]], list[tuple[int, float]]]
 
 
-def step_shapes(max_context: int) -> list[tuple[int, int, int, int]]:
+def step_shapes(max_context: int, chunks: tuple[int, ...] = PREFILL_CHUNKS
+                ) -> list[tuple[int, int, int, int]]:
     """(decodes, decode context, prefill tokens, prefill start) of each step measured."""
     contexts = (128, max_context // 2)
     shapes = [(b, c, 0, 0) for b in DECODE_BATCHES for c in contexts]
-    shapes += [(0, 0, n, s) for n in PREFILL_CHUNKS for s in (0, max_context // 2)]
+    shapes += [(0, 0, n, s) for n in chunks for s in (0, max_context // 2)]
     shapes += [(MIXED_DECODES, c, 512, 0) for c in contexts]
     return shapes
 
@@ -116,10 +119,9 @@ async def median(measure: Callable[[], Awaitable[float]], repeat: int) -> float:
     return statistics.median([await measure() for _ in range(repeat)])
 
 
-async def drive(worker: Service, repeat: int, steps: bool
-                ) -> tuple[Layout, list[tuple[list[float], float]], list[tuple[int, float]]]:
-    """Steps (when `steps`) and copies on a running worker: (fit rows and
-    seconds), (bytes and seconds)."""
+async def drive(worker: Service, repeat: int, chunks: tuple[int, ...] | None) -> Measured:
+    """Steps (prefilling `chunks`, none when None) and copies on a running
+    worker: (fit rows and seconds), (bytes and seconds)."""
     channel = rpc_connections.insecure_channel(worker.address)
     try:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(),
@@ -131,7 +133,7 @@ async def drive(worker: Service, repeat: int, steps: bool
             driver = Driver(link, stream, layout)
             step_rows = []
             for decodes, context, prefill, start in (
-                    step_shapes(min(info.max_model_len, 2048)) if steps else []):
+                    step_shapes(min(info.max_model_len, 2048), chunks) if chunks else []):
                 seqs = driver.seqs(decodes, context, prefill, start)
                 seconds = await median(functools.partial(driver.step, seqs, decodes), repeat)
                 step_rows.append((list(step_features(seqs, decodes)), seconds))
@@ -186,31 +188,32 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_stack(model: str, device: str, threads: int, repeat: int, logs: Path, arena: bool
-              ) -> tuple[Layout, list[tuple[list[float], float]], list[tuple[int, float]]]:
-    """A cache (with or without its arena) and a worker, driven (steps only
-    with the arena: the same either way)."""
+def run_stack(model: str, device: str, threads: int, repeat: int, logs: Path,
+              chunks: tuple[int, ...] | None) -> Measured:
+    """A cache and a worker, driven: steps and copies through the cache's
+    arena where `chunks` is given, else copies only, over gRPC."""
     cache = start_service("cache", "cache_svc", [
         "--listen", "127.0.0.1:0", "--memory-budget", "4GiB",
-        *(["--arena-dir", SHARED_MEMORY_DIR] if arena else [])], logs)
+        *(["--arena-dir", SHARED_MEMORY_DIR] if chunks else [])], logs)
     try:
         worker = start_service("worker", "gpu_worker", [
             "--listen", "127.0.0.1:0", "--model", model, "--device", device,
             "--num-blocks", "5000", "--num-threads", str(threads),
             "--cache-address", cache.address], logs)
         try:
-            return asyncio.run(drive(worker, repeat, steps=arena))
+            return asyncio.run(drive(worker, repeat, chunks))
         finally:
             worker.stop()
     finally:
         cache.stop()
 
 
-def calibrate(model: str, device: str, threads: int, repeat: int, name: str) -> CostProfile:
+def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
+              chunks: tuple[int, ...] = PREFILL_CHUNKS) -> CostProfile:
     with tempfile.TemporaryDirectory(prefix="kvstash-calibrate-") as workdir:
         logs = Path(workdir)
-        layout, steps, arena = run_stack(model, device, threads, repeat, logs, arena=True)
-        grpc = run_stack(model, device, threads, repeat, logs, arena=False)[2]
+        layout, steps, arena = run_stack(model, device, threads, repeat, logs, chunks)
+        grpc = run_stack(model, device, threads, repeat, logs, None)[2]
         (logs / "disk").mkdir()
         disk = disk_copies(layout, repeat, logs / "disk")
     coef, step_error = lstsq([r for r, _ in steps], [s for _, s in steps])
@@ -222,7 +225,7 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str) -> 
               f"{seconds * 1e3:>12.2f} {fitted * 1e3:>10.2f}")
     copies = {"arena": fit_copy(arena), "grpc": fit_copy(grpc), "disk": fit_copy(disk)}
     how = (f"kvstash calibrate --model {model} --device {device} --worker-threads {threads} "
-           f"--repeat {repeat}; "
+           f"--repeat {repeat} --prefill-chunks {','.join(map(str, chunks))}; "
            f"{cpu_name()}, {os.cpu_count()} CPUs, {datetime.date.today().isoformat()}; "
            f"relative RMS error of the fit")
     source = {"step": f"{how} {step_error:.1%}"} | {
@@ -264,6 +267,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "worker here)")
     p.add_argument("--repeat", type=int, default=3, help="measures per shape (median)")
     p.add_argument("--name", help="the profile's name (default: model and device)")
+    p.add_argument("--prefill-chunks", type=parse_counts, default=PREFILL_CHUNKS,
+                   help="prefill chunk sizes measured, comma-separated (GPUs: add the long "
+                        "chunks a long-prompt workload schedules)")
     p.add_argument("--from-record", type=Path, metavar="RECORD",
                    help="instead of driving a worker: fit the step line to the steps a "
                         "served run recorded (a scheduler's --record-decisions), the other "
@@ -281,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
         profile = from_record(args.from_record, read_profile(args.copies), args.name)
     else:
         profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
-                            args.name or f"{Path(args.model).name} on {args.device}")
+                            args.name or f"{Path(args.model).name} on {args.device}",
+                            args.prefill_chunks)
     args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     print(json.dumps(profile.to_json(), indent=1))
     print(f"wrote {args.out}")

@@ -48,3 +48,11 @@ def test_units_import_neither_grpc_nor_torch() -> None:
     code = ("import sys, kvstash.common.units; "
             "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_parse_counts() -> None:
+    assert units.parse_counts("64,256,512") == (64, 256, 512)
+    assert units.parse_counts("7") == (7,)
+    for bad in ("", "64,,512", "0,4", "-1", "1.5", "a"):
+        with pytest.raises(ValueError, match="comma-separated"):
+            units.parse_counts(bad)

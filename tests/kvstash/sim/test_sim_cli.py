@@ -45,16 +45,21 @@ def test_sim_refuses_an_unknown_policy() -> None:
 
 
 def test_calibrate_measures_a_profile_the_sim_reads(tmp_path: Path) -> None:
-    """A real cache and worker (the tiny model), driven and fitted."""
+    """A real cache and worker (the tiny model), driven and fitted, at the
+    prefill chunk sizes asked for."""
     out = tmp_path / "tiny.json"
     done = subprocess.run([sys.executable, "-m", "kvstash.launch.cli", "calibrate", str(out),
-                           "--model", "tiny", "--repeat", "1"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, check=False)
+                           "--model", "tiny", "--repeat", "1", "--prefill-chunks", "48,96"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+    table = done.stdout.split("fitted ms\n", 1)[1].split("{", 1)[0].split("\n")
+    prefills = {float(line.split()[2]) for line in table if line.strip()}
+    assert {48.0, 96.0} <= prefills and 256.0 not in prefills
     profile = read_profile(out)
     assert profile.step.fixed_s + profile.step.decode_row_s > 0
     assert profile.bytes_per_block == 4 * 2 * 16 * 2 * 32 * 8  # tiny, float64
     assert all("kvstash calibrate --model tiny" in text for text in profile.source.values())
+    assert "--prefill-chunks 48,96" in profile.source["step"]
 
 
 def test_find_prints_the_curve_and_the_least_instances(
