@@ -31,6 +31,7 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"metrics_port": 70000}, r"metrics_port must be in \[0, 65535\], got 70000"),
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
         ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),
+        ({"cuda_graph_rows": -1}, r"cuda_graph_rows must be in \[0, 65536\], got -1"),
         ({"host_pool_bytes": -1}, "host_pool_bytes must be >= 0, got -1"),
         ({"num_threads": -1}, r"num_threads must be >= 0 \(0 = the usable CPUs\), got -1"),
     ],
@@ -44,9 +45,10 @@ def test_step_and_buffer_flags_reach_the_config() -> None:
     _, config = parse_args([])
     assert config == WorkerConfig()  # every default comes from the dataclass
     assert config.batch_invariant and config.row_tile is None
-    _, config = parse_args(["--no-batch-invariant", "--row-tile", "32", "--host-pool", "1GiB"])
-    assert (config.batch_invariant, config.row_tile, config.host_pool_bytes) == (
-        False, 32, 1 << 30)
+    _, config = parse_args(["--no-batch-invariant", "--row-tile", "32", "--host-pool", "1GiB",
+                            "--cuda-graph-rows", "0"])
+    assert (config.batch_invariant, config.row_tile, config.host_pool_bytes,
+            config.cuda_graph_rows) == (False, 32, 1 << 30, 0)
 
 
 def test_num_threads_reaches_torch() -> None:

@@ -56,3 +56,15 @@ def test_max_model_len_cap() -> None:
     assert runner.max_model_len == 10
     with pytest.raises(InvalidArgument, match=r"positions 8\.\.10 exceed max_model_len 10"):
         runner.execute([SeqWork("r", [1, 2, 3], 8, [0, 1, 2])])
+
+
+def test_cuda_graphs_are_for_whole_invariant_steps_on_cuda_only() -> None:
+    """On the CPU the setting is moot (no graphs); asked for by hand there,
+    or for steps that are not padded, they are refused."""
+    runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, cuda_graph_rows=512)
+    assert runner.batched.graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need whole padded"):
+        runner.batched.use_graphs(512)
+    plain = ModelRunner(tiny_model(), block_size=4, num_blocks=8, batch_invariant=False)
+    with pytest.raises(ValueError, match="CUDA graphs need whole padded"):
+        plain.batched.use_graphs(512)
