@@ -27,6 +27,8 @@ row's bits are the eager step's (tests/gpu_worker/test_worker_gpu.py).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,8 @@ from gpu_worker.step_inputs import DeviceStep
 
 if TYPE_CHECKING:
     from gpu_worker.batched import BatchedForward
+
+log = logging.getLogger(__name__)
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -85,6 +89,7 @@ class StepGraphs:
         return graphs.hidden
 
     def _capture(self, rows: int, num_layers: int) -> _GraphSet:
+        started = time.perf_counter()
         f, device, dtype = self._forward, self._forward.model.device, self._forward.model.dtype
         cfg = f.model.config
         token_ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -121,4 +126,6 @@ class StepGraphs:
                     layer_qkv(i, x, cos, sin)
         captured = _GraphSet(token_ids, positions, (q, k, v), attended, graphs, x, (cos, sin))
         self._sets[rows, num_layers] = captured
+        log.info("captured CUDA graphs for steps of %d rows in %.0f ms (%d row counts so far)",
+                 rows, (time.perf_counter() - started) * 1e3, len(self._sets))
         return captured
