@@ -43,18 +43,14 @@ kind of matmul.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
 from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
 from gpu_worker.query_tiles import QueryTiles
+from gpu_worker.step_graphs import StepGraphs
 from gpu_worker.step_inputs import DeviceStep
-
-if TYPE_CHECKING:
-    from gpu_worker.step_graphs import StepGraphs
 
 
 def rotary_table(model: CausalLM, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +150,6 @@ class BatchedForward:
                 and max_rows > 0):
             raise ValueError("CUDA graphs need whole padded (batch-invariant) steps on a "
                              "CUDA device and max_rows > 0")
-        from gpu_worker.step_graphs import StepGraphs
-
         self.graphs = StepGraphs(self, max_rows)
 
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor

@@ -30,19 +30,29 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from gpu_worker.attention import StepKeys
+from gpu_worker.attention import PagedAttention, StepKeys
+from gpu_worker.model import CausalLM
 from gpu_worker.step_inputs import DeviceStep
-
-if TYPE_CHECKING:
-    from gpu_worker.batched import BatchedForward
 
 log = logging.getLogger(__name__)
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Pieces(Protocol):
+    """What the graphs capture of a whole step: batched.BatchedForward."""
+
+    model: CausalLM
+    attention: PagedAttention
+
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QKV: ...
+    def rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +69,7 @@ class _GraphSet:
 
 
 class StepGraphs:
-    def __init__(self, forward: BatchedForward, max_rows: int) -> None:
+    def __init__(self, forward: Pieces, max_rows: int) -> None:
         self._forward = forward
         self.max_rows = max_rows
         self._sets: dict[tuple[int, int], _GraphSet] = {}
