@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 
 from gpu_worker.batched import default_row_tile
 from gpu_worker.checkpoint import load_checkpoint, resolve_device
-from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS, tiny_model_config
+from gpu_worker.config import tiny_model_config
 from gpu_worker.model import CausalLM, DecoderLayer, apply_rotary, build_tiny_model, fill_random
 from gpu_worker.runner import ModelRunner, SeqWork
 from kvstash.common.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, byte_tokenizer_json
@@ -131,7 +131,7 @@ def make_runner(model: CausalLM, mode: str, batch: int, tokens: int,
         row_tile = row_tile or default_row_tile(model.device)
     return ModelRunner(model, block_size=16, num_blocks=batch * per_seq + 1,
                        batch_invariant=mode != "batched-fast", row_tile=row_tile,
-                       cuda_graph_rows=0 if mode == "batched-eager" else DEFAULT_CUDA_GRAPH_ROWS)
+                       cuda_graph_rows=0 if mode == "batched-eager" else None)
 
 
 def tables(batch: int, tokens: int) -> list[list[int]]:

@@ -47,6 +47,7 @@ import torch
 
 from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
+from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS
 from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_graphs import StepGraphs
@@ -143,14 +144,13 @@ class BatchedForward:
             return [slice(0, rows)]
         return [slice(i, i + self.row_tile) for i in range(0, rows, self.row_tile)]
 
-    def use_graphs(self, max_rows: int) -> None:
-        """Whole steps of at most `max_rows` rows replay CUDA graphs
-        (step_graphs.py): padded steps only, so a few row counts cover them."""
-        if not (self.whole and self.row_tile and self.model.device.type == "cuda"
-                and max_rows > 0):
-            raise ValueError("CUDA graphs need whole padded (batch-invariant) steps on a "
-                             "CUDA device and max_rows > 0")
-        self.graphs = StepGraphs(self, max_rows)
+    def use_graphs(self, max_rows: int | None = None) -> None:
+        """Whole padded (invariant) steps on CUDA of at most `max_rows` rows
+        (None: DEFAULT_CUDA_GRAPH_ROWS) replay CUDA graphs (step_graphs.py): a
+        few row counts cover them. Anywhere else, or with 0, nothing changes."""
+        max_rows = DEFAULT_CUDA_GRAPH_ROWS if max_rows is None else max_rows
+        if self.whole and self.row_tile and self.model.device.type == "cuda" and max_rows:
+            self.graphs = StepGraphs(self, max_rows)
 
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

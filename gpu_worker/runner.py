@@ -28,12 +28,7 @@ import torch
 
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
-from gpu_worker.config import (
-    DEFAULT_CUDA_GRAPH_ROWS,
-    DEFAULT_HOST_POOL_BYTES,
-    ModelConfig,
-    WorkerConfig,
-)
+from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
 from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.invariance import choose_forward
@@ -71,14 +66,13 @@ class ModelRunner:
                  batch_invariant: bool = True,
                  row_tile: int | None = None, attention: AttentionBackend | None = None,
                  host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES,
-                 cuda_graph_rows: int = DEFAULT_CUDA_GRAPH_ROWS) -> None:
+                 cuda_graph_rows: int | None = None) -> None:
         """batch_invariant: a row's numbers do not depend on the rest of its step
         (see batched.py): whole steps on CPU, else (or with `row_tile` set)
         tiles of `row_tile` rows (None = the device's default). Off: each op
         runs once over the unpadded rows, not invariant.
         attention: None = flash on CUDA in fp16/bf16, else torch.
-        cuda_graph_rows: whole invariant steps on CUDA of at most this many
-        rows replay CUDA graphs (step_graphs.py); 0 = never."""
+        cuda_graph_rows: see BatchedForward.use_graphs (0: no CUDA graphs)."""
         cfg = model.config
         self.model = model
         self.name = name
@@ -98,9 +92,7 @@ class ModelRunner:
         self.batched = choose_forward(model, block_size, self.max_model_len, batch_invariant,
                                       row_tile, attention)
         self.row_tile = self.batched.row_tile
-        if (cuda_graph_rows and self.device.type == "cuda" and self.batched.whole
-                and self.row_tile):
-            self.batched.use_graphs(cuda_graph_rows)
+        self.batched.use_graphs(cuda_graph_rows)
         self._staging = StepStaging(self.device)
         self._pinned_region: object | None = None  # see pin_host_memory
         self._pinned_key: Key | None = None
@@ -201,9 +193,8 @@ class ModelRunner:
         host = pack_step(seqs, self.block_size, self.row_tile, self._process_gen)
         step = self._staging.stage(host)
         hidden = self.batched.hidden(step, self.kv_cache)
-        last = torch.from_numpy(host.query_start[1:] - 1).to(self.device)
         rows = torch.zeros(host.num_rows, dtype=torch.long, device=self.device)
-        rows[: len(seqs)] = last
+        rows[: len(seqs)] = torch.from_numpy(host.query_start[1:] - 1).to(self.device)
         return self.batched.logits(hidden[rows])[: len(seqs)]
 
     # ---- block copies for offload / restore -------------------------------

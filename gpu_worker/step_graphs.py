@@ -104,9 +104,8 @@ class StepGraphs:
         cfg = f.model.config
         token_ids = torch.zeros(rows, dtype=torch.long, device=device)
         positions = torch.zeros(rows, dtype=torch.long, device=device)
-        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
-        q, k, v = (torch.zeros(rows, n, cfg.head_dim, dtype=dtype, device=device)
-                   for n in heads.values())
+        q, k, v = (torch.zeros(rows, heads, cfg.head_dim, dtype=dtype, device=device)
+                   for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
         attended = torch.zeros_like(q)
         flat_attended = attended.view(rows, -1)
 

@@ -19,7 +19,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
 from gpu_worker import fixed_gemm
 from gpu_worker.attention import AttentionBackend
-from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS, tiny_model_config
+from gpu_worker.config import tiny_model_config
 from gpu_worker.model import build_tiny_model
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import SamplingBatch, SamplingParams, sample_rows, to_device
@@ -38,7 +38,7 @@ pytestmark = [
 
 def cuda_runner(attention: AttentionBackend | None = None, dtype: torch.dtype = torch.bfloat16,
                 batch_invariant: bool = True,
-                cuda_graph_rows: int = DEFAULT_CUDA_GRAPH_ROWS) -> ModelRunner:
+                cuda_graph_rows: int | None = None) -> ModelRunner:
     model = build_tiny_model(tiny_model_config(), seed=0, dtype=dtype, device="cuda")
     return ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=512, attention=attention,
                        batch_invariant=batch_invariant, cuda_graph_rows=cuda_graph_rows)
