@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker import elementwise, fixed_gemm
-from gpu_worker.attention import AttentionBackend, PagedAttention, flash_supported
+from gpu_worker.attention import AttentionBackend, PagedAttention, StepKeys, flash_supported
 from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS
 from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
 from gpu_worker.query_tiles import QueryTiles
@@ -162,6 +162,18 @@ class BatchedForward:
         """Layer i's q, k, v of the whole step's rows."""
         return _qkv(self._layer(i), x, cos, sin, self.matmul)
 
+    def attend(self, cache: torch.Tensor, step: DeviceStep, keys: StepKeys,
+               qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the real rows' k, v into their slots of one layer's `cache`
+        ([2, slots, kv_heads, d]), then attends: [rows, heads, d], in `out`
+        where given."""
+        q, k, v = qkv
+        n = step.host.num_tokens
+        cache[0].index_copy_(0, step.write_slots, k[:n])
+        cache[1].index_copy_(0, step.write_slots, v[:n])
+        return self.attention(q, cache, step, keys, out)
+
     def rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer i's output rows from its input rows and their attention."""
         return _rest(self._layer(i), x, attended, self.matmul)
@@ -179,7 +191,7 @@ class BatchedForward:
         cfg = self.model.config
         num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
         flat = kv_cache.view(num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
-        rows, n = step.host.num_rows, step.host.num_tokens
+        rows = step.host.num_rows
         keys = self.attention.prepare(step)
         if self.graphs is not None and rows <= self.graphs.max_rows:
             return self.graphs.hidden(step, flat, keys)
@@ -190,19 +202,18 @@ class BatchedForward:
             k = x.new_empty(rows, kv_heads, head_dim)
             v = x.new_empty(rows, kv_heads, head_dim)
         for i in range(num_layers):
+            layer = self._layer(i)
             if self.whole:
                 q, k, v = self.qkv(i, x, cos, sin)
             else:
                 for t in tiles:
-                    q[t], k[t], v[t] = _qkv(self._layer(i), x[t], cos[t], sin[t], None)
-            flat[i, 0].index_copy_(0, step.write_slots, k[:n])
-            flat[i, 1].index_copy_(0, step.write_slots, v[:n])
-            out = self.attention(q, flat[i], step, keys).view(rows, -1)
+                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t], None)
+            out = self.attend(flat[i], step, keys, (q, k, v)).view(rows, -1)
             if self.whole:
                 x = self.rest(i, x, out)
             else:
                 for t in tiles:
-                    x[t] = _rest(self._layer(i), x[t], out[t], None)
+                    x[t] = _rest(layer, x[t], out[t], None)
         return x
 
     @torch.inference_mode()

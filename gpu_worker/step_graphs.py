@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from gpu_worker.attention import PagedAttention, StepKeys
+from gpu_worker.attention import StepKeys
 from gpu_worker.model import CausalLM
 from gpu_worker.step_inputs import DeviceStep
 
@@ -44,14 +44,16 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Pieces(Protocol):
-    """What the graphs capture of a whole step: batched.BatchedForward."""
+    """A whole step's parts, captured (embed, qkv, rest) or run between the
+    graphs (attend): batched.BatchedForward."""
 
     model: CausalLM
-    attention: PagedAttention
 
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
     def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QKV: ...
+    def attend(self, cache: torch.Tensor, step: DeviceStep, keys: StepKeys, qkv: QKV,
+               out: torch.Tensor | None = None) -> torch.Tensor: ...
     def rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -83,18 +85,13 @@ class StepGraphs:
     def hidden(self, step: DeviceStep, flat: torch.Tensor, keys: StepKeys) -> torch.Tensor:
         """BatchedForward.hidden's result for `step` over the layers of `flat`
         ([layers, 2, slots, kv_heads, d]), `step` at most `max_rows` rows."""
-        rows, n = step.host.num_rows, step.host.num_tokens
-        key = (rows, flat.shape[0])
+        key = (step.host.num_rows, flat.shape[0])
         graphs = self._sets.get(key) or self._capture(*key)
         graphs.token_ids.copy_(step.token_ids)
         graphs.positions.copy_(step.positions)
-        attention = self._forward.attention
-        q, k, v = graphs.qkv
         for i, graph in enumerate(graphs.graphs[:-1]):
             graph.replay()
-            flat[i, 0].index_copy_(0, step.write_slots, k[:n])
-            flat[i, 1].index_copy_(0, step.write_slots, v[:n])
-            attention(q, flat[i], step, keys, out=graphs.attended)
+            self._forward.attend(flat[i], step, keys, graphs.qkv, out=graphs.attended)
         graphs.graphs[-1].replay()
         return graphs.hidden
 
