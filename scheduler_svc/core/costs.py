@@ -53,22 +53,35 @@ _MAX_RATIO = 4.0
 # Added to the diagonal of the scaled normal equations: a direction no sample
 # has told apart (two features always in proportion) gets the least-norm answer.
 _RIDGE = 1e-9
+# LinearFit's sums come back to a sample weight of 1 past this one (every
+# 345,000 steps, 17,000 copies): far below overflow, squared features included.
+_RESCALE = 1e150
 _START_POS = operator.attrgetter("start_pos")
 
 
 class LinearFit:
-    """y ~ theta . x by exponentially weighted least squares."""
+    """y ~ theta . x by exponentially weighted least squares.
+
+    A sample's weight shrinks by `forget` with each newer one. Rather than
+    scale every sum down at each sample, the sums take the n-th sample
+    weighted up by 1 / forget^n, and come back down to a weight of 1 when
+    it passes _RESCALE; `_solve` scales its equations to a unit diagonal,
+    so the common factor drops out. A sample's features that are 0 add
+    nothing: a step without prefill chunks (two of the five features 0)
+    adds 9 products to the sums, where every sample used to add 20 and
+    scale all 20 sums down (kvstash sim: 2.3-2.7 against 4.8-6.8 us a step
+    with the core compiled)."""
 
     __slots__ = ("_clip_every", "_forget", "_gram", "_moment", "_reference", "_theta",
-                 "num_samples")
+                 "_weight", "num_samples")
 
     def __init__(self, num_features: int, forget: float) -> None:
         self._forget = forget
         self._clip_every = max(1, round(1 / (1 - forget) / 16)) if forget < 1 else 64
-        # sum w x x^T (symmetric): its upper triangle, row after row, in one
-        # list, so a sample is one comprehension (the step loop adds one every step).
+        # sum w x x^T (symmetric): its upper triangle, row after row, in one list
         self._gram = [0.0] * (num_features * (num_features + 1) // 2)
         self._moment = [0.0] * num_features  # sum w x y
+        self._weight = 1.0  # w of the next sample (after the division by forget)
         self._theta: list[float] | None = None  # solved lazily; None: stale
         self._reference: list[float] | None = None  # the theta samples are clipped by
         self.num_samples = 0
@@ -81,11 +94,24 @@ class LinearFit:
             expected = _dot(self._reference, x)
             if expected > 0:
                 y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
-        forget = self._forget
-        self._gram = [g * forget + xi * xj
-                      for g, (xi, xj) in zip(self._gram, combinations_with_replacement(x, 2),
-                                             strict=True)]
-        self._moment = [m * forget + xi * y for m, xi in zip(self._moment, x, strict=True)]
+        weight = self._weight = self._weight / self._forget
+        gram, moment = self._gram, self._moment
+        n = len(moment)
+        row = 0  # where feature i's row of the upper triangle starts
+        for i in range(n):
+            xi = x[i]
+            if xi:
+                wxi = weight * xi
+                moment[i] += wxi * y
+                for j in range(i, n):
+                    xj = x[j]
+                    if xj:
+                        gram[row + j - i] += wxi * xj
+            row += n - i
+        if weight > _RESCALE:
+            self._gram = [g / weight for g in gram]
+            self._moment = [m / weight for m in moment]
+            self._weight = 1.0
         self._theta = None
         self.num_samples += 1
 
@@ -100,7 +126,10 @@ class LinearFit:
 
 
 def _dot(theta: Sequence[float], x: Sequence[float]) -> float:
-    return sum(map(operator.mul, theta, x))
+    total = 0.0
+    for t, xi in zip(theta, x, strict=True):
+        total += t * xi
+    return total
 
 
 def _solve(upper: list[float], moment: list[float]) -> list[float]:

@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 
 from kvstash.common.sampling import SamplingParams
-from scheduler_svc.core.costs import CostModel
+from scheduler_svc.core.costs import CostModel, LinearFit
 from scheduler_svc.core.seq import ScheduledSeq
 from tests.scheduler_svc.factories import add, make_scheduler, prefill_step, step, teach_costs
 
@@ -88,6 +88,38 @@ def test_a_wild_measurement_moves_a_trusted_fit_little() -> None:
     costs.observe_offload(10, 10.0)
     after = costs.recompute_s(4096), costs.offload_restore_s(10)
     assert after == (pytest.approx(before[0], rel=0.2), pytest.approx(before[1], rel=0.2))
+
+
+def test_fit_is_weighted_least_squares_across_rescalings() -> None:
+    """A sample k samples old weighs forget^k: the fit (its sums rescaled
+    every ~460 samples at forget 0.47, some features 0) solves the same
+    equations as the weighted sums written out, on noisy data it cannot fit
+    exactly."""
+    rng = random.Random(3)
+    forget, n = 0.47, 2000
+    fit = LinearFit(3, forget)
+    samples = []
+    for _ in range(n):
+        x = (1.0, rng.choice((0.0, rng.uniform(1, 50))), rng.choice((0.0, rng.uniform(1, 9))))
+        y = 0.5 + 0.1 * x[1] + 2.0 * x[2] + rng.gauss(0, 0.3)
+        fit.add(x, y, clip=False)
+        samples.append((x, y))
+    gram = [[0.0] * 3 for _ in range(3)]
+    moment = [0.0] * 3
+    for age, (x, y) in enumerate(reversed(samples)):
+        w = forget**age
+        for i in range(3):
+            moment[i] += w * x[i] * y
+            for j in range(3):
+                gram[i][j] += w * x[i] * x[j]
+    # Cramer's rule on the 3x3 system.
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    expected = [det([[moment[r] if c == k else gram[r][c] for c in range(3)] for r in range(3)])
+                / det(gram) for k in range(3)]
+    assert fit.theta == pytest.approx(expected, rel=1e-6)
 
 
 def test_nothing_is_predicted_before_enough_is_measured() -> None:
