@@ -52,11 +52,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`cuda:N` also becomes the current CUDA device: Triton's kernels
+    (fixed_gemm) and CUDA graph capture (step_graphs) run on the current
+    device, not on the one their tensors name."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but torch sees no CUDA device")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} requested but torch sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)
+    return device
 
 
 def load_model(config: WorkerConfig) -> LoadedModel:

@@ -230,3 +230,16 @@ async def test_offload_and_restore_through_the_arena_are_pinned_dma() -> None:
         await client.close()
         await cache.stop(None)
         arena_dir.cleanup()
+
+
+def test_a_cuda_index_becomes_the_current_device_and_is_checked() -> None:
+    """`cuda:N` is made the current device (Triton kernels and graph capture
+    follow it); an index past the devices torch sees is refused by name."""
+    from gpu_worker.checkpoint import resolve_device
+
+    last = torch.cuda.device_count() - 1
+    assert resolve_device(f"cuda:{last}") == torch.device("cuda", last)
+    assert torch.cuda.current_device() == last
+    with pytest.raises(ValueError, match=f"cuda:{last + 1}"):
+        resolve_device(f"cuda:{last + 1}")
+    torch.cuda.set_device(0)
