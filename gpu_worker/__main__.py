@@ -12,7 +12,7 @@ import asyncio
 import logging
 import sys
 
-from gpu_worker.config import DTYPES, TINY_MODEL, WorkerConfig
+from gpu_worker.config import DTYPES, MAX_CUDA_GRAPH_ROWS, TINY_MODEL, WorkerConfig
 from kvstash.common import security, settings, telemetry
 from kvstash.common.binding import BindError
 from kvstash.common.malloc_tuning import tune_malloc
@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
                    help="run batch-invariant steps in tiles of this many rows; unset = 128 on "
                         "CUDA, whole steps on CPU (tiles of 16 where its start-up check fails)")
     p.add_argument("--cuda-graph-rows", type=int, default=_DEFAULTS.cuda_graph_rows,
-                   help="on CUDA, batch-invariant steps of at most this many rows replay "
-                        "CUDA graphs; 0 = off")
+                   help=f"on CUDA, batch-invariant steps of at most this many rows (up to "
+                        f"{MAX_CUDA_GRAPH_ROWS}) replay CUDA graphs, captured per padded row "
+                        f"count; 0 = off")
     p.add_argument("--num-threads", type=int, default=_DEFAULTS.num_threads,
                    help="torch intra-op threads; 0 = the CPUs this process may use (its "
                         "affinity mask, bounded by its cgroup's CPU quota)")

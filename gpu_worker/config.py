@@ -28,6 +28,9 @@ DEFAULT_HOST_POOL_BYTES = 2 * GIB
 # row counts at a row tile of 128 (at Llama-3.2-1B's shapes ~250 MiB of
 # graph buffers in all); longer steps are bound by their kernels.
 DEFAULT_CUDA_GRAPH_ROWS = 2048
+# Each row count keeps its own buffers, so their memory sums over the counts
+# captured: at this bound 64 counts, ~4 GiB at the 1B shape.
+MAX_CUDA_GRAPH_ROWS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +94,9 @@ class WorkerConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.row_tile is not None and not 1 <= self.row_tile <= 4096:
             raise ValueError(f"row_tile must be in [1, 4096], got {self.row_tile}")
-        if not 0 <= self.cuda_graph_rows <= 1 << 16:
-            raise ValueError(f"cuda_graph_rows must be in [0, 65536], got {self.cuda_graph_rows}")
+        if not 0 <= self.cuda_graph_rows <= MAX_CUDA_GRAPH_ROWS:
+            raise ValueError(f"cuda_graph_rows must be in [0, {MAX_CUDA_GRAPH_ROWS}], "
+                             f"got {self.cuda_graph_rows}")
         if self.host_pool_bytes < 0:
             raise ValueError(f"host_pool_bytes must be >= 0, got {self.host_pool_bytes}")
         if not 0 <= self.metrics_port <= 65535:
