@@ -22,7 +22,9 @@ other on one stream, so what one frees the next may reuse. A set keeps its
 inputs, one layer's q, k, v and attention output, and its hidden rows:
 about 15 KiB a row at Llama-3.2-1B's shapes in bf16.
 A replay runs the eager step's kernels on the eager step's shapes, so every
-row's bits are the eager step's (tests/gpu_worker/test_worker_gpu.py).
+real row's bits are the eager step's (tests/gpu_worker/test_worker_gpu.py;
+padding rows may keep an earlier step's attention output, where the eager
+flash path zeroes them: they are never read).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class StepGraphs:
 
     def hidden(self, step: DeviceStep, flat: torch.Tensor, keys: StepKeys) -> torch.Tensor:
         """BatchedForward.hidden's result for `step` over the layers of `flat`
-        ([layers, 2, slots, kv_heads, d]), `step` at most `max_rows` rows."""
+        ([layers, 2, slots, kv_heads, d]), `step` at most `max_rows` rows: the
+        set's own output buffer, which the next step's replays (of any set:
+        they share a pool) overwrite, so read it before then."""
         key = (step.host.num_rows, flat.shape[0])
         graphs = self._sets.get(key) or self._capture(*key)
         graphs.token_ids.copy_(step.token_ids)
