@@ -81,7 +81,7 @@ class LinearFit:
         # sum w x x^T (symmetric): its upper triangle, row after row, in one list
         self._gram = [0.0] * (num_features * (num_features + 1) // 2)
         self._moment = [0.0] * num_features  # sum w x y
-        self._weight = 1.0  # w of the next sample (after the division by forget)
+        self._weight = 1.0  # w of the newest sample; the next one's is w / forget
         self._theta: list[float] | None = None  # solved lazily; None: stale
         self._reference: list[float] | None = None  # the theta samples are clipped by
         self.num_samples = 0
