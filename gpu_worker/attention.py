@@ -213,25 +213,28 @@ class PagedAttention:
         then add up in chunk order (index_add_ runs through the pairs in
         order, from 0):
 
-            out = sum_j P_j [V_j | 1], divided through by its last column
+            out = (sum_j P_j V_j) / (sum_j P_j 1)
 
-        Keys past a row's position weigh exactly 0, so chunks a row does not
-        read add exactly nothing."""
+        (each P_j's row sums a vectorised reduction over its C keys, the
+        same bits at any row count). Keys past a row's position weigh
+        exactly 0, so chunks a row does not read add exactly nothing."""
         c, kv_heads, d = self.kv_chunk, self.num_kv_heads, self.head_dim
         rows, tiles, group = g.rows, g.tiles, self.num_heads // kv_heads
         m, pairs = rows * group, len(g.pair_tile)  # m: matrix rows per tile and KV head
         qt = q.index_select(0, g.source).to(self.score_dtype).view(
             tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles, kv_heads, m, d)
         qp = qt.index_select(0, g.pair_tile).view(pairs * kv_heads, m, d).mul_(self.scale)
-        k, v = cache.index_select(1, g.pair_slots).to(self.score_dtype).view(
-            2, pairs, c, kv_heads, d).unbind(0)
+        # Gathers along a plane's first dimension (on the CPU a third to a
+        # quarter of the time index_select takes along the second); V's rows
+        # straight into the [pairs, kv heads, C, d] the product reads.
+        k = cache[0].index_select(0, g.pair_slots).to(self.score_dtype).view(
+            pairs, c, kv_heads, d)
+        v = cache[1].view(-1, d).index_select(0, g.pair_value_rows).to(self.score_dtype).view(
+            pairs * kv_heads, c, d)
         # K^T laid out [d, C] in memory: some BLAS (MKL with AVX-512) give a
         # row other bits at 128+ rows when K^T is a transposed view, or in
         # baddbmm when a step has one product.
         kt = k.permute(0, 2, 3, 1).reshape(pairs * kv_heads, d, c)
-        values = v.new_empty(pairs, kv_heads, c, d + 1)  # [V | 1]: the weight sum comes along
-        values[..., :d] = v.transpose(1, 2)
-        values[..., d] = 1.0
         scores = torch.bmm(qp, kt)  # [P*kv, m, C]
         scores[len(scores) - len(g.bias):].add_(g.bias)
         top = scores.amax(dim=-1, keepdim=True).view(pairs, kv_heads, m, 1)
@@ -239,9 +242,10 @@ class PagedAttention:
         row_max = top.new_full((tiles, kv_heads, m, 1), -math.inf).scatter_reduce_(
             0, g.pair_tile.view(-1, 1, 1, 1).expand_as(top), top, "amax")
         scores.sub_(row_max.index_select(0, g.pair_tile).view(pairs * kv_heads, m, 1))
-        per_pair = torch.bmm(elementwise.exp_(scores), values.view(pairs * kv_heads, c, d + 1))
-        total = per_pair.new_zeros(tiles, kv_heads, m, d + 1).index_add_(
-            0, g.pair_tile, per_pair.view(pairs, kv_heads, m, d + 1))
-        out = total[..., :d] / total[..., d:]
+        weights = elementwise.exp_(scores)
+        per_pair = torch.bmm(weights, v).view(pairs, kv_heads, m, d)
+        sums = weights.sum(-1, keepdim=True).view(pairs, kv_heads, m, 1)
+        total = per_pair.new_zeros(tiles, kv_heads, m, d).index_add_(0, g.pair_tile, per_pair)
+        out = total / sums.new_zeros(tiles, kv_heads, m, 1).index_add_(0, g.pair_tile, sums)
         return out.view(tiles, kv_heads, rows, group, d).transpose(1, 2).reshape(
             tiles * rows, self.num_heads, d).to(q.dtype)

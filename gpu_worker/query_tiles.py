@@ -59,6 +59,9 @@ class TileGroup:
     dest: torch.Tensor  # [tiles * rows] output row of each tile row (padding: the dump row)
     pair_tile: torch.Tensor  # [pairs] tile of each pair
     pair_slots: torch.Tensor  # [pairs * C] slot of each key (past the context: key 0)
+    # [pairs * kv_heads * C] each value's row in a cache plane viewed [slots *
+    # kv_heads, d], laid out [pairs, kv heads, C]
+    pair_value_rows: torch.Tensor
     # [masked pairs * kv_heads, rows * group, C]: 0, or -inf where the key is
     # past the row's position; added to the scores of the last pairs.
     bias: torch.Tensor
@@ -103,5 +106,7 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
 
+    value_rows = slots[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]
     return TileGroup(rows, tensor(source), tensor(np.where(real, source, host.num_rows)),
-                     tensor(pair_tile), tensor(slots), bias.view(-1, rows * group, chunk))
+                     tensor(pair_tile), tensor(slots), tensor(value_rows),
+                     bias.view(-1, rows * group, chunk))
