@@ -22,7 +22,7 @@ Two implementations, one contract (`PagedAttention.__call__`):
       keys of a sequence:  [0 .. C-1][C .. 2C-1] ... [jC .. (j+1)C-1]
       pair (tile, j):      scores = [tile rows x d] x [d x C] (+ mask where needed)
       per row:             max over all its pairs' scores (exact in any order)
-      pair (tile, j):      exp(scores - row max) x [V | 1] -> weighted values, weight sum
+      pair (tile, j):      w = exp(scores - row max); w x V, and w's row sums
       per tile:            pairs added in chunk order, values / weight sum
 
   A row's numbers depend only on its own keys: chunks past its position add
