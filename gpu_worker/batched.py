@@ -194,7 +194,9 @@ class BatchedForward:
         rows = step.host.num_rows
         keys = self.attention.prepare(step)
         if self.graphs is not None and rows <= self.graphs.max_rows:
-            return self.graphs.hidden(step, flat, keys)
+            graphed = self.graphs.hidden(step, flat, keys)
+            if graphed is not None:
+                return graphed
         tiles = self._tiles(rows)
         x, cos, sin = self.embed(step.token_ids, step.positions)
         if not self.whole:

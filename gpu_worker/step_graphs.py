@@ -17,8 +17,10 @@ the second run as they are:
 A row count's graphs are captured the first time a step of that size runs
 (tens of ms), up to `max_rows` (longer steps are bound by their kernels, not
 by launching them), from static buffers the step's token ids and positions
-are copied into. All sets share one memory pool: they replay one after the
-other on one stream, so what one frees the next may reuse. A set keeps its
+are copied into; a row count whose capture fails (out of memory, say, or
+no CUDA at all) runs op by op from then on, with one warning. All sets
+share one memory pool: they replay one after the other on one stream, so
+what one frees the next may reuse. A set keeps its
 inputs, one layer's q, k, v and attention output, and its hidden rows:
 about 15 KiB a row at Llama-3.2-1B's shapes in bf16.
 A replay runs the eager step's kernels on the eager step's shapes, so every
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -77,20 +79,35 @@ class StepGraphs:
         self._forward = forward
         self.max_rows = max_rows
         self._sets: dict[tuple[int, int], _GraphSet] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self.failed: set[tuple[int, int]] = set()  # (rows, layers) whose capture failed
+        self._pool: Any = None  # torch's pool handle, made by the first capture
 
     @property
     def captured(self) -> list[tuple[int, int]]:
         """(rows, layers) of every set captured so far."""
         return sorted(self._sets)
 
-    def hidden(self, step: DeviceStep, flat: torch.Tensor, keys: StepKeys) -> torch.Tensor:
+    def hidden(self, step: DeviceStep, flat: torch.Tensor, keys: StepKeys
+               ) -> torch.Tensor | None:
         """BatchedForward.hidden's result for `step` over the layers of `flat`
         ([layers, 2, slots, kv_heads, d]), `step` at most `max_rows` rows: the
         set's own output buffer, which the next step's replays (of any set:
-        they share a pool) overwrite, so read it before then."""
+        they share a pool) overwrite, so read it before then. None where this
+        row count's graphs could not be captured: the caller runs the step op
+        by op (a failed capture ran on the static buffers alone, so the
+        cache and the step's inputs are as they were)."""
         key = (step.host.num_rows, flat.shape[0])
-        graphs = self._sets.get(key) or self._capture(*key)
+        graphs = self._sets.get(key)
+        if graphs is None:
+            if key in self.failed:
+                return None
+            try:
+                graphs = self._capture(*key)
+            except RuntimeError as exc:  # torch's errors for CUDA, out of memory included
+                self.failed.add(key)
+                log.warning("no CUDA graphs for steps of %d rows: they run op by op (%s)",
+                            key[0], exc)
+                return None
         graphs.token_ids.copy_(step.token_ids)
         graphs.positions.copy_(step.positions)
         for i, graph in enumerate(graphs.graphs[:-1]):
@@ -101,6 +118,8 @@ class StepGraphs:
 
     def _capture(self, rows: int, num_layers: int) -> _GraphSet:
         started = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         f, device, dtype = self._forward, self._forward.model.device, self._forward.model.dtype
         cfg = f.model.config
         token_ids = torch.zeros(rows, dtype=torch.long, device=device)

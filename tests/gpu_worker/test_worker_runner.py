@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.runner import ModelRunner, SeqWork
+from gpu_worker.step_graphs import StepGraphs
 from kvstash.errors import InvalidArgument
 from tests.gpu_worker.worker_factories import make_runner, tiny_model
 
@@ -64,3 +65,23 @@ def test_cuda_graphs_are_for_whole_invariant_steps_on_cuda_only() -> None:
     assert runner.batched.whole and runner.batched.graphs is None
     runner.batched.use_graphs(512)
     assert runner.batched.graphs is None
+
+
+def test_a_row_count_whose_graphs_fail_to_capture_runs_op_by_op(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where a row count's CUDA graphs cannot be captured (here for real: the
+    CPU has no CUDA), its steps run op by op with the same bits, and the
+    capture is not tried again at every step."""
+    graphed, eager = make_runner(), make_runner()
+    graphed.batched.graphs = StepGraphs(graphed.batched, max_rows=512)
+    prefill = [SeqWork("a", [1, 2, 3, 4, 5], 0, [0, 1]), SeqWork("b", [6, 7], 0, [2])]
+    decode = [SeqWork("a", [8], 5, [0, 1]), SeqWork("b", [9], 2, [2])]
+    for seqs in (prefill, decode, decode):  # 8 rows, then 4 twice
+        assert torch.equal(graphed.logits(seqs), eager.logits(seqs))
+    layers = tiny_model().config.num_layers
+    assert graphed.batched.graphs.failed == {(8, layers), (4, layers)}
+    assert graphed.batched.graphs.captured == []
+    assert torch.equal(graphed.kv_cache, eager.kv_cache)
+    warned = [r for r in caplog.records if "no CUDA graphs" in r.getMessage()]
+    assert [r.getMessage().split(":")[0] for r in warned] == [
+        "no CUDA graphs for steps of 8 rows", "no CUDA graphs for steps of 4 rows"]
