@@ -82,21 +82,24 @@ def test_invariant_steps_run_whole_on_the_gpu() -> None:
     assert runner.batched.whole and runner.batched.matmul is fixed_gemm.matmul
 
 
-def test_cuda_graph_steps_give_the_eager_steps_bits() -> None:
+@pytest.mark.parametrize("attention", list(AttentionBackend))
+def test_cuda_graph_steps_give_the_eager_steps_bits(attention: AttentionBackend) -> None:
     """A step replayed from CUDA graphs (step_graphs.py) gives every row the
-    bits the same step gets op by op: prefills, decodes and both mixed, in
-    steps of two row counts taking turns (their sets share one memory pool);
-    a step longer than the graphs' rows runs op by op."""
-    graphed, eager = cuda_runner(cuda_graph_rows=256), cuda_runner(cuda_graph_rows=0)
-    graphs = graphed.batched.graphs
-    assert graphs is not None and eager.batched.graphs is None
+    bits the same step gets op by op, with either attention between the
+    graphs: prefills, decodes and both mixed, in steps of two row counts
+    taking turns (their sets share one memory pool); a step longer than the
+    graphs' rows runs op by op, alone and between graphed ones."""
+    big = cuda_runner(attention, cuda_graph_rows=256), cuda_runner(attention, cuda_graph_rows=0)
+    small = cuda_runner(attention, cuda_graph_rows=128), cuda_runner(attention, cuda_graph_rows=0)
+    graphs, small_graphs = big[0].batched.graphs, small[0].batched.graphs
+    assert graphs is not None and small_graphs is not None and big[1].batched.graphs is None
     table, rids = tables(num_blocks=80), list(PROMPTS)  # 320 positions each
     done: dict[str, int] = {}  # request -> tokens in the cache
     last: dict[str, int] = {}  # request -> its next input token
 
-    def step(seqs: list[SeqWork]) -> None:
-        rows = graphed.logits(seqs)
-        assert torch.equal(rows, eager.logits(seqs)), [s.request_id for s in seqs]
+    def step(runners: tuple[ModelRunner, ModelRunner], seqs: list[SeqWork]) -> None:
+        rows = runners[0].logits(seqs)
+        assert torch.equal(rows, runners[1].logits(seqs)), [s.request_id for s in seqs]
         for seq, row in zip(seqs, rows, strict=True):
             done[seq.request_id] = seq.start_pos + len(seq.token_ids)
             last[seq.request_id] = int(row.argmax())
@@ -104,18 +107,22 @@ def test_cuda_graph_steps_give_the_eager_steps_bits() -> None:
     def decodes(among: list[str]) -> list[SeqWork]:
         return [SeqWork(r, [last[r]], done[r], table[r]) for r in among]
 
-    step([SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[:2]])  # 25 rows: 128
-    step(decodes(rids[:2]) + [SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[2:]])  # 256
+    def chunks(among: list[str]) -> list[SeqWork]:
+        return [SeqWork(r, [last[r]] * 40, done[r], table[r]) for r in among]
+
+    step(big, [SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[:2]])  # 25 rows: 128
+    step(big, decodes(rids[:2]) + [SeqWork(r, PROMPTS[r], 0, table[r]) for r in rids[2:]])
     for _ in range(3):  # the two row counts take turns
-        step(decodes(rids))  # 128
-        step(decodes(rids[:2]) + [SeqWork(r, [last[r]] * 40, done[r], table[r])
-                                  for r in rids[2:]])  # 162 rows: 256
-    assert graphs.captured == [(128, tiny_model_config().num_layers),
-                               (256, tiny_model_config().num_layers)]
-    small, small_eager = cuda_runner(cuda_graph_rows=128), cuda_runner(cuda_graph_rows=0)
-    whole = [SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()]  # 159 rows: 256
-    assert torch.equal(small.logits(whole), small_eager.logits(whole))
-    assert small.batched.graphs is not None and small.batched.graphs.captured == []
+        step(big, decodes(rids))  # 128
+        step(big, decodes(rids[:2]) + chunks(rids[2:]))  # 162 rows: 256
+    layers = tiny_model_config().num_layers
+    assert graphs.captured == [(128, layers), (256, layers)]
+    step(small, [SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])  # 159: 256
+    assert small_graphs.captured == []
+    for _ in range(3):  # graphed and op by op in turns
+        step(small, decodes(rids))  # 128: graphs
+        step(small, chunks(rids[:4]))  # 160 rows: op by op
+    assert small_graphs.captured == [(128, layers)] and small_graphs.failed == set()
 
 
 def test_cuda_graphs_cut_a_decode_steps_launches() -> None:
