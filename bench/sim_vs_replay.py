@@ -14,41 +14,71 @@ worker here); the scheduler settings are the same on both sides. `--pd`: a
 prefill and a decode instance on each side (P/D through the cache; the
 figures are the prefill instance's, which streams every token). Error =
 simulated / real - 1.
+
+Each real run's (prefill) scheduler records its decisions (`--record-
+decisions`, which also keeps its prefix tier off: the simulation has none),
+and the record is replayed against the profile: `step s/profile` is the
+run's step seconds over what the profile gives the same steps. Above 1 the
+host ran those steps slower than the profile says, and the simulation's
+latencies come out low by about as much.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
-from bench.replay.runs import POLICIES, run_policy
+from bench.replay.runs import POLICIES, RunResult, run_policy
 from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
 from kvstash.launch.stack import StackConfig
 from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import Cluster, SimResult, counters_of, instance_configs
 from kvstash.sim.pd import PdCluster, pd_configs
-from kvstash.sim.profile import DEFAULT_PROFILE, read_profile
+from kvstash.sim.profile import DEFAULT_PROFILE, CostProfile, read_profile
+from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit
 
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions",
-           "hand-offs")
+           "hand-offs", "step s/profile")
 
 
-def figures(summary: Summary, counters: dict[str, int]) -> tuple[float, ...]:
+def figures(summary: Summary, counters: dict[str, int], step_ratio: float = 1.0
+            ) -> tuple[float, ...]:
     """FIGURES; counters are the (prefill) instance's: its preemptions and
-    hand-offs (a decode instance's preemptions are not among them)."""
+    hand-offs (a decode instance's preemptions are not among them).
+    `step_ratio`: the run's step seconds over the profile's for the same
+    steps (a simulation's are the profile's: 1)."""
     preempted = counters["num_preemptions_offload"] + counters["num_preemptions_recompute"]
     return (summary.requests_per_s, summary.output_tokens_per_s, summary.ttft_s["p50"],
             summary.ttft_s["p99"], summary.tpot_s["p50"], float(preempted),
-            float(counters["num_handoffs"]))
+            float(counters["num_handoffs"]), step_ratio)
+
+
+def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[int]],
+             profile: CostProfile, record: Path) -> tuple[RunResult, float]:
+    """One run through a real stack, its (prefill) scheduler recording its
+    decisions; and its steps' recorded seconds over the profile's for the
+    same steps, summed (how much slower than the profile the host ran it:
+    what the simulation cannot know)."""
+    flag = ("--record-decisions", str(record))
+    base = (dataclasses.replace(base, prefill_scheduler_args=flag) if base.pd
+            else dataclasses.replace(base, scheduler_args=(*base.scheduler_args, *flag)))
+    run = run_policy(base, policy, trace, prompts)
+    done = replay(read_record(record), profile)
+    if done.mismatch is not None:
+        raise SystemExit(f"the real run's record does not replay: {done.mismatch}")
+    seconds = [s for _, s in done.steps]
+    predicted = sum(s / ratio for s, ratio in zip(seconds, done.step_ratios, strict=True))
+    return run, sum(seconds) / predicted if predicted else float("nan")
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace
@@ -92,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown policies {unknown}")
     slo = Slo(args.slo_ttft, args.slo_tpot)
     raw = flags.load_slice(args)
+    profile = read_profile(args.profile)
     rows: list[tuple[str, float, list[tuple[float, ...]], tuple[float, ...]]] = []
     with tempfile.TemporaryDirectory(prefix="kvstash-simcheck-") as workdir:
         model = args.model
@@ -107,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                            MAX_MODEL_LEN[args.model], args.output_scale)
             prompts = build_prompts(trace, args.seed)
             for policy in policies:
-                reals = [run_policy(base, policy, trace, prompts) for _ in range(args.repeat)]
+                reals = [real_run(base, policy, trace, prompts, profile,
+                                  Path(workdir) / f"record-{n}.jsonl")
+                         for n in range(args.repeat)]
                 sim, sim_counters = simulate(args, policy, trace)
                 rows.append((policy, trace.rate,
-                             [figures(summarize(r.records, slo), r.counters) for r in reals],
+                             [figures(summarize(r.records, slo), r.counters, ratio)
+                              for r, ratio in reals],
                              figures(summarize(sim.records, slo), sim_counters)))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
     print(f"{'policy':<12} {'rate':>5} {'figure':<12} {'real':>9} {'real min-max':>19} "
