@@ -13,7 +13,8 @@ output is the same under every policy.
     python -m bench.offload_bench                        # the tiny model
     python -m bench.offload_bench --model llama-small    # recompute costs more
 
-Any other bench.replay flag given overrides the preset's.
+Any other bench.replay flag given overrides the preset's (but --trace: the
+preset's workload is --synthetic).
 """
 
 from __future__ import annotations

@@ -70,15 +70,15 @@ def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[in
     same steps, summed (how much slower than the profile the host ran it:
     what the simulation cannot know)."""
     flag = ("--record-decisions", str(record))
-    base = (dataclasses.replace(base, prefill_scheduler_args=flag) if base.pd
+    base = (dataclasses.replace(base, prefill_scheduler_args=(*base.prefill_scheduler_args,
+                                                              *flag)) if base.pd
             else dataclasses.replace(base, scheduler_args=(*base.scheduler_args, *flag)))
     run = run_policy(base, policy, trace, prompts)
-    done = replay(read_record(record), profile)
+    done = replay(read_record(record))
     if done.mismatch is not None:
         raise SystemExit(f"the real run's record does not replay: {done.mismatch}")
-    seconds = [s for _, s in done.steps]
-    predicted = sum(s / ratio for s, ratio in zip(seconds, done.step_ratios, strict=True))
-    return run, sum(seconds) / predicted if predicted else float("nan")
+    predicted = sum(profile.step.of_features(features) for features, _ in done.steps)
+    return run, sum(seconds for _, seconds in done.steps) / predicted
 
 
 def simulate(args: argparse.Namespace, policy: str, trace: Trace

@@ -24,6 +24,8 @@ Two implementations, one contract (`PagedAttention.__call__`):
       per row:             max over all its pairs' scores (exact in any order)
       pair (tile, j):      w = exp(scores - row max); w x V, and w's row sums
       per tile:            pairs added in chunk order, values / weight sum
+                           (CPU: one index_add_, which adds in index order;
+                           elsewhere one per chunk, a pair per tile each)
 
   A row's numbers depend only on its own keys: chunks past its position add
   exactly 0, and each matmul has the shape of its pair whatever the step,
@@ -136,8 +138,10 @@ def packed_key_slots(step: DeviceStep, slots: torch.Tensor) -> torch.Tensor:
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  backend: AttentionBackend, batch_invariant: bool, tiles: QueryTiles,
-                 kv_chunk: int, dtype: torch.dtype) -> None:
-        """dtype: the model's (scores and softmax run in at least float32)."""
+                 kv_chunk: int, dtype: torch.dtype, sum_by_chunk: bool | None = None) -> None:
+        """dtype: the model's (scores and softmax run in at least float32).
+        sum_by_chunk: add each tile's pairs one index_add_ per chunk (None:
+        on any device but the CPU, whose index_add_ keeps index order)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.backend = backend
@@ -145,6 +149,7 @@ class PagedAttention:
         self.kv_chunk = kv_chunk
         self.score_dtype = compute_dtype(dtype)
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.sum_by_chunk = sum_by_chunk
         if backend is AttentionBackend.FLASH:  # looked up once, not per layer and step
             self._varlen = _varlen_attn()
             options = varlen_options(self._varlen, batch_invariant)
@@ -158,8 +163,11 @@ class PagedAttention:
             small = np.flatnonzero(lens <= self.tiles.small)
             large = np.flatnonzero(lens > self.tiles.small)
             heads = (self.num_kv_heads, self.num_heads // self.num_kv_heads)
+            device = step.token_ids.device
+            by_chunk = (device.type != "cpu" if self.sum_by_chunk is None
+                        else self.sum_by_chunk)
             groups = tuple(plan_tiles(host, seqs, rows, self.block_size, self.kv_chunk, heads,
-                                      self.score_dtype, step.token_ids.device)
+                                      self.score_dtype, device, by_chunk)
                            for seqs, rows in ((small, self.tiles.small),
                                               (large, self.tiles.large)) if len(seqs))
             none = step.context_lens[:0]
@@ -210,8 +218,7 @@ class PagedAttention:
         """[tiles * rows, heads, d]: every tile row's attention. Each (tile,
         chunk) pair scores its rows against its C keys; a row's weights are
         exp(score - the row's max over all its keys), and the pairs of a tile
-        then add up in chunk order (index_add_ runs through the pairs in
-        order, from 0):
+        then add up in chunk order, from 0 (`_by_tile`):
 
             out = (sum_j P_j V_j) / (sum_j P_j 1)
 
@@ -245,7 +252,17 @@ class PagedAttention:
         weights = elementwise.exp_(scores)
         per_pair = torch.bmm(weights, v).view(pairs, kv_heads, m, d)
         sums = weights.sum(-1, keepdim=True).view(pairs, kv_heads, m, 1)
-        total = per_pair.new_zeros(tiles, kv_heads, m, d).index_add_(0, g.pair_tile, per_pair)
-        out = total / sums.new_zeros(tiles, kv_heads, m, 1).index_add_(0, g.pair_tile, sums)
+        out = _by_tile(per_pair, g) / _by_tile(sums, g)
         return out.view(tiles, kv_heads, rows, group, d).transpose(1, 2).reshape(
             tiles * rows, self.num_heads, d).to(q.dtype)
+
+
+def _by_tile(values: torch.Tensor, g: TileGroup) -> torch.Tensor:
+    """[tiles, ...]: the sum of each tile's pairs' `values` ([pairs, ...]),
+    added in chunk order from 0."""
+    total = values.new_zeros(g.tiles, *values.shape[1:])
+    if not g.chunk_pairs:  # the CPU's index_add_ runs through the pairs in order
+        return total.index_add_(0, g.pair_tile, values)
+    for pairs, tiles in g.chunk_pairs:  # each tile at most once a call
+        total.index_add_(0, tiles, values.index_select(0, pairs))
+    return total

@@ -65,6 +65,11 @@ class TileGroup:
     # [masked pairs * kv_heads, rows * group, C]: 0, or -inf where the key is
     # past the row's position; added to the scores of the last pairs.
     bias: torch.Tensor
+    # Where index_add_ may add a tile's pairs in any order (CUDA: atomics):
+    # for each chunk j, the pairs reading it and their tiles, so that a tile's
+    # pairs are added one call per chunk, in chunk order. Empty on the CPU,
+    # whose index_add_ runs through the indices in order.
+    chunk_pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def tiles(self) -> int:
@@ -72,9 +77,11 @@ class TileGroup:
 
 
 def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chunk: int,
-               heads: tuple[int, int], dtype: torch.dtype, device: torch.device) -> TileGroup:
+               heads: tuple[int, int], dtype: torch.dtype, device: torch.device,
+               by_chunk: bool = False) -> TileGroup:
     """The tiles of `rows` rows holding sequences `seqs` (host arrays only);
-    `heads`: KV heads and query heads per KV head; `dtype`: the scores'."""
+    `heads`: KV heads and query heads per KV head; `dtype`: the scores';
+    `by_chunk`: plan `chunk_pairs` too."""
     lens = np.diff(host.query_start)[seqs]
     per_seq = -(-lens // rows)
     tile_seq = np.repeat(seqs, per_seq)
@@ -107,6 +114,9 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
         return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
 
     value_rows = slots[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]
+    chunk_pairs = tuple((tensor(np.flatnonzero(pair_chunk == j)),
+                         tensor(pair_tile[pair_chunk == j]))
+                        for j in range(int(reads.max()) if by_chunk else 0))
     return TileGroup(rows, tensor(source), tensor(np.where(real, source, host.num_rows)),
                      tensor(pair_tile), tensor(slots), tensor(value_rows),
-                     bias.view(-1, rows * group, chunk))
+                     bias.view(-1, rows * group, chunk), chunk_pairs)

@@ -101,9 +101,13 @@ class StepGraphs:
         if graphs is None:
             if key in self.failed:
                 return None
+            device = self._forward.model.device
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             try:
                 graphs = self._capture(*key)
-            except RuntimeError as exc:  # torch's errors for CUDA, out of memory included
+            except (RuntimeError, ValueError) as exc:  # torch's, out of memory included
+                if stream is not None:  # a capture that fails in capture_end keeps its stream
+                    torch.cuda.set_stream(stream)
                 self.failed.add(key)
                 log.warning("no CUDA graphs for steps of %d rows: they run op by op (%s)",
                             key[0], exc)

@@ -46,7 +46,10 @@ class StepCost:
 
     def seconds(self, seqs: Sequence[ScheduledSeq], num_decodes: int) -> float:
         """One step over `seqs`, of which the first `num_decodes` are decodes."""
-        features = step_features(seqs, num_decodes)
+        return self.of_features(step_features(seqs, num_decodes))
+
+    def of_features(self, features: Sequence[float]) -> float:
+        """One step of these step_features."""
         return (self.fixed_s * features[0] + self.decode_row_s * features[1]
                 + self.decode_position_s * features[2] + self.prefill_token_s * features[3]
                 + self.prefill_square_s * features[4])

@@ -63,6 +63,31 @@ def test_batched_rows_equal_each_sequence_alone(attention: AttentionBackend) -> 
             last[seq.request_id] = (int(row.argmax()), seq.start_pos + 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_attention_rows_past_many_chunks_equal_each_sequence_alone(
+        dtype: torch.dtype) -> None:
+    """The torch path past 256 positions: each row reads three 128-key chunks
+    and more, 18 pairs a decode step, where the order a tile's pairs are
+    added in would show (the GPU's index_add_ has none: attention.py adds
+    them one chunk at a time)."""
+    rng = random.Random(2)
+    alone = cuda_runner(AttentionBackend.TORCH, dtype)
+    batched = cuda_runner(AttentionBackend.TORCH, dtype)
+    table = tables(num_blocks=80)  # 320 positions each
+    prompts = {rid: (ids * 40)[:260 + 8 * i] for i, (rid, ids) in enumerate(PROMPTS.items())}
+    together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in prompts.items()])
+    last = {}
+    for row, (rid, ids) in zip(together, prompts.items(), strict=True):
+        assert torch.equal(row, alone.logits([SeqWork(rid, ids, 0, table[rid])])[0]), rid
+        last[rid] = (int(row.argmax()), len(ids))
+    for _ in range(12):
+        rids = [r for r in prompts if rng.random() < 0.7] or ["r0"]
+        seqs = [SeqWork(r, [last[r][0]], last[r][1], table[r]) for r in rids]
+        for seq, row in zip(seqs, batched.logits(seqs), strict=True):
+            assert torch.equal(row, alone.logits([seq])[0]), seq.request_id
+            last[seq.request_id] = (int(row.argmax()), seq.start_pos + 1)
+
+
 def test_greedy_outputs_survive_offload_and_recompute_in_bf16() -> None:
     alone = {rid: run(cuda_runner(), [Request(rid, ids, [])], 16, chunk=8)[rid]
              for rid, ids in PROMPTS.items()}

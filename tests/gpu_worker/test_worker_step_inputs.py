@@ -75,16 +75,18 @@ def test_key_slots_follow_block_tables() -> None:
     assert packed == expected and len(packed) == 11 + 22 + 5
 
 
+@pytest.mark.parametrize("by_chunk", [False, True])
 @pytest.mark.parametrize(("row_tile", "tiles"), [
     (4, QueryTiles(1, 1)),  # one tile size: a tile per row
     (4, QueryTiles(2, 2)),  # the prefill chunk of 3 rows spans two tiles
     (None, QueryTiles(1, 2)),  # decodes in tiles of 1, the chunk in tiles of 2
 ])
 def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
-        row_tile: int | None, tiles: QueryTiles) -> None:
+        row_tile: int | None, tiles: QueryTiles, by_chunk: bool) -> None:
     """Against a dense masked softmax per row, with keys in chunks of 8 (b at
     21 reads three); every slot a row must not read holds NaN, so a leak
-    would show."""
+    would show. by_chunk: tiles' pairs summed one index_add_ per chunk (as
+    on a GPU)."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     cache = torch.full((2, 12 * 4, kv_heads, dim), float("nan"), dtype=torch.float64)
@@ -95,7 +97,7 @@ def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
         cache[:, slots] = torch.randn(2, len(slots), kv_heads, dim, generator=gen,
                                       dtype=torch.float64)
     attention = PagedAttention(heads, kv_heads, dim, 4, AttentionBackend.TORCH, True, tiles,
-                               kv_chunk=8, dtype=torch.float64)
+                               kv_chunk=8, dtype=torch.float64, sum_by_chunk=by_chunk)
     q = torch.randn(host.num_rows, heads, dim, generator=gen, dtype=torch.float64)
     out = attention(q, cache, step, attention.prepare(step))
     for row in range(host.num_tokens):
@@ -106,3 +108,30 @@ def test_torch_attention_matches_plain_softmax_and_ignores_stale_slots(
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[row], keys) / math.sqrt(dim), -1)
         expected = torch.einsum("ht,thd->hd", weights, values)
         torch.testing.assert_close(out[row], expected, atol=1e-12, rtol=1e-12)
+
+
+def test_summing_pairs_chunk_by_chunk_gives_index_add_s_bits() -> None:
+    """A GPU's index_add_ adds a tile's pairs in any order (atomics), so
+    there each chunk is added by its own call; that gives every row the bits
+    of the CPU's one index_add_ in pair order, here with tiles reading up to
+    eight chunks, masked and not, beside one-chunk decodes."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block = 8, 2, 16, 4
+    seqs = [SeqWork("long", [1] * 6, 58, list(range(16))),  # chunks 0..7
+            SeqWork("mid", [2] * 20, 10, list(range(16, 24))),
+            *(SeqWork(f"d{i}", [3], 3 + 9 * i, list(range(24 + 10 * i, 34 + 10 * i)))
+              for i in range(5))]
+    host = pack_step(seqs, block, 4, torch.Generator())
+    step = StepStaging(torch.device("cpu")).stage(host)
+    cache = torch.randn(2, 80 * block, kv_heads, dim, generator=gen)
+    q = torch.randn(host.num_rows, heads, dim, generator=gen)
+    outs = []
+    for by_chunk in (False, True):
+        attention = PagedAttention(heads, kv_heads, dim, block, AttentionBackend.TORCH, True,
+                                   QueryTiles(2, 8), kv_chunk=8, dtype=torch.float32,
+                                   sum_by_chunk=by_chunk)
+        keys = attention.prepare(step)
+        assert all(bool(g.chunk_pairs) == by_chunk for g in keys.groups)
+        outs.append(attention(q, cache, step, keys)[:host.num_tokens])
+    assert max(len(g.chunk_pairs) for g in keys.groups) == 8
+    assert torch.equal(outs[0], outs[1])
