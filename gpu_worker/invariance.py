@@ -5,11 +5,12 @@ It runs the model's first layer and its output head over a few steps, each
 row against its sequence run alone in a step of its own, and each decode row
 against the same token as the last row of a prefill (a recomputed token):
 
-    together  [ 1 | 3 | 17 | 40 | 150 ] prefill rows   then  [ 5 decodes ]
-    alone     [ 1 ] [ 3 ] [ 17 ] [ 40 ] [ 150 ]                [ 1 ] x 5
-    recompute                                   [ 2 ] [ 4 ] [ 18 ] [ 41 ] [ 151 ]
+    together  [ 1 | 3 | 17 | 40 | 150 | 300 ] prefill rows   then  [ 6 decodes ]
+    alone     [ 1 ] [ 3 ] [ 17 ] [ 40 ] [ 150 ] [ 300 ]              [ 1 ] x 6
+    recompute                          [ 2 ] [ 4 ] [ 18 ] [ 41 ] [ 151 ] [ 301 ]
 
-Row counts from 4 to 212 (fewer where max_model_len is shorter) and both
+Row counts from 4 to 512 (the scheduler's default step budget; fewer where
+max_model_len is shorter), contexts of up to three 128-key chunks, both
 query tile sizes, on scratch caches (the runner's own blocks are not
 touched); on a GPU also a prompt of 600 tokens, so that a step spans several
 of its 128-row pads.
@@ -31,7 +32,7 @@ from gpu_worker.query_tiles import GEMM_ROW_PANEL
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.step_inputs import StepStaging, pack_step
 
-CHECK_LENGTHS = (1, 3, 17, 40, 150)
+CHECK_LENGTHS = (1, 3, 17, 40, 150, 300)
 GPU_CHECK_LENGTHS = (*CHECK_LENGTHS, 600)
 log = logging.getLogger(__name__)
 

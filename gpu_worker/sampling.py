@@ -123,7 +123,11 @@ def filtered_rows(logits: torch.Tensor, s: DeviceSampling, filters: bool) -> tor
     drop_sorted = (mass_before >= s.top_p[:, None]) & (s.top_p < 1.0)[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    # Only rows that dropped tokens are renormalised: a row that drops none
+    # keeps its softmax's bits, which the unfiltered path gives it too, so
+    # what its neighbours ask for cannot move its draw.
+    dropped = drop.any(dim=-1, keepdim=True)
+    return torch.where(dropped, probs / probs.sum(dim=-1, keepdim=True), probs)
 
 
 def _sample_tile(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:

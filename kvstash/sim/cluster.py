@@ -110,6 +110,9 @@ class Cluster:
                  cache: SimCache, transport: str = "arena", router: str = "round-robin"
                  ) -> None:
         """One instance per config, all sharing `cache`."""
+        if any(config.prefix_segment_blocks for config in configs):
+            raise ValueError("the simulation has no prefix tier: prefix_segment_blocks must "
+                             "be 0")
         self.now = 0.0
         self.profile = profile
         self.cache = cache
@@ -165,6 +168,9 @@ class Cluster:
                 reported = self._ended
         for inst in self.instances:
             inst.core.check_integrity()
+        if stalled := [i for i, r in enumerate(self.records) if r.ended_s is None]:
+            raise AssertionError(f"requests {stalled[:8]} never ended: no event was left "
+                                 f"to wake the instance holding them")
         counters: dict[str, int] = {}
         for inst in self.instances:
             for key, value in counters_of(inst.core).items():

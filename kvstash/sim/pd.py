@@ -161,6 +161,9 @@ class PdCluster(Cluster):
                 continue
             self._prefill_of[request_id] = inst
             self._restore(decoder, restore)
+            # The hand-off freed its blocks here: this instance wakes too, as
+            # the edge's landed copy wakes its engine.
+            self.at(self.now, functools.partial(_wake_up, inst))
             return decoder
         inst.core.pd.take_back(request_id)  # resumes here from the snapshot
         return inst

@@ -163,3 +163,20 @@ def test_filtered_rows_beside_unfiltered_rows_keep_their_distribution() -> None:
     probs = filtered_rows(logits, to_device(batch, logits.device), filters=True)
     assert int((probs[0] > 0).sum()) == 300
     assert int((probs[1] > 0).sum()) < 10
+
+
+def test_a_neighbours_filter_leaves_an_unfiltered_rows_probabilities_bit_for_bit() -> None:
+    """A row without top-k or top-p gets the same probabilities, to the bit,
+    whether or not another row of its step filters (so its seeded draw stays
+    a function of its own seed, position and logits); a filtered row that
+    drops tokens is renormalised over what it keeps."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 300, generator=gen, dtype=torch.float64) * 4
+    rows = [params(temperature=0.7), params(temperature=1.3, seed=3),
+            params(temperature=1.0, top_p=0.5), params(temperature=0.9, top_k=7)]
+    batch = to_device(SamplingBatch.build(rows, [0] * 4, _gen()), logits.device)
+    filtered = filtered_rows(logits, batch, filters=True)
+    plain = filtered_rows(logits, batch, filters=False)
+    assert torch.equal(filtered[:2], plain[:2])
+    assert int((filtered[2] > 0).sum()) < 300 and int((filtered[3] > 0).sum()) == 7
+    torch.testing.assert_close(filtered[2:].sum(-1), torch.ones(2, dtype=torch.float64))

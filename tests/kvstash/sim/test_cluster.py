@@ -121,3 +121,12 @@ def test_prefix_aware_falls_back_to_the_least_loaded() -> None:
     a.held.update(str(i) for i in range(10))  # 12 held: more than 4 over the least
     b.held.add("z")
     assert route(cluster.instances, TraceRequest(0.0, 100, 1, (1, 2, 3, 5))) is c
+
+
+def test_a_config_with_the_prefix_tier_is_refused() -> None:
+    """The simulation models no prefix tier: a core asking for one would wait
+    for copies that never come."""
+    config = SchedulerConfig(num_blocks=64, block_size=16, max_model_len=1024,
+                             vocab_size=1 << 20, prefix_segment_blocks=4, prefix_tier_salt="m")
+    with pytest.raises(ValueError, match="no prefix tier"):
+        Cluster([config], PROFILE, SimCache(1 << 30, 0))

@@ -11,7 +11,7 @@ from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import SimResult
 from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import parse_profile
-from kvstash.workload.trace import Trace, synthetic
+from kvstash.workload.trace import Trace, TraceRequest, synthetic
 from tests.kvstash.sim.test_profile import GOOD
 
 PROFILE = parse_profile(GOOD)
@@ -100,3 +100,21 @@ def test_a_pd_run_repeats_exactly() -> None:
     assert [dataclasses.astuple(r) for r in first.records] == [
         dataclasses.astuple(r) for r in second.records]
     assert first.counters == second.counters
+
+
+def test_a_landed_hand_off_lets_the_prefill_instance_admit_the_next() -> None:
+    """A prefill pool that holds one prompt at a time: the second waits for
+    the first's blocks, which its landed hand-off frees, and that landing
+    wakes the prefill instance (no other event would: the trace has ended)."""
+    trace = Trace((TraceRequest(0.0, 200, 8, (0, 1, 2, 3)),
+                   TraceRequest(0.0, 200, 8, (4, 5, 6, 7))), 64)
+    base = dict(num_blocks=14, block_size=16, max_model_len=1024, max_num_seqs=16,
+                max_num_batched_tokens=256, bytes_per_block=PROFILE.bytes_per_block)
+    prefill, decode = pd_configs("offload", 1, 1, **base)
+    decode = [dataclasses.replace(config, num_blocks=256) for config in decode]
+    cluster = PdCluster(prefill, decode, PROFILE, SimCache(1 << 30, 0), handoff_wait_s=10.0)
+    result = cluster.run(trace)
+    assert_all_served(result, cluster, trace)
+    assert result.counters["num_handoffs"] == 2
+    first, second = result.records
+    assert second.chunk_times[0] > first.chunk_times[0]  # it waited for the first's blocks
