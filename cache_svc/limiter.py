@@ -36,7 +36,8 @@ class ByteLimiter:
             if fut.done() and not fut.cancelled():
                 self.release(num_bytes)  # granted just as we were cancelled
             else:
-                self._waiters.remove(entry)
+                with contextlib.suppress(ValueError):  # _wake may have dropped it
+                    self._waiters.remove(entry)
                 self._wake()
             raise
 
@@ -45,11 +46,16 @@ class ByteLimiter:
         self._wake()
 
     def _wake(self) -> None:
-        # FIFO: a large request is not starved by a stream of small ones.
-        while self._waiters and self.in_use + self._waiters[0][0] <= self.capacity:
-            num_bytes, fut = self._waiters.popleft()
-            self.in_use += num_bytes
-            fut.set_result(None)
+        # FIFO: a large request is not starved by a stream of small ones. A
+        # waiter cancelled before its task ran again is dropped, not granted.
+        while self._waiters:
+            num_bytes, fut = self._waiters[0]
+            if not fut.done() and self.in_use + num_bytes > self.capacity:
+                return
+            self._waiters.popleft()
+            if not fut.done():
+                self.in_use += num_bytes
+                fut.set_result(None)
 
     @contextlib.asynccontextmanager
     async def hold(self, num_bytes: int) -> AsyncIterator[None]:

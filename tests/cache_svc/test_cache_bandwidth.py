@@ -12,7 +12,7 @@ from cache_helpers import MIB, make_layout, make_payload, start_cache_process
 
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
-from cache_svc.limiter import BandwidthLimiter
+from cache_svc.limiter import BandwidthLimiter, ByteLimiter
 from kvstash.cache_sdk.cache_client import CacheClient
 
 LAYOUT = make_layout()  # 32 KiB blocks
@@ -91,6 +91,27 @@ async def test_bandwidth_limiter_books_in_order_and_refunds_cancelled_tail() -> 
     started = loop.time()
     await pace.take(MIB)
     assert loop.time() - started >= 0.09  # lower bounds only: load only adds time
+
+
+async def test_a_waiter_cancelled_as_bytes_come_free_leaks_nothing() -> None:
+    """A waiting put or get whose call is cancelled, and another call's
+    release landing before the cancelled one runs again: the bytes go to the
+    next waiter, not to the cancelled one, and the release raises nothing."""
+    limiter = ByteLimiter(10)
+    await limiter.acquire(10)
+    cancelled = asyncio.ensure_future(limiter.acquire(5))
+    behind = asyncio.ensure_future(limiter.acquire(8))
+    await asyncio.sleep(0)  # both queued
+    cancelled.cancel()
+    limiter.release(10)  # before the cancelled task runs
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await behind
+    assert limiter.in_use == 8 and not limiter._waiters
+    limiter.release(8)
+    async with limiter.hold(10):
+        assert limiter.in_use == 10
+    assert limiter.in_use == 0
 
 
 def test_flag_parses_sizes_and_config_refuses_negative() -> None:
