@@ -82,14 +82,21 @@ class Backend:
         self.engine.abort(request_id, reported_as)
 
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> bool:
-        """A decode instance holds blocks for a prefill instance's request."""
-        return self.engine.decode_side.reserve(request_id, prompt, sampling)
+        """A decode instance holds blocks for a prefill instance's request;
+        refused while its worker is down (the prefill instance asks another,
+        or decodes the request itself)."""
+        side = self.engine.decode_side
+        return self.worker_up and side.reserve(request_id, prompt, sampling)
 
     def decode(self, request_id: str, snapshot_id: str, num_tokens: int,
                first_token_id: int) -> RequestStream:
-        """A decode instance decodes a request it reserved blocks for."""
-        return self.engine.decode_side.decode(request_id, snapshot_id, num_tokens,
-                                              first_token_id)
+        """A decode instance decodes a request it reserved blocks for;
+        Unavailable while its worker is down (the prefill instance's relay
+        asks another reservation, or takes the request back)."""
+        side = self.engine.decode_side
+        if not self.worker_up:
+            raise errors.Unavailable("this decode instance's worker is down")
+        return side.decode(request_id, snapshot_id, num_tokens, first_token_id)
 
     async def updates(
         self, request_id: str, stream: RequestStream, timing: Timing,

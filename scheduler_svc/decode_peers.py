@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvstash import errors
 from kvstash.common import rpc_connections, rpc_errors, wire
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
@@ -81,7 +82,10 @@ RemoteEvent = RemoteTokens | RemoteFinished | RemoteAborted
 def remote_event(response: scheduler_pb2.GenerateResponse) -> RemoteEvent:
     if not response.finish_reason:
         return RemoteTokens(list(response.token_ids))
-    status = FINISH_STATUS[response.finish_reason]
+    status = FINISH_STATUS.get(response.finish_reason)
+    if status is None:  # a peer of another version: lost there, recomputed here
+        raise errors.Unimplemented(f"decode instance sent finish reason "
+                                   f"{response.finish_reason!r}, unknown here")
     if status is RequestStatus.FINISHED_ABORTED:
         return RemoteAborted()
     return RemoteFinished(list(response.token_ids), status, usage_from_proto(response.usage))

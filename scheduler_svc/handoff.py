@@ -132,6 +132,11 @@ class PrefillSide:
                 handoff.decoder = decoder
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
+        except errors.IntegrityError:
+            raise
+        except Exception:  # a bug, or a peer's surprise: its client is still served here
+            log.exception("request %s: its hand-off failed; finishing it here", request_id)
+            self._take_back(request_id)
         finally:
             if token is not None:
                 otel_context.detach(token)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from scheduler_svc import tracing
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeer
 from scheduler_svc.streams import RequestStream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -115,7 +118,12 @@ class Tasks:
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("task %s failed", task.get_name(), exc_info=exc)
 
     async def close(self) -> None:
         tasks = list(self._tasks)

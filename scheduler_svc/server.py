@@ -150,7 +150,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 accepted=True, expires_in_s=config.reservation_timeout_s)
         return scheduler_pb2.ReserveBlocksResponse(
             accepted=False, retry_after_s=RESERVATION_RETRY_AFTER_S,
-            reason="too few free blocks or seats after the reservations of running requests")
+            reason="its worker is down" if not backend.worker_up else
+            "too few free blocks or seats after the reservations of running requests")
 
     def _decode_instance(self) -> Backend:
         backend = self.attached()

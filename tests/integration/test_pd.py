@@ -9,6 +9,7 @@ invariant anywhere exits that scheduler, which each scenario's end checks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -323,6 +324,36 @@ async def test_requests_decoding_elsewhere_outlive_the_prefill_worker(tmp_path: 
         assert_alive(stack, stack.scheduler, stack.decode_scheduler, stack.decode_worker)
     assert outputs == reference(prompts, 120)
     assert prefill.num_handoffs == len(prompts) and prefill.num_handoff_failures == 0
+
+
+async def test_a_decode_instance_without_its_worker_refuses_to_reserve_or_decode(
+        tmp_path: Path) -> None:
+    """Its worker gone, a decode instance holds no blocks for anyone and
+    decodes nothing (it could run neither); the prefill instance decodes
+    its requests itself, every one to its reference output."""
+    prompts = small_prompts(3)
+    with running_stack(pd_config(prefill_wait=0.5), tmp_path) as stack:
+        layout = await kv_layout(stack)
+        assert stack.decode_worker is not None
+        stack.decode_worker.kill()
+        channel, stub = decode_stub(stack)
+        async with channel:
+            deadline = time.monotonic() + 30
+            while (answer := await stub.ReserveBlocks(
+                    reserve_request("r", [1, 2, 3], layout))).accepted:
+                await stub.Abort(scheduler_pb2.AbortRequest(request_id="r"))
+                assert time.monotonic() < deadline, "the worker's loss was never seen"
+                await asyncio.sleep(0.1)
+            assert answer.reason == "its worker is down"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await anext(aiter(stub.Decode(scheduler_pb2.DecodeRequest(
+                    request_id="r", snapshot_id="s1", num_tokens=3, first_token_id=1))))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        outputs = await complete_all(stack.address, prompts)
+        prefill = await drained(stack.scheduler)
+        assert_alive(stack, stack.scheduler, stack.decode_scheduler)
+    assert outputs == reference(prompts)
+    assert prefill.num_handoffs == 0
 
 
 async def test_an_expired_reservation_is_made_again_before_decoding_here(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from scheduler_svc.decode_peers import (
     RemoteEvent,
     RemoteFinished,
     RemoteTokens,
+    remote_event,
 )
 
 LAYOUT = Layout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -221,3 +222,12 @@ async def test_a_failed_decode_call_raises_its_domain_error(serve: Serve) -> Non
         await decoded(serve, DecodingInstance(accept, error=grpc.StatusCode.UNAVAILABLE))
     with pytest.raises(errors.NotFound):
         await decoded(serve, DecodingInstance(accept, error=grpc.StatusCode.NOT_FOUND))
+
+
+def test_a_finish_reason_unknown_here_is_an_error_the_hand_off_handles() -> None:
+    """A decode instance of a newer version may end a stream with a reason
+    this one does not know: that is a KvstashError (the relay then takes the
+    request back and finishes it here), not a KeyError out of the relay."""
+    assert remote_event(scheduler_pb2.GenerateResponse(token_ids=[3])) == RemoteTokens([3])
+    with pytest.raises(errors.Unimplemented, match="finish reason 99, unknown here"):
+        remote_event(scheduler_pb2.GenerateResponse(token_ids=[3], finish_reason=99))
