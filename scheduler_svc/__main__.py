@@ -81,7 +81,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
                                    tuple(info.eos_token_ids))
         engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
                                      check_integrity=args.check_integrity,
-                                     worker_reconnect_s=args.worker_reconnect)
+                                     worker_reconnect_s=args.worker_reconnect,
+                                     step_timeout_s=args.step_timeout)
         cache: CacheLink | None = None
         if args.cache_address:
             client = CacheClient(args.cache_address, security=internal)
@@ -92,7 +93,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             peers = DecodePeers(args.decode_address.split(","), layout, secured,
                                 wait_s=args.handoff_wait)
             cleanup.push_async_callback(peers.close)
-        worker = WorkerLink(worker_channel, info)
+        worker = WorkerLink(worker_channel, info, step_timeout_s=engine_config.step_timeout_s)
         if args.record_decisions is None:
             core = Scheduler(config)
         else:
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         secured = security.from_args(args, require_client_cert=False)
         security.check_listen(args.listen, secured)
         check_role(args)
-        EngineConfig(worker_reconnect_s=args.worker_reconnect)  # its checks, before any start
+        EngineConfig(worker_reconnect_s=args.worker_reconnect,
+                     step_timeout_s=args.step_timeout)  # its checks, before any start
     except ValueError as exc:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:

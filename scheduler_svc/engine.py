@@ -54,7 +54,7 @@ from scheduler_svc.handoff import DecodeSide, PrefillSide
 from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
-from scheduler_svc.worker_link import StepStream, WorkerLink
+from scheduler_svc.worker_link import STEP_TIMEOUT_S, StepStream, WorkerLink
 from scheduler_svc.worker_watch import WorkerWatch
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,17 @@ class EngineConfig:
     # offloaded to the cache) wait for it to come back before they fail
     # UNAVAILABLE, counted from the loss; 0: they fail with it.
     worker_reconnect_s: float = 30.0
+    # One step, or opening a stream, past which the worker counts as lost (a
+    # hung device or compute thread, behind a gRPC server that still answers).
+    step_timeout_s: float = STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_reconnect_s < math.inf:
             raise ValueError("worker_reconnect_s must be a finite number of seconds >= 0, "
                              f"got {self.worker_reconnect_s}")
+        if not 0 < self.step_timeout_s < math.inf:
+            raise ValueError("step_timeout_s must be a finite number of seconds > 0, "
+                             f"got {self.step_timeout_s}")
 
 
 class Engine:

@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None,
                         "JSONL file, for `kvstash sim --replay`")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
+    p.add_argument("--step-timeout", type=float, default=_ENGINE.step_timeout_s,
+                   help="seconds one step (or opening a stream) may take before the worker "
+                        "counts as lost: a hung device or compute thread whose gRPC server "
+                        "still answers")
     p.add_argument("--worker-reconnect", type=float, default=_ENGINE.worker_reconnect_s,
                    help="seconds requests that need nothing from a lost worker (waiting, or "
                         "offloaded to the cache) wait for it to come back before they fail "

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # take a GetInfo as large as the worker may send (the tokenizer rides in it).
 WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
                           ("grpc.max_receive_message_length", MAX_WORKER_INFO_BYTES)]
+# One step's default bound, plan out to tokens back: far past any step a
+# worker takes (seconds for a long prefill on a CPU), well short of forever.
+STEP_TIMEOUT_S = 600.0
 # Offload failures after which the snapshot certainly does not exist: the
 # cache (or the worker) refused the put, and a refused put stores nothing
 # (worker.proto Offload). The worker passes the cache's status on unchanged,
@@ -82,8 +85,9 @@ def changed_fields(before: worker_pb2.WorkerInfo, after: worker_pb2.WorkerInfo) 
 class StepStream:
     """One open Execute stream: a plan out, its sampled tokens back."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, step_timeout_s: float) -> None:
         self._call = call
+        self._step_timeout_s = step_timeout_s
 
     def done(self) -> bool:
         return self._call.done()
@@ -96,12 +100,18 @@ class StepStream:
         self._call.add_done_callback(lambda _: callback())
 
     async def step(self, output: SchedulerOutput) -> dict[str, int]:
-        """Raises errors.Unavailable when the stream broke."""
+        """Raises errors.Unavailable when the stream broke, or the worker
+        answered nothing in `step_timeout_s` (a hung device or compute
+        thread, behind a gRPC server that may still answer)."""
         try:
-            await self._call.write(plan_to_proto(output))
-            result = await self._call.read()
+            async with asyncio.timeout(self._step_timeout_s):
+                await self._call.write(plan_to_proto(output))
+                result = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _unavailable(exc) from exc
+        except TimeoutError:
+            raise errors.Unavailable(
+                f"the worker answered no step in {self._step_timeout_s:g} s") from None
         if result is grpc.aio.EOF:
             raise errors.Unavailable("worker closed the Execute stream")
         return {t.request_id: t.token_id for t in result.sampled}
@@ -110,15 +120,17 @@ class StepStream:
 class WorkerLink:
     def __init__(
         self, channel: grpc.aio.Channel, info: worker_pb2.WorkerInfo | None = None, *,
-        retry_s: float = 1.0, probe_s: float = 10.0,
+        retry_s: float = 1.0, probe_s: float = 10.0, step_timeout_s: float = STEP_TIMEOUT_S,
     ) -> None:
         """`info`: what the core was built for (None: accept any worker).
         `retry_s`: pause between GetInfo probes, and before reopening a broken
-        stream; `probe_s`: bound on one probe."""
+        stream; `probe_s`: bound on one probe; `step_timeout_s`: on one step,
+        and on opening a stream, past which the worker counts as lost."""
         self._stub = worker_pb2_grpc.WorkerStub(channel)
         self._info = info
         self.retry_s = retry_s
         self._probe_s = probe_s
+        self._step_timeout_s = step_timeout_s
 
     async def wait_ready(self, deadline: float | None = None) -> bool:
         """True once the worker answers GetInfo: reachable, its model loaded,
@@ -153,16 +165,21 @@ class WorkerLink:
         then (it refuses a second scheduler), so opening a call proves nothing."""
         call = self._stub.Execute()
         try:
-            await call.write(worker_pb2.StepPlan())
-            if await call.read() is grpc.aio.EOF:
-                raise errors.Unavailable("worker closed the Execute stream")
+            async with asyncio.timeout(self._step_timeout_s):
+                await call.write(worker_pb2.StepPlan())
+                if await call.read() is grpc.aio.EOF:
+                    raise errors.Unavailable("worker closed the Execute stream")
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise _unavailable(exc) from exc
+        except TimeoutError:
+            call.cancel()
+            raise errors.Unavailable(f"the worker took no Execute stream in "
+                                     f"{self._step_timeout_s:g} s") from None
         except BaseException:
             call.cancel()
             raise
-        return StepStream(call)
+        return StepStream(call, self._step_timeout_s)
 
     async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
         """The blocks into the cache, which keeps them by its own admission

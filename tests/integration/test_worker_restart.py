@@ -7,6 +7,7 @@ or fail UNAVAILABLE saying so once that bound is spent."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -62,6 +63,34 @@ async def test_worker_restart_fails_in_flight_then_serves_correctly(tmp_path: Pa
             assert await complete_when_back(client) == expected
             stats = await client.stats()
     assert stats.num_running_decode == stats.num_waiting == 0
+
+
+async def test_a_hung_worker_fails_its_requests_then_serves_again(tmp_path: Path) -> None:
+    """A worker that stops answering (a hung device or compute thread; here
+    its process stopped, the connection still up) fails the requests it
+    holds with UNAVAILABLE once a step takes past --step-timeout, instead of
+    holding their streams forever; resumed, it serves correct outputs."""
+    expected = reference_greedy(PROMPT, 16)
+    config = StackConfig(num_blocks=64, scheduler_args=("--step-timeout", "2"))
+    with running_stack(config, tmp_path) as stack:
+        async with rpc_connections.insecure_channel(stack.address) as channel:
+            call = long_generate(channel)
+            assert (await call.read()).token_ids
+            stack.worker.process.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async with asyncio.timeout(60):
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                waited = time.monotonic() - started
+            finally:
+                stack.worker.process.send_signal(signal.SIGCONT)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "answered no step in 2 s" in (info.value.details() or "")
+        assert waited >= 2
+        async with Client(stack.address) as client:
+            assert await complete_when_back(client) == expected
 
 
 async def test_worker_restart_while_idle_is_noticed(tmp_path: Path) -> None:
