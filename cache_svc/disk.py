@@ -96,8 +96,16 @@ class DiskFiles:
             os.unlink(tmp)
             raise
         os.close(fd)
-        os.rename(tmp, final)
-        self._fsync_dir()
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        try:
+            self._fsync_dir()
+        except BaseException:  # not durable, so not written: nothing may come back at a scan
+            os.unlink(final)
+            raise
         return final
 
     def open(self, path: Path) -> int:

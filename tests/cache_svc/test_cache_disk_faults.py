@@ -111,6 +111,29 @@ def test_disk_files_round_trip_checksums(tmp_path) -> None:
         disk.write(meta, memoryview(PAYLOADS["a"]), checksums[:3])
 
 
+@pytest.mark.parametrize("failing", ["rename", "fsync_dir"])
+def test_a_spill_failing_at_its_last_step_leaves_no_file(tmp_path, monkeypatch,
+                                                         failing: str) -> None:
+    """A write whose rename or directory sync fails counts as failed, so no
+    file of it may stay: a stray temporary would fill the disk unseen, and a
+    final one would come back as a snapshot at the next scan."""
+    disk = DiskFiles(tmp_path)
+    meta = SnapshotMeta("x", Layout(2, 16, 4, 64, "float16"), NUM_BLOCKS, 0, 4 * MIB, MIB,
+                        pinned=True, ttl_s=60)
+
+    def fail(*args: object) -> None:
+        raise OSError(5, f"{failing} failed")
+
+    if failing == "rename":
+        monkeypatch.setattr(os, "rename", fail)
+    else:
+        monkeypatch.setattr(disk, "_fsync_dir", fail)
+    with pytest.raises(OSError, match=f"{failing} failed"):
+        disk.write(meta, memoryview(PAYLOADS["a"]), (0, 1, 2, 3))
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == [] and disk.scan() == []
+
+
 async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> None:
     running = await put_two_spilled(start_cache)
     opening, go_on = threading.Event(), threading.Event()
