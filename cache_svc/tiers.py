@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterable
 
 from cache_svc.background import Background
@@ -28,6 +29,11 @@ from cache_svc.model import Buffer, Entry, Residence
 from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
+
+# After a spill fails, no snapshot is spilled for this long: a full or failing
+# disk would otherwise be written to again at once, a whole snapshot at a
+# time, for as long as a put waits for room.
+SPILL_BACKOFF_S = 5.0
 
 
 class Tiers:
@@ -46,6 +52,7 @@ class Tiers:
         self.unpinned_reserved = 0  # of memory.reserved, by puts of unpinned snapshots
         self.num_evictions = 0
         self.num_spills = 0
+        self._spills_paused_until = -math.inf  # event-loop time (SPILL_BACKOFF_S)
 
     async def recover(self) -> None:
         """Lists the disk tier's snapshots again after a restart."""
@@ -169,7 +176,8 @@ class Tiers:
                 memory.pool.release(pooled_needed)
             changed = self.background.changed
             room = self._makes_room(size)
-            plan = plan_room(self._lru.values(), self.disk_free(),
+            spill_room = 0 if loop.time() < self._spills_paused_until else self.disk_free()
+            plan = plan_room(self._lru.values(), spill_room,
                              room if excess <= 0 else CappedRoom(room, excess),
                              unpinned_only=not pinned)
             if plan is not None and (plan.spill or plan.evict_memory):
@@ -241,7 +249,9 @@ class Tiers:
             path = await background.run_io(self.disk.write, entry.meta,
                                            memoryview(entry.buffer), entry.checksums)
         except Exception:
-            log.exception("spilling %s failed; it stays in memory", entry.meta.snapshot_id)
+            log.exception("spilling %s failed; it stays in memory, and no snapshot is spilled "
+                          "for %g s", entry.meta.snapshot_id, SPILL_BACKOFF_S)
+            self._spills_paused_until = asyncio.get_running_loop().time() + SPILL_BACKOFF_S
             self.disk_reserved -= entry.size
             entry.residence = Residence.MEMORY
             self.settle(entry)

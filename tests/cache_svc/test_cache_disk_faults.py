@@ -134,6 +134,28 @@ def test_a_spill_failing_at_its_last_step_leaves_no_file(tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == [] and disk.scan() == []
 
 
+async def test_a_failing_disk_is_not_written_again_and_again(start_cache, monkeypatch) -> None:
+    """A disk that refuses a spill (full, failing) is given a rest: the put
+    that needed the room is refused at once, RESOURCE_EXHAUSTED, rather than
+    rewriting the same snapshot to it until the put's wait runs out; what is
+    in memory stays readable."""
+    running = await start_cache(memory_budget_bytes=4 * MIB)
+    await running.client.put("a", LAYOUT, NUM_BLOCKS, 0, PAYLOADS["a"])
+    writes = []
+
+    def full_disk(self: DiskFiles, *args: object) -> None:
+        writes.append(args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DiskFiles, "write", full_disk)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(errors.ResourceExhausted, match="need 4194304 bytes"):
+        await running.client.put("b", LAYOUT, NUM_BLOCKS, 0, PAYLOADS["b"])
+    assert len(writes) == 1
+    assert asyncio.get_running_loop().time() - started < 10  # the test's wait is 30 s
+    assert (await running.client.get("a"))[1] == PAYLOADS["a"]
+
+
 async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> None:
     running = await put_two_spilled(start_cache)
     opening, go_on = threading.Event(), threading.Event()
