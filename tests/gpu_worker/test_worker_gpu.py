@@ -44,23 +44,32 @@ def cuda_runner(attention: AttentionBackend | None = None, dtype: torch.dtype = 
                        batch_invariant=batch_invariant, cuda_graph_rows=cuda_graph_rows)
 
 
-@pytest.mark.parametrize("attention", list(AttentionBackend))
-def test_batched_rows_equal_each_sequence_alone(attention: AttentionBackend) -> None:
-    rng = random.Random(1)
-    alone, batched = cuda_runner(attention), cuda_runner(attention)
-    table = tables()
-    together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in PROMPTS.items()])
+def assert_rows_equal_alone(alone: ModelRunner, batched: ModelRunner,
+                            prompts: dict[str, list[int]], steps: int, share: float,
+                            seed: int, table_blocks: int = 40) -> None:
+    """Every prompt prefilled in one step, then `steps` decode steps of
+    random subsets (each sequence in with probability `share`, in random
+    order): every row's logits are its sequence's run alone, to the bit."""
+    rng = random.Random(seed)
+    table = tables(num_blocks=table_blocks)
+    together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in prompts.items()])
     last = {}
-    for row, (rid, ids) in zip(together, PROMPTS.items(), strict=True):
+    for row, (rid, ids) in zip(together, prompts.items(), strict=True):
         assert torch.equal(row, alone.logits([SeqWork(rid, ids, 0, table[rid])])[0]), rid
         last[rid] = (int(row.argmax()), len(ids))
-    for _ in range(24):
-        rids = [r for r in PROMPTS if rng.random() < 0.6] or ["r0"]
+    for _ in range(steps):
+        rids = [r for r in prompts if rng.random() < share] or ["r0"]
         rng.shuffle(rids)
         seqs = [SeqWork(r, [last[r][0]], last[r][1], table[r]) for r in rids]
         for seq, row in zip(seqs, batched.logits(seqs), strict=True):
             assert torch.equal(row, alone.logits([seq])[0]), seq.request_id
             last[seq.request_id] = (int(row.argmax()), seq.start_pos + 1)
+
+
+@pytest.mark.parametrize("attention", list(AttentionBackend))
+def test_batched_rows_equal_each_sequence_alone(attention: AttentionBackend) -> None:
+    assert_rows_equal_alone(cuda_runner(attention), cuda_runner(attention), PROMPTS, steps=24,
+                            share=0.6, seed=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,22 +79,10 @@ def test_torch_attention_rows_past_many_chunks_equal_each_sequence_alone(
     and more, 18 pairs a decode step, where the order a tile's pairs are
     added in would show (the GPU's index_add_ has none: attention.py adds
     them one chunk at a time)."""
-    rng = random.Random(2)
-    alone = cuda_runner(AttentionBackend.TORCH, dtype)
-    batched = cuda_runner(AttentionBackend.TORCH, dtype)
-    table = tables(num_blocks=80)  # 320 positions each
     prompts = {rid: (ids * 40)[:260 + 8 * i] for i, (rid, ids) in enumerate(PROMPTS.items())}
-    together = batched.logits([SeqWork(r, ids, 0, table[r]) for r, ids in prompts.items()])
-    last = {}
-    for row, (rid, ids) in zip(together, prompts.items(), strict=True):
-        assert torch.equal(row, alone.logits([SeqWork(rid, ids, 0, table[rid])])[0]), rid
-        last[rid] = (int(row.argmax()), len(ids))
-    for _ in range(12):
-        rids = [r for r in prompts if rng.random() < 0.7] or ["r0"]
-        seqs = [SeqWork(r, [last[r][0]], last[r][1], table[r]) for r in rids]
-        for seq, row in zip(seqs, batched.logits(seqs), strict=True):
-            assert torch.equal(row, alone.logits([seq])[0]), seq.request_id
-            last[seq.request_id] = (int(row.argmax()), seq.start_pos + 1)
+    assert_rows_equal_alone(cuda_runner(AttentionBackend.TORCH, dtype),
+                            cuda_runner(AttentionBackend.TORCH, dtype), prompts, steps=12,
+                            share=0.7, seed=2, table_blocks=80)  # 320 positions each
 
 
 def test_greedy_outputs_survive_offload_and_recompute_in_bf16() -> None:
