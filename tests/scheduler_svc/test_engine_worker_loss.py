@@ -15,6 +15,7 @@ import pytest
 
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
+from scheduler_svc.__main__ import main as scheduler_main
 from scheduler_svc.core.outputs import SchedulerOutput
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine import Engine, EngineConfig
@@ -144,3 +145,9 @@ async def test_no_wait_fails_them_with_the_worker(
 def test_the_bound_is_a_finite_number_of_seconds(seconds: float) -> None:
     with pytest.raises(ValueError, match="worker_reconnect_s"):
         EngineConfig(worker_reconnect_s=seconds)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "inf", "nan"])
+def test_a_step_timeout_that_is_no_time_is_refused_at_start(bad: str) -> None:
+    with pytest.raises(SystemExit, match="step_timeout_s must be a finite number of seconds > 0"):
+        scheduler_main(["--step-timeout", bad])
