@@ -81,12 +81,11 @@ def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[in
     return run, sum(seconds for _, seconds in done.steps) / predicted
 
 
-def simulate(args: argparse.Namespace, policy: str, trace: Trace
+def simulate(args: argparse.Namespace, profile: CostProfile, policy: str, trace: Trace
              ) -> tuple[SimResult, dict[str, int]]:
     """The stack's settings (StackConfig's block size) in simulated instances:
     one mixed, or with --pd one prefill and one decode; and the counters of
     the instance the real run reads its own from (the prefill one)."""
-    profile = read_profile(args.profile)
     settings = dict(num_blocks=args.num_blocks, block_size=StackConfig().block_size,
                     max_model_len=MAX_MODEL_LEN[args.model], max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 reals = [real_run(base, policy, trace, prompts, profile,
                                   Path(workdir) / f"record-{n}.jsonl")
                          for n in range(args.repeat)]
-                sim, sim_counters = simulate(args, policy, trace)
+                sim, sim_counters = simulate(args, profile, policy, trace)
                 rows.append((policy, trace.rate,
                              [figures(summarize(r.records, slo), r.counters, ratio)
                               for r, ratio in reals],

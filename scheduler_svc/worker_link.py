@@ -16,8 +16,9 @@ proto or a status code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -104,14 +105,11 @@ class StepStream:
         answered nothing in `step_timeout_s` (a hung device or compute
         thread, behind a gRPC server that may still answer)."""
         try:
-            async with asyncio.timeout(self._step_timeout_s):
+            async with _answered_within(self._step_timeout_s, "step"):
                 await self._call.write(plan_to_proto(output))
                 result = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _unavailable(exc) from exc
-        except TimeoutError:
-            raise errors.Unavailable(
-                f"the worker answered no step in {self._step_timeout_s:g} s") from None
         if result is grpc.aio.EOF:
             raise errors.Unavailable("worker closed the Execute stream")
         return {t.request_id: t.token_id for t in result.sampled}
@@ -165,17 +163,13 @@ class WorkerLink:
         then (it refuses a second scheduler), so opening a call proves nothing."""
         call = self._stub.Execute()
         try:
-            async with asyncio.timeout(self._step_timeout_s):
+            async with _answered_within(self._step_timeout_s, "Execute stream"):
                 await call.write(worker_pb2.StepPlan())
                 if await call.read() is grpc.aio.EOF:
                     raise errors.Unavailable("worker closed the Execute stream")
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise _unavailable(exc) from exc
-        except TimeoutError:
-            call.cancel()
-            raise errors.Unavailable(f"the worker took no Execute stream in "
-                                     f"{self._step_timeout_s:g} s") from None
         except BaseException:
             call.cancel()
             raise
@@ -211,6 +205,16 @@ class WorkerLink:
 
 def _describe(exc: grpc.aio.AioRpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
+
+
+@contextlib.asynccontextmanager
+async def _answered_within(seconds: float, what: str) -> AsyncIterator[None]:
+    """Unavailable where the worker has not answered `what` in `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise errors.Unavailable(f"the worker answered no {what} in {seconds:g} s") from None
 
 
 def _unavailable(exc: grpc.aio.AioRpcError) -> errors.Unavailable:
