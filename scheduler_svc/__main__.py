@@ -4,7 +4,8 @@ It binds first (health NOT_SERVING), then asks the worker for its model and KV
 layout (GetInfo, waiting while the worker starts or loads), sizes the block
 pool from the answer, and serves kvstash.v1.Scheduler and VllmEngine on that
 one port (serving.py); it prints `KVSTASH_READY scheduler host:port` once it
-does."""
+does. A bug that breaks its step loop ends every request and the process
+(exit status 1), for its supervisor to restart it."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_
 
 
 async def serve(args: argparse.Namespace, secured: security.Security,
-                tracing: bool = False) -> None:
+                tracing: bool = False) -> str | None:
+    """Serves until signalled (None), or until a bug breaks the step loop:
+    then what broke it, for the process to exit with."""
     # Whatever fails on the way up (no worker in time, a bad setting, a metrics
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
@@ -121,7 +124,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         # the collector's generations so full collections stay short under load.
         gc.freeze()
         rpc_server.announce_ready("scheduler", args.listen.rsplit(":", 1)[0], port)
-        await rpc_server.run_until_signalled(server)
+        await rpc_server.run_until_signalled(server, until=engine.wait_failed())
+        return None if engine.failure is None else f"the step loop failed: {engine.failure!r}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,9 +143,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:
         try:
-            asyncio.run(serve(args, secured, tracing=tracing is not None))
+            failure = asyncio.run(serve(args, secured, tracing=tracing is not None))
         except BindError as exc:  # its port (or its metrics port) is taken
-            sys.exit(f"scheduler_svc: {exc}")
+            failure = str(exc)
+        if failure is not None:
+            sys.exit(f"scheduler_svc: {failure}")
 
 
 if __name__ == "__main__":

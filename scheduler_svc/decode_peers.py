@@ -147,7 +147,8 @@ class DecodePeers:
         self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest
     ) -> scheduler_pb2.ReserveBlocksResponse | None:
         """One ReserveBlocks; None when the instance could not answer. A
-        reservation granted to a call that is cancelled here is released."""
+        reservation the instance may have granted to a call cancelled or
+        timed out here is released."""
         call = peer.stub.ReserveBlocks(request, timeout=_RESERVE_TIMEOUT_S)
         try:
             return await call
@@ -156,12 +157,17 @@ class DecodePeers:
                 logging.DEBUG)
             log.log(level, "decode instance %s: ReserveBlocks failed (%s: %s)", peer.address,
                     exc.code().name, exc.details())
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._release_later(peer, request.request_id)
             return None
         except asyncio.CancelledError:
-            task = asyncio.get_running_loop().create_task(self.release(peer, request.request_id))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._release_later(peer, request.request_id)
             raise
+
+    def _release_later(self, peer: DecodePeer, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.release(peer, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def release(self, peer: DecodePeer, request_id: str) -> None:
         """Lets go of request_id's reservation (or decode) on `peer`, if any."""

@@ -51,7 +51,7 @@ from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.handoff import DecodeSide, PrefillSide
-from scheduler_svc.inflight import InFlightRequests, Tasks
+from scheduler_svc.inflight import Handoff, InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import STEP_TIMEOUT_S, StepStream, WorkerLink
@@ -128,6 +128,9 @@ class Engine:
             core, decode_peers, copies, requests, tasks, wake, metrics)
         self._decode = DecodeSide(core, copies, requests, tasks, wake) if (
             role is Role.DECODE) else None
+        # The bug that broke the step loop, if one did (_fail_for_good).
+        self.failure: Exception | None = None
+        self._failed = asyncio.Event()
 
     @property
     def core(self) -> Scheduler:
@@ -140,6 +143,14 @@ class Engine:
 
     async def wait_until_worker_up(self) -> None:
         await self._watch.wait_up()
+
+    async def wait_failed(self) -> Exception:
+        """Returns once a bug broke the step loop (never otherwise): the core's
+        state can no longer be trusted, and the process should exit and be
+        restarted."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     async def start(self) -> None:
         self._tasks.spawn(self._run(), name="step-loop")
@@ -157,18 +168,32 @@ class Engine:
         """Admits a request (raises InvalidArgument / AlreadyExists /
         ResourceExhausted; Unavailable while the worker is given up on) and
         returns the stream its tokens arrive on. A prefill instance first has
-        a decode instance reserve blocks for it."""
-        self._watch.check_admission()
+        a decode instance reserve blocks for it. One aborted meanwhile is
+        never submitted: its stream holds its end only."""
+        self._check_admission()
         self._core.check_request(request_id, prompt_token_ids, sampling)
-        hashes = self._core.prompt_block_hashes(prompt_token_ids)  # once, kept by the core
-        stored = await self._stored_segments(hashes)
-        if self._prefill is None or (decoder := await self._prefill.find_decoder(
-                request_id, prompt_token_ids, sampling)) is None:
+        prefill = self._prefill
+        with self._requests.admitting(request_id) as admission:
+            hashes = self._core.prompt_block_hashes(prompt_token_ids)  # once, kept by the core
+            stored = await self._stored_segments(hashes)
+            decoder = None if prefill is None else await prefill.find_decoder(
+                request_id, prompt_token_ids, sampling)
+        if admission.aborted:
+            if prefill is not None and decoder is not None:
+                prefill.let_go(request_id, Handoff(decoder))
+            return RequestStream.aborted_unadmitted(request_id, len(prompt_token_ids))
+        if prefill is None or decoder is None:
             return self.submit(request_id, prompt_token_ids, sampling, stored, hashes)
-        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored,
-                                      hashes)
+        stream = prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored, hashes)
         self._wake.set()
         return stream
+
+    def _check_admission(self) -> None:
+        """Unavailable while the worker is given up on, or for good once the
+        step loop failed."""
+        if self.failure is not None:
+            raise errors.Unavailable(f"the scheduler failed ({self.failure!r}) and restarts")
+        self._watch.check_admission()
 
     async def _stored_segments(self, block_hashes: list[int]) -> int:
         """How many leading segments of the prompt the prefix tier holds."""
@@ -187,7 +212,7 @@ class Engine:
     ) -> RequestStream:
         """Admits a request to decode here, as `admit` but at once, its prompt's
         first `stored_segments` held by the prefix tier (Scheduler.add_request)."""
-        self._watch.check_admission()
+        self._check_admission()
         self._core.add_request(request_id, prompt_token_ids, sampling,
                                stored_segments=stored_segments, block_hashes=block_hashes)
         stream = self._requests.open(request_id)
@@ -196,9 +221,12 @@ class Engine:
 
     def abort(self, request_id: str,
               reported_as: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Aborts a live request (NotFound otherwise); its stream ends with an
-        update of status `reported_as` (FINISHED_STOPPED where the edge found
-        a stop string, which only it can see)."""
+        """Aborts a live request, or one being admitted (NotFound otherwise);
+        its stream ends with an update of status `reported_as`
+        (FINISHED_STOPPED where the edge found a stop string, which only it
+        can see)."""
+        if self._requests.abort_admission(request_id):
+            return  # admit ends it
         usage = self._core.abort(request_id)
         if (stream := self._end(request_id)) is not None:
             stream.end(RequestUpdate(request_id, [], reported_as, usage,
@@ -227,11 +255,12 @@ class Engine:
 
     async def _run(self) -> None:
         """Steps over one Execute stream at a time. Whatever breaks a stream
-        (the worker restarted or is unreachable, or answered nonsense) fails
-        the requests whose state the worker held; a new stream is opened once
-        the worker answers again, and the others go on there. The worker
-        counts as up (`worker_up`, reported to `on_worker_change`) exactly
-        while a stream is open."""
+        (the worker restarted, is unreachable or hung, or answered nonsense)
+        fails the requests whose state the worker held; a new stream is
+        opened once the worker answers again, and the others go on there. The
+        worker counts as up (`worker_up`, reported to `on_worker_change`)
+        exactly while a stream is open. Any other exception is a bug here
+        (_fail_for_good)."""
         while True:
             await self._watch.wait_ready(self._fail_waiting)
             stream: StepStream | None = None
@@ -242,11 +271,12 @@ class Engine:
                 stream.add_done_callback(self._wake.set)
                 await self._watch.set_up(True)
                 await self._steps(stream)
-            except errors.Unavailable as exc:
-                reason = str(exc)
+            except (errors.Unavailable, errors.InvalidArgument) as exc:
+                reason = str(exc)  # InvalidArgument: the worker's answer made no sense
             except Exception as exc:
-                log.exception("step loop failed")
-                reason = f"{type(exc).__name__}: {exc}"
+                log.exception("the step loop failed; the scheduler must restart")
+                await self._fail_for_good(exc)
+                return
             finally:
                 if stream is not None:
                     stream.cancel()
@@ -267,6 +297,19 @@ class Engine:
         # The next stream may reach a restarted worker with an empty KV
         # tensor: no cached prefix can be trusted any more.
         self.flush_prefix_cache()
+
+    async def _fail_for_good(self, exc: Exception) -> None:
+        """A bug broke the step loop. Stepping on would repeat it (a worker
+        reconnect changes nothing here), so every request ends now
+        (Unavailable: its client retries elsewhere), without asking the core,
+        whose state is suspect; nothing new is admitted; wait_failed returns."""
+        self.failure = exc
+        await self._watch.set_up(False)
+        error = errors.Unavailable(f"the scheduler failed ({exc!r}) and restarts")
+        for request_id in self._requests:
+            if (stream := self._end(request_id)) is not None:
+                stream.fail(error, None)
+        self._failed.set()
 
     def _fail_waiting(self, error: errors.Unavailable) -> None:
         """The worker was not back in time: fails every request left."""

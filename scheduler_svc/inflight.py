@@ -5,7 +5,10 @@
                  decode instance that reserved blocks for it, and the task
                  relaying that instance's tokens once handed off)
     InFlightRequests  request id -> InFlight: `open` is the one place a record
-                 is made, `close` the one place it is dropped
+                 is made, `close` the one place it is dropped; and the requests
+                 being admitted (`admitting`: awaiting the prefix tier or a
+                 decode instance's reservation), which an Abort may end before
+                 the core has them
     Tasks        every task the engine runs beside its step loop (copies,
                  deletes, hand-offs, releases), cancelled together at close
 
@@ -25,7 +28,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
-from kvstash.errors import IntegrityError
+from kvstash.errors import AlreadyExists, IntegrityError
 from scheduler_svc import tracing
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeer
@@ -57,11 +60,38 @@ class InFlight:
         return self.handoff is not None and self.handoff.relay is not None
 
 
+@dataclass(slots=True)
+class Admission:
+    """A request between its checks and the core taking it."""
+
+    aborted: bool = False  # an Abort named it meanwhile: it must not run
+
+
 class InFlightRequests:
     def __init__(self, tracing_on: bool) -> None:
         """`tracing_on`: each stream keeps the trace context it was opened in."""
         self._tracing_on = tracing_on
         self._req_to_record: dict[str, InFlight] = {}
+        self._admitting: dict[str, Admission] = {}
+
+    @contextlib.contextmanager
+    def admitting(self, request_id: str) -> Iterator[Admission]:
+        """Marks a request as being admitted for the block's length
+        (AlreadyExists while one of its id is admitted or live)."""
+        if request_id in self._admitting or request_id in self._req_to_record:
+            raise AlreadyExists(f"request {request_id} already exists")
+        admission = self._admitting[request_id] = Admission()
+        try:
+            yield admission
+        finally:
+            del self._admitting[request_id]
+
+    def abort_admission(self, request_id: str) -> bool:
+        """Marks a request being admitted as aborted; False if none is."""
+        admission = self._admitting.get(request_id)
+        if admission is not None:
+            admission.aborted = True
+        return admission is not None
 
     def open(self, request_id: str, handoff: Handoff | None = None) -> RequestStream:
         """The record of a request the core just took; its stream."""

@@ -206,12 +206,10 @@ class VllmEngineServicer(VllmInfo):
             for seq in sequences:
                 if family.aborted:
                     break
+                # An Abort while it is admitted ends it there (Engine.admit).
                 stream = seq.stream = await backend.admit(seq.request_id, prompt, seq.sampling)
                 admitted.append(seq)
-                if family.aborted:  # it came while this one was being submitted
-                    with contextlib.suppress(errors.NotFound):
-                        backend.abort(seq.request_id)
-                elif seq is sequences[0] and len(sequences) > 1:
+                if seq is sequences[0] and len(sequences) > 1:
                     await stream.begun.wait()
         except BaseException:
             for seq in admitted:

@@ -121,21 +121,24 @@ async def run_until_signalled(
     server: grpc.aio.Server,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
+    until: Awaitable[object] | None = None,
 ) -> None:
-    """Serves until SIGINT/SIGTERM, then stops gracefully: in-flight calls get
-    `grace_s` seconds to finish."""
+    """Serves until SIGINT/SIGTERM (or `until` completes), then stops
+    gracefully: in-flight calls get `grace_s` seconds to finish."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.ensure_future(server.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    tasks = [asyncio.ensure_future(server.wait_for_termination()),
+             asyncio.ensure_future(stop.wait())]
+    if until is not None:
+        tasks.append(asyncio.ensure_future(until))
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down")
     await server.stop(grace_s)  # refuse new calls, let running ones finish
     if on_stop is not None:
         await on_stop()
-    for task in (waiter, stopper):
+    for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

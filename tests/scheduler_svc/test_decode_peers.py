@@ -19,6 +19,7 @@ from kvstash.common.binding import free_port
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc import decode_peers
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.decode_peers import (
     DecodePeers,
@@ -169,6 +170,24 @@ async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> No
     finally:
         await peers.close()
     assert slow.aborted == ["r"]
+
+
+async def test_a_reservation_timed_out_in_flight_is_released(
+        serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instance may grant it after the call gave up: the grant is let go
+    at once, not left to expire."""
+    monkeypatch.setattr(decode_peers, "_RESERVE_TIMEOUT_S", 0.1)
+    slow = ScriptedDecode(accept, delay_s=0.3)
+    peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=0.05)
+    try:
+        assert await peers.reserve("r", [1], SAMPLING) is None
+        for _ in range(100):
+            if slow.aborted:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await peers.close()
+    assert slow.asked == ["r"] and slow.aborted == ["r"]
 
 
 def test_no_address_is_refused() -> None:

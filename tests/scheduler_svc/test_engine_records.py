@@ -49,12 +49,20 @@ class FakePeers:
 
     scripts: list[list[RemoteEvent | Exception | str]]
     reservations: int = 1
+    # Reservations are answered once it is set.
+    answer: asyncio.Event = field(default_factory=asyncio.Event)
+    asked: list[str] = field(default_factory=list)
     reserved: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.answer.set()
+
     async def reserve(self, request_id: str, prompt: Sequence[int],
                       sampling: SamplingParams) -> DecodePeer | None:
+        self.asked.append(request_id)
+        await self.answer.wait()
         if len(self.reserved) == self.reservations:
             return None
         self.reserved.append(request_id)
@@ -237,6 +245,35 @@ async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> 
     try:
         stream = await engine.admit("a", PROMPT, sampling(5))
         assert await events_of(stream) == ([7, 8, 7, 7, 7], RequestStatus.FINISHED_LENGTH)
+        engine.check_integrity()
+    finally:
+        await engine.close()
+
+
+async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun() -> None:
+    """The Abort succeeds, the request never reaches the core, the
+    reservation granted after it is released, and its id is free again."""
+    peers = FakePeers([])
+    peers.answer.clear()
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        admitted = asyncio.create_task(engine.admit("a", PROMPT, sampling(5)))
+        await until(lambda: peers.asked == ["a"])
+        with pytest.raises(errors.AlreadyExists):
+            await engine.admit("a", PROMPT, sampling(5))
+        engine.abort("a")
+        peers.answer.set()
+        stream = await admitted
+        assert await events_of(stream) == ([], RequestStatus.FINISHED_ABORTED)
+        assert stream.usage is not None and stream.usage.num_prompt_tokens == len(PROMPT)
+        await until(lambda: peers.released == ["a"])
+        assert engine.core.get_request("a") is None
+        engine.check_integrity()
+        with pytest.raises(errors.NotFound):  # it is gone: a second Abort finds nothing
+            engine.abort("a")
+        stream = await engine.admit("a", PROMPT, sampling(5))  # no reservation left: here
+        assert await events_of(stream) == ([7] * 5, RequestStatus.FINISHED_LENGTH)
         engine.check_integrity()
     finally:
         await engine.close()

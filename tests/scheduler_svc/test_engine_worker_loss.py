@@ -18,6 +18,7 @@ from kvstash.common.sampling import SamplingParams
 from scheduler_svc.__main__ import main as scheduler_main
 from scheduler_svc.core.outputs import SchedulerOutput
 from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.streams import RequestStream
 from tests.scheduler_svc.factories import make_scheduler
@@ -139,6 +140,31 @@ async def test_no_wait_fails_them_with_the_worker(
     link.lose()
     for stream in [running, *waiting]:
         assert isinstance((await events_of(stream))[1], errors.Unavailable)
+
+
+async def test_a_bug_in_the_step_loop_ends_every_request_and_the_engine_for_good(
+        link: LosableLink, closing: list[Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not taken for a lost worker: reconnecting would only meet the bug
+    again, failing requests and flapping the health every retry."""
+    engine, running, waiting = await started(link, EngineConfig(worker_reconnect_s=30))
+    closing.append(engine)
+    opened = []
+    monkeypatch.setattr(link, "open", lambda: opened.append(1) or LosableStream())
+
+    def bug(self: Scheduler) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(Scheduler, "schedule", bug)
+    failure = await asyncio.wait_for(engine.wait_failed(), 10)
+    assert isinstance(failure, KeyError)
+    for stream in [running, *waiting]:
+        _, end = await events_of(stream)
+        assert isinstance(end, errors.Unavailable) and "a bug" in str(end)
+    assert not engine.worker_up
+    with pytest.raises(errors.Unavailable, match=r"the scheduler failed .* and restarts"):
+        await engine.admit("late", PROMPT, SamplingParams(max_tokens=3))
+    await asyncio.sleep(0.1)
+    assert opened == []  # no new stream: the step loop ended
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])

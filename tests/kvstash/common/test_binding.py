@@ -4,6 +4,7 @@ health service answers List as Check does. Real servers on real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 
@@ -90,3 +91,19 @@ async def test_list_answers_every_status_check_answers(
         SERVICE: health_pb2.HealthCheckResponse.SERVING,
         "other": health_pb2.HealthCheckResponse.NOT_SERVING,
     }
+
+
+async def test_a_server_serves_until_what_it_was_told_to_await_completes(
+    first: tuple[grpc.aio.Server, int, rpc_server.HealthServicer],
+) -> None:
+    """As a scheduler whose step loop failed stops: its calls end, its port closes."""
+    server, port, _ = first
+    failed = asyncio.Event()
+    serving = asyncio.create_task(rpc_server.run_until_signalled(
+        server, grace_s=0, until=failed.wait()))
+    assert await check(port) == health_pb2.HealthCheckResponse.SERVING
+    assert not serving.done()
+    failed.set()
+    await asyncio.wait_for(serving, 10)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await check(port)
