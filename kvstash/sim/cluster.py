@@ -11,8 +11,9 @@ would await, the simulation turns into events on one heap:
     woken as the engine's loop is: schedule(); its copies start; its step
     runs for the profile's seconds, or it waits for the next event.
 
-Copies run beside the steps, each for the profile's time on its path, as
-the engine's copy tasks do; the cache tier (cache.py) holds snapshots
+Copies run as the engine's copy tasks do, beside the steps but for their
+gathers and scatters, which queue with the steps on the instance's worker
+compute thread (worker.py); the cache tier (cache.py) holds snapshots
 within its host budget, spills to disk within the disk budget, and refuses
 beyond (the core then recomputes, as with a real refusal). P/D pools:
 pd.py, on the same heap.
@@ -32,6 +33,7 @@ from kvstash.errors import KvstashError
 from kvstash.sim.cache import SimCache
 from kvstash.sim.profile import CostProfile
 from kvstash.sim.routers import ROUTERS
+from kvstash.sim.worker import SimWorker
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace, TraceRequest
 from scheduler_svc.core.config import POLICIES, SchedulerConfig
@@ -53,7 +55,7 @@ SAMPLE_EVERY_S = 0.5  # virtual seconds between occupancy samples
 class Instance:
     name: str
     core: Scheduler
-    transport: str  # "arena" (co-located with the cache) or "grpc"
+    worker: SimWorker
     stepping: bool = False
     held: set[str] = field(default_factory=set)  # request ids routed here, not ended
     routed: int = 0  # requests routed here
@@ -117,7 +119,8 @@ class Cluster:
         self.profile = profile
         self.cache = cache
         self.instances = [
-            Instance(f"i{n}", Scheduler(config, clock=lambda: self.now), transport)
+            Instance(f"i{n}", Scheduler(config, clock=lambda: self.now),
+                     SimWorker(profile, transport))
             for n, config in enumerate(configs)]
         for inst in self.instances:
             inst.core.set_cache_available(True)
@@ -203,6 +206,11 @@ class Cluster:
 
     def _wake(self, inst: Instance) -> None:
         out = inst.core.schedule()
+        if out.seqs:  # the step reaches the compute thread before this schedule's copies
+            inst.stepping = True
+            end = inst.worker.run(self.now, self.profile.step.seconds(out.seqs, out.num_decodes))
+            seconds = end - self.now  # what the engine measures: queued work included
+            self.at(end, lambda: self._stepped(inst, out, seconds))
         for offload in out.offloads:
             self._offload(inst, offload)
         for restore in out.restores:
@@ -211,10 +219,6 @@ class Cluster:
             self._hand_off(inst, handoff)
         for snapshot_id in inst.core.take_snapshots_to_delete():
             self.cache.delete(snapshot_id)
-        if out.seqs:
-            inst.stepping = True
-            seconds = self.profile.step.seconds(out.seqs, out.num_decodes)
-            self.at(self.now + seconds, lambda: self._stepped(inst, out, seconds))
 
     def _stepped(self, inst: Instance, out: SchedulerOutput, seconds: float) -> Instance:
         inst.stepping = False
@@ -243,14 +247,6 @@ class Cluster:
     def _finished(self, inst: Instance, update: RequestUpdate) -> None:
         """A request finished on `inst` (its record is closed)."""
 
-    def _copy_seconds(self, inst: Instance, tier: str | None, num_bytes: int) -> float:
-        """A snapshot's copy between the instance and the cache, and the disk's
-        share where the snapshot is (or goes) there."""
-        seconds = self.profile.copy[inst.transport].seconds(num_bytes)
-        if tier == "disk":
-            seconds += self.profile.copy["disk"].seconds(num_bytes)
-        return seconds
-
     def _offload(self, inst: Instance, cmd: OffloadCommand) -> None:
         self._put(inst, cmd, self._offloaded)
 
@@ -261,11 +257,13 @@ class Cluster:
         num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
         tier = self.cache.put(cmd.snapshot_id, num_bytes)
         if tier is None:  # refused: the copy fails once the cache answers
-            self.at(self.now + self.profile.copy[inst.transport].fixed_s,
+            self.at(self.now + self.profile.copy[inst.worker.transport].fixed_s,
                     lambda: done(inst, cmd, None, None))
             return
-        seconds = self._copy_seconds(inst, tier, num_bytes)
-        self.at(self.now + seconds, lambda: done(inst, cmd, num_bytes, seconds))
+        gather, beside = inst.worker.copy_seconds(tier, num_bytes)
+        landed = inst.worker.run(self.now, gather) + beside
+        seconds = landed - self.now
+        self.at(landed, lambda: done(inst, cmd, num_bytes, seconds))
 
     def _offloaded(self, inst: Instance, cmd: OffloadCommand, num_bytes: int | None,
                    seconds: float | None) -> Instance:
@@ -273,11 +271,18 @@ class Cluster:
         return inst
 
     def _restore(self, inst: Instance, cmd: RestoreCommand) -> None:
+        """Fetched beside the steps, then scattered on the compute thread."""
         tier = self.cache.tier(cmd.snapshot_id)
         num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
-        seconds = self._copy_seconds(inst, tier, num_bytes)
+        scatter, fetch = inst.worker.copy_seconds(tier, num_bytes)
         got = None if tier is None else num_bytes
-        self.at(self.now + seconds, lambda: self._restored(inst, cmd, got, seconds))
+        started = self.now
+
+        def fetched() -> None:
+            landed = inst.worker.run(self.now, scatter)
+            self.at(landed, lambda: self._restored(inst, cmd, got, landed - started))
+
+        self.at(self.now + fetch, fetched)
 
     def _restored(self, inst: Instance, cmd: RestoreCommand, num_bytes: int | None,
                   seconds: float) -> Instance:
