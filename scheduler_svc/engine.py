@@ -115,7 +115,7 @@ class Engine:
         self._watch = WorkerWatch(worker, config.worker_reconnect_s, on_worker_change)
         self._wake = asyncio.Event()
         self._requests = requests = InFlightRequests(config.tracing)
-        self._tasks = tasks = Tasks()
+        self._tasks = tasks = Tasks(self._task_failed)
         self._cache = cache
         wake = self._wake.set
         self._copies = copies = Copies(
@@ -128,8 +128,10 @@ class Engine:
             core, decode_peers, copies, requests, tasks, wake, metrics)
         self._decode = DecodeSide(core, copies, requests, tasks, wake) if (
             role is Role.DECODE) else None
-        # The bug that broke the step loop, if one did (_fail_for_good).
+        # The bug that broke the step loop, if one did (_fail_for_good), and
+        # the first a task beside it raised, for the loop to raise.
         self.failure: Exception | None = None
+        self._task_failure: RuntimeError | None = None
         self._failed = asyncio.Event()
 
     @property
@@ -298,6 +300,14 @@ class Engine:
         # tensor: no cached prefix can be trusted any more.
         self.flush_prefix_cache()
 
+    def _task_failed(self, exc: BaseException) -> None:
+        """A task beside the step loop raised: a bug, as in the loop, which
+        raises it at its next turn."""
+        if self._task_failure is None:
+            self._task_failure = RuntimeError(f"a task beside the step loop failed: {exc!r}")
+            self._task_failure.__cause__ = exc
+        self._wake.set()
+
     async def _fail_for_good(self, exc: Exception) -> None:
         """A bug broke the step loop. Stepping on would repeat it (a worker
         reconnect changes nothing here), so every request ends now
@@ -320,6 +330,8 @@ class Engine:
         tracing_on = self._config.tracing
         requests = self._requests
         while True:
+            if self._task_failure is not None:
+                raise self._task_failure
             if stream.done():
                 raise errors.Unavailable("the worker ended the Execute stream")
             output = core.schedule()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,8 +142,13 @@ class InFlightRequests:
 
 
 class Tasks:
-    def __init__(self) -> None:
+    def __init__(self, on_failure: Callable[[BaseException], None]) -> None:
+        """`on_failure(exc)`: a task raised `exc`. The tasks handle every
+        failure they expect (a copy that failed is reported to the core), so
+        one that raises is a bug: a copy the core never heard of keeps its
+        blocks pinned for good."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._on_failure = on_failure
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -154,6 +159,7 @@ class Tasks:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("task %s failed", task.get_name(), exc_info=exc)
+            self._on_failure(exc)
 
     async def close(self) -> None:
         tasks = list(self._tasks)

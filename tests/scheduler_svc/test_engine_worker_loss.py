@@ -16,14 +16,16 @@ import pytest
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
 from scheduler_svc.__main__ import main as scheduler_main
-from scheduler_svc.core.outputs import SchedulerOutput
+from scheduler_svc.core.config import PreemptionMode
+from scheduler_svc.core.outputs import OffloadCommand, SchedulerOutput
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.streams import RequestStream
+from scheduler_svc.worker_link import CopyOutcome
 from tests.scheduler_svc.factories import make_scheduler
 from tests.scheduler_svc.test_engine_records import events_of
-from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink
+from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink, pressured_core
 
 PROMPT = [1, 2, 3, 4]
 
@@ -165,6 +167,30 @@ async def test_a_bug_in_the_step_loop_ends_every_request_and_the_engine_for_good
         await engine.admit("late", PROMPT, SamplingParams(max_tokens=3))
     await asyncio.sleep(0.1)
     assert opened == []  # no new stream: the step loop ended
+
+
+async def test_a_task_beside_the_step_loop_that_raises_ends_the_engine_for_good() -> None:
+    """An offload whose link raises (it should report any failure as an
+    outcome): the core never hears of the copy, so its blocks would stay
+    pinned and the request wait for good; the engine ends instead."""
+    class BuggyLink(FakeWorkerLink):
+        async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
+            raise ValueError("a bug in the link")
+
+    engine = Engine(pressured_core(PreemptionMode.OFFLOAD), BuggyLink(),  # type: ignore[arg-type]
+                    None)
+    await engine.start()
+    try:
+        streams = [engine.submit(rid, prompt, SamplingParams(max_tokens, ignore_eos=True))
+                   for rid, prompt, max_tokens in (("a", [1, 2], 6), ("b", [40, 41, 42, 43], 4))]
+        failure = await asyncio.wait_for(engine.wait_failed(), 10)
+        assert "a task beside the step loop failed" in str(failure)
+        assert isinstance(failure.__cause__, ValueError)
+        for stream in streams:
+            _, end = await events_of(stream)
+            assert isinstance(end, errors.Unavailable) and "a bug in the link" in str(end)
+    finally:
+        await engine.close()
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
