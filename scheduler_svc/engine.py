@@ -12,7 +12,9 @@ copy never stalls the steps of other requests.
 One record per in-flight request (inflight.py), made when the core takes it
 and dropped when the core lets go of it (`_end`). A lost worker fails the
 requests whose state it held; the others wait for it, within a bound
-(`_lose_worker`, worker_watch.py). A prefill instance has a PrefillSide, a
+(`_lose_worker`, worker_watch.py); a bug (anything else raised in the loop or
+a task beside it) ends every request and the engine (`_fail_for_good`),
+for the process to exit and be restarted. A prefill instance has a PrefillSide, a
 decode instance a DecodeSide; a mixed one neither, and never enters P/D
 code. Every step's wall time goes back
 into the core (`observe_step`) for its cost model; each preemption is a
@@ -22,8 +24,8 @@ submitted in (kvstash.common.telemetry): its copies' spans and its phases
 join its trace.
 
 Why one file over 300 lines: the loop and what it must keep in step with
-(requests taken and ended, the worker up, lost or given up on, the integrity
-check when idle) are one piece; what runs beside the loop (copies,
+(requests taken and ended, the worker up, lost or given up on, the loop's
+own failure, the integrity check when idle) are one piece; what runs beside the loop (copies,
 hand-offs) has its own modules.
 """
 
