@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "such as /dev/shm, with room for the whole memory budget), which "
                         "co-located workers map; omit for private memory")
     p.add_argument("--shared-lease", type=parse_duration, default=d.shared_lease_s,
-                   help="how long a co-located put or get may hold its arena extent")
+                   help="how long a co-located put or get may hold its arena extent (that of a "
+                        "put cut off by it is then quarantined as long)")
     p.add_argument("--put-idle", type=parse_duration, default=d.put_idle_s,
                    help="how long a streamed put may wait for its client's next chunk")
     p.add_argument("--get-idle", type=parse_duration, default=d.get_idle_s,

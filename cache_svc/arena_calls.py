@@ -6,7 +6,10 @@ the checksums and the lease.
 A shared put is header, extent, commit (with the checksums of what the
 client wrote); a shared get is open, extent with checksums, done. The client
 holds its extent for at most shared_lease_s; a call that outlives its lease,
-or whose client leaves, is aborted and leaves nothing behind. A client that
+or whose client leaves, is aborted and leaves nothing behind. An extent goes
+back at once unless the client's time ran out (the lease, or the call's
+deadline) while it may still be writing: then it is quarantined for another
+lease (`_quarantine_s`) before any other put gets it. A client that
 names the arena it maps (call metadata ARENA_ID_KEY) and maps another one
 (this cache restarted since it asked GetArena) is refused with
 FAILED_PRECONDITION before any room is taken, to re-attach. Mixed into
@@ -30,6 +33,11 @@ from kvstash import errors
 from kvstash.cache_sdk.shared_arena import ARENA_ID_KEY
 from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
+
+# A put cancelled this close to its call's deadline counts as cut off by it:
+# the client's clock reaches the deadline first, so its cancel may arrive
+# a little before the server's copy of the deadline passes.
+_DEADLINE_SLACK_S = 1.0
 
 
 class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
@@ -71,6 +79,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             store.release_put(meta)
             raise
         committed = False
+        lease_ends = asyncio.get_running_loop().time() + store.config.shared_lease_s
         try:
             yield cache_pb2.PutSharedResponse(extent=self._extent(arena, session.buffer))
             commit = await self._expect(requests, "commit",
@@ -82,7 +91,7 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             await rpc_errors.abort_with(context, exc)
         finally:
             if not committed:  # the client failed, left, or ran out of lease
-                await store.abort_put(session)
+                await store.abort_put(session, self._quarantine_s(context, lease_ends))
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
     @rpc_errors.maps_errors
@@ -148,6 +157,19 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
         if request is None or not request.HasField(field):
             raise errors.InvalidArgument(f"{what}: expected a {field} message")
         return getattr(request, field)
+
+    def _quarantine_s(self, context: grpc.aio.ServicerContext, lease_ends: float) -> float:
+        """How long the extent of a put ending uncommitted stays out of reuse.
+        A lease, where the client's time ran out: its lease (we end the call)
+        or its call's deadline (gRPC ends it), while a copy into the extent
+        may still run; 0 where the client ended the put itself (a commit we
+        refused, a message out of turn, its stream closed, a cancel, its
+        process gone), which it never does while its copy runs
+        (kvstash.cache_sdk.arena_calls waits for it)."""
+        remaining = context.time_remaining()
+        cut_off = (asyncio.get_running_loop().time() >= lease_ends
+                   or (remaining is not None and remaining < _DEADLINE_SLACK_S))
+        return self._store.config.shared_lease_s if cut_off else 0.0
 
     def _extent(self, arena: Arena, buffer: Buffer) -> cache_pb2.Extent:
         offset, length = self._store.extent_of(buffer)

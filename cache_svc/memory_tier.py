@@ -4,11 +4,12 @@
 and freed; this module keeps where buffers come from and go back to, and
 the invariant (see `check_integrity`):
 
-    used + reserved + pool.num_bytes + unmapping  <=  memory budget
+    used + reserved + pool.num_bytes + unmapping + quarantined  <=  memory budget
 
 `reserved` counts buffers of puts in progress (they are preallocated, so
 counted); freed buffers pooled for reuse count too, and yield to any put
-that needs the room; so do buffers being unmapped, until they are gone.
+that needs the room; so do buffers being unmapped, until they are gone, and
+arena extents in quarantine, until it ends (`give_back`).
 
 Buffers are private mappings, or, with an arena (cache_svc.arena), extents of
 it; there the arena, sized to the budget, decides what fits (a put may also
@@ -44,11 +45,15 @@ class MemoryTier:
         # Bytes of buffers let go of but not yet unmapped: still resident, so
         # not free, but soon (see `_unmap_soon`).
         self.unmapping = 0
+        # Bytes of arena extents kept from reuse for a while (`_quarantine`),
+        # and the timers that end their quarantines.
+        self.quarantined = 0
+        self._quarantine_ends: set[asyncio.TimerHandle] = set()
 
     def free(self) -> int:
         """Budget bytes a put can reserve: pooled buffers count as free,
-        those being unmapped do not yet."""
-        return self.budget - self.used - self.reserved - self.unmapping
+        those being unmapped or quarantined do not yet."""
+        return self.budget - self.used - self.reserved - self.unmapping - self.quarantined
 
     def room_for(self, size: int) -> Room:
         """The room a put of `size` bytes needs, as it stands. In an arena room
@@ -57,14 +62,34 @@ class MemoryTier:
             return ArenaRoom(self.arena.runs(), size)
         return BytesRoom(self.free() + self.unmapping, size)
 
-    def give_back(self, buffer: Buffer) -> None:
-        """A buffer nobody uses any more: an extent back to the arena, a
-        mapping to the pool (still counted there)."""
+    def give_back(self, buffer: Buffer, quarantine_s: float = 0.0) -> None:
+        """A buffer nobody uses any more: an extent back to the arena (after
+        `quarantine_s`, if given: see `_quarantine`), a mapping to the pool
+        (still counted there)."""
         if isinstance(buffer, mmap.mmap):
             self.pool.give(buffer, self._clock())
+        elif quarantine_s > 0:
+            self._quarantine(buffer, quarantine_s)
         else:
             assert self.arena is not None
             self.arena.free(buffer)
+
+    def _quarantine(self, extent: memoryview, seconds: float) -> None:
+        """Frees an extent only `seconds` from now, counting its bytes
+        meanwhile: a client cut off while writing it may still be copying, and
+        must not write into the bytes of whoever gets the extent next."""
+        arena = self.arena
+        assert arena is not None
+        self.quarantined += extent.nbytes
+
+        def end() -> None:
+            self._quarantine_ends.discard(handle)
+            self.quarantined -= extent.nbytes
+            arena.free(extent)
+            self._background.notify()
+
+        handle = asyncio.get_running_loop().call_later(seconds, end)
+        self._quarantine_ends.add(handle)
 
     def _unmap_soon(self, buffer: mmap.mmap) -> None:
         """Unmaps a buffer on another thread: that takes ~70 ms per GiB, which
@@ -86,13 +111,22 @@ class MemoryTier:
         """Unmaps pooled buffers nobody reused for `idle_s` seconds."""
         self.pool.release_idle(self._clock() - idle_s)
 
+    def close(self) -> None:
+        """Removes the arena, quarantine or not: nobody gets an extent any more."""
+        for handle in self._quarantine_ends:
+            handle.cancel()
+        if self.arena is not None:
+            self.arena.close()
+
     def check_integrity(self, listed_bytes: int) -> None:
         """Raises AssertionError when the accounting disagrees with the
         buffers; `listed_bytes`: those of listed entries in memory (lingering
         entries held only by readers are not counted)."""
         assert self.used >= listed_bytes, (self.used, listed_bytes)
-        assert self.used + self.reserved + self.pool.num_bytes + self.unmapping <= self.budget
+        assert (self.used + self.reserved + self.pool.num_bytes + self.unmapping
+                + self.quarantined <= self.budget)
         self.pool.check_integrity()
         if self.arena is not None:
-            self.arena.check_integrity(self.used + self.reserved)
+            self.arena.check_integrity(self.used + self.reserved + self.quarantined)
         assert self.reserved >= 0
+        assert self.quarantined >= 0

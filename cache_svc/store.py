@@ -107,11 +107,13 @@ class SnapshotStore:
                 background.run_io(populate, buffer, session.stop))
         return session
 
-    def release_put(self, meta: SnapshotMeta, buffer: Buffer | None = None) -> None:
+    def release_put(self, meta: SnapshotMeta, buffer: Buffer | None = None,
+                    quarantine_s: float = 0.0) -> None:
         """Gives back a reservation that never became a session (or, with the
-        session's `buffer`, one whose put failed; the buffer goes to the pool)."""
+        session's `buffer`, one whose put failed; the buffer goes to the pool,
+        or back to the arena, after `quarantine_s`). The id is free at once."""
         pooled = self._pending.pop(meta.snapshot_id, None)
-        self._tiers.unreserve(meta.total_bytes, meta.pinned, buffer or pooled)
+        self._tiers.unreserve(meta.total_bytes, meta.pinned, buffer or pooled, quarantine_s)
 
     def commit_shared_put(self, session: PutSession, checksums: list[int]) -> SnapshotInfo:
         """Commits a put whose client wrote the extent itself (see
@@ -133,7 +135,9 @@ class SnapshotStore:
         self._counters.num_puts += 1
         return SnapshotInfo(meta, entry.tier)
 
-    async def abort_put(self, session: PutSession) -> None:
+    async def abort_put(self, session: PutSession, quarantine_s: float = 0.0) -> None:
+        """Ends a put that will not commit. `quarantine_s`: how long its arena
+        extent stays out of reuse, for a client that may still be writing it."""
         self._counters.num_failed_puts += 1
         session.stop.set()
         # The populating thread holds the buffer until its current step ends
@@ -142,9 +146,10 @@ class SnapshotStore:
         # registered before wait()'s own, so it has run when this returns.
         populating = session.populating
         if populating is None:
-            self.release_put(session.meta, session.buffer)
+            self.release_put(session.meta, session.buffer, quarantine_s)
             return
-        populating.add_done_callback(lambda _: self.release_put(session.meta, session.buffer))
+        populating.add_done_callback(
+            lambda _: self.release_put(session.meta, session.buffer, quarantine_s))
         await asyncio.wait((populating,))
 
     def count_bytes_in(self, num_bytes: int) -> None:

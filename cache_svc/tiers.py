@@ -73,8 +73,7 @@ class Tiers:
         memory = self.memory
         memory.pool.release(memory.pool.num_bytes)
         await self.background.close()
-        if memory.arena is not None:
-            memory.arena.close()
+        memory.close()
 
     # -- listing --------------------------------------------------------------
 
@@ -107,13 +106,15 @@ class Tiers:
         self._lru[entry.meta.snapshot_id] = entry
         self.background.notify()
 
-    def unreserve(self, num_bytes: int, pinned: bool, buffer: Buffer | None = None) -> None:
-        """Gives back a reservation and, if one was mapped for it, its buffer."""
+    def unreserve(self, num_bytes: int, pinned: bool, buffer: Buffer | None = None,
+                  quarantine_s: float = 0.0) -> None:
+        """Gives back a reservation and, if one was mapped for it, its buffer
+        (an arena extent after `quarantine_s`, see MemoryTier.give_back)."""
         self.memory.reserved -= num_bytes
         if not pinned:
             self.unpinned_reserved -= num_bytes
         if buffer is not None:
-            self.memory.give_back(buffer)
+            self.memory.give_back(buffer, quarantine_s)
         self.background.notify()
 
     def drop(self, entry: Entry) -> None:
@@ -190,7 +191,8 @@ class Tiers:
             remaining = deadline - loop.time()
             if remaining <= 0 or not self._may_change():
                 pieces = ("" if memory.arena is None
-                          else f", the largest free range {memory.arena.largest_free()}")
+                          else f", the largest free range {memory.arena.largest_free()}, "
+                               f"{memory.quarantined} quarantined")
                 share = ("" if pinned else
                          f"; unpinned, within {self.config.unpinned_share:g} of the budget "
                          f"({max(0, excess)} bytes over), displacing no pinned snapshot")
@@ -229,10 +231,12 @@ class Tiers:
         return room
 
     def _may_change(self) -> bool:
-        """Whether waiting could help: a spill, a get or another put is running."""
+        """Whether waiting could help: a spill, a get or another put is
+        running, or an extent's quarantine."""
         return (
             self.background.busy
             or self.memory.reserved > 0
+            or self.memory.quarantined > 0
             or any(e.num_readers for e in self._lru.values())
         )
 

@@ -39,6 +39,8 @@ class Running:
         assert stats.memory_snapshots == stats.disk_snapshots == 0
         assert stats.memory_bytes == stats.disk_bytes == 0
         assert self.disk_files() == []
+        arena = self.cache.store.arena
+        assert arena is None or arena.free_bytes == arena.size  # nothing held or quarantined
         self.cache.store.check_integrity()
 
 

@@ -330,15 +330,41 @@ async def test_bad_shared_puts_leave_nothing(start_cache, tmp_path) -> None:
     assert running.cache.store.arena.free_bytes == running.cache.store.arena.size
 
 
-async def test_extent_lease_runs_out(start_cache, tmp_path) -> None:
-    running = await start_cache(arena_dir=tmp_path / "arena", shared_lease_s=0.3)
-    call = running.stub.PutShared(timeout=30)
-    await call.write(cache_pb2.PutSharedRequest(header=make_header("s", LAYOUT, 8)))
-    assert (await call.read()).HasField("extent")
+@pytest.mark.parametrize(("deadline_s", "lease_s"), [(30, 1.0), (0.5, 1.5)],
+                         ids=["lease", "deadline"])
+async def test_an_extent_cut_off_mid_write_is_quarantined(start_cache, tmp_path, deadline_s,
+                                                          lease_s) -> None:
+    """A writer whose lease ran out, or whose call's deadline passed, may still
+    be copying into its extent: for another lease no other put gets it, then
+    it is reused, and the whole arena is free again."""
+    running = await start_cache(arena_dir=tmp_path / "arena", memory_budget_bytes=4 * MIB,
+                                disk_dir=None, disk_budget_bytes=0, shared_lease_s=lease_s)
+    client, store = running.client, running.cache.store
+    arena = await client.arena()  # mapped here, as a writer maps it
+    assert arena is not None
+    call = running.stub.PutShared(timeout=deadline_s)
+    header = make_header("late", LAYOUT, 128)  # 4 MiB: the whole arena
+    await call.write(cache_pb2.PutSharedRequest(header=header))
+    late = arena.view((await call.read()).extent)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call.read()  # never commits
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "lease" in (info.value.details() or "")
+    assert ("lease" in (info.value.details() or "")) == (deadline_s > lease_s)
+    stats = await client.stats()
+    assert (stats.reserved_bytes, stats.num_failed_puts, stats.free_bytes) == (0, 1, 0)
+    store.check_integrity()
+
+    data = make_payload(LAYOUT, 128, seed=5)
+    putting = asyncio.create_task(client.put("next", LAYOUT, 128, 16, data))
+    await asyncio.sleep(lease_s / 2)
+    late[:] = b"x" * late.nbytes  # the late copy lands, in no one else's bytes
+    assert not putting.done()  # waiting for the quarantine to end
+    assert await putting == data.nbytes
+    assert store.extent_of(store._tiers.lookup("next").buffer) == (0, 4 * MIB)  # reused
+    out = np.zeros_like(data)
+    await client.get_into("next", memoryview(out))
+    assert out.tobytes() == data.tobytes()
+    await client.delete("next")
     await running.assert_nothing_left()
 
 
