@@ -11,11 +11,13 @@ closes having read every chunk.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_svc.background import Background
 from cache_svc.model import Counters, Entry
 from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
@@ -76,7 +78,7 @@ class Reads:
             assert tiers.disk is not None and entry.path is not None
             path = entry.path
             try:
-                fd = await tiers.background.run_io(tiers.disk.open, path)
+                fd = await self._open_file(path)
             except BaseException as exc:
                 self.close_reader(Reader(entry, None))
                 if isinstance(exc, OSError):
@@ -84,6 +86,20 @@ class Reads:
                 raise
             return Reader(entry, fd, path, consume)
         return Reader(entry, None, consume=consume)
+
+    async def _open_file(self, path: Path) -> int:
+        """Opens `path` on an I/O thread. A get cancelled meanwhile cannot
+        stop the thread, and would drop the descriptor it returns: that one
+        is closed once the thread is done (by a task `Background.close`
+        waits for, so even at shutdown)."""
+        background, disk = self._tiers.background, self._tiers.disk
+        assert disk is not None
+        opening = asyncio.ensure_future(background.run_io(disk.open, path))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            background.spawn(_close_once_open(background, opening))
+            raise
 
     async def open_shared_reader(self, snapshot_id: str, consume: bool) -> Reader:
         """`open_reader` for a client that reads the arena itself: the
@@ -162,3 +178,12 @@ class Reads:
         entry.num_readers -= 1
         tiers.settle(entry)
         tiers.background.notify()
+
+
+async def _close_once_open(background: Background, opening: asyncio.Future[int]) -> None:
+    """Closes the file `opening` opens, if it does."""
+    try:
+        fd = await opening
+    except OSError:
+        return
+    await background.run_io(os.close, fd)

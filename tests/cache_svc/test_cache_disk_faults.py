@@ -181,6 +181,39 @@ async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> N
     await assert_healthy(running, gone="a")
 
 
+async def test_a_get_cancelled_while_its_file_opens_closes_it(start_cache, monkeypatch) -> None:
+    """The thread opening a get's file cannot be stopped: when the get is
+    cancelled meanwhile, the file the thread goes on to open is closed."""
+    running = await put_two_spilled(start_cache)
+    entry = running.cache.store._tiers.lookup("a")
+    real_open = DiskFiles.open
+    gates: list[tuple[threading.Event, threading.Event]] = []
+
+    def held_open(self: DiskFiles, path: Path) -> int:
+        opening, go_on = gates[-1]
+        opening.set()
+        go_on.wait(30)
+        return real_open(self, path)
+
+    monkeypatch.setattr(DiskFiles, "open", held_open)
+    num_fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        gates.append((threading.Event(), threading.Event()))
+        opening, go_on = gates[-1]
+        get = asyncio.ensure_future(running.client.get("a"))
+        assert await asyncio.to_thread(opening.wait, 30)
+        get.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await get
+        await wait_until(lambda: entry.num_readers == 0, "the server's get was cancelled")
+        go_on.set()  # the file opens, for a get that is gone
+    await wait_until(lambda: len(os.listdir("/proc/self/fd")) == num_fds,
+                     "the files opened for cancelled gets are closed", timeout_s=5)
+    monkeypatch.undo()
+    assert (await running.client.get("a"))[1] == PAYLOADS["a"]
+    running.cache.store.check_integrity()
+
+
 async def test_delete_during_a_disk_read_lets_the_get_finish(start_cache, monkeypatch) -> None:
     running = await put_two_spilled(start_cache)
     reading, go_on = threading.Event(), threading.Event()
