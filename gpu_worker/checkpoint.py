@@ -8,8 +8,10 @@ so a wrong checkpoint fails with every problem named instead of half-loading.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,18 @@ from gpu_worker.model import CausalLM, build_tiny_model
 
 # Older Llama exports store the rotary table; it is recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Bytes of each end of each tensor that weights_id reads.
+_SAMPLED_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     name: str
     model: CausalLM
+    # What tells its weights from any other's (`weights_id`): two checkpoints
+    # of one name and shape (a fine-tune beside its base, both mounted at
+    # /models) must never read each other's KV from the prefix tier.
+    weights_id: str
     tokenizer_json: str  # "" = the byte-level tokenizer of the tiny model
     # The checkpoint's tokenizer_config.json with its chat template; "" = none.
     tokenizer_config_json: str = ""
@@ -76,7 +84,7 @@ def load_model(config: WorkerConfig) -> LoadedModel:
     if config.model == TINY_MODEL:
         dtype = torch.float64 if auto else torch_dtype(config.dtype)
         model = build_tiny_model(tiny_model_config(), config.seed, dtype, device)
-        return LoadedModel(TINY_MODEL, model, "")
+        return LoadedModel(TINY_MODEL, model, f"{TINY_MODEL}-seed-{config.seed}", "")
     return load_checkpoint(Path(config.model), None if auto else torch_dtype(config.dtype),
                            device)
 
@@ -166,7 +174,29 @@ def load_checkpoint(directory: Path, dtype: torch.dtype | None,
     model = CausalLM(cfg, dtype, device)
     load_weights(model, directory)
     name = os.path.basename(os.path.normpath(directory))
-    return LoadedModel(name, model.eval(), tokenizer, config)
+    return LoadedModel(name, model.eval(), weights_id(directory), tokenizer, config)
+
+
+def weights_id(directory: Path) -> str:
+    """A digest of config.json and of every safetensors file's header (each
+    tensor's name, dtype, shape and place) and each tensor's first and last
+    bytes: a fine-tune changes every element of what it tunes, and reading
+    only these keeps it to milliseconds where hashing all of an 8B model's
+    16 GB would take tens of seconds a start."""
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = f.read(header_len)
+            digest.update(header)
+            for name, meta in sorted(json.loads(header).items()):
+                if name == "__metadata__":
+                    continue
+                begin, end = meta["data_offsets"]
+                for offset in sorted({begin, max(begin, end - _SAMPLED_BYTES)}):
+                    f.seek(8 + header_len + offset)
+                    digest.update(f.read(min(_SAMPLED_BYTES, end - offset)))
+    return digest.hexdigest()[:32]
 
 
 def tokenizer_config(directory: Path) -> str:

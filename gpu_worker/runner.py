@@ -62,8 +62,8 @@ class SeqWork:
 class ModelRunner:
     def __init__(self, model: CausalLM, *, block_size: int, num_blocks: int,
                  max_model_len: int | None = None, seed: int = 0, name: str = "tiny",
-                 tokenizer_json: str = "", tokenizer_config_json: str = "",
-                 batch_invariant: bool = True,
+                 weights_id: str = "tiny-seed-0", tokenizer_json: str = "",
+                 tokenizer_config_json: str = "", batch_invariant: bool = True,
                  row_tile: int | None = None, attention: AttentionBackend | None = None,
                  host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES,
                  cuda_graph_rows: int | None = None) -> None:
@@ -75,7 +75,7 @@ class ModelRunner:
         cuda_graph_rows: see BatchedForward.use_graphs (0: no CUDA graphs)."""
         cfg = model.config
         self.model = model
-        self.name = name
+        self.name, self.weights_id = name, weights_id  # checkpoint.LoadedModel's
         self.tokenizer_json = tokenizer_json  # "" = byte-level tokenizer
         self.tokenizer_config_json = tokenizer_config_json  # "" = none
         self.model_config: ModelConfig = cfg
@@ -292,7 +292,7 @@ def build_runner(config: WorkerConfig) -> ModelRunner:
         keep_large_tensors()
     return ModelRunner(loaded.model, block_size=config.block_size, num_blocks=config.num_blocks,
                        max_model_len=config.max_model_len, seed=config.seed, name=loaded.name,
-                       tokenizer_json=loaded.tokenizer_json,
+                       weights_id=loaded.weights_id, tokenizer_json=loaded.tokenizer_json,
                        tokenizer_config_json=loaded.tokenizer_config_json,
                        batch_invariant=config.batch_invariant, row_tile=config.row_tile,
                        host_pool_bytes=config.host_pool_bytes,

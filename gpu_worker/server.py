@@ -75,6 +75,7 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
         tokenizer_config_json=runner.tokenizer_config_json.encode("utf-8"),
         model_type=cfg.model_type,
         architectures=[ARCHITECTURES[cfg.model_type]],
+        weights_id=runner.weights_id,
     )
 
 

@@ -168,9 +168,9 @@ def prefix_tier(
                          f"{layout.block_size}, got {tokens}")
     if not tokens or not args.cache_address or args.record_decisions is not None:
         return 0, ""
-    salt = "|".join((info.model_name, info.model_type, *info.architectures, layout.dtype,
-                     str(layout.num_layers), str(layout.block_size), str(layout.num_kv_heads),
-                     str(layout.head_dim)))
+    salt = "|".join((info.model_name, info.weights_id, info.model_type, *info.architectures,
+                     layout.dtype, str(layout.num_layers), str(layout.block_size),
+                     str(layout.num_kv_heads), str(layout.head_dim)))
     return tokens // layout.block_size, salt
 
 

@@ -49,6 +49,7 @@ class WorkerInfo(_message.Message):
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _builtins.int
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_ID_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     max_model_len: _builtins.int
@@ -66,6 +67,12 @@ class WorkerInfo(_message.Message):
     model_type: _builtins.str
     """What the model is, as gateways are told (vLLM's GetModelInfo): the
     checkpoint's model_type ("llama", "qwen2") and its architecture class.
+    """
+    weights_id: _builtins.str
+    """What tells these weights from any other checkpoint's (a digest of its
+    config and sampled tensor bytes; the tiny model's seed): salts the
+    prefix tier's segment ids, and a worker back with other weights is not
+    used by a scheduler built for these.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -87,10 +94,11 @@ class WorkerInfo(_message.Message):
         tokenizer_config_json: _builtins.bytes = ...,
         model_type: _builtins.str = ...,
         architectures: _abc.Iterable[_builtins.str] | None = ...,
+        weights_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architectures", b"architectures", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "model_type", b"model_type", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architectures", b"architectures", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "model_type", b"model_type", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size", "weights_id", b"weights_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

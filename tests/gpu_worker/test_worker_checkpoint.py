@@ -244,3 +244,24 @@ def test_the_tokenizer_config_and_chat_template_are_passed_on(tmp_path: Path) ->
     (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"tokenizer_config\.json holds a JSON list"):
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_weights_of_one_name_and_shape_are_told_apart(tmp_path: Path) -> None:
+    """A fine-tune mounted where its base was (the chart's /models) must not
+    share prefix-tier segments with it: the weights id, which salts their
+    ids, follows the tensors' bytes, not the directory's name."""
+    base, tuned = tmp_path / "a" / "models", tmp_path / "b" / "models"
+    base.mkdir(parents=True)
+    tuned.mkdir(parents=True)
+    source = write_checkpoint(base, LLAMA)
+    weight = source.model.layers[1].mlp.down_proj.weight.detach()
+    nudged = weight.contiguous().clone()
+    nudged[-1, -1] += 1e-3  # one element, at the tensor's end
+    write_checkpoint(tuned, LLAMA, edit={"model.layers.1.mlp.down_proj.weight": nudged})
+    ids = [build_runner(WorkerConfig(model=str(d), block_size=4, num_blocks=8)).weights_id
+           for d in (base, base, tuned)]
+    assert ids[0] == ids[1] != ids[2]
+    assert info_proto(build_runner(WorkerConfig(model=str(base), block_size=4, num_blocks=8))
+                      ).weights_id == ids[0]
+    tiny = [build_runner(WorkerConfig(num_blocks=4, seed=seed)).weights_id for seed in (0, 1)]
+    assert tiny[0] != tiny[1]

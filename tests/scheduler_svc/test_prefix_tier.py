@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
+from kvstash.v1 import worker_pb2
 from scheduler_svc.core.lifecycle import LOADING, RUNNING_DECODE, RUNNING_PREFILL
 from scheduler_svc.core.outputs import PrefixLoad
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.flags import build_config, parse_args
 from tests.scheduler_svc.factories import make_scheduler, step, teach_costs
 
 SEGMENT_BLOCKS = 2  # block_size 4: segments of 8 tokens
@@ -87,6 +90,21 @@ def test_segment_ids_name_the_prefix_and_the_salt() -> None:
     assert segment_ids(tiered(), other) == [ids[0], segment_ids(tiered(), other)[1]]
     assert segment_ids(tiered(), other)[1] != ids[1]
     assert segment_ids(make_scheduler(), PROMPT) == []  # no tier
+
+
+def test_the_salt_follows_the_weights_not_only_their_name() -> None:
+    """Two checkpoints mounted at the chart's /models (a fine-tune and its
+    base) have one name: their segments must still differ."""
+    args = parse_args(["--cache-address", "127.0.0.1:1"])
+    layout = Layout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
+
+    def salt(weights_id: str) -> str:
+        info = worker_pb2.WorkerInfo(
+            model_name="models", vocab_size=64, max_model_len=256, num_blocks=32,
+            model_type="llama", architectures=["LlamaForCausalLM"], weights_id=weights_id)
+        return build_config(args, info, layout).prefix_tier_salt
+
+    assert salt("a") == salt("a") != salt("b")
 
 
 def load_of(core: Scheduler, request_id: str, stored: int) -> PrefixLoad:
