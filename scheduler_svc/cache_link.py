@@ -37,15 +37,15 @@ class CacheLink:
         self._timeout_s = timeout_s
         self._find_timeout_s = find_timeout_s
 
-    async def stored_run(self, segment_ids: list[str]) -> list[str]:
+    async def stored_run(self, segment_ids: list[str]) -> list[str] | None:
         """Where the cache holds `segment_ids` (a prompt's, in order) from the
-        first on, up to the first it does not ("memory" or "disk" each); none
+        first on, up to the first it does not ("memory" or "disk" each); None
         when it does not answer in time."""
         try:
             tiers = await self._client.find(segment_ids, timeout_s=self._find_timeout_s)
         except errors.KvstashError as exc:
             log.debug("prefix lookup failed (%s); prefilling", exc)
-            return []
+            return None
         run = itertools.takewhile(lambda t: t != cache_pb2.TIER_UNSPECIFIED, tiers)
         return [_TIER_NAMES[t] for t in run]
 

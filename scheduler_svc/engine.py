@@ -199,20 +199,21 @@ class Engine:
             raise errors.Unavailable(f"the scheduler failed ({self.failure!r}) and restarts")
         self._watch.check_admission()
 
-    async def _stored_segments(self, block_hashes: list[int]) -> int:
-        """How many leading segments of the prompt the prefix tier holds."""
+    async def _stored_segments(self, block_hashes: list[int]) -> int | None:
+        """How many leading segments of the prompt the prefix tier holds
+        (None: the cache did not answer)."""
         if self._cache is None or not (ids := self._core.prefix_segment_ids(block_hashes)):
             return 0
         with tracing.prefix_lookup_span(self._config.tracing, len(ids)) as span:
             tiers = await self._cache.stored_run(ids)
-            span.set_attribute("kvstash.num_stored", len(tiers))
+            span.set_attribute("kvstash.num_stored", len(tiers or ()))
         if self._metrics is not None:
-            self._metrics.observe_lookup(tiers)
-        return len(tiers)
+            self._metrics.observe_lookup(tiers or [])
+        return None if tiers is None else len(tiers)
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        stored_segments: int = 0, block_hashes: Sequence[int] = (),
+        stored_segments: int | None = 0, block_hashes: Sequence[int] = (),
     ) -> RequestStream:
         """Admits a request to decode here, as `admit` but at once, its prompt's
         first `stored_segments` held by the prefix tier (Scheduler.add_request)."""

@@ -71,7 +71,8 @@ class PrefillSide:
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        decoder: DecodePeer, stored_segments: int = 0, block_hashes: Sequence[int] = (),
+        decoder: DecodePeer, stored_segments: int | None = 0,
+        block_hashes: Sequence[int] = (),
     ) -> RequestStream:
         """Admits a request `decoder` reserved blocks for (raises as
         Engine.submit, releasing the reservation)."""

@@ -101,7 +101,8 @@ class RecordingScheduler(Scheduler):
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams, *, handoff: bool = False,
-                    stored_segments: int = 0, block_hashes: Sequence[int] = ()) -> Request:
+                    stored_segments: int | None = 0,
+                    block_hashes: Sequence[int] = ()) -> Request:
         req = super().add_request(request_id, prompt_token_ids, sampling, handoff=handoff)
         self._write("add", id=request_id, prompt=list(prompt_token_ids),
                     sampling=plain(dataclasses.asdict(sampling)), handoff=handoff)

@@ -39,10 +39,12 @@ class Preemption:
         # What offload + restore and recompute cost (the engine measures).
         self.costs = CostModel(config.block_size, config.min_cost_samples)
 
-    def preempt_for_decodes(self) -> tuple[list[Preempted], list[OffloadCommand]]:
-        """Preempts decodes until every other one can get its next block. Returns
-        the victims' choices (they are now OFFLOADING or WAITING) and the copies
-        to make."""
+    def preempt_for_decodes(self, num_saving: int = 0
+                            ) -> tuple[list[Preempted], list[OffloadCommand]]:
+        """Preempts decodes until every other one can get its next block, counting
+        the blocks copies in flight will free (offloads', and `num_saving` held
+        only by prefix-tier saves). Returns the victims' choices (they are now
+        OFFLOADING or WAITING) and the copies to make."""
         life = self.life
         kv = life.kv
         pool = kv.pool
@@ -55,7 +57,8 @@ class Preemption:
         num_needed = sum(
             1 for r in decoding.values() if r.num_computed_tokens >= len(r.block_ids) * block_size
         )
-        num_soon_free = sum(kv.num_exclusive_blocks(r) for r in life.offloading.values())
+        num_soon_free = num_saving + sum(
+            kv.num_exclusive_blocks(r) for r in life.offloading.values())
         if num_needed <= pool.num_allocatable_blocks + num_soon_free:
             return victims, offloads
         by_progress = sorted(

@@ -14,7 +14,11 @@ read by another model or layout. Ids are the same on every instance.
 
     write   through: once a prompt's prefill completes, each of its segments
             not known to be stored is copied out (`take_saves`: OffloadCommands
-            with shared_prefix). back: its segments are only noted then, and
+            with shared_prefix). Known stored: saved here since the request
+            arrived (its lookup, the edge's, said the cache held no more: it may
+            have evicted what was saved before); none is sent while the cache does
+            not answer (`cache_answers`), as its blocks would stay pinned
+            until the copy timed out. back: its segments are only noted then, and
             copied out when the pool is about to evict them (`write_back`,
             each step: the oldest evictable blocks, while fewer blocks are
             free than one step may take). Either way the save holds one more
@@ -34,8 +38,9 @@ steps are batch-invariant), so outputs do not depend on where a prefix came from
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -48,9 +53,9 @@ from scheduler_svc.core.request import Request
 SEGMENT_ID_PREFIX = "pfx-"
 # What a write-back save names as its request (the request may be long gone).
 WRITE_BACK_REQUEST_ID = "prefix-tier-write-back"
-# Segment ids remembered as saved here, so a prompt seen again is not sent
-# again; the oldest are forgotten first. A forgotten one sent again is
-# refused as already stored, costing one put.
+# Segment ids remembered as saved here, so a prompt seen again before its
+# lookup could know is not sent again; the oldest are forgotten first. A
+# forgotten one sent again is refused as already stored, costing one put.
 _MAX_KNOWN_STORED = 65536
 
 
@@ -75,13 +80,15 @@ class _Noted:
     segment_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]
+    since: float  # its request's arrival: when the cache did not hold it
 
 
 class PrefixTier:
     def __init__(self, segment_blocks: int, salt: str, kv: KVCacheManager, costs: CostModel,
-                 counters: Counters, write_back_below: int = 0) -> None:
+                 counters: Counters, clock: Callable[[], float],
+                 write_back_below: int = 0) -> None:
         """`write_back_below`: 0 writes through; else free blocks below which
-        the oldest evictable segments are written back."""
+        the oldest evictable segments are written back. `clock`: the core's."""
         self.segment_blocks = segment_blocks
         self._salt = xxhash.xxh3_128_digest(salt.encode())
         self._kv = kv
@@ -90,7 +97,12 @@ class PrefixTier:
         # Saves in flight by segment id, with the blocks each holds a reference on.
         self.saves: dict[str, list[int]] = {}
         self._queued: list[OffloadCommand] = []
-        self._stored: OrderedDict[str, None] = OrderedDict()
+        # Segments saved here, by when (the clock), oldest first.
+        self._stored: OrderedDict[str, float] = OrderedDict()
+        self._clock = clock
+        # The cache answered its latest probe (the engine reports it); until
+        # it says otherwise, it is taken to.
+        self.cache_answers = True
         self._write_back_below = write_back_below
         # Write-back: noted segments by each of their blocks.
         self._noted: dict[int, _Noted] = {}
@@ -167,17 +179,23 @@ class PrefixTier:
     def on_prefilled(self, req: Request) -> None:
         """`req`'s prompt is prefilled: each of its segments not known stored
         nor being saved is saved now (write-through) or noted (write-back)."""
+        if not self.cache_answers:
+            return
         k = self.segment_blocks
         hashes = req.block_hashes
+        # Known stored: saved since its lookup said otherwise; without an
+        # answer, saved here ever (a segment the cache lost is sent again
+        # after its next lookup).
+        since = req.arrival_time if req.tier_answered else -math.inf
         for s in range(req.stored_segments, req.num_prompt_tokens // self._kv.block_size // k):
             segment_id = self.segment_id(hashes[(s + 1) * k - 1])
-            if segment_id in self._stored or segment_id in self.saves:
+            if self._stored_since(segment_id, since) or segment_id in self.saves:
                 continue
             block_ids = req.block_ids[s * k:(s + 1) * k]
             if not self._write_back_below:
                 self._save(req.request_id, segment_id, block_ids)
                 continue
-            noted = _Noted(segment_id, tuple(block_ids), tuple(hashes[s * k:(s + 1) * k]))
+            noted = _Noted(segment_id, tuple(block_ids), tuple(hashes[s * k:(s + 1) * k]), since)
             for block_id in block_ids:
                 self._noted[block_id] = noted
 
@@ -186,7 +204,8 @@ class PrefixTier:
         saves the noted segments among the next blocks to be evicted (those
         still holding what was noted), before they are."""
         pool = self._kv.pool
-        if not self._noted or pool.num_free_blocks >= self._write_back_below:
+        if (not self._noted or pool.num_free_blocks >= self._write_back_below
+                or not self.cache_answers):
             return
         for block_id in pool.oldest_evictable(self._write_back_below):
             noted = self._noted.get(block_id)
@@ -197,8 +216,21 @@ class PrefixTier:
             intact = all(pool.block_hash(b) == h
                          for b, h in zip(noted.block_ids, noted.block_hashes, strict=True))
             segment_id = noted.segment_id
-            if intact and segment_id not in self._stored and segment_id not in self.saves:
+            if intact and not self._stored_since(segment_id, noted.since) and (
+                    segment_id not in self.saves):
                 self._save(WRITE_BACK_REQUEST_ID, segment_id, list(noted.block_ids))
+
+    def num_saving(self) -> int:
+        """Blocks only saves hold: evictable once those land. (A decode short
+        of a block waits for them, as for an offload's, rather than preempt
+        another: write-back pins exactly the blocks the pool was about to
+        hand out.)"""
+        pool = self._kv.pool
+        return sum(pool.ref_cnt(b) == 1 for blocks in self.saves.values() for b in blocks)
+
+    def _stored_since(self, segment_id: str, t: float) -> bool:
+        """Saved here at or after `t`."""
+        return self._stored.get(segment_id, -math.inf) >= t
 
     def _save(self, request_id: str, segment_id: str, block_ids: list[int]) -> None:
         self._kv.pool.touch(block_ids)
@@ -227,7 +259,7 @@ class PrefixTier:
             self._counters.num_tier_save_failures += 1
             return
         stored = self._stored
-        stored[cmd.snapshot_id] = None
+        stored[cmd.snapshot_id] = self._clock()
         stored.move_to_end(cmd.snapshot_id)
         if len(stored) > _MAX_KNOWN_STORED:
             stored.popitem(last=False)

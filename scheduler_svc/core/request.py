@@ -113,8 +113,10 @@ class Request:
     # tier's included).
     num_cached_tokens: int = 0
     # Leading segments of its prompt the prefix tier held at arrival
-    # (prefix_tier.py); 0 without one.
+    # (prefix_tier.py); 0 without one. Known only where the tier answered
+    # that lookup.
     stored_segments: int = 0
+    tier_answered: bool = True
     # Re-prefilling positions below this counts as recomputation (set on a
     # recompute preemption to the positions that had KV; 0 otherwise).
     recompute_until: int = 0

@@ -79,7 +79,7 @@ class Scheduler:
         # None without one: admission and update() never enter its code.
         self.tier = None if not config.prefix_segment_blocks else PrefixTier(
             config.prefix_segment_blocks, config.prefix_tier_salt, self.kv,
-            self.preemption.costs, self._counters,
+            self.preemption.costs, self._counters, clock,
             # Write-back keeps as many blocks free as one step may take.
             write_back_below=(-(-config.max_num_batched_tokens // config.block_size)
                               if config.prefix_write is PrefixWrite.BACK else 0))
@@ -111,13 +111,15 @@ class Scheduler:
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        *, handoff: bool = False, stored_segments: int = 0, block_hashes: Sequence[int] = (),
+        *, handoff: bool = False, stored_segments: int | None = 0,
+        block_hashes: Sequence[int] = (),
     ) -> Request:
         """A new request, WAITING. `handoff` (PREFILL instance only, else
         FailedPrecondition): a decode instance reserved blocks for it; once
         prefilled it goes there (PdManager.hand_off_once_prefilled).
         `stored_segments`: the leading segments of its prompt the prefix tier
-        holds (`prefix_segment_ids`, asked of the cache); `block_hashes`, the
+        holds (`prefix_segment_ids`, asked of the cache; None: it did not
+        answer, and is taken to hold none); `block_hashes`, the
         prompt's (`prompt_block_hashes`) where the caller has them already."""
         self.check_request(request_id, prompt_token_ids, sampling)
         pd = self.pd if handoff else None
@@ -129,7 +131,8 @@ class Scheduler:
                 f"requests, max_num_waiting {self.config.max_num_waiting}); retry later")
         req = self.intake.create(request_id, prompt_token_ids, sampling)
         if self.tier is not None:
-            req.stored_segments = stored_segments
+            req.stored_segments = stored_segments or 0
+            req.tier_answered = stored_segments is not None
             req.block_hashes.extend(block_hashes)
         self.life.add(req)
         if pd is not None:
@@ -163,7 +166,8 @@ class Scheduler:
             self.tier.write_back()
         if self._pd is not None:
             self._pd.on_schedule(out)
-        out.preempted, out.offloads = self.preemption.preempt_for_decodes()
+        out.preempted, out.offloads = self.preemption.preempt_for_decodes(
+            0 if self.tier is None else self.tier.num_saving())
         victims = out.preempted
         counters = self._counters
         counters.num_preemptions_offload += len(out.offloads)
@@ -349,8 +353,11 @@ class Scheduler:
         self.preemption.costs.observe_step(output.seqs, output.num_decodes, seconds)
 
     def set_cache_available(self, available: bool) -> None:
-        """Whether the cache service answers: AUTO offloads only while it does."""
+        """Whether the cache service answers: AUTO offloads, and the prefix
+        tier saves, only while it does."""
         self.preemption.cache_available = available
+        if self.tier is not None:
+            self.tier.cache_answers = available
 
     def requests_on_worker(self) -> list[str]:
         """The live requests whose state a lost worker took with it, to fail:

@@ -27,7 +27,8 @@ def tiered(salt: str = "model-a|float32|4 layers", **overrides: object) -> Sched
                           **overrides)
 
 
-def add(core: Scheduler, request_id: str, prompt: list[int] = PROMPT, stored: int = 0) -> None:
+def add(core: Scheduler, request_id: str, prompt: list[int] = PROMPT,
+        stored: int | None = 0) -> None:
     core.add_request(request_id, prompt, SamplingParams(4), stored_segments=stored)
 
 
@@ -66,8 +67,41 @@ def test_a_prefilled_prompt_saves_its_whole_segments_once_holding_their_blocks()
     stats = core.stats()
     assert (stats.num_tier_saves, stats.bytes_tier_saved) == (2, 1024)
     core.check_integrity()
-    add(core, "b")  # the same prompt again: stored already, nothing sent
+    add(core, "b", stored=None)  # again, the cache not answering: known stored, not sent
     assert save_all(core) == []
+
+
+def test_a_segment_the_cache_lost_since_it_was_saved_is_saved_again() -> None:
+    """Segments are unpinned: the cache evicts them. A lookup made after the
+    save that finds none is believed; one made before the save landed is not."""
+    core = tiered()
+    add(core, "a")
+    saved = save_all(core)
+    assert len(saved) == 2 and core.get_request("a") is None  # finished
+    core.reset_prefix_cache()  # prefilled again here, as after the pool evicted a's blocks
+    add(core, "b")  # its lookup found none: the cache evicted them
+    assert save_all(core) == saved
+
+
+def test_a_segment_saved_after_a_lookup_that_missed_it_is_not_sent_again() -> None:
+    core = tiered(max_num_seqs=1)
+    add(core, "a")
+    step(core)  # a prefilled: its segments go out next step
+    add(core, "b")  # its lookup finds none: they land after it, while b waits
+    assert len(save_all(core)) == 2  # a's; b's prefill (its 4th step) sends none
+    assert core.get_request("b").status is RUNNING_DECODE
+    assert save_all(core) == []
+
+
+def test_no_segment_is_saved_while_the_cache_does_not_answer() -> None:
+    """A save to a cache that hangs would pin its blocks until it timed out."""
+    core = tiered()
+    core.set_cache_available(False)
+    add(core, "a")
+    assert save_all(core) == []
+    core.set_cache_available(True)
+    add(core, "b")
+    assert len(save_all(core)) == 2
 
 
 def test_a_failed_save_is_counted_and_tried_again_by_the_next_prompt() -> None:
@@ -278,3 +312,28 @@ def test_kv_events_announce_loaded_blocks_only_once_they_are_in_the_pool() -> No
     stored = core.take_kv_events()
     assert len(stored) == 4  # the four blocks of the two segments, now in the pool
     assert [e.block_hash for e in stored] == core.get_request("b").block_hashes[:4]
+
+
+def test_decodes_wait_for_the_blocks_write_back_saves_instead_of_preempting() -> None:
+    """Write-back pins the blocks the pool was about to hand out; until those
+    saves land, a decode short of a block waits, as for an offload's blocks,
+    instead of preempting another decode that fits without the tier."""
+    core = tiered(num_blocks=40, reservation_policy="fixed_blocks", fixed_blocks_per_decode=0,
+                  preemption_mode="recompute", prefix_write="back")
+    core.add_request("a", list(range(1, 33)), SamplingParams(1))  # 8 blocks, done at once
+    step(core)
+    for rid, first in (("d1", 50), ("d2", 10)):  # 20 blocks each at their end: all 40
+        core.add_request(rid, [first + i % 37 for i in range(64)],
+                         SamplingParams(16, ignore_eos=True))
+    saves = []
+    for _ in range(8):
+        out, _ = step(core)
+        assert out.preempted == []
+        saves += out.prefix_saves
+    assert saves  # a's segments, written back as the pool ran short
+    for save in saves:
+        core.finish_prefix_save(save, 100)
+    while core.get_request("d1") or core.get_request("d2"):
+        out, _ = step(core)
+        assert out.preempted == []
+    core.check_integrity()
