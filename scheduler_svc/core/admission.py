@@ -7,7 +7,8 @@
     admit    WAITING requests from the front while the budget, seats
              (max_num_seqs) and blocks last; each takes every block of its
              prefill at once (a prefix-cache hit shares the cached blocks),
-             keeping back the reservation of the requests about to decode:
+             keeping back the reservation of the requests about to decode,
+             its own too where its prompt loads or fits one chunk:
 
                reserved = reserved_blocks(running decodes)
                         + reserved_blocks(prefills whose next chunk is their last)
@@ -109,8 +110,14 @@ class Admission:
             if plan is not None:  # the local prefix up to the first segment loaded
                 del prefix_block_ids[plan.num_local_blocks:]
             num_new_tokens = req.num_tokens - len(prefix_block_ids) * config.block_size
-            if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved) is None:
+            # About to decode (its prompt loads or fits one chunk): its own
+            # reservation is kept back too, or its first decode could find no
+            # block and preempt it, or another, the step after admission.
+            own = reserved_blocks(req, kv.num_blocks_for(req.num_tokens)) if (
+                plan is not None or num_new_tokens <= chunk_limit) else 0
+            if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved + own) is None:
                 break
+            reserved += own
             num_hit_tokens = len(prefix_block_ids) * config.block_size
             life.counters.num_prefix_hit_tokens += num_hit_tokens
             if req.first_scheduled_time is None:
@@ -120,11 +127,8 @@ class Admission:
             if plan is not None:
                 assert tier is not None
                 loads.append(tier.load(req, plan, life.start_load(req)))
-                reserved += reserved_blocks(req)
                 continue
             life.move(req, RUNNING_PREFILL)
-            if req.num_tokens - req.num_computed_tokens <= chunk_limit:
-                reserved += reserved_blocks(req)
             budget -= self._chunk(req, budget, seqs)
             scheduled.append(req)
         return budget

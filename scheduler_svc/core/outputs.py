@@ -81,6 +81,9 @@ class PreemptReason(enum.Enum):
     CHEAPER = "cheaper"  # AUTO: predicted cheaper than the other way
     NO_ESTIMATE = "no_estimate"  # AUTO: offloads until both ways are measured
     CACHE_UNAVAILABLE = "cache_unavailable"  # AUTO: recomputes while the cache is down
+    # AUTO: offloads one victim in REMEASURE_EVERY that copies were predicted
+    # dearer for, so the copy estimates stay measured (preemption.py).
+    REMEASURE = "remeasure"
 
 
 @dataclass(frozen=True, slots=True)

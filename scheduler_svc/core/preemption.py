@@ -8,7 +8,11 @@
     how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
               AUTO: recompute while the cache service is down; else offload
               unless recomputing is predicted cheaper than offload + restore
-              (costs.py; offload until both are measured). The cache's own
+              (costs.py; offload until both are measured). Every
+              REMEASURE_EVERY-th victim in a row it would recompute so is
+              offloaded instead: copy estimates are updated only by copies,
+              and the first of a process (which allocate pinned buffers) can
+              be far slower than the rest. The cache's own
               admission is the only capacity check (a refused put falls back
               to recompute when it lands).
     resume    OFFLOADED requests, oldest arrival first, while free blocks
@@ -26,6 +30,11 @@ from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.outputs import OffloadCommand, Preempted, PreemptReason, RestoreCommand
 from scheduler_svc.core.reservation import Reservation
 
+# AUTO: at most this many victims in a row recomputed because copies were
+# predicted dearer; the next is offloaded, to measure copies again (bounding
+# what stale estimates cost: one victim's copies in this many).
+REMEASURE_EVERY = 32
+
 
 class Preemption:
     def __init__(
@@ -38,6 +47,7 @@ class Preemption:
         self.cache_available = False
         # What offload + restore and recompute cost (the engine measures).
         self.costs = CostModel(config.block_size, config.min_cost_samples)
+        self._recomputed_in_a_row = 0  # AUTO: victims recomputed as cheaper since an offload
 
     def preempt_for_decodes(self, num_saving: int = 0
                             ) -> tuple[list[Preempted], list[OffloadCommand]]:
@@ -93,10 +103,15 @@ class Preemption:
             mode, reason = PreemptionMode.RECOMPUTE, PreemptReason.CACHE_UNAVAILABLE
         elif offload_restore_s is None or recompute_s is None:
             mode, reason = PreemptionMode.OFFLOAD, PreemptReason.NO_ESTIMATE
+        elif offload_restore_s < recompute_s:
+            mode, reason = PreemptionMode.OFFLOAD, PreemptReason.CHEAPER
+        elif self._recomputed_in_a_row + 1 < REMEASURE_EVERY:
+            self._recomputed_in_a_row += 1
+            mode, reason = PreemptionMode.RECOMPUTE, PreemptReason.CHEAPER
         else:
-            cheaper = offload_restore_s < recompute_s
-            mode = PreemptionMode.OFFLOAD if cheaper else PreemptionMode.RECOMPUTE
-            reason = PreemptReason.CHEAPER
+            mode, reason = PreemptionMode.OFFLOAD, PreemptReason.REMEASURE
+        if mode is PreemptionMode.OFFLOAD:
+            self._recomputed_in_a_row = 0
         return Preempted(request_id, mode, reason, num_tokens, num_blocks, offload_restore_s,
                          recompute_s)
 

@@ -8,6 +8,7 @@ import pytest
 
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.outputs import Preempted, PreemptReason
+from scheduler_svc.core.preemption import REMEASURE_EVERY
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from tests.scheduler_svc.factories import (
@@ -350,6 +351,23 @@ def test_auto_recomputes_while_the_cache_is_down_however_cheap_offload_is() -> N
                                             PreemptReason.CACHE_UNAVAILABLE)
     assert choice.offload_restore_s is not None
     assert choice.offload_restore_s < choice.recompute_s  # type: ignore[operator]
+
+
+def test_auto_measures_copies_again_however_dear_they_were_measured() -> None:
+    """Copies teach their estimate only when one runs: measured slow once
+    (the first copies of a process allocate pinned buffers), AUTO would
+    recompute for good. One victim in REMEASURE_EVERY is offloaded instead."""
+    scheduler = preempt_one(41, PreemptionMode.AUTO, offload=(10.0, 0.0))
+    preemption = scheduler.preemption
+    choices = [preemption.choose(f"v{i}", 41) for i in range(2 * REMEASURE_EVERY + 1)]
+    remeasured = [i for i, c in enumerate(choices) if c.reason is PreemptReason.REMEASURE]
+    assert remeasured == [REMEASURE_EVERY - 1, 2 * REMEASURE_EVERY - 1]
+    assert all(choices[i].mode is PreemptionMode.OFFLOAD for i in remeasured)
+    assert all((c.mode, c.reason) == (PreemptionMode.RECOMPUTE, PreemptReason.CHEAPER)
+               for i, c in enumerate(choices) if i not in remeasured)
+    cheap = preempt_one(41, PreemptionMode.AUTO, prefill=(1.0, 0.0)).preemption
+    assert {cheap.choose(f"v{i}", 41).reason for i in range(2 * REMEASURE_EVERY)} == {
+        PreemptReason.CHEAPER}  # offloading anyway: nothing to remeasure
 
 
 def test_auto_offloads_until_both_ways_are_measured() -> None:

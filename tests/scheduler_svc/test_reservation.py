@@ -143,3 +143,23 @@ def test_admission_reserves_for_resuming_requests() -> None:
     finish_restore(scheduler, offload.request_id, 1)
     run_to_end(scheduler)
     assert scheduler.get_request("late") is None  # finished, all the same
+
+
+@pytest.mark.parametrize("policy", list(ReservationPolicy))
+def test_an_admission_keeps_back_its_own_reservation_too(policy: ReservationPolicy) -> None:
+    """8 blocks of 4. "d" takes its 4th and last block as "n" comes (16
+    prompt tokens: 4 blocks, 8 to generate); "n" would take the other 4 and,
+    with none kept for its own decodes, be preempted on its first: it waits
+    for "d" instead."""
+    scheduler = make_scheduler(num_blocks=8, reservation_policy=policy,
+                               fixed_blocks_per_decode=1,
+                               preemption_mode=PreemptionMode.RECOMPUTE)
+    add(scheduler, "d", prompt_len=4, max_tokens=12, ignore_eos=True)
+    for _ in range(9):
+        step(scheduler)
+    d = scheduler.get_request("d")
+    assert d is not None and len(d.block_ids) == 3
+    add(scheduler, "n", prompt_len=16, max_tokens=8, first_token=30, ignore_eos=True)
+    run_to_end(scheduler)
+    stats = scheduler.stats()
+    assert stats.num_preemptions_recompute == stats.num_recomputed_tokens == 0
