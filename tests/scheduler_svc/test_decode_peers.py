@@ -153,6 +153,14 @@ async def test_a_layout_mismatch_is_logged_and_skipped(
     assert other.asked == ["r"] and "KV layout differs" in caplog.text
 
 
+async def released(decode: ScriptedDecode) -> None:
+    """Waits up to 2 s for the release the decode instance hears as an Abort."""
+    for _ in range(100):
+        if decode.aborted:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> None:
     slow = ScriptedDecode(accept, delay_s=0.3)
     peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=5)
@@ -163,10 +171,7 @@ async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> No
         task.cancel()  # the client went away while the decode instance decided
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if slow.aborted:
-                break
-            await asyncio.sleep(0.02)
+        await released(slow)
     finally:
         await peers.close()
     assert slow.aborted == ["r"]
@@ -181,10 +186,7 @@ async def test_a_reservation_timed_out_in_flight_is_released(
     peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=0.05)
     try:
         assert await peers.reserve("r", [1], SAMPLING) is None
-        for _ in range(100):
-            if slow.aborted:
-                break
-            await asyncio.sleep(0.02)
+        await released(slow)
     finally:
         await peers.close()
     assert slow.asked == ["r"] and slow.aborted == ["r"]
