@@ -9,8 +9,9 @@ segment is one unpinned snapshot in the cache, named by its content:
 
 The chain hash of a block names every token before it (kv_manager.py), so a
 segment's id names the whole prefix up to its end; the salt names what else
-decides its bytes (model, dtype, KV layout, block size), so no segment is ever
-read by another model or layout. Ids are the same on every instance.
+decides its bytes (model and its weights, dtype, KV layout, block size), so no
+segment is ever read by another model or layout. Ids are the same on every
+instance.
 
     write   through: once a prompt's prefill completes, each of its segments
             not known to be stored is copied out (`take_saves`: OffloadCommands
