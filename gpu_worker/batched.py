@@ -48,7 +48,7 @@ import torch
 from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, StepKeys, flash_supported
 from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS
-from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces
+from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces, stored_transposed
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_graphs import StepGraphs
 from gpu_worker.step_inputs import DeviceStep
@@ -130,6 +130,14 @@ class BatchedForward:
         self.whole = whole
         self.matmul = (invariant_matmul(model.device, model.dtype)
                        if whole and row_tile is not None else None)
+        # A tied output head lies [out, in], as the embedding does: there an AMD
+        # EPYC's MKL gives a row of k_pieces' product other bits by the row
+        # count (an AVX-512 Xeon's does not), so whole CPU steps multiply a
+        # copy laid out [in, out], the embedding's size once more.
+        head = model.lm_head.weight
+        self._head_weight = stored_transposed(
+            cfg.vocab_size, cfg.hidden_size, head.dtype, head.device).copy_(head) if (
+            self.matmul is k_pieces and not head.t().is_contiguous()) else None
         invariant = row_tile is not None
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)
@@ -221,6 +229,7 @@ class BatchedForward:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head, tile by tile: [rows, vocab]."""
-        parts = [self.model.lm_head(self.model.model.norm(hidden[t]), self.matmul)
+        parts = [self.model.lm_head(self.model.model.norm(hidden[t]), self.matmul,
+                                    self._head_weight)
                  for t in self._tiles(hidden.shape[0])]
         return torch.cat(parts) if len(parts) != 1 else parts[0]

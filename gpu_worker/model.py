@@ -95,8 +95,10 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
 
-    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, matmul)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the same weight laid out otherwise (batched.py's tied head)."""
+        return linear(x, self.weight if weight is None else weight, self.bias, matmul)
 
 
 class Fused:
@@ -145,8 +147,9 @@ class OutputHead(Linear):
         # Not a weight: no checkpoint stores it.
         self.register_buffer("blocked", blocked, persistent=False)
 
-    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
-        logits = super().forward(x, matmul)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(x, matmul, weight)
         return logits.masked_fill(self.blocked, torch.finfo(logits.dtype).min)
 
 
