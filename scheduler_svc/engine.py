@@ -182,10 +182,12 @@ class Engine:
             stored = await self._stored_segments(hashes)
             decoder = None if prefill is None else await prefill.find_decoder(
                 request_id, prompt_token_ids, sampling)
-        if admission.aborted:
+        if admission.aborted or self.failure is not None:  # meanwhile
             if prefill is not None and decoder is not None:
                 prefill.let_go(request_id, Handoff(decoder))
-            return RequestStream.aborted_unadmitted(request_id, len(prompt_token_ids))
+            if admission.aborted:
+                return RequestStream.aborted_unadmitted(request_id, len(prompt_token_ids))
+            self._check_admission()  # raises: the engine failed
         if prefill is None or decoder is None:
             return self.submit(request_id, prompt_token_ids, sampling, stored, hashes)
         stream = prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored, hashes)
@@ -259,13 +261,20 @@ class Engine:
     # -- the step loop ------------------------------------------------------
 
     async def _run(self) -> None:
+        """The step loop; any exception out of it is a bug here (_fail_for_good)."""
+        try:
+            await self._serve()
+        except Exception as exc:
+            log.exception("the step loop failed; the scheduler must restart")
+            await self._fail_for_good(exc)
+
+    async def _serve(self) -> None:
         """Steps over one Execute stream at a time. Whatever breaks a stream
         (the worker restarted, is unreachable or hung, or answered nonsense)
         fails the requests whose state the worker held; a new stream is
         opened once the worker answers again, and the others go on there. The
         worker counts as up (`worker_up`, reported to `on_worker_change`)
-        exactly while a stream is open. Any other exception is a bug here
-        (_fail_for_good)."""
+        exactly while a stream is open."""
         while True:
             await self._watch.wait_ready(self._fail_waiting)
             stream: StepStream | None = None
@@ -278,10 +287,6 @@ class Engine:
                 await self._steps(stream)
             except (errors.Unavailable, errors.InvalidArgument) as exc:
                 reason = str(exc)  # InvalidArgument: the worker's answer made no sense
-            except Exception as exc:
-                log.exception("the step loop failed; the scheduler must restart")
-                await self._fail_for_good(exc)
-                return
             finally:
                 if stream is not None:
                     stream.cancel()
@@ -304,11 +309,13 @@ class Engine:
         self.flush_prefix_cache()
 
     def _task_failed(self, exc: BaseException) -> None:
-        """A task beside the step loop raised: a bug, as in the loop, which
+        """A task beside the step loop raised: a bug, as in the loop. The
+        engine ends now (the loop may be waiting for a worker), and the loop
         raises it at its next turn."""
         if self._task_failure is None:
             self._task_failure = RuntimeError(f"a task beside the step loop failed: {exc!r}")
             self._task_failure.__cause__ = exc
+            self._tasks.spawn(self._fail_for_good(self._task_failure), name="fail-for-good")
         self._wake.set()
 
     async def _fail_for_good(self, exc: Exception) -> None:
@@ -316,6 +323,8 @@ class Engine:
         reconnect changes nothing here), so every request ends now
         (Unavailable: its client retries elsewhere), without asking the core,
         whose state is suspect; nothing new is admitted; wait_failed returns."""
+        if self.failure is not None:
+            return
         self.failure = exc
         await self._watch.set_up(False)
         error = errors.Unavailable(f"the scheduler failed ({exc!r}) and restarts")

@@ -60,6 +60,7 @@ _PREEMPTIONS = (
     (PreemptionMode.RECOMPUTE, PreemptReason.CHEAPER),
     (PreemptionMode.OFFLOAD, PreemptReason.NO_ESTIMATE),
     (PreemptionMode.RECOMPUTE, PreemptReason.CACHE_UNAVAILABLE),
+    (PreemptionMode.OFFLOAD, PreemptReason.REMEASURE),
 )
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The finish_reason a client sees (an error ends a request as aborted).

@@ -113,8 +113,13 @@ class Admission:
             # About to decode (its prompt loads or fits one chunk): its own
             # reservation is kept back too, or its first decode could find no
             # block and preempt it, or another, the step after admission.
-            own = reserved_blocks(req, kv.num_blocks_for(req.num_tokens)) if (
-                plan is not None or num_new_tokens <= chunk_limit) else 0
+            own = 0
+            if plan is not None or num_new_tokens <= chunk_limit:
+                held = kv.num_blocks_for(req.num_tokens)
+                usable = kv.num_blocks_for(req.num_prompt_tokens + req.sampling.max_tokens - 1)
+                # Never more than it can use (fixed_blocks reserves N for any
+                # decode): a request that fits the pool alone is never refused.
+                own = min(reserved_blocks(req, held), max(usable - held, 0))
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved + own) is None:
                 break
             reserved += own

@@ -279,6 +279,30 @@ async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun(
         await engine.close()
 
 
+async def test_an_engine_failed_during_an_admission_refuses_it_and_lets_its_reservation_go(
+        ) -> None:
+    peers = FakePeers([])
+    peers.answer.clear()
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        admitted = asyncio.create_task(engine.admit("a", PROMPT, sampling(5)))
+        await until(lambda: peers.asked == ["a"])
+
+        async def bug() -> None:
+            raise KeyError("a bug")
+
+        engine._tasks.spawn(bug())
+        await asyncio.wait_for(engine.wait_failed(), 10)
+        peers.answer.set()
+        with pytest.raises(errors.Unavailable, match="the scheduler failed"):
+            await admitted
+        await until(lambda: peers.released == ["a"])
+        assert engine.core.get_request("a") is None
+    finally:
+        await engine.close()
+
+
 async def test_a_refused_admission_releases_its_reservation() -> None:
     peers = FakePeers([], reservations=2)
     engine = prefill_engine(peers, make_scheduler(max_num_waiting=1, role=Role.PREFILL))

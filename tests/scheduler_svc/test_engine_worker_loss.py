@@ -170,9 +170,9 @@ async def test_a_bug_in_the_step_loop_ends_every_request_and_the_engine_for_good
 
 
 async def test_a_task_beside_the_step_loop_that_raises_ends_the_engine_for_good() -> None:
-    """An offload whose link raises (it should report any failure as an
-    outcome): the core never hears of the copy, so its blocks would stay
-    pinned and the request wait for good; the engine ends instead."""
+    """An offload whose link raises, breaking its contract (it reports every
+    failure as an outcome): a bug beside the loop, which ends the engine as
+    one in the loop does."""
     class BuggyLink(FakeWorkerLink):
         async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
             raise ValueError("a bug in the link")
@@ -191,6 +191,26 @@ async def test_a_task_beside_the_step_loop_that_raises_ends_the_engine_for_good(
             assert isinstance(end, errors.Unavailable) and "a bug in the link" in str(end)
     finally:
         await engine.close()
+
+
+async def test_a_task_that_raises_while_the_worker_is_away_ends_the_engine_at_once(
+        link: LosableLink, closing: list[Engine]) -> None:
+    """The loop waits for the worker then, and would raise it only once back."""
+    engine, _, waiting = await started(link, EngineConfig(worker_reconnect_s=30))
+    closing.append(engine)
+    link.lose()
+    async with asyncio.timeout(10):
+        while engine.worker_up:
+            await asyncio.sleep(0.005)
+
+    async def bug() -> None:
+        raise KeyError("a bug beside the loop")
+
+    engine._tasks.spawn(bug())  # as a copy task would
+    failure = await asyncio.wait_for(engine.wait_failed(), 10)
+    assert isinstance(failure.__cause__, KeyError)
+    for stream in waiting:
+        assert isinstance((await events_of(stream))[1], errors.Unavailable)
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])

@@ -16,7 +16,9 @@ from kvstash.common import settings
 from kvstash.common.binding import free_port
 from kvstash.common.stats import declared
 from kvstash.launch.stack import StackConfig, running_stack
+from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outputs import SchedulerStats
+from scheduler_svc.core.preemption import REMEASURE_EVERY
 from scheduler_svc.flags import parse_args
 from scheduler_svc.metrics import SchedulerMetrics
 from tests.integration.workload import (
@@ -27,7 +29,7 @@ from tests.integration.workload import (
     wait_drained,
 )
 from tests.metrics_helpers import scrape
-from tests.scheduler_svc.factories import make_scheduler
+from tests.scheduler_svc.factories import make_scheduler, teach_costs
 from tests.stats_helpers import count_distinct
 
 P = "kvstash_scheduler_"
@@ -113,3 +115,21 @@ def test_metrics_host_is_validated_and_read_from_the_environment(
     for bad in ("", "bad host", "x" * 300):
         with pytest.raises(SystemExit):
             parse_args(["--metrics-host", bad])
+
+
+async def test_every_preemption_the_core_can_choose_is_counted() -> None:
+    """Each (mode, reason) has its counter: one the metrics did not know
+    would raise in the step loop. AUTO with recompute predicted cheaper
+    chooses both of its reasons within REMEASURE_EVERY victims."""
+    core = make_scheduler(preemption_mode=PreemptionMode.AUTO)
+    teach_costs(core.preemption.costs, (10.0, 0.0), (10.0, 0.0), (1e-6, 0.0))
+    core.set_cache_available(True)
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+    for i in range(REMEASURE_EVERY):
+        metrics.observe_preemption(core.preemption.choose(f"v{i}", 41))
+    samples = {(s.labels["mode"], s.labels["reason"]): s.value
+               for family in text_string_to_metric_families(
+                   (await asyncio.to_thread(generate_latest, metrics.registry)).decode())
+               for s in family.samples if s.name == "kvstash_scheduler_preemptions_total"}
+    assert samples[("recompute", "cheaper")] == REMEASURE_EVERY - 1
+    assert samples[("offload", "remeasure")] == 1

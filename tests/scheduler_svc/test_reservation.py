@@ -163,3 +163,15 @@ def test_an_admission_keeps_back_its_own_reservation_too(policy: ReservationPoli
     run_to_end(scheduler)
     stats = scheduler.stats()
     assert stats.num_preemptions_recompute == stats.num_recomputed_tokens == 0
+
+
+def test_a_request_that_fits_the_pool_alone_is_admitted_under_fixed_blocks() -> None:
+    """fixed_blocks reserves N blocks for any decode; one that can use none
+    more (prompt + output fill the pool) must not keep them back for itself."""
+    scheduler = make_scheduler(num_blocks=4, reservation_policy=ReservationPolicy.FIXED_BLOCKS,
+                               fixed_blocks_per_decode=1)
+    add(scheduler, "whole", prompt_len=14, max_tokens=2, ignore_eos=True)  # 15 positions: 4 blocks
+    add(scheduler, "next", prompt_len=4, max_tokens=2, first_token=40, ignore_eos=True)
+    for _ in range(20):
+        step(scheduler)
+    assert not scheduler.has_unfinished_requests
