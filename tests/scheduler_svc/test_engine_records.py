@@ -8,6 +8,7 @@ instance hands off to scripted, in-memory decode instances."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -250,9 +251,9 @@ async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> 
         await engine.close()
 
 
-async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun() -> None:
-    """The Abort succeeds, the request never reaches the core, the
-    reservation granted after it is released, and its id is free again."""
+@contextlib.asynccontextmanager
+async def admitting() -> AsyncIterator[tuple[FakePeers, Engine, asyncio.Task[RequestStream]]]:
+    """A prefill engine admitting "a", its decode instance not yet answering."""
     peers = FakePeers([])
     peers.answer.clear()
     engine = prefill_engine(peers)
@@ -260,6 +261,15 @@ async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun(
     try:
         admitted = asyncio.create_task(engine.admit("a", PROMPT, sampling(5)))
         await until(lambda: peers.asked == ["a"])
+        yield peers, engine, admitted
+    finally:
+        await engine.close()
+
+
+async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun() -> None:
+    """The Abort succeeds, the request never reaches the core, the
+    reservation granted after it is released, and its id is free again."""
+    async with admitting() as (peers, engine, admitted):
         with pytest.raises(errors.AlreadyExists):
             await engine.admit("a", PROMPT, sampling(5))
         engine.abort("a")
@@ -275,19 +285,11 @@ async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun(
         stream = await engine.admit("a", PROMPT, sampling(5))  # no reservation left: here
         assert await events_of(stream) == ([7] * 5, RequestStatus.FINISHED_LENGTH)
         engine.check_integrity()
-    finally:
-        await engine.close()
 
 
 async def test_an_engine_failed_during_an_admission_refuses_it_and_lets_its_reservation_go(
         ) -> None:
-    peers = FakePeers([])
-    peers.answer.clear()
-    engine = prefill_engine(peers)
-    await engine.start()
-    try:
-        admitted = asyncio.create_task(engine.admit("a", PROMPT, sampling(5)))
-        await until(lambda: peers.asked == ["a"])
+    async with admitting() as (peers, engine, admitted):
 
         async def bug() -> None:
             raise KeyError("a bug")
@@ -299,8 +301,6 @@ async def test_an_engine_failed_during_an_admission_refuses_it_and_lets_its_rese
             await admitted
         await until(lambda: peers.released == ["a"])
         assert engine.core.get_request("a") is None
-    finally:
-        await engine.close()
 
 
 async def test_a_refused_admission_releases_its_reservation() -> None:
