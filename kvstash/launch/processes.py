@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -94,26 +94,57 @@ def start_service(
     # Append mode for the child's stderr too: its lines and the stdout that
     # _copy appends then never overwrite each other.
     log_file = log_path.open("a")
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log_file,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log_file.close()
-    assert process.stdout is not None
-    try:
-        address = _wait_ready(name, _ANNOUNCED.get(module, name), process, process.stdout,
-                              log_path, timeout_s)
-    except BaseException:  # not ready, or a stop signal while waiting
-        process.kill()
-        process.wait()
-        raise
+    with _stop_signals_held() as release:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log_file.close()
+        assert process.stdout is not None
+        try:
+            release()  # a stop signal that came meanwhile acts here, the child known
+            address = _wait_ready(name, _ANNOUNCED.get(module, name), process, process.stdout,
+                                  log_path, timeout_s)
+        except BaseException:  # not ready, or a stop signal while waiting
+            process.kill()
+            process.wait()
+            raise
     # Keep draining stdout, into the log: a chatty child never blocks on a
     # full pipe, and what it prints (a console span exporter's output) is kept.
     threading.Thread(target=_copy, args=(process.stdout, log_path), daemon=True).start()
     return Service(name, process, address, log_path, module, tuple(args))
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[Callable[[], None]]:
+    """Holds the stop signals (their handlers may raise, as `kvstash up`'s
+    do) until `release()` or the block's end, then acts on those that came:
+    one handled inside Popen, or before its child is known, would leave the
+    child running. Only the main thread handles signals; elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    came: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _: came.append(signum))
+                for sig in _STOP_SIGNALS}
+
+    def release() -> None:
+        while handlers:
+            signum, handler = handlers.popitem()
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        while came:
+            signal.raise_signal(came.pop(0))
+
+    try:
+        yield release
+    finally:
+        release()
 
 
 def _wait_ready(
