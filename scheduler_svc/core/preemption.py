@@ -24,6 +24,8 @@ Policy only: every status change goes through `Lifecycle`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.lifecycle import Lifecycle
@@ -49,12 +51,13 @@ class Preemption:
         self.costs = CostModel(config.block_size, config.min_cost_samples)
         self._recomputed_in_a_row = 0  # AUTO: victims recomputed as cheaper since an offload
 
-    def preempt_for_decodes(self, num_saving: int = 0
+    def preempt_for_decodes(self, num_saving: Callable[[], int] | None = None
                             ) -> tuple[list[Preempted], list[OffloadCommand]]:
         """Preempts decodes until every other one can get its next block, counting
-        the blocks copies in flight will free (offloads', and `num_saving` held
-        only by prefix-tier saves). Returns the victims' choices (they are now
-        OFFLOADING or WAITING) and the copies to make."""
+        the blocks copies in flight will free (offloads', and `num_saving()`
+        held only by prefix-tier saves, asked only when blocks run short).
+        Returns the victims' choices (they are now OFFLOADING or WAITING) and
+        the copies to make."""
         life = self.life
         kv = life.kv
         pool = kv.pool
@@ -67,7 +70,7 @@ class Preemption:
         num_needed = sum(
             1 for r in decoding.values() if r.num_computed_tokens >= len(r.block_ids) * block_size
         )
-        num_soon_free = num_saving + sum(
+        num_soon_free = (0 if num_saving is None else num_saving()) + sum(
             kv.num_exclusive_blocks(r) for r in life.offloading.values())
         if num_needed <= pool.num_allocatable_blocks + num_soon_free:
             return victims, offloads

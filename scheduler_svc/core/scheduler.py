@@ -167,7 +167,7 @@ class Scheduler:
         if self._pd is not None:
             self._pd.on_schedule(out)
         out.preempted, out.offloads = self.preemption.preempt_for_decodes(
-            0 if self.tier is None else self.tier.num_saving())
+            None if self.tier is None else self.tier.num_saving)
         victims = out.preempted
         counters = self._counters
         counters.num_preemptions_offload += len(out.offloads)
