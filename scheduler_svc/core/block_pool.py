@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from itertools import islice, takewhile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import takewhile
 from typing import cast
 
 from kvstash.errors import IntegrityError, InvalidArgument
@@ -75,9 +75,10 @@ class BlockPool:
         lookup: Callable[[int], int | None] = self._hash_to_block.get
         return cast(list[int], list(takewhile(_IS_BLOCK, map(lookup, block_hashes))))
 
-    def oldest_evictable(self, num_blocks: int) -> list[int]:
-        """The next `num_blocks` blocks `allocate` would evict, first first."""
-        return list(islice(self._evictable, num_blocks))
+    def evictable_in_order(self) -> Iterator[int]:
+        """The evictable blocks, the next `allocate` evicts first (lazily: the
+        pool must not change while it is walked)."""
+        return iter(self._evictable)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free_ids) + len(self._evictable)

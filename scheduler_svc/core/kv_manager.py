@@ -15,7 +15,7 @@ a prefix hit always finds valid KV.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 
 import xxhash
@@ -49,6 +49,16 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        # Told how many cached blocks an allocation is about to evict, before
+        # it checks what it can take (the prefix tier's write-back saves them
+        # first, holding them); None: nobody.
+        self.before_evicting: Callable[[int], None] | None = None
+
+    def _make_room(self, num_blocks: int) -> None:
+        """About to allocate `num_blocks`: tells `before_evicting` what that evicts."""
+        num_evicted = num_blocks - self.pool.num_free_blocks
+        if num_evicted > 0 and self.before_evicting is not None:
+            self.before_evicting(num_evicted)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -89,6 +99,7 @@ class KVCacheManager:
         ) - len(req.block_ids) - len(prefix_block_ids)
         # Evictable prefix blocks stop being allocatable once taken.
         num_evictable_hits = pool.num_unreferenced(prefix_block_ids)
+        self._make_room(num_needed + num_evictable_hits)
         if num_needed + num_evictable_hits + num_reserved_blocks > pool.num_allocatable_blocks:
             return None
         if prefix_block_ids:
@@ -105,6 +116,7 @@ class KVCacheManager:
     def append_block(self, req: Request) -> bool:
         """One more block for a decode that filled its last; False (no change) if none is left."""
         pool = self.pool
+        self._make_room(1)
         if not pool.can_allocate(1):
             return False
         req.block_ids.extend(pool.allocate(1))
@@ -114,6 +126,7 @@ class KVCacheManager:
         """A new block table of `num_blocks` uncached blocks (restore target)."""
         if req.block_ids:
             raise ValueError(f"request {req.request_id} already holds blocks")
+        self._make_room(num_blocks)
         if not self.pool.can_allocate(num_blocks):
             return None
         req.block_ids = self.pool.allocate(num_blocks)

@@ -22,7 +22,8 @@ instance.
             until the copy timed out. back: its segments are only noted then, and
             copied out when the pool is about to evict them (`write_back`,
             each step: the oldest evictable blocks, while fewer blocks are
-            free than one step may take). Either way the save holds one more
+            free than one step may take; `before_evicting`, before any
+            allocation that evicts more). Either way the save holds one more
             reference on the blocks, so they are never reused (nor their
             request's end waited for) until the copy lands (`finish_save`).
     read    at arrival the edge asks the cache which of the prompt's segments
@@ -201,25 +202,50 @@ class PrefixTier:
                 self._noted[block_id] = noted
 
     def write_back(self) -> None:
-        """Write-back: while fewer blocks are free than one step may take,
-        saves the noted segments among the next blocks to be evicted (those
-        still holding what was noted), before they are."""
-        pool = self._kv.pool
-        if (not self._noted or pool.num_free_blocks >= self._write_back_below
-                or not self.cache_answers):
+        """Write-back, at a step's start: while fewer blocks are free than one
+        step may take, saves the noted segments among the next to be evicted."""
+        self.before_evicting(self._write_back_below - self._kv.pool.num_free_blocks)
+
+    def before_evicting(self, num_blocks: int) -> None:
+        """Write-back: the pool is about to evict `num_blocks` cached blocks
+        (KVCacheManager calls this before every allocation that would). Saves
+        the noted segments among them first: a save holds its blocks, so the
+        eviction takes the next ones in line, walked too until `num_blocks`
+        blocks with nothing noted (or left to save) are counted. Where the
+        saves leave too few blocks, the allocation waits for them to land."""
+        noted = self._noted
+        if num_blocks <= 0 or not noted or not self.cache_answers:
             return
-        for block_id in pool.oldest_evictable(self._write_back_below):
-            noted = self._noted.get(block_id)
-            if noted is None:
-                continue
-            for b in noted.block_ids:
-                self._noted.pop(b, None)
-            intact = all(pool.block_hash(b) == h
-                         for b, h in zip(noted.block_ids, noted.block_hashes, strict=True))
-            segment_id = noted.segment_id
-            if intact and not self._stored_since(segment_id, noted.since) and (
-                    segment_id not in self.saves):
-                self._save(WRITE_BACK_REQUEST_ID, segment_id, list(noted.block_ids))
+        to_save: dict[str, _Noted] = {}
+        for block_id in self._kv.pool.evictable_in_order():  # unchanged in the walk
+            segment = noted.get(block_id)
+            if segment is not None:
+                if segment.segment_id in to_save:
+                    continue  # a block of a segment about to be saved
+                if self._worth_saving(segment):
+                    to_save[segment.segment_id] = segment
+                    continue
+                self._forget(segment)  # evicted, or stored since
+            num_blocks -= 1
+            if num_blocks == 0:
+                break
+        for segment in to_save.values():
+            self._forget(segment)
+            self._save(WRITE_BACK_REQUEST_ID, segment.segment_id, list(segment.block_ids))
+
+    def _forget(self, segment: _Noted) -> None:
+        noted = self._noted
+        for b in segment.block_ids:
+            if noted.get(b) is segment:  # not a later segment's, in a block reused since
+                del noted[b]
+
+    def _worth_saving(self, segment: _Noted) -> bool:
+        """Its blocks still hold what was noted, and no save has it or is on the way."""
+        pool = self._kv.pool
+        return (all(pool.block_hash(b) == h
+                    for b, h in zip(segment.block_ids, segment.block_hashes, strict=True))
+                and not self._stored_since(segment.segment_id, segment.since)
+                and segment.segment_id not in self.saves)
 
     def num_saving(self) -> int:
         """Blocks only saves hold: evictable once those land. (A decode short

@@ -83,6 +83,8 @@ class Scheduler:
             # Write-back keeps as many blocks free as one step may take.
             write_back_below=(-(-config.max_num_batched_tokens // config.block_size)
                               if config.prefix_write is PrefixWrite.BACK else 0))
+        if self.tier is not None and config.prefix_write is PrefixWrite.BACK:
+            self.kv.before_evicting = self.tier.before_evicting
         self.admission = Admission(config, self.life, self.reservation, clock, self.tier)
         self.intake = Intake(config, self.life.requests, clock)
         # None on a MIXED instance: every hook call below is skipped.

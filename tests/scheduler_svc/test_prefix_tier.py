@@ -8,7 +8,7 @@ import pytest
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.v1 import worker_pb2
-from scheduler_svc.core.lifecycle import LOADING, RUNNING_DECODE, RUNNING_PREFILL
+from scheduler_svc.core.lifecycle import LOADING, RUNNING_DECODE, RUNNING_PREFILL, WAITING
 from scheduler_svc.core.outputs import PrefixLoad
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.flags import build_config, parse_args
@@ -273,7 +273,7 @@ def test_write_back_saves_a_prompt_only_when_its_blocks_are_about_to_be_evicted(
     finish(core, "a")
     assert core.stats().num_tier_saves == 0 and core.tier.saves == {}
     ids = segment_ids(core, PROMPT)
-    a_blocks = core.kv.pool.oldest_evictable(64)
+    a_blocks = list(core.kv.pool.evictable_in_order())
     # A long prompt takes all but 8 free blocks: a's are next to go.
     core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
     step(core)
@@ -292,13 +292,39 @@ def test_write_back_saves_a_prompt_only_when_its_blocks_are_about_to_be_evicted(
     core.check_integrity()
 
 
+def test_write_back_saves_what_one_admission_would_evict_before_it_does() -> None:
+    """One admission can evict far more than the blocks write-back keeps free
+    (one step's worth): the noted segments among what it would evict are
+    saved first, and it waits for them to land."""
+    core = tiered(prefix_write="back", num_blocks=53)
+    add(core, "a")
+    finish(core, "a")
+    ids = segment_ids(core, PROMPT)
+    assert core.kv.pool.num_free_blocks >= 16  # no write-back at the step's start
+    # Needs every free block and more of a's than write-back's margin.
+    core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
+    out, _ = step(core)
+    assert sorted(s.snapshot_id for s in out.prefix_saves) == sorted(ids)
+    assert core.get_request("big").status is WAITING  # the saves hold what it needs
+    for save in out.prefix_saves:
+        core.finish_prefix_save(save, 512)
+    out, _ = step(core)
+    assert out.prefix_saves == [] and core.get_request("big").status is not WAITING
+    assert core.stats().num_tier_saves == 2
+    core.check_integrity()
+
+
 def test_write_back_never_saves_blocks_evicted_before_it_saw_them() -> None:
     core = tiered(prefix_write="back", num_blocks=53)
     add(core, "a")
     finish(core, "a")
-    # One admission takes every free block and a's two oldest evictable (its
-    # tail, segment 1's last block among them) in the same step.
+    # The cache down, one admission takes every free block and a's two oldest
+    # evictable (its tail, segment 1's last block among them), unsaved.
+    core.set_cache_available(False)
     core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
+    out, _ = step(core)
+    assert out.prefix_saves == [] and core.get_request("big").status is not WAITING
+    core.set_cache_available(True)
     saves = [s.snapshot_id for _ in range(4) for s in step(core)[0].prefix_saves]
     assert saves == segment_ids(core, PROMPT)[:1]
 
