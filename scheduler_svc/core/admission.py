@@ -107,6 +107,9 @@ class Admission:
             req = waiting[0]
             prefix_block_ids = kv.find_prefix(req)
             plan = None if tier is None else tier.plan_load(req, len(prefix_block_ids))
+            declined = plan is not None and plan.declined
+            if declined:
+                plan = None
             if plan is not None:  # the local prefix up to the first segment loaded
                 del prefix_block_ids[plan.num_local_blocks:]
             num_new_tokens = req.num_tokens - len(prefix_block_ids) * config.block_size
@@ -123,6 +126,8 @@ class Admission:
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved + own) is None:
                 break
             reserved += own
+            if declined:
+                life.counters.num_tier_loads_declined += 1
             num_hit_tokens = len(prefix_block_ids) * config.block_size
             life.counters.num_prefix_hit_tokens += num_hit_tokens
             if req.first_scheduled_time is None:

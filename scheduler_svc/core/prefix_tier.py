@@ -66,13 +66,15 @@ class LoadPlan:
     """What admission loads: segments [first, end) of the prompt, after the
     local prefix's first `num_local_blocks` blocks, and the seconds the cost
     model predicted for reading them and for prefilling them (None: not yet
-    measured)."""
+    measured). `declined`: predicted dearer than the prefill, so prefilled
+    (counted once the request is admitted, not each step it waits)."""
 
     first: int
     end: int
     num_local_blocks: int
     load_s: float | None
     prefill_s: float | None
+    declined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +125,10 @@ class PrefixTier:
 
     def plan_load(self, req: Request, num_local_blocks: int) -> LoadPlan | None:
         """The segments to load for `req`, after `num_local_blocks` its local
-        prefix cache holds, or None: the tier holds no more, or the cost model
-        predicts loading them dearer than prefilling them (counted). The last
-        prompt token is always left to compute: it samples the first output."""
+        prefix cache holds (`declined` where the cost model predicts loading
+        them dearer than prefilling them), or None: the tier holds no more.
+        The last prompt token is always left to compute: it samples the first
+        output."""
         k = self.segment_blocks
         block_size = self._kv.block_size
         end = min(req.stored_segments, (req.num_tokens - 1) // block_size // k)
@@ -135,10 +138,8 @@ class PrefixTier:
         num_blocks = (end - first) * k
         load_s = self._costs.restore_s(num_blocks)
         prefill_s = self._costs.prefill_s(first * k * block_size, end * k * block_size)
-        if load_s is not None and prefill_s is not None and load_s >= prefill_s:
-            self._counters.num_tier_loads_declined += 1
-            return None
-        return LoadPlan(first, end, first * k, load_s, prefill_s)
+        declined = load_s is not None and prefill_s is not None and load_s >= prefill_s
+        return LoadPlan(first, end, first * k, load_s, prefill_s, declined)
 
     def load(self, req: Request, plan: LoadPlan, load_id: str) -> PrefixLoad:
         """The reads of `plan` into `req`'s blocks (allocated for the whole

@@ -232,6 +232,24 @@ def test_a_load_predicted_dearer_than_its_prefill_is_declined() -> None:
     assert core.get_request("b").status is RUNNING_DECODE
 
 
+def test_a_declined_load_is_counted_once_when_admitted_not_each_step_it_waits() -> None:
+    core = tiered(num_blocks=12)
+    teach_costs(core.preemption.costs, offload=(0.01, 0.001), restore=(5.0, 1.0),
+                prefill=(1e-4, 0.0))
+    # x holds 10 of the 12 blocks for 8 steps; b (5 blocks) waits for it.
+    core.add_request("x", list(range(40, 80)), SamplingParams(8, ignore_eos=True))
+    step(core)
+    add(core, "b", stored=2)
+    num_waited = -1
+    while core.get_request("b").status is WAITING:
+        assert core.stats().num_tier_loads_declined == 0
+        for save in step(core)[0].prefix_saves:
+            core.finish_prefix_save(save, 512)
+        num_waited += 1
+    assert num_waited >= 3 and core.get_request("x") is None
+    assert core.stats().num_tier_loads_declined == 1
+
+
 def test_a_lost_worker_drops_the_saves_not_yet_sent() -> None:
     core = tiered()
     add(core, "a")
