@@ -123,18 +123,15 @@ def fit(trace: Trace, length_scale: float = 1.0, time_scale: float = 1.0,
     Lengths (and the block a hash id stands for) are multiplied by
     `length_scale`, rounded, at least 1 token (outputs by `output_scale`
     where given, to keep more of the decode work); gaps between arrivals by
-    `time_scale`, or, with `rate`, by what makes the mean rate `rate` per
-    second (the pattern kept). Requests whose scaled prompt + output exceed
-    `max_context` are dropped (a clipped one would change the prefix
-    structure and the work)."""
+    `time_scale`, or, with `rate`, by what makes the mean rate of the
+    requests kept `rate` per second (the pattern kept), arrivals from the
+    first kept. Requests whose scaled prompt + output exceed `max_context`
+    are dropped (a clipped one would change the prefix structure and the
+    work)."""
     output_scale = length_scale if output_scale is None else output_scale
     if min(length_scale, time_scale, output_scale) <= 0 or (rate is not None and rate <= 0):
         raise ValueError(f"scales and rate must be > 0, got length_scale={length_scale}, "
                          f"output_scale={output_scale}, time_scale={time_scale}, rate={rate}")
-    if rate is not None:
-        if not math.isfinite(trace.rate):
-            raise ValueError("every request arrives at once: a rate cannot scale the arrivals")
-        time_scale = trace.rate / rate
     block = max(1, round(trace.block_tokens * length_scale))
     kept = []
     for r in trace.requests:
@@ -142,11 +139,21 @@ def fit(trace: Trace, length_scale: float = 1.0, time_scale: float = 1.0,
         outputs = max(1, round(r.output_length * output_scale))
         if max_context is None or inputs + outputs <= max_context:
             ids = r.hash_ids[:-(-inputs // block)]  # rounding may leave an id unused
-            kept.append(TraceRequest(r.arrival_s * time_scale, inputs, outputs, ids))
+            kept.append(TraceRequest(r.arrival_s, inputs, outputs, ids))
     if not kept:
         raise TraceError(f"no request fits max_context={max_context} at length_scale "
                          f"{length_scale}")
-    return Trace(tuple(kept), block), len(trace.requests) - len(kept)
+    # The rate is the kept requests' own: the dropped would thin it out.
+    unscaled = Trace(tuple(kept), block)
+    if rate is not None:
+        if not math.isfinite(unscaled.rate):
+            raise ValueError("every request kept arrives at once: a rate cannot scale the "
+                             "arrivals")
+        time_scale = unscaled.rate / rate
+    first = kept[0].arrival_s
+    scaled = tuple(TraceRequest((r.arrival_s - first) * time_scale, r.input_length,
+                                r.output_length, r.hash_ids) for r in kept)
+    return Trace(scaled, block), len(trace.requests) - len(kept)
 
 
 def synthetic(num_requests: int, rate: float, input_mean: int, output_mean: int,

@@ -150,3 +150,18 @@ def test_a_fitted_trace_written_reads_back(tmp_path: Path) -> None:
         [(r.input_length, r.output_length, r.hash_ids) for r in trace.requests]
     assert [r.arrival_s for r in again.requests] == pytest.approx(
         [r.arrival_s for r in trace.requests], abs=1e-6)
+
+
+def test_fit_to_a_rate_is_the_rate_of_what_is_kept() -> None:
+    # The first request is too long: the three kept still arrive at 2/s on
+    # average, from the first of them (no idle start where it was).
+    trace = Trace((TraceRequest(0.0, 2000, 1, (0, 1, 2, 3)),
+                   *(TraceRequest(t, 10, 1, (0,)) for t in (1.0, 2.0, 5.0))))
+    scaled, dropped = fit(trace, rate=2.0, max_context=100)
+    assert dropped == 1 and scaled.rate == pytest.approx(2.0)
+    assert [r.arrival_s for r in scaled.requests] == pytest.approx([0.0, 0.25, 1.0])
+    shifted, _ = fit(trace, time_scale=2.0, max_context=100)
+    assert [r.arrival_s for r in shifted.requests] == pytest.approx([0.0, 2.0, 8.0])
+    with pytest.raises(ValueError, match="at once"):
+        fit(Trace((TraceRequest(0.0, 10, 1, (0,)), TraceRequest(1.0, 2000, 1, (0, 1, 2, 3)))),
+            rate=1.0, max_context=100)
