@@ -82,15 +82,18 @@ def http_sender(url: str, model: str) -> Sender:
 async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
                  on_done: Callable[[RequestRecord], None] = lambda _: None
                  ) -> list[RequestRecord]:
-    """Every request sent at its arrival time (from now), all awaited."""
+    """Every request sent at its arrival time (from now), all awaited. Its
+    latencies count from that arrival, not from when it went out: a replay
+    behind schedule (a busy event loop) must not hide the wait as queueing."""
     if len(prompts) != len(trace.requests):
         raise ValueError(f"{len(prompts)} prompts for {len(trace.requests)} requests")
     start = time.perf_counter()
 
     async def one(index: int) -> RequestRecord:
         request = trace.requests[index]
-        await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
-        record = RequestRecord(index, time.perf_counter(), output=[])
+        due = start + request.arrival_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        record = RequestRecord(index, due, output=[])
         await send(record, prompts[index], request.output_length)
         on_done(record)
         return record

@@ -1,6 +1,8 @@
 """What a replay measured, request by request, and the summary of a run.
 
-Times are time.perf_counter seconds as the client saw them:
+Times are time.perf_counter seconds as the client saw them; "sent" is
+when the request was due (its arrival in the trace), so a client that sends
+late counts the wait, as a server's queue would be counted:
 
     sent        first chunk      chunk  ...  last chunk (finish)
      |--- TTFT ---|-- ITL --|-- ITL --|...|
@@ -26,7 +28,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass(slots=True)
 class RequestRecord:
     index: int  # in the trace slice
-    sent_s: float
+    sent_s: float  # when it was due to be sent: its arrival
     chunk_times: list[float] = field(default_factory=list)  # of chunks with tokens
     num_tokens: int = 0
     output: list[int] | str = field(default_factory=list)  # token ids, or text (HTTP)
