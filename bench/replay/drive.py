@@ -50,7 +50,8 @@ def http_sender(url: str, model: str) -> Sender:
     ids): the prompt's ids must be bytes of printable ASCII (prompts.ALPHABET)
     and the model's tokenizer the byte one, so the text encodes back to them.
     An event with text counts as one token (smg sends one a token), the usage
-    event gives the total."""
+    event gives the total. As over gRPC, a finish other than "length" is an
+    error: the request asked for its length with EOS ignored."""
     async def send(record: RequestRecord, prompt: list[int], max_tokens: int) -> None:
         body: dict[str, Any] = {
             "model": model, "prompt": bytes(prompt).decode("ascii"), "max_tokens": max_tokens,
@@ -67,8 +68,10 @@ def http_sender(url: str, model: str) -> Sender:
                         record.chunk_times.append(now)
                         record.num_tokens += 1
                         text += choice["text"]
-                    if choice.get("finish_reason") is not None:
+                    if (reason := choice.get("finish_reason")) is not None:
                         record.ended_s = now
+                        if reason != "length":
+                            record.error = f"FINISH_{reason.upper()}"
                 if event.get("usage"):
                     record.num_tokens = event["usage"]["completion_tokens"]
         except HttpError as exc:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
+from bench.replay import drive
 from bench.replay.drive import replay
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace, TraceRequest
@@ -27,3 +30,24 @@ def test_latencies_count_from_the_arrival_even_when_sent_late() -> None:
     records = asyncio.run(replay(trace, [[1] * 4, [2] * 4], send))
     assert records[1].sent_s == pytest.approx(records[0].sent_s, abs=0.05)
     assert records[1].ttft_s is not None and records[1].ttft_s >= 0.2
+
+
+@pytest.mark.parametrize(("finish", "error"), [("length", None), ("abort", "FINISH_ABORT"),
+                                               ("stop", "FINISH_STOP")])
+def test_http_counts_only_a_request_that_ran_its_length(
+        monkeypatch: pytest.MonkeyPatch, finish: str, error: str | None) -> None:
+    # As over gRPC: the trace asks for its output length with EOS ignored;
+    # a stream that ends otherwise (aborted by the server) did not complete.
+    async def events(url: str, body: dict[str, object]) -> AsyncIterator[dict[str, Any]]:
+        yield {"choices": [{"text": "a", "finish_reason": None}]}
+        yield {"choices": [{"text": "b", "finish_reason": finish}]}
+        yield {"choices": [], "usage": {"completion_tokens": 2}}
+
+    monkeypatch.setattr(drive, "sse_events", events)
+    record = RequestRecord(0, time.perf_counter(), output=[])
+    async def send() -> None:
+        await drive.http_sender("http://x", "tiny")(record, [65, 66], 2)
+
+    asyncio.run(send())
+    assert (record.error, record.ok, record.output, record.num_tokens) == \
+        (error, error is None, "ab", 2)
