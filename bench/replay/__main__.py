@@ -12,7 +12,8 @@ fresh stack starts, one short request warms it up, the slice is replayed at
 its arrival times (greedy, EOS ignored, the trace's output lengths), and the
 stack stops. Prompts come from the hash ids (kvstash/workload/prompts.py).
 Every run's completed outputs must equal every other's (the oracle): the run
-exits 1 otherwise. Writes replay.json and PNG plots to --out.
+exits 1 otherwise, and where it compared nothing (a run completed no
+request). Writes replay.json and PNG plots to --out.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}/replay.json and plots")
     mismatches = report.output_mismatches(runs)
     for line in mismatches[:20]:
-        print(f"OUTPUT MISMATCH: {line}", file=sys.stderr)
+        print(f"ORACLE FAILED: {line}", file=sys.stderr)
     if mismatches:
         return 1
     print(f"oracle: every completed output identical across {len(runs)} run(s)")

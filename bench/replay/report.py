@@ -21,19 +21,28 @@ def label(run: RunResult) -> str:
 
 def output_mismatches(runs: Sequence[RunResult]) -> list[str]:
     """Requests whose completed output differs from the first run's that
-    completed them: greedy outputs must not depend on the policy or the load."""
+    completed them: greedy outputs must not depend on the policy or the load.
+    A run that completed nothing, or runs that completed no request in
+    common, are problems too: the oracle would pass without a comparison."""
     first: dict[int, tuple[str, list[int] | str]] = {}
     problems = []
+    num_compared = 0
     for run in runs:
+        if not any(record.ok for record in run.records):
+            problems.append(f"{label(run)}: no request completed, its outputs went unchecked")
         for record in run.records:
             if not record.ok:
                 continue
+            if record.index in first:
+                num_compared += 1
             name, output = first.setdefault(record.index, (label(run), record.output))
             if record.output != output:
                 at = next((i for i, (a, b) in enumerate(zip(record.output, output, strict=False))
                            if a != b), min(len(record.output), len(output)))
                 problems.append(f"request {record.index}: {label(run)} differs from {name} "
                                 f"from output position {at}")
+    if len(runs) > 1 and not num_compared and not problems:
+        problems.append("no request completed in two runs: no output was compared")
     return problems
 
 

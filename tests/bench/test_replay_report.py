@@ -52,3 +52,16 @@ def test_table_json_and_plots(tmp_path: Path) -> None:
     plots.occupancy(plotted[:2], tmp_path / "occ.png", "t")
     for name in ("cdf.png", "goodput.png", "occ.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_oracle_fails_where_it_compared_nothing() -> None:
+    failed = run("offload", {0: [1, 2]})
+    failed.records[0].error = "FINISH_ABORT"
+    assert report.output_mismatches([run("recompute", {0: [1, 2]}), failed]) == [
+        "offload @ 1/s: no request completed, its outputs went unchecked"]
+    assert report.output_mismatches([failed]) == [
+        "offload @ 1/s: no request completed, its outputs went unchecked"]
+    # Each run completed requests, but no request completed in two of them.
+    assert report.output_mismatches([run("recompute", {0: [1]}), run("offload", {1: [2]})]) == [
+        "no request completed in two runs: no output was compared"]
+    assert report.output_mismatches([run("recompute", {0: [1]})]) == []
