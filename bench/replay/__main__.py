@@ -86,12 +86,19 @@ def commit() -> str:
     return done.stdout.strip()
 
 
-def replay_all(args: argparse.Namespace, base: StackConfig, raw: Trace) -> list[RunResult]:
+def fit_all(args: argparse.Namespace, raw: Trace) -> list[tuple[Trace, int]]:
+    """The slice fitted for each rate, and how many it dropped (ValueError,
+    TraceError: before any stack starts)."""
+    max_context = args.max_context or MAX_MODEL_LEN.get(args.model)
+    return [fit(raw, args.length_scale, args.time_scale, rate, max_context, args.output_scale)
+            for rate in args.rates]
+
+
+def replay_all(args: argparse.Namespace, base: StackConfig,
+               fitted: list[tuple[Trace, int]]) -> list[RunResult]:
     runs = []
     max_context = args.max_context or MAX_MODEL_LEN.get(args.model)
-    for rate in args.rates:
-        trace, dropped = fit(raw, args.length_scale, args.time_scale, rate, max_context,
-                             args.output_scale)
+    for trace, dropped in fitted:
         prompts = build_prompts(trace, args.seed)
         if args.write_trace is not None:
             write_trace(trace, args.write_trace)
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
+        fitted = fit_all(args, raw)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                            cache_memory_budget=args.cache_memory_budget,
                            worker_threads=args.worker_threads,
                            scheduler_args=tuple(shlex.split(args.scheduler_args)))
-        runs = replay_all(args, base, raw)
+        runs = replay_all(args, base, fitted)
     print(report.table(runs, slo))
     args.out.mkdir(parents=True, exist_ok=True)
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

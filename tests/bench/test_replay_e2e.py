@@ -61,3 +61,14 @@ def test_a_bad_trace_is_refused_before_any_stack_starts(
     trace.write_text('{"timestamp": 0, "input_length": 5}\n', encoding="utf-8")
     assert main(["--trace", str(trace), "--out", str(tmp_path)]) == 2
     assert "t.jsonl:1: missing output_length, hash_ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    (["--synthetic", "1", "--rates", "2"], "at once"),
+    (["--synthetic", "4", "--max-context", "1"], "no request fits"),
+    (["--synthetic", "4", "--length-scale", "0"], "must be > 0"),
+])
+def test_a_slice_that_cannot_be_fitted_is_refused_before_any_stack_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str], says: str) -> None:
+    assert main([*bad, "--out", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
