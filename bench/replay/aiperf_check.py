@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def ours(config: StackConfig, trace: Trace) -> dict[str, float]:
 def theirs(config: StackConfig, aiperf: str, workdir: Path, slice_file: Path,
            block: int) -> dict[str, float]:
     out = workdir / "aiperf"
+    shutil.rmtree(out, ignore_errors=True)  # a round reads only its own results
     with running_stack(config) as stack:
         assert stack.gateway is not None
         command = [
@@ -72,7 +74,7 @@ def theirs(config: StackConfig, aiperf: str, workdir: Path, slice_file: Path,
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
             "--random-seed", "0", "--ui-type", "none", "--artifact-dir", str(out)]
         env = os.environ | {"HF_HOME": str(workdir / "hf"), "HF_HUB_OFFLINE": "1"}
-        subprocess.run(command, env=env, check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     d = json.loads((out / "profile_export_aiperf.json").read_text())
     return {"ttft_ms": d["time_to_first_token"]["p50"],
             "tpot_ms": d["inter_token_latency"]["p50"],

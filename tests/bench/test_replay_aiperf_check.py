@@ -1,0 +1,36 @@
+"""bench.replay.aiperf_check's reading of aiperf's results, with a fake aiperf."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench.replay import aiperf_check
+from kvstash.launch.stack import StackConfig
+
+
+@contextlib.contextmanager
+def fake_stack(config: StackConfig) -> Iterator[SimpleNamespace]:
+    yield SimpleNamespace(gateway=SimpleNamespace(url="http://127.0.0.1:1"))
+
+
+def test_a_failed_aiperf_round_is_not_read_from_the_last_rounds_results(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiperf_check, "running_stack", fake_stack)
+    stale = tmp_path / "aiperf" / "profile_export_aiperf.json"
+    stale.parent.mkdir()
+    names = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency",
+             "request_latency", "request_throughput", "output_token_throughput")
+    stale.write_text(json.dumps({name: {"p50": 1.0, "avg": 1.0} for name in names}))
+    failing = tmp_path / "aiperf.sh"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(subprocess.CalledProcessError):
+        aiperf_check.theirs(StackConfig(gateway=True), str(failing), tmp_path,
+                            tmp_path / "slice.jsonl", 32)
