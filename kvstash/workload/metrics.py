@@ -110,7 +110,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> Summary:
         raise ValueError("no requests to summarize")
     done = [r for r in records if r.ok]
     ends = [r.ended_s for r in records if r.ended_s is not None]
-    wall = (max(ends) if ends else 0.0) - min(r.sent_s for r in records)
+    wall = max(ends) - min(r.sent_s for r in records) if ends else 0.0
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:

@@ -50,3 +50,8 @@ def test_percentile_interpolates_between_ranks() -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     assert percentile([7.0], 99) == 7.0
+
+
+def test_a_run_where_nothing_ended_has_no_wall_time() -> None:
+    s = summarize([record(0, 100.0, [], error="Unavailable")], Slo(1.0, 0.1))
+    assert (s.wall_s, s.goodput, s.requests_per_s, s.attainment) == (0.0, 0.0, 0.0, 0.0)
