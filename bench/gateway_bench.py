@@ -52,7 +52,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
@@ -60,6 +59,7 @@ from bench.load_test import Percentiles, percentiles
 from bench.pd_bench import conclude, fmt, ratio, require_positive
 from kvstash import errors
 from kvstash.client import Client
+from kvstash.common import rpc_connections
 from kvstash.launch.gateway import running_gateway
 from kvstash.launch.openai_http import (
     REPLACEMENT,
@@ -178,7 +178,7 @@ async def measure(address: str, url: str, model: str, args: argparse.Namespace
                   ) -> tuple[dict[str, Side], int]:
     """The warm-up, then the rounds. Returns the sides and the prefix-cache
     hits (tokens) over the measured rounds."""
-    async with Client(address) as client, grpc.aio.insecure_channel(address) as channel:
+    async with Client(address) as client, rpc_connections.insecure_channel(address) as channel:
         engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         for path in PATHS:
             await flush(engine)

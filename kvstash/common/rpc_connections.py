@@ -38,6 +38,10 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
 ]
+# Clients reach kvstash's services directly: the proxy an environment names
+# (http_proxy) is for the internet, and gRPC would send even a loopback call
+# through it (refused there: no service would ever reach another).
+DIRECT_OPTIONS: list[tuple[str, Any]] = [("grpc.enable_http_proxy", 0)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,8 @@ def channel(address: str, security: Security = PLAINTEXT,
             options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A client channel: TLS (with this process's certificate, for mutual
     TLS) and the bearer token as `security` says."""
-    merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(options)).items())
+    merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(DIRECT_OPTIONS)
+                   | dict(options)).items())
     extra = channel_args(security)
     if extra["credentials"] is None:
         return grpc.aio.insecure_channel(address, options=merged,

@@ -24,13 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from kvstash.common.binding import free_port
+from kvstash.launch.openai_http import open_direct
 from kvstash.launch.processes import stop_process
 
 # smg 1.13.0's --policy choices.
@@ -143,7 +143,7 @@ def _wait_ready(gateway: Gateway, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         # Refused, or an HTTP error status (urllib raises it as an OSError).
-        with contextlib.suppress(OSError), urllib.request.urlopen(
+        with contextlib.suppress(OSError), open_direct(
                 f"{gateway.url}/readiness", timeout=2) as reply:
             if reply.status == 200:
                 return

@@ -24,6 +24,10 @@ from urllib.parse import urlsplit
 
 # What a byte-level model's text holds where bytes make no character.
 REPLACEMENT = "\ufffd"
+# Straight to the host named, whatever proxy the environment names (as the
+# streams below go): kvstash's own services, the gateway on loopback among
+# them, are never behind the proxy a user set for the internet.
+open_direct = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
 
 class HttpError(RuntimeError):
@@ -43,7 +47,7 @@ def request_json(url: str, body: dict[str, object] | None = None,
         url, None if body is None else json.dumps(body).encode(),
         {"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        with open_direct(request, timeout=timeout_s) as reply:
             return json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         raise HttpError(exc.code, exc.read()) from None

@@ -54,6 +54,24 @@ async def test_an_idle_connection_is_closed_and_reopened() -> None:
         await cache.stop(None)
 
 
+async def test_clients_reach_a_service_directly_whatever_proxy_the_environment_names(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC sends even loopback calls through `http_proxy` (here a port where
+    nothing listens): kvstash's channels never use it."""
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0")
+    try:
+        async with rpc_connections.channel(f"127.0.0.1:{port}") as channel:
+            await cache_pb2_grpc.KVCacheStub(channel).GetStats(common_pb2.GetStatsRequest(),
+                                                                timeout=10)
+    finally:
+        await cache.stop(None)
+
+
 async def test_calls_beyond_the_stream_limit_wait_for_a_free_stream() -> None:
     _, port, cache = await create_cache_server(
         CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",

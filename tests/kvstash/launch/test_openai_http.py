@@ -5,7 +5,12 @@ connection cut mid-reply."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import os
+import subprocess
+import sys
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -91,3 +96,29 @@ async def test_a_connection_cut_mid_reply_is_an_incomplete_read(server: OneReply
     url = await server.start(chunked(event(choice("a")), end=False))
     with pytest.raises(asyncio.IncompleteReadError):
         await stream_completion(url, {"model": "m", "prompt": "p"})
+
+
+def test_requests_to_kvstash_go_direct_whatever_proxy_the_environment_names() -> None:
+    """A user's http_proxy is for the internet: the gateway on loopback (its
+    readiness, JSON calls) is reached directly, as the streams are."""
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"ready": true}')
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/readiness"
+    dead_proxy = "http://127.0.0.1:9"  # nothing listens: a proxied call is refused
+    env = {**os.environ, "http_proxy": dead_proxy, "HTTP_PROXY": dead_proxy,
+           "no_proxy": "", "NO_PROXY": ""}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from kvstash.launch.openai_http import "
+             "request_json; print(request_json(sys.argv[1]))", url],
+            check=False, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{'ready': True}"
