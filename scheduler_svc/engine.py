@@ -306,7 +306,7 @@ class Engine:
         self._fail(lost, errors.Unavailable(f"worker unavailable: {reason}"))
         # The next stream may reach a restarted worker with an empty KV
         # tensor: no cached prefix can be trusted any more.
-        self.flush_prefix_cache()
+        self.flush_prefix_cache(kv_lost=True)
 
     def _task_failed(self, exc: BaseException) -> None:
         """A task beside the step loop raised: a bug, as in the loop. The
@@ -390,9 +390,10 @@ class Engine:
             # Let request streams, copies and new arrivals run between steps.
             await asyncio.sleep(0)
 
-    def flush_prefix_cache(self) -> int:
-        """Forgets every cached prefix (the KV events say so); the blocks freed."""
-        freed = self._core.reset_prefix_cache()
+    def flush_prefix_cache(self, kv_lost: bool = False) -> int:
+        """Forgets every cached prefix (the KV events say so); the blocks
+        freed. `kv_lost`: the worker lost their KV (Scheduler.reset_prefix_cache)."""
+        freed = self._core.reset_prefix_cache(kv_lost)
         self._publish_kv_events()
         return freed
 

@@ -143,9 +143,9 @@ class RecordingScheduler(Scheduler):
         super().set_cache_available(available)
         self._write("cache", available=available)
 
-    def reset_prefix_cache(self) -> int:
-        freed = super().reset_prefix_cache()
-        self._write("flush")
+    def reset_prefix_cache(self, kv_lost: bool = True) -> int:
+        freed = super().reset_prefix_cache(kv_lost)
+        self._write("flush", kv_lost=kv_lost)
         return freed
 
 

@@ -129,7 +129,7 @@ class _Replay:
         elif op == "cache":
             core.set_cache_available(line["available"])
         elif op == "flush":
-            core.reset_prefix_cache()
+            core.reset_prefix_cache(line["kv_lost"])
         else:
             raise ValueError(f"unknown call {op!r}")
         return None

@@ -267,13 +267,16 @@ class PrefixTier:
             request_id, segment_id, block_ids, len(block_ids) * self._kv.block_size,
             shared_prefix=True))
 
-    def forget_blocks(self) -> None:
-        """The worker lost the blocks' KV: forgets the saves not yet taken and
-        the segments noted for write-back."""
-        pool = self._kv.pool
-        for cmd in self.take_saves():
-            pool.free(self.saves.pop(cmd.snapshot_id))
+    def forget_blocks(self, kv_lost: bool) -> None:
+        """The pool forgets what its blocks hold: so do the segments noted for
+        write-back. Where the worker lost the blocks' KV (`kv_lost`), the saves
+        not yet taken go too; else (an operator's flush) their blocks, held,
+        still hold what they name, and they go out."""
         self._noted.clear()
+        if kv_lost:
+            pool = self._kv.pool
+            for cmd in self.take_saves():
+                pool.free(self.saves.pop(cmd.snapshot_id))
 
     def take_saves(self) -> list[OffloadCommand]:
         saves, self._queued = self._queued, []

@@ -376,12 +376,13 @@ class Scheduler:
         return [*life.prefilling, *life.decoding, *life.offloading, *life.resuming,
                 *life.loading, *life.handing_off]
 
-    def reset_prefix_cache(self) -> int:
-        """Forgets every cached prefix: the worker's KV tensor was lost (it
-        restarted), so no cached block holds what its hash says, and no
-        segment save not yet sent may read them. Returns the blocks freed."""
+    def reset_prefix_cache(self, kv_lost: bool = True) -> int:
+        """Forgets every cached prefix. `kv_lost`: the worker's KV tensor was
+        lost (it restarted), so no cached block holds what its hash says, and
+        no segment save not yet sent may read them; else an operator's flush,
+        after which the saves queued still go out. Returns the blocks freed."""
         if self.tier is not None:
-            self.tier.forget_blocks()
+            self.tier.forget_blocks(kv_lost)
         return self.kv.pool.reset_prefix_cache()
 
     def record_kv_events(self) -> None:

@@ -250,6 +250,22 @@ def test_a_declined_load_is_counted_once_when_admitted_not_each_step_it_waits() 
     assert core.stats().num_tier_loads_declined == 1
 
 
+def test_an_operators_flush_keeps_the_saves_not_yet_sent() -> None:
+    """The blocks still hold their KV (only the local prefix cache is
+    forgotten): the saves queued, holding their blocks, still go out."""
+    core = tiered()
+    add(core, "a")
+    step(core)
+    core.reset_prefix_cache(kv_lost=False)
+    saves = core.schedule().prefix_saves
+    assert [s.snapshot_id for s in saves] == segment_ids(core, PROMPT)
+    core.abort("a")
+    for save in saves:
+        core.finish_prefix_save(save, 512)
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    core.check_integrity()
+
+
 def test_a_lost_worker_drops_the_saves_not_yet_sent() -> None:
     core = tiered()
     add(core, "a")
