@@ -50,7 +50,7 @@ import xxhash
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.kv_manager import KVCacheManager
 from scheduler_svc.core.outputs import Counters, OffloadCommand, PrefixLoad, RestoreCommand
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import Request, RequestStatus
 
 SEGMENT_ID_PREFIX = "pfx-"
 # What a write-back save names as its request (the request may be long gone).
@@ -163,10 +163,12 @@ class PrefixTier:
         prefilled, then saved again. A whole load's `seconds` teach the cost
         model what a read costs."""
         segments = load.segments
-        num_tokens = self.tokens_of(segments[:num_loaded])
         counters = self._counters
-        counters.num_tier_hit_tokens += num_tokens
         counters.bytes_tier_loaded += num_bytes
+        if req.status is RequestStatus.FINISHED_ABORTED:
+            return  # nothing it loaded is used; a load cut short by it did not fail
+        num_tokens = self.tokens_of(segments[:num_loaded])
+        counters.num_tier_hit_tokens += num_tokens
         if not req.output_token_ids:
             req.num_cached_tokens += num_tokens
         if num_loaded < len(segments):

@@ -217,8 +217,11 @@ def test_an_abort_while_loading_frees_the_blocks_when_the_load_lands() -> None:
     core.abort("b")
     core.check_integrity()
     assert core.kv.pool.ref_cnt(blocks[0]) == 1 and not core.is_idle
-    core.finish_prefix_load(load, 2, 1024)
+    core.finish_prefix_load(load, 1, 512)  # the rest cut short by the abort
     assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks and core.is_idle
+    stats = core.stats()  # read, but neither a hit nor a failure
+    assert (stats.bytes_tier_loaded, stats.num_tier_hit_tokens,
+            stats.num_tier_load_failures) == (512, 0, 0)
     core.check_integrity()
 
 
