@@ -183,10 +183,8 @@ def replay_record(path: Path, profile_path: Path) -> int:
     return 0
 
 
-def find_least(args: argparse.Namespace, slo: Slo, raw: Trace) -> int:
-    policy, rate = args.policies[0], args.rates[0]
-    trace, _ = fit(raw, args.length_scale, args.time_scale, rate,
-                   args.max_context or args.max_model_len, args.output_scale)
+def find_least(args: argparse.Namespace, slo: Slo, trace: Trace) -> int:
+    policy = args.policies[0]
     attr, largest = find.DIMENSIONS[args.find]
 
     def run_at(value: int) -> Summary:
@@ -256,18 +254,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.core = compiled.running()
     print(f"core: {args.core}" + ("" if args.core == "compiled" else
                                   " (--core compiled: mypyc, 1.2-1.6x faster)"))
+    try:  # every rate, before any run
+        fitted = [fit(raw, args.length_scale, args.time_scale, rate,
+                      args.max_context or args.max_model_len, args.output_scale)
+                  for rate in args.rates]
+    except (ValueError, TraceError) as exc:
+        print(f"kvstash sim: {exc}", file=sys.stderr)
+        return 2
     if args.find is not None:
-        return find_least(args, slo, raw)
+        return find_least(args, slo, fitted[0][0])
     print(HEADER)
     runs: list[dict[str, Any]] = []
     shown: list[plots.Run] = []  # each run, with --plots
-    for rate in args.rates:
-        try:
-            trace, dropped = fit(raw, args.length_scale, args.time_scale, rate,
-                                 args.max_context or args.max_model_len, args.output_scale)
-        except (ValueError, TraceError) as exc:
-            print(f"kvstash sim: {exc}", file=sys.stderr)
-            return 2
+    for trace, dropped in fitted:
         for policy in args.policies:
             started = time.perf_counter()
             result = simulate(args, policy, trace)

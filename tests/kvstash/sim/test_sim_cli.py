@@ -38,6 +38,14 @@ def test_sim_refuses_a_bad_profile_naming_the_field(
     assert "block_size: a positive integer is needed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("find", [[], ["--find", "instances"]])
+def test_sim_refuses_a_slice_nothing_of_which_fits_before_any_run(
+        find: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", *SMALL, "--max-context", "64", *find]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvstash sim: ") and "SLO attainment" not in captured.out
+
+
 def test_sim_refuses_an_unknown_policy() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["sim", *SMALL, "--policies", "offload,telepathy"])
