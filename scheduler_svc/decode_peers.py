@@ -5,9 +5,9 @@
                it resolves to, looked up again each round). After a round of
                refusals it waits (the decode instances' retry hint, doubling
                per round up to `max_backoff_s`) and tries again, until
-               `wait_s` is spent: then None, and the prefill instance decodes
-               the request itself. A request is never dropped for want of a
-               decode instance.
+               `wait_s` is spent: then None, and the prefill instance takes
+               the request back from the cache and decodes it itself. A
+               request is never dropped for want of a decode instance.
     decode()   Decode on the instance that reserved: its stream as domain
                events (RemoteTokens, then RemoteFinished or RemoteAborted);
                a failed call raises its kvstash.errors class

@@ -53,7 +53,7 @@ from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.handoff import DecodeSide, PrefillSide
-from scheduler_svc.inflight import Handoff, InFlightRequests, Tasks
+from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import STEP_TIMEOUT_S, StepStream, WorkerLink
@@ -171,26 +171,21 @@ class Engine:
     ) -> RequestStream:
         """Admits a request (raises InvalidArgument / AlreadyExists /
         ResourceExhausted; Unavailable while the worker is given up on) and
-        returns the stream its tokens arrive on. A prefill instance first has
-        a decode instance reserve blocks for it. One aborted meanwhile is
-        never submitted: its stream holds its end only."""
+        returns the stream its tokens arrive on. One aborted meanwhile (while
+        the prefix tier is asked) is never submitted: its stream holds its
+        end only. A prefill instance hands off what has more than one token
+        to decode (a decode instance is found once its KV is copied out)."""
         self._check_admission()
         self._core.check_request(request_id, prompt_token_ids, sampling)
-        prefill = self._prefill
         with self._requests.admitting(request_id) as admission:
             hashes = self._core.prompt_block_hashes(prompt_token_ids)  # once, kept by the core
             stored = await self._stored_segments(hashes)
-            decoder = None if prefill is None else await prefill.find_decoder(
-                request_id, prompt_token_ids, sampling)
-        if admission.aborted or self.failure is not None:  # meanwhile
-            if prefill is not None and decoder is not None:
-                prefill.let_go(request_id, Handoff(decoder))
-            if admission.aborted:
-                return RequestStream.aborted_unadmitted(request_id, len(prompt_token_ids))
-            self._check_admission()  # raises: the engine failed
-        if prefill is None or decoder is None:
+        if admission.aborted:  # meanwhile
+            return RequestStream.aborted_unadmitted(request_id, len(prompt_token_ids))
+        if self._prefill is None or not self._prefill.hands_off(sampling):
             return self.submit(request_id, prompt_token_ids, sampling, stored, hashes)
-        stream = prefill.submit(request_id, prompt_token_ids, sampling, decoder, stored, hashes)
+        self._check_admission()  # the engine may have failed meanwhile
+        stream = self._prefill.submit(request_id, prompt_token_ids, sampling, stored, hashes)
         self._wake.set()
         return stream
 

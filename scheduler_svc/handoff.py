@@ -1,17 +1,23 @@
 """P/D disaggregation at the edge: the two sides of a hand-off,
 each built by the engine for its role only (a mixed instance has neither).
 
-    PrefillSide  find_decoder: a decode instance reserves blocks for the
-                 request before it is submitted (`submit`). Once prefilled,
-                 the core hands it off (`hand_off`): its KV is put in the
-                 cache, then the decode instance's events are relayed into
-                 the request's stream. A failed put decodes here; a decode
-                 instance lost before its first token (expired reservation,
-                 gone) is replaced by another reservation; one lost later, or
-                 no reservation in time, gives the request back to the core
-                 (take_back): never lost. `let_go` when the request will not
-                 (or no longer) decode there: the relay is cancelled (which
-                 aborts it there) or the reservation released.
+    PrefillSide  a request with more than one token to decode is submitted
+                 for a hand-off (`submit`) at once. Once prefilled (its first
+                 token sampled and sent), the core hands it off (`hand_off`):
+                 its KV is put in the cache, then a decode instance reserves
+                 blocks for it and its events are relayed into the request's
+                 stream. A failed put decodes here; a decode instance lost
+                 before its first token (reservation expired, gone) is
+                 replaced by another reservation; one lost later, or no
+                 reservation in time, gives the request back to the core
+                 (take_back: resumed from the snapshot): never lost. `let_go`
+                 when the request will not (or no longer) decode there: the
+                 relay is cancelled (which aborts it there, or stops asking).
+
+                 Reserving only once the KV is in the cache (not when the
+                 request arrives) keeps decode blocks for KV about to arrive:
+                 a request never waits for decode room before its prefill,
+                 and no reservation expires while its prefill queues.
     DecodeSide   reserve and decode (a restore into the reserved blocks, then
                  decoding as usual); a timer wakes the step loop when a
                  reservation may have expired.
@@ -58,37 +64,26 @@ class PrefillSide:
         self._wake = wake
         self._metrics = metrics
 
-    async def find_decoder(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
-    ) -> DecodePeer | None:
-        """A decode instance that reserved blocks for the request (checked
-        first as the core's admission would: InvalidArgument, AlreadyExists),
-        or None: decode here (one token only, or none reserved in time)."""
-        if sampling.max_tokens < 2:
-            return None
-        self._core.check_request(request_id, prompt_token_ids, sampling)
-        return await self._peers.reserve(request_id, prompt_token_ids, sampling)
+    @staticmethod
+    def hands_off(sampling: SamplingParams) -> bool:
+        """More than its first token to decode: worth a decode instance."""
+        return sampling.max_tokens >= 2
 
     def submit(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-        decoder: DecodePeer, stored_segments: int | None = 0,
-        block_hashes: Sequence[int] = (),
+        stored_segments: int | None = 0, block_hashes: Sequence[int] = (),
     ) -> RequestStream:
-        """Admits a request `decoder` reserved blocks for (raises as
-        Engine.submit, releasing the reservation)."""
-        try:
-            self._core.add_request(request_id, prompt_token_ids, sampling, handoff=True,
-                                   stored_segments=stored_segments, block_hashes=block_hashes)
-        except errors.KvstashError:
-            self.let_go(request_id, Handoff(decoder))
-            raise
-        return self._requests.open(request_id, Handoff(decoder))
+        """Admits a request to be handed off once prefilled (raises as
+        Engine.submit)."""
+        self._core.add_request(request_id, prompt_token_ids, sampling, handoff=True,
+                               stored_segments=stored_segments, block_hashes=block_hashes)
+        return self._requests.open(request_id, Handoff())
 
     def let_go(self, request_id: str, handoff: Handoff) -> None:
-        """The request will not (or no longer) decode on its decode instance."""
+        """The request will not (or no longer) decode on a decode instance."""
         if handoff.relay is not None:
             handoff.relay.cancel()
-        else:
+        elif handoff.decoder is not None:
             self._tasks.spawn(self._peers.release(handoff.decoder, request_id))
 
     def _decode_here(self, request_id: str, record: InFlight) -> None:
@@ -119,18 +114,21 @@ class PrefillSide:
         token = None if trace_context is None else otel_context.attach(trace_context)
         try:
             for attempt in range(1, HANDOFF_ATTEMPTS + 1):
-                reason = await self._relay(handoff.decoder, cmd, first_token_id, started)
-                if reason is None:
-                    return  # finished there, or taken back after its tokens began
-                log.warning("request %s: decode instance %s lost before its first token (%s)%s",
-                            request_id, handoff.decoder.address, reason,
-                            "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
-                # Its reservation expired, or the instance went away: the
-                # snapshot is still in the cache for another reservation.
-                if attempt == HANDOFF_ATTEMPTS or (decoder := await self._peers.reserve(
-                        request_id, req.prompt_token_ids, req.sampling)) is None:
+                decoder = await self._peers.reserve(request_id, req.prompt_token_ids,
+                                                    req.sampling)
+                if decoder is None:
+                    log.warning("request %s: no decode instance reserved blocks in time",
+                                request_id)
                     break
                 handoff.decoder = decoder
+                reason = await self._relay(decoder, cmd, first_token_id, started)
+                if reason is None:
+                    return  # finished there, or taken back after its tokens began
+                # Its reservation expired, or the instance went away: the
+                # snapshot is still in the cache for another reservation.
+                log.warning("request %s: decode instance %s lost before its first token (%s)%s",
+                            request_id, decoder.address, reason,
+                            "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
         except errors.IntegrityError:

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 class Handoff:
     """Where a prefill instance's request decodes (P/D)."""
 
-    decoder: DecodePeer  # the decode instance holding its reservation
-    # The task relaying that instance's tokens, once the request is handed
-    # off; cancelling it aborts the request there.
+    # The decode instance holding its reservation, once one took it.
+    decoder: DecodePeer | None = None
+    # The task finding a decode instance and relaying its tokens, once the
+    # request is handed off; cancelling it aborts the request there.
     relay: asyncio.Task[None] | None = None
 
 

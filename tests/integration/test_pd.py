@@ -253,7 +253,8 @@ async def test_decode_instance_refusing_all_means_decoding_on_the_prefill_instan
         decode = await drained(stack.decode_scheduler)
         assert_alive(stack)
     assert outputs == reference(prompts)
-    assert prefill.num_handoffs == 0
+    # Each copied out, then, refused past the wait, taken back from the cache.
+    assert prefill.num_handoffs == prefill.num_handoff_failures == len(prompts)
     assert decode.num_reservations_refused >= len(prompts)
 
 
@@ -266,7 +267,8 @@ async def test_decode_instance_killed_during_and_before_handoff(tmp_path: Path) 
         stack.decode_scheduler.kill()  # requests mid-decode there
         during = await work
         prefill = await stats(stack.scheduler)
-        # Now it is gone before any handoff: reservations fail, decode here.
+        # Now it is gone before any hand-off: each is copied out, asks in
+        # vain, and is taken back from the cache to decode here.
         before = await complete_all(stack.address, prompts)
         after = await drained(stack.scheduler)
         cache = await cache_stats(stack.cache.address)
@@ -274,14 +276,15 @@ async def test_decode_instance_killed_during_and_before_handoff(tmp_path: Path) 
     assert during == reference(prompts, 200)
     assert before == reference(prompts)
     assert prefill.num_handoff_failures >= 3
-    assert after.num_handoffs == prefill.num_handoffs  # no handoff once it was gone
+    assert after.num_handoffs == prefill.num_handoffs + len(prompts)
+    assert after.num_handoff_failures == prefill.num_handoff_failures + len(prompts)
     assert after.num_recomputed_tokens > 0  # the lost decodes were recomputed here
     assert cache.memory_snapshots + cache.disk_snapshots == 0
 
 
 async def test_cache_down_means_decoding_on_the_prefill_instance(tmp_path: Path) -> None:
     prompts = small_prompts(4)
-    # A reservation outlives the test unless the prefill instance releases it.
+    # A reservation (none is made: the copy fails first) would outlive the test.
     config = pd_config(decode=("--reservation-timeout", "600"))
     with running_stack(config, tmp_path) as stack:
         stack.cache.kill()
@@ -291,8 +294,7 @@ async def test_cache_down_means_decoding_on_the_prefill_instance(tmp_path: Path)
         assert_alive(stack, stack.scheduler, stack.decode_scheduler)
     assert outputs == reference(prompts)
     assert prefill.num_handoffs == 0 and prefill.num_handoff_failures == len(prompts)
-    assert decode.num_reservations_accepted == len(prompts)
-    assert decode.num_reservations_expired == 0  # released, not expired
+    assert decode.num_reservations_accepted == 0  # the copy failed first: none asked
 
 
 async def test_prefill_instance_killed_after_handoff_leaves_nothing_behind(
@@ -353,13 +355,13 @@ async def test_a_decode_instance_without_its_worker_refuses_to_reserve_or_decode
         prefill = await drained(stack.scheduler)
         assert_alive(stack, stack.scheduler, stack.decode_scheduler)
     assert outputs == reference(prompts)
-    assert prefill.num_handoffs == 0
+    assert prefill.num_handoffs == prefill.num_handoff_failures == len(prompts)  # taken back
 
 
-async def test_an_expired_reservation_is_made_again_before_decoding_here(tmp_path: Path) -> None:
-    """Reservations that lapse before the KV arrives (10 ms here): the
-    snapshot is still in the cache, so the prefill instance reserves again
-    and hands the request off after all."""
+async def test_reservations_that_lapse_at_once_still_end_every_request(tmp_path: Path) -> None:
+    """Reservations of 10 ms: one that lapses before its Decode call arrives
+    is made again from the same snapshot (or the request is taken back);
+    every output is the reference, and nothing stays in the cache."""
     prompts = small_prompts(4)
     config = pd_config(decode=("--reservation-timeout", "0.01"))
     with running_stack(config, tmp_path) as stack:
@@ -369,8 +371,6 @@ async def test_an_expired_reservation_is_made_again_before_decoding_here(tmp_pat
         cache = await cache_stats(stack.cache.address)
         assert_alive(stack)
     assert outputs == reference(prompts)
-    assert decode.num_reservations_expired >= len(prompts)
-    assert decode.num_reservations_accepted > len(prompts)  # made again
     assert decode.num_reservations_accepted == (
         decode.num_reservations_expired + prefill.num_handoffs - prefill.num_handoff_failures)
     assert cache.memory_snapshots + cache.disk_snapshots == 0

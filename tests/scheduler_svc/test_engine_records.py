@@ -239,6 +239,25 @@ async def test_a_decode_instance_lost_before_its_first_token_finishes_here(
         await engine.close()
 
 
+async def test_a_decode_instance_lost_before_its_first_token_is_replaced_by_another() -> None:
+    """Its reservation expired, or it went away: the snapshot is still in the
+    cache, so another decode instance reserves and decodes it."""
+    usage = RequestUsage(4, 4, 0, 0, 0, None)
+    peers = FakePeers([[errors.NotFound("reservation expired")],
+                       [RemoteFinished([8, 9, 8], RequestStatus.FINISHED_LENGTH, usage)]],
+                      reservations=2)
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(4))
+        assert await events_of(stream) == ([7, 8, 9, 8], RequestStatus.FINISHED_LENGTH)
+        assert (peers.reserved, peers.closed) == (["a", "a"], ["a", "a"])
+        await until(lambda: engine.core.is_idle)
+        engine.check_integrity()
+    finally:
+        await engine.close()
+
+
 async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> None:
     peers = FakePeers([[RemoteTokens([8]), errors.Unavailable("decode instance: gone")]])
     engine = prefill_engine(peers)
@@ -252,66 +271,114 @@ async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> 
 
 
 @contextlib.asynccontextmanager
-async def admitting() -> AsyncIterator[tuple[FakePeers, Engine, asyncio.Task[RequestStream]]]:
-    """A prefill engine admitting "a", its decode instance not yet answering."""
-    peers = FakePeers([])
+async def seeking() -> AsyncIterator[tuple[FakePeers, Engine, RequestStream]]:
+    """A prefill engine whose request "a" is prefilled, its first token sent
+    and its KV copied out, asking a decode instance that does not answer yet."""
+    peers = FakePeers([[RemoteFinished([8], RequestStatus.FINISHED_LENGTH,
+                                       RequestUsage(4, 2, 0, 0, 0, None))]])
     peers.answer.clear()
     engine = prefill_engine(peers)
     await engine.start()
     try:
-        admitted = asyncio.create_task(engine.admit("a", PROMPT, sampling(5)))
+        stream = await engine.admit("a", PROMPT, sampling(2))
         await until(lambda: peers.asked == ["a"])
-        yield peers, engine, admitted
+        yield peers, engine, stream
     finally:
         await engine.close()
 
 
-async def test_an_abort_while_a_decode_instance_reserves_ends_the_request_unrun() -> None:
-    """The Abort succeeds, the request never reaches the core, the
-    reservation granted after it is released, and its id is free again."""
-    async with admitting() as (peers, engine, admitted):
-        with pytest.raises(errors.AlreadyExists):
-            await engine.admit("a", PROMPT, sampling(5))
-        engine.abort("a")
+async def test_a_request_is_prefilled_before_any_decode_instance_is_asked() -> None:
+    """Decode blocks are reserved for KV about to arrive: the first token
+    comes while no decode instance is asked, and decode follows there."""
+    async with seeking() as (peers, engine, stream):
+        first = await asyncio.wait_for(stream.events.get(), 10)
+        assert not isinstance(first, Exception) and first.new_token_ids == [7]
+        request = engine.core.get_request("a")
+        assert request is not None and request.status is RequestStatus.HANDED_OFF
         peers.answer.set()
-        stream = await admitted
-        assert await events_of(stream) == ([], RequestStatus.FINISHED_ABORTED)
-        assert stream.usage is not None and stream.usage.num_prompt_tokens == len(PROMPT)
-        await until(lambda: peers.released == ["a"])
-        assert engine.core.get_request("a") is None
+        assert await events_of(stream) == ([8], RequestStatus.FINISHED_LENGTH)
+        assert (peers.reserved, peers.closed) == (["a"], ["a"])
+        await until(lambda: engine.core.is_idle)
+        engine.check_integrity()
+
+
+async def test_an_abort_while_a_decode_instance_is_asked_stops_asking() -> None:
+    async with seeking() as (peers, engine, stream):
+        engine.abort("a")
+        assert await events_of(stream) == ([7], RequestStatus.FINISHED_ABORTED)
+        peers.answer.set()
+        await until(lambda: engine.core.is_idle)
+        assert peers.reserved == [] and engine.core.get_request("a") is None
         engine.check_integrity()
         with pytest.raises(errors.NotFound):  # it is gone: a second Abort finds nothing
             engine.abort("a")
-        stream = await engine.admit("a", PROMPT, sampling(5))  # no reservation left: here
-        assert await events_of(stream) == ([7] * 5, RequestStatus.FINISHED_LENGTH)
-        engine.check_integrity()
 
 
-async def test_an_engine_failed_during_an_admission_refuses_it_and_lets_its_reservation_go(
+async def test_an_engine_failed_while_a_decode_instance_is_asked_fails_the_request(
         ) -> None:
-    async with admitting() as (peers, engine, admitted):
+    async with seeking() as (peers, engine, stream):
 
         async def bug() -> None:
             raise KeyError("a bug")
 
         engine._tasks.spawn(bug())
         await asyncio.wait_for(engine.wait_failed(), 10)
+        tokens, end = await events_of(stream)
+        assert tokens == [7] and isinstance(end, errors.Unavailable)
         peers.answer.set()
-        with pytest.raises(errors.Unavailable, match="the scheduler failed"):
-            await admitted
-        await until(lambda: peers.released == ["a"])
-        assert engine.core.get_request("a") is None
+        await asyncio.sleep(0.05)
+        assert peers.reserved == []  # the asking stopped with the request
 
 
-async def test_a_refused_admission_releases_its_reservation() -> None:
+async def test_a_refused_admission_asks_no_decode_instance() -> None:
     peers = FakePeers([], reservations=2)
     engine = prefill_engine(peers, make_scheduler(max_num_waiting=1, role=Role.PREFILL))
     await engine.admit("a", PROMPT, sampling(5))  # never started: it stays waiting
     with pytest.raises(errors.ResourceExhausted):
         await engine.admit("b", PROMPT, sampling(5))
-    await until(lambda: peers.released == ["b"])
     engine.check_integrity()
     engine.abort("a")
-    await until(lambda: peers.released == ["b", "a"])
     engine.check_integrity()
+    assert peers.asked == [] and peers.released == []
     await engine.close()
+
+
+class UnansweredCache:
+    """A cache link whose prefix-tier lookups wait for `answer`."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        self.asked = 0
+
+    async def stored_run(self, segment_ids: Sequence[str]) -> list[int]:
+        self.asked += 1
+        await self.answer.wait()
+        return []
+
+    async def watch(self, report: object) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_an_abort_while_the_prefix_tier_is_asked_ends_the_request_unrun() -> None:
+    """The Abort succeeds, the request never reaches the core, and its id is
+    free again; a second admit of the id meanwhile is AlreadyExists."""
+    cache = UnansweredCache()
+    core = make_scheduler(prefix_segment_blocks=1, prefix_tier_salt="tiny")
+    engine = Engine(core, FakeWorkerLink(), cache)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        admitted = asyncio.create_task(engine.admit("a", PROMPT * 8, sampling(5)))
+        await until(lambda: cache.asked == 1)
+        with pytest.raises(errors.AlreadyExists):
+            await engine.admit("a", PROMPT, sampling(5))
+        engine.abort("a")
+        cache.answer.set()
+        stream = await admitted
+        assert await events_of(stream) == ([], RequestStatus.FINISHED_ABORTED)
+        assert stream.usage is not None and stream.usage.num_prompt_tokens == 32
+        assert core.get_request("a") is None
+        engine.check_integrity()
+        with pytest.raises(errors.NotFound):  # it is gone: a second Abort finds nothing
+            engine.abort("a")
+    finally:
+        await engine.close()
