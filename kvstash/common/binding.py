@@ -19,6 +19,7 @@ import socket
 
 # The gRPC server option that keeps a port to one server (gRPC's default: shared).
 NO_REUSEPORT = ("grpc.so_reuseport", 0)
+MAX_PORT = 65535
 
 
 class BindError(OSError):
@@ -34,10 +35,11 @@ def in_use(address: str) -> BindError:
 
 def split_address(address: str) -> tuple[str, int]:
     """("host", port) of "host:port" or "[v6]:port"; ValueError if the port is
-    not a number."""
+    not a number from 0 to 65535 (gRPC would take 99999 modulo 65536 and
+    listen on 34463 without a word)."""
     host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"address {address!r} is not host:port")
+    if not port.isdigit() or int(port) > MAX_PORT:
+        raise ValueError(f"address {address!r} is not host:port (port 0-{MAX_PORT})")
     return host.strip("[]"), int(port)
 
 

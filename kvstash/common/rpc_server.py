@@ -73,7 +73,11 @@ async def create_server(
     (one line naming `address`) if another process listens there or it
     cannot be bound, before anything starts."""
     check_listen(address, security)
-    check_free(*split_address(address))
+    try:
+        host, port = split_address(address)
+    except ValueError as exc:  # e.g. a port past 65535, which gRPC would wrap around
+        raise BindError(f"cannot listen on {address}: {exc}") from None
+    check_free(host, port)
     # The port is this server's alone, whatever `options` say (see binding).
     merged = (dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
               | dict([NO_REUSEPORT]))

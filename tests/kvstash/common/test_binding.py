@@ -107,3 +107,12 @@ async def test_a_server_serves_until_what_it_was_told_to_await_completes(
     await asyncio.wait_for(serving, 10)
     with pytest.raises(grpc.aio.AioRpcError):
         await check(port)
+
+
+async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
+    """gRPC takes 99999 modulo 65536 and would serve on 34463 without a word."""
+    with pytest.raises(BindError, match=r"^cannot listen on 127\.0\.0\.1:99999: .*port 0-65535"):
+        await rpc_server.create_server("127.0.0.1:99999", [], [SERVICE])
+    with pytest.raises(ValueError, match="not host:port"):
+        split_address("127.0.0.1:65536")
+    assert split_address("127.0.0.1:65535") == ("127.0.0.1", 65535)

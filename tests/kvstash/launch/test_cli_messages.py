@@ -63,3 +63,30 @@ def test_nothing_at_the_address_is_one_line_with_a_hint(
     assert len(err) == 1, err
     assert err[0].startswith(f"kvstash {command}: failed to connect")
     assert err[0].endswith(f"(no kvstash stack at {address}? start one with `kvstash up`)")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--listen", "127.0.0.1:99999"], "argument --listen: address '127.0.0.1:99999' is "
+                                            "not host:port (port 0-65535)"),
+    (["up", "--listen", "localhost"], "argument --listen: address 'localhost' is not host:port"),
+    (["up", "--listen", "127.0.0.1:abc"], "argument --listen: address '127.0.0.1:abc'"),
+    (["up", "--listen", "0.0.0.0:50051"], "argument --listen: 0.0.0.0:50051 is not a loopback "
+                                          "address and kvstash up serves plaintext gRPC: add "
+                                          "--plaintext"),
+    (["up", "--gateway-port", "70000"], "argument --gateway-port: not a port (0-65535): '70000'"),
+    (["up", "--cache-memory-budget", "1XB"], "argument --cache-memory-budget: not a byte size"),
+    (["demo", "--cache-disk-budget", "lots"], "argument --cache-disk-budget: not a byte size"),
+    (["demo", "--requests", "0"], "argument --requests: not a whole number > 0: '0'"),
+    (["demo", "--max-tokens", "-1"], "argument --max-tokens: not a whole number > 0: '-1'"),
+])
+def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str,
+) -> None:
+    """Not a traceback (IndexError on `--listen localhost`), not a stack on
+    another port (gRPC wraps 99999 around to 34463), not a cache service's
+    refusal after the others started."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"kvstash {argv[0]}: error: {message}" in err, err
