@@ -129,17 +129,21 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C, a service manager's SIGTERM, a closed terminal's SIGHUP: each
+    must stop the services too, not orphan them. SIGINT explicitly: a shell
+    script that starts us in the background (`kvstash up &`) hands it down
+    ignored, and Python then leaves it ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     port = int(args.listen.rsplit(":", 1)[1])
     host = args.listen.rsplit(":", 1)[0]
     config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext,
                            gateway_port=args.gateway_port, metrics=args.metrics)
-    # Ctrl-C, a service manager's SIGTERM, a closed terminal's SIGHUP: each
-    # must stop the services too, not orphan them. SIGINT explicitly: a shell
-    # script that starts us in the background (`kvstash up &`) hands it down
-    # ignored, and Python then leaves it ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_stop)
+    _stop_on_signals()
     # Kept after stop: the user reads them when something went wrong.
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvstash-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -298,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
             return tokenizer_export.run(args)
         from kvstash.launch.demo import run_demo
 
-        return run_demo(_stack_config(args), args.requests, args.max_tokens)
+        _stop_on_signals()
+        try:
+            return run_demo(_stack_config(args), args.requests, args.max_tokens,
+                            stop=_stop_undisturbed)
+        except _Stop as exc:  # run_demo stopped the stack (start_stack, what had started)
+            _say(f"stopped ({exc})")
+            return 1
     except errors.KvstashError as exc:  # a call failed
         # The client names the call ("generate: ..."): once is enough.
         text = str(exc).removeprefix(f"{args.command}: ")

@@ -13,17 +13,20 @@ them over the `--instances`; their text is checked against the replays.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
 from kvstash.common.units import MIB
 from kvstash.launch.openai_http import REPLACEMENT, request_json, stream_completion
-from kvstash.launch.stack import Stack, StackConfig, running_stack, worker_threads
+from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
 from kvstash.v1 import scheduler_pb2
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WORDS = ("kv", "cache", "block", "decode", "prefill", "stash", "token", "batch", "resume")
 
 
@@ -152,7 +155,42 @@ async def _run(stack: Stack, num_requests: int, max_tokens: int) -> bool:
     return matched == num_requests
 
 
-def run_demo(config: StackConfig, num_requests: int, max_tokens: int) -> int:
+def _run_held(stack: Stack, num_requests: int, max_tokens: int) -> bool:
+    """`_run`, cancelled by a stop signal, which then acts (kvstash demo's
+    handler raises, to stop the stack) once the event loop has closed, as it
+    would have at once outside it. Raised inside the loop, a handler's
+    exception lands in whatever callback is running, grpc's included (a
+    segfault, seen), and the services outlive the demo. Cancelled: False."""
+    came: list[int] = []
+    main: list[asyncio.Task[bool]] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        came.append(signum)
+        if main:  # as asyncio.Runner does on SIGINT
+            main[0].get_loop().call_soon_threadsafe(main[0].cancel)
+
+    async def run() -> bool:
+        main.append(asyncio.current_task())  # type: ignore[arg-type]
+        return await _run(stack, num_requests, max_tokens)
+
+    handlers = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        return asyncio.run(run())
+    except asyncio.CancelledError:
+        if not came:
+            raise
+        return False
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])
+
+
+def run_demo(config: StackConfig, num_requests: int, max_tokens: int,
+             stop: Callable[[Stack], None] = Stack.stop) -> int:
+    """`stop` stops the stack however the run ends (kvstash demo's keeps a
+    second stop signal from cutting that short)."""
     each = f"worker ({config.model}, {config.dtype}) and {'prefill ' if config.pd else ''}scheduler"
     front = each if config.instances == 1 else f"{config.instances} instances of {each}"
     decode = ", a decode instance" if config.pd else ""
@@ -160,8 +198,11 @@ def run_demo(config: StackConfig, num_requests: int, max_tokens: int) -> int:
     threads = worker_threads(config)[0]
     print(f"starting cache, {front}{decode}{gateway}, {config.num_blocks} KV blocks and "
           f"{threads} torch threads each ...", flush=True)
-    with running_stack(config) as stack:
-        ok = asyncio.run(_run(stack, num_requests, max_tokens))
+    stack = start_stack(config)
+    try:
+        ok = _run_held(stack, num_requests, max_tokens)
+    finally:
+        stop(stack)
     if not ok:
         print("outputs differ from the unpressured run", file=sys.stderr)
     return 0 if ok else 1

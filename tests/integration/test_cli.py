@@ -223,6 +223,33 @@ def test_demo_checks_pressured_outputs_against_replays(extra: tuple[str, ...]) -
         assert len(per_instance) == 2 and sum(per_instance) == 12
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_demo_stopped_while_running_leaves_nothing_behind(sig: signal.Signals) -> None:
+    """A demo stopped mid-run (`timeout`, a service manager, Ctrl-C) stops
+    its services and removes their data directory, in one line."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.launch.cli", "demo", "--requests", "64",
+         "--max-tokens", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert demo.stdout is not None and demo.stderr is not None
+    for line in demo.stdout:  # the stack is up and the requests are going out
+        if line.startswith("-- 64 concurrent requests"):
+            break
+    children = _children(demo.pid)
+    assert len(children) == 3, children
+    cache_args = Path(f"/proc/{children[0]}/cmdline").read_text().split("\0")
+    data_dir = Path(cache_args[cache_args.index("--disk-dir") + 1]).parent
+    assert data_dir.is_dir()
+
+    demo.send_signal(sig)
+    assert demo.wait(30) == 1
+    assert not wait_gone(children)
+    assert not data_dir.exists()
+    assert demo.stderr.read().splitlines() == [f"stopped ({sig.name})"]
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
