@@ -5,16 +5,22 @@ Every flag `--some-flag` of service `worker` may also come from the variable
 `KVSTASH_CACHE_`), read once when the arguments are parsed. A flag on the
 command line wins over the variable; the variable wins over the built-in
 default. That is how a container (and the Helm chart) configures a service.
+A variable with the service's prefix that names no flag (a typo, a flag
+another service has) stops it too: ignored, it would leave the setting at
+its default without a word.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from collections.abc import Mapping, Sequence
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+# Variables that share a service's prefix but are no flag of it.
+_NOT_FLAGS = frozenset({"KVSTASH_CACHE_DIR"})  # kvstash.sim.compiled's build cache
 
 
 def env_name(service: str, option: str) -> str:
@@ -34,6 +40,14 @@ def parse_args(
     so a bad value fails at start-up with the flag named."""
     environ = os.environ if environ is None else environ
     defaults: dict[str, object] = {}
+    known = {env_name(service, o): o for a in parser._actions for o in a.option_strings
+             if o.startswith("--")}
+    prefix = env_name(service, "")
+    for name in sorted(environ):
+        if name.startswith(prefix) and name not in known and name not in _NOT_FLAGS:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}, for {known[close[0]]}?)" if close else ""
+            parser.error(f"{name}: no flag of this service takes it{hint}")
     for action in parser._actions:  # argparse offers no public view of its options
         long_options = [o for o in action.option_strings if o.startswith("--")]
         if not long_options or action.dest == "help":

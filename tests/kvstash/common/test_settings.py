@@ -70,3 +70,32 @@ async def test_a_service_takes_its_settings_from_the_environment(
     finally:
         cache.stop()
     assert stats.memory_budget_bytes == 48 * MIB
+
+
+def test_a_variable_that_names_no_flag_fails_at_start_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A typo (a Helm chart's `flags: {num-block: 64}`) must not leave the
+    setting at its default without a word."""
+    with pytest.raises(SystemExit):
+        settings.parse_args(make_parser(), "worker", [], {"KVSTASH_WORKER_NUM_BLOCK": "64"})
+    assert ("KVSTASH_WORKER_NUM_BLOCK: no flag of this service takes it (did you mean "
+            "KVSTASH_WORKER_NUM_BLOCKS, for --num-blocks?)") in capsys.readouterr().err
+    # Other prefixes, and the sim's build cache, are not this service's.
+    env = {"KVSTASH_WORKERS": "2", "KVSTASH_CACHE_DIR": "/tmp/c", "KVSTASH_FUZZ_EXAMPLES": "9"}
+    assert settings.parse_args(make_parser(), "cache", [], env).num_blocks == 8
+
+
+def test_a_service_refuses_a_variable_that_names_no_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTASH_CACHE_MEMORY_BUDGE", "48MiB")
+    try:
+        cache = start_service("cache", "cache_svc", ["--listen", "127.0.0.1:0"], tmp_path,
+                              timeout_s=60)
+    except RuntimeError as exc:
+        assert "cache exited with code 2" in str(exc)
+        assert "KVSTASH_CACHE_MEMORY_BUDGE: no flag of this service" in str(exc)
+    else:
+        cache.stop()
+        pytest.fail("the cache started, its memory budget left at the default")
