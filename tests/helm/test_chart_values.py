@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import env, render, render_error
+import yaml
+from chart_helpers import CHART, env, helm, render, render_error
 
 SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"colour": "blue"}, "Additional property colour is not allowed"),
@@ -247,3 +248,28 @@ def test_the_prefix_tier_reaches_the_scheduler_and_the_cache(
     assert containers["scheduler"]["KVSTASH_SCHEDULER_PREFIX_SEGMENT_TOKENS"] == tokens
     assert containers["scheduler"]["KVSTASH_SCHEDULER_PREFIX_WRITE"] == write
     assert containers["cache"]["KVSTASH_CACHE_UNPINNED_SHARE"] == share
+
+
+def _service_names(release: str, tmp_path: Path) -> list[str] | str:
+    """The Services `helm template` renders for `release` (P/D, shared cache,
+    gateway: every Service the chart has), or helm's error."""
+    values = {"instances": {"role": "pd"}, "cache": {"mode": "shared"},
+              "gateway": {"enabled": True}}
+    done = helm("template", release, str(CHART), "--namespace", "kv", values=values,
+                tmp_path=tmp_path)
+    if done.returncode != 0:
+        return done.stderr
+    return [d["metadata"]["name"] for d in yaml.safe_load_all(done.stdout)
+            if d and d["kind"] == "Service"]
+
+
+def test_service_names_fit_kubernetes_or_the_render_says_why(tmp_path: Path) -> None:
+    """A Service name is a DNS label (63 characters): a long release name
+    rendered "<release>-kvstash-instances" past it, which Kubernetes refuses
+    at install, after helm said nothing."""
+    names = _service_names("r" * 45, tmp_path)  # <release>-kvstash: 53 characters
+    assert isinstance(names, list) and max(len(n) for n in names) == 63, names
+    error = _service_names("r" * 46, tmp_path)
+    assert isinstance(error, str)
+    assert (f'the release\'s full name "{"r" * 46}-kvstash" is 54 characters: Kubernetes would '
+            f"refuse the Service {'r' * 46}-kvstash-instances") in error

@@ -10,6 +10,12 @@ message naming the keys involved and what to change.
 {{- $i := $v.instances -}}
 
 {{- $pools := include "kvstash.pools" . | fromYamlArray -}}
+
+{{- /* Service names are DNS labels, at most 63 characters; the longest the chart makes is "<fullname>-instances". */ -}}
+{{- $fullname := include "kvstash.fullname" . -}}
+{{- if gt (len $fullname) 53 -}}
+{{- $errors = append $errors (printf "the release's full name %q is %d characters: Kubernetes would refuse the Service %s-instances (a Service name is at most 63); use a shorter release name, or fullnameOverride of at most 53 characters" $fullname (len $fullname) $fullname) -}}
+{{- end -}}
 {{- if not (has $c.mode (list "sidecar" "daemonset" "shared")) -}}
 {{- $errors = append $errors (printf "cache.mode %q: use sidecar, daemonset or shared" $c.mode) -}}
 {{- end -}}
