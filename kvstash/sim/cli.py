@@ -152,8 +152,11 @@ def row(policy: str, rate: float, summary: Summary, result: SimResult, seconds: 
 
 def pd_row(result: SimResult) -> str:
     c = result.counters
+    # A hand-off fails where its copy does, or no decode instance reserved in
+    # time (or one was lost): either way the request finishes where it began.
     return (f"{'':<16} P/D: {c['num_handoffs']} handed off ({c['num_handoff_failures']} "
-            f"copies failed); reservations {c['num_reservations_accepted']} accepted, "
+            f"finished on a prefill instance); reservations "
+            f"{c['num_reservations_accepted']} accepted, "
             f"{c['num_reservations_refused']} refused, {c['num_reservations_expired']} expired")
 
 

@@ -101,9 +101,9 @@ def test_sim_runs_pd_pools_and_reports_their_hand_offs(
     run = json.loads(out.read_text())["runs"][0]
     c = run["counters"]
     assert run["summary"]["num_completed"] == 30 and c["num_handoffs"] > 0
-    assert (f"P/D: {c['num_handoffs']} handed off (0 copies failed); reservations "
-            f"{c['num_reservations_accepted']} accepted, {c['num_reservations_refused']} "
-            f"refused") in printed
+    assert (f"P/D: {c['num_handoffs']} handed off ({c['num_handoff_failures']} finished on "
+            f"a prefill instance); reservations {c['num_reservations_accepted']} accepted, "
+            f"{c['num_reservations_refused']} refused") in printed
 
 
 @pytest.mark.parametrize("flags, error", [
