@@ -136,6 +136,12 @@ class ModelRunner:
                 f"block table has {len(seq.block_ids)}"
             )
         self.check_block_ids(seq.block_ids, who)
+        used = seq.block_ids[:need]
+        if len(set(used)) != need:  # one block for two places: each overwrites the other
+            repeats = [b for b, k in Counter(used).items() if k > 1]
+            raise InvalidArgument(
+                f"{who}: block table names blocks {repeats[:8]} more than once in the "
+                f"{need} blocks its {end} positions use")
 
     def check_step(self, seqs: Sequence[SeqWork]) -> None:
         """Every problem a step could hit, raised before any KV is written."""
@@ -145,14 +151,48 @@ class ModelRunner:
                 raise InvalidArgument(f"request {seq.request_id!r} appears twice in one step")
             seen_requests.add(seq.request_id)
             self._check_seq(seq)
-        slots = [self._write_slots(seq) for seq in seqs]
+        used = [self._used_blocks(seq) for seq in seqs]
+        slots = [self._write_slots(seq, table) for seq, table in zip(seqs, used, strict=True)]
         flat = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
         if len(np.unique(flat)) != len(flat):
             self._raise_shared_slot(seqs, slots)
+        if len(seqs) > 1:
+            self._check_written_blocks_unshared(seqs, used)
 
-    def _write_slots(self, seq: SeqWork) -> np.ndarray:
+    def _used_blocks(self, seq: SeqWork) -> np.ndarray:
+        """The block table entries a step reads or writes for `seq`."""
+        end = seq.start_pos + len(seq.token_ids)
+        return np.asarray(seq.block_ids[: -(-end // self.block_size)], dtype=np.int64)
+
+    def _check_written_blocks_unshared(self, seqs: Sequence[SeqWork],
+                                       used: list[np.ndarray]) -> None:
+        """No block a sequence writes is in another's table this step. Requests
+        share only whole prefix blocks, which none of them writes; a block
+        given to two (a block pool's double allocation) would have one
+        request's new KV overwrite the other's cached KV, or be read by it.
+        `used`: each sequence's _used_blocks."""
+        blocks, counts = np.unique(np.concatenate(used), return_counts=True)
+        shared = blocks[counts > 1]  # tables hold no repeats (_check_seq)
+        if not len(shared):
+            return
+        written = [table[seq.start_pos // self.block_size:]
+                   for seq, table in zip(seqs, used, strict=True)]
+        if not np.isin(np.concatenate(written), shared).any():
+            return
+        for seq, seq_written in zip(seqs, written, strict=True):
+            clash = seq_written[np.isin(seq_written, shared)]
+            if len(clash):
+                block = int(clash[0])
+                other = next(o.request_id for o, t in zip(seqs, used, strict=True)
+                             if o is not seq and block in t)
+                raise InvalidArgument(
+                    f"request {seq.request_id!r} writes block {block}, which request "
+                    f"{other!r} also holds in this step (only whole prefix blocks, "
+                    "written by none, may be shared)")
+
+    def _write_slots(self, seq: SeqWork, table: np.ndarray) -> np.ndarray:
+        """`table`: the sequence's _used_blocks."""
         pos = np.arange(seq.start_pos, seq.start_pos + len(seq.token_ids))
-        table = np.asarray(seq.block_ids[: -(-int(pos[-1] + 1) // self.block_size)])
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _raise_shared_slot(self, seqs: Sequence[SeqWork], slots: list[np.ndarray]) -> None:

@@ -21,6 +21,10 @@ GOOD = SeqWork("good", [1, 2, 3], 0, [0], sample=True)
         (SeqWork("r", [5], 1024, [1] * 300), r"positions 1024..1024 exceed max_model_len 1024"),
         (SeqWork("r", [5, 6], 7, [1, 2]), r"9 positions need 3 blocks of 4, block table has 2"),
         (SeqWork("r", [5], 0, [64]), r"block ids \[64\] outside \[0, 64\)"),
+        # One block for two places of one table: positions 4.. would overwrite 0..
+        (SeqWork("r", [5, 6, 7, 8, 9], 0, [1, 1]),
+         r"block table names blocks \[1\] more than once in the 2 blocks its 5 positions use"),
+        (SeqWork("r", [5], 4, [2, 2, 3]), r"blocks \[2\] more than once"),
     ],
 )
 def test_bad_sequence_is_refused_and_cache_untouched(seq: SeqWork, message: str) -> None:
@@ -37,6 +41,22 @@ def test_two_requests_writing_one_slot_are_refused() -> None:
         runner.execute([SeqWork("a", [1, 2], 0, [3]), SeqWork("b", [4], 1, [3])])
     with pytest.raises(InvalidArgument, match="'a' appears twice"):
         runner.execute([SeqWork("a", [1], 0, [3]), SeqWork("a", [4], 0, [5])])
+
+
+def test_a_block_one_request_writes_is_in_no_other_table_of_the_step() -> None:
+    """A block a buggy scheduler gave to two requests: b's cached KV in block 1
+    must not be overwritten by a's new KV (nor read as b's by b)."""
+    runner = make_runner()
+    runner.execute([SeqWork("b", [10, 11, 12, 13, 14, 15], 0, [0, 1])])
+    before = runner.kv_cache.clone()
+    with pytest.raises(InvalidArgument,
+                       match="request 'a' writes block 1, which request 'b' also holds"):
+        runner.execute([SeqWork("a", [20, 21], 0, [1]),
+                        SeqWork("b", [16], 6, [0, 1], True)])
+    with pytest.raises(InvalidArgument, match="request 'a' writes block 0, which request 'b'"):
+        runner.execute([SeqWork("b", [16], 6, [0, 1], True),
+                        SeqWork("a", [20], 4, [5, 0])])
+    assert torch.equal(runner.kv_cache, before)
 
 
 def test_shared_read_only_prefix_blocks_are_allowed() -> None:

@@ -21,7 +21,13 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.common.wire import sampling_to_proto
 from kvstash.v1 import cache_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_svc.worker_link import WORKER_CHANNEL_OPTIONS
-from tests.gpu_worker.worker_factories import MemoryCache, blocks_for, make_runner, prompt
+from tests.gpu_worker.worker_factories import (
+    MemoryCache,
+    blocks_for,
+    greedy_generate,
+    make_runner,
+    prompt,
+)
 
 
 @dataclass
@@ -164,6 +170,24 @@ async def test_bad_plan_is_invalid_argument_and_server_keeps_serving(harness: Ha
     assert "9 positions need 3 blocks of 4, block table has 2" in (info.value.details() or "")
     ok = await run_steps(harness.stub, [[SeqWork("z", [1, 2], 0, [0], True)]])
     assert ok[0][0][0] == "z"
+
+
+async def test_a_step_overwriting_another_requests_kv_is_refused(harness: Harness) -> None:
+    """A block a buggy scheduler gave to two requests: the step that would have
+    one write its KV over the other's is refused, and the other continues as if
+    it never came."""
+    ids = prompt("Keep my KV")  # 10 tokens: blocks 0..2 of 4
+    table = blocks_for(len(ids) + 1, 0)
+    want = greedy_generate(make_runner(), ids, 2, table)
+    assert await run_steps(harness.stub, [[SeqWork("b", ids, 0, table, True)]]) == [
+        [("b", want[0])]]
+    clash = [SeqWork("a", [7, 8, 9, 10], 0, [1]), SeqWork("b", [want[0]], len(ids), table, True)]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_steps(harness.stub, [clash])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request 'a' writes block 1, which request 'b' also holds" in (
+        info.value.details() or "")
+    assert await run_steps(harness.stub, [[clash[1]]]) == [[("b", want[1])]]
 
 
 async def test_bad_sampling_is_invalid_argument_naming_the_value(harness: Harness) -> None:
