@@ -49,8 +49,10 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def seq_from_proto(p: worker_pb2.SeqWork) -> SeqWork:
-    """Raises InvalidArgument naming a bad sampling value of a sampling chunk
-    (the sampling of a chunk that samples nothing is not read)."""
+    """Raises InvalidArgument naming a bad request id, or a bad sampling value
+    of a sampling chunk (the sampling of a chunk that samples nothing is not
+    read)."""
+    check_request_id(p.request_id)  # the rule of every service: errors and logs name it
     return SeqWork(
         request_id=p.request_id,
         token_ids=list(p.token_ids),

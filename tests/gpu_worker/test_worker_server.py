@@ -244,6 +244,20 @@ async def test_bad_ids_and_undecodable_bytes_are_short_invalid_arguments(
         assert "<class" not in (info.value.details() or "")
 
 
+async def test_step_request_ids_follow_the_request_id_rule(harness: Harness) -> None:
+    """As in Offload and Restore: an id that is empty, too long or not visible
+    ASCII is refused, in a short error (a step error names its request)."""
+    for request_id in ["", "s" * 100_000, "two\nlines"]:
+        call = harness.stub.Execute()
+        await call.write(worker_pb2.StepPlan(step_id=0, seqs=[worker_pb2.SeqWork(
+            request_id=request_id, token_ids=[1, 2], block_ids=[0])]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id must be 1-256 visible ASCII" in (info.value.details() or "")
+        assert len(info.value.details() or "") < 200
+
+
 async def test_offload_then_restore_into_other_blocks_continues_identically(
         harness: Harness) -> None:
     ids = prompt("Stash me, then bring me back.")
