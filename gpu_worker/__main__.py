@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Worke
     p.add_argument("--num-blocks", type=int, default=_DEFAULTS.num_blocks,
                    help="blocks in the KV-cache tensor")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
-                   help="cap on prompt + output tokens; unset = the model's own")
+                   help="cap on prompt + output tokens, at most the model's own "
+                        "(max_position_embeddings); unset = the model's own")
     p.add_argument("--cache-address", default=_DEFAULTS.cache_address,
                    help="KV cache service host:port; empty = offload unavailable")
     p.add_argument("--cache-timeout-s", type=float, default=_DEFAULTS.cache_timeout_s,

@@ -40,7 +40,7 @@ class WorkerConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 512  # blocks in the KV-cache tensor
-    max_model_len: int | None = None  # cap below the model's own limit; None = the model's
+    max_model_len: int | None = None  # cap at or below the model's own limit; None = the model's
     cache_address: str = ""  # KV cache service "host:port"; "" = offload unavailable
     # Bound on an offload or restore whose caller sent no deadline (a caller's
     # deadline, e.g. the scheduler's transfer timeout, governs otherwise).

@@ -74,6 +74,12 @@ class ModelRunner:
         attention: None = flash on CUDA in fp16/bf16, else torch.
         cuda_graph_rows: see BatchedForward.use_graphs (0: no CUDA graphs)."""
         cfg = model.config
+        if max_model_len is not None and max_model_len > cfg.max_model_len:
+            # Served anyway, the scheduler would admit (and the rotary table
+            # reach) positions the model was never trained for; capped
+            # quietly, a user would be told nothing of the shorter context.
+            raise ValueError(f"max_model_len {max_model_len} is more than the model's own "
+                             f"{cfg.max_model_len} (its max_position_embeddings)")
         self.model = model
         self.name, self.weights_id = name, weights_id  # checkpoint.LoadedModel's
         self.tokenizer_json = tokenizer_json  # "" = byte-level tokenizer
@@ -81,7 +87,7 @@ class ModelRunner:
         self.model_config: ModelConfig = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.max_model_len = min(cfg.max_model_len, max_model_len or cfg.max_model_len)
+        self.max_model_len = max_model_len or cfg.max_model_len
         self.device = model.device
         self.dtype = model.dtype
         self.kv_cache = torch.zeros(

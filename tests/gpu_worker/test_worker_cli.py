@@ -116,6 +116,16 @@ def test_bad_flag_value_exits_with_message() -> None:
     assert out.returncode == 2 and "num_blocks must be >= 1, got 0" in out.stderr
 
 
+def test_a_max_model_len_past_the_models_exits_with_message() -> None:
+    """Not served quietly at the model's 1024 while the user asked for 4096."""
+    out = subprocess.run([sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0",
+                          "--num-blocks", "8", "--max-model-len", "4096"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2, out.stderr
+    assert "max_model_len 4096 is more than the model's own 1024" in out.stderr
+    assert "KVSTASH_READY" not in out.stdout
+
+
 async def test_serves_announces_and_stops_on_sigterm() -> None:
     async with worker_process("--num-blocks", "16") as worker:
         async with insecure_channel(worker.address) as channel:

@@ -79,6 +79,13 @@ def test_max_model_len_cap() -> None:
         runner.execute([SeqWork("r", [1, 2, 3], 8, [0, 1, 2])])
 
 
+def test_max_model_len_past_the_models_own_is_refused() -> None:
+    assert ModelRunner(tiny_model(), block_size=4, num_blocks=8,
+                       max_model_len=1024).max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len 1025 is more than the model's own 1024"):
+        ModelRunner(tiny_model(), block_size=4, num_blocks=8, max_model_len=1025)
+
+
 def test_cuda_graphs_are_for_whole_invariant_steps_on_cuda_only() -> None:
     """On the CPU the setting is moot: no graphs, asked for or not."""
     runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, cuda_graph_rows=512)
