@@ -14,7 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -89,18 +89,27 @@ def load_model(config: WorkerConfig) -> LoadedModel:
                            device)
 
 
-def _tensor_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every tensor name in the directory's safetensors files -> (file, shape)."""
+class _Stored(NamedTuple):
+    """Where and how a checkpoint stores one tensor."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "BF16", "I8", "F8_E4M3", ...
+
+
+def _tensor_index(directory: Path) -> dict[str, _Stored]:
+    """Every tensor name in the directory's safetensors files -> where and how stored."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
-    index: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    index: dict[str, _Stored] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name in index:
-                    raise ValueError(f"tensor {name} is in both {index[name][0]} and {path}")
-                index[name] = (path, tuple(f.get_slice(name).get_shape()))
+                    raise ValueError(f"tensor {name} is in both {index[name].path} and {path}")
+                stored = f.get_slice(name)
+                index[name] = _Stored(path, tuple(stored.get_shape()), stored.get_dtype())
     return index
 
 
@@ -124,10 +133,17 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     index = _tensor_index(directory)
     optional = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     check_tensors({n: tuple(p.shape) for n, p in params.items()},
-                  {n: shape for n, (_, shape) in index.items()}, optional)
+                  {n: stored.shape for n, stored in index.items()}, optional)
+    # copy_ would cast integer or float8 codes to floats without a word: the
+    # weights of a quantized export whose config.json names no quantization.
+    not_float = [f"{n} is {index[n].dtype}" for n in params
+                 if index[n].dtype not in _SAFETENSORS_DTYPES]
+    if not_float:
+        raise ValueError(f"checkpoint tensors must be one of {sorted(_SAFETENSORS_DTYPES)} "
+                         f"(quantized weights are not supported): {'; '.join(not_float[:8])}")
     by_file: dict[Path, list[str]] = {}
     for name in params:
-        by_file.setdefault(index[name][0], []).append(name)
+        by_file.setdefault(index[name].path, []).append(name)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
@@ -142,13 +158,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
 
 
-def _stored_dtype(index: dict[str, tuple[Path, tuple[int, ...]]]) -> torch.dtype:
+def _stored_dtype(index: dict[str, _Stored]) -> torch.dtype:
     """The dtype of the first floating-point tensor as stored on disk."""
-    for name, (path, _) in sorted(index.items()):
-        with safe_open(str(path), framework="pt") as f:
-            dtype = f.get_slice(name).get_dtype()
-        if dtype in _SAFETENSORS_DTYPES:
-            return _SAFETENSORS_DTYPES[dtype]
+    for _, stored in sorted(index.items()):
+        if stored.dtype in _SAFETENSORS_DTYPES:
+            return _SAFETENSORS_DTYPES[stored.dtype]
     raise ValueError(f"checkpoint holds no tensor of dtype {sorted(_SAFETENSORS_DTYPES)}; "
                      "pass --dtype")
 

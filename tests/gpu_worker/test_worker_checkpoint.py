@@ -114,6 +114,12 @@ def test_bfloat16_load_casts(tmp_path: Path) -> None:
          r"tensor model.layers.1.self_attn.k_proj.weight has shape \[64, 64\], want \[24, 64\]"),
         ({"model.layers.0.mlp.extra.weight": torch.zeros(3)},
          r"unexpected tensor model.layers.0.mlp.extra.weight \(shape \[3\]\)"),
+        # Quantized codes under the plain names, no quantization_config: never
+        # cast to floats and served.
+        ({"model.layers.0.mlp.up_proj.weight": torch.ones(96, 64, dtype=torch.int8)},
+         r"quantized weights are not supported\): model.layers.0.mlp.up_proj.weight is I8"),
+        ({"lm_head.weight": torch.ones(40, 64).to(torch.float8_e4m3fn)},
+         r"lm_head.weight is F8_E4M3"),
     ],
 )
 def test_mismatched_tensors_are_named(tmp_path: Path, edit: dict[str, torch.Tensor | None],
