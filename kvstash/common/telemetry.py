@@ -31,8 +31,9 @@ instrumentation, so trace context travels in gRPC metadata:
             client's child]    kvstash.restore]                                   spans]
 
 What is traced, so that one request is one trace and idle services send nothing:
-  * servers: Scheduler.Generate and Scheduler.Abort always (they start or join
-    the caller's trace); any other method only when the caller sent trace
+  * servers: Generate and Abort of kvstash.v1.Scheduler and of
+    vllm.grpc.engine.VllmEngine always (they start or join the caller's
+    trace); any other method only when the caller sent trace
     context (a request's offload, restore, snapshot put and get). Background
     calls (cache stats polls, snapshot deletes, GetInfo) and health checks
     start no traces.
@@ -62,8 +63,12 @@ SCHEDULER_SERVICE = "kvstash-scheduler"
 WORKER_SERVICE = "kvstash-worker"
 CACHE_SERVICE = "kvstash-cache"
 
-# Methods that may start a trace of their own (the public request API).
-_ROOT_METHODS = frozenset({"/kvstash.v1.Scheduler/Generate", "/kvstash.v1.Scheduler/Abort"})
+# Methods that may start a trace of their own: the public request APIs, ours
+# and vLLM's (what gateways such as smg call, with or without trace context).
+_ROOT_METHODS = frozenset({
+    "/kvstash.v1.Scheduler/Generate", "/kvstash.v1.Scheduler/Abort",
+    "/vllm.grpc.engine.VllmEngine/Generate", "/vllm.grpc.engine.VllmEngine/Abort",
+})
 _UNTRACED_METHODS = frozenset({"/kvstash.v1.Worker/Execute"})
 _TRUE = {"true", "1", "yes", "on"}
 # Bounds the flush at stop: launchers SIGKILL a service that takes long to stop.

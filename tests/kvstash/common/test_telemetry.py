@@ -156,3 +156,45 @@ async def test_shutdown_removes_the_instrumentation(monkeypatch: pytest.MonkeyPa
         handle.shutdown()
         _reset_global_provider()
     assert grpc.aio.server is server and grpc.aio.insecure_channel is channel
+
+
+async def _stream(request: bytes, context: object) -> AsyncIterator[bytes]:
+    yield request
+
+
+async def test_generate_and_abort_of_both_public_apis_start_traces(
+    tracing: tuple[telemetry.Tracing, InMemorySpanExporter],
+) -> None:
+    """A gateway that sends no trace context (smg) calls VllmEngine: its
+    Generate must still be a trace's root, or the request's phase and copy
+    spans, whose parent it is, become one root trace each."""
+    handle, exporter = tracing
+    server = grpc.aio.server()
+    for service in ("kvstash.v1.Scheduler", "vllm.grpc.engine.VllmEngine"):
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {
+            "Generate": grpc.unary_stream_rpc_method_handler(_stream),
+            "Abort": grpc.unary_unary_rpc_method_handler(_get),
+            "GetLoads": grpc.unary_unary_rpc_method_handler(_get),
+        })])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    roots = [f"/{service}/{method}" for service in ("kvstash.v1.Scheduler",
+                                                     "vllm.grpc.engine.VllmEngine")
+             for method in ("Generate", "Abort")]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for method in roots:
+                if method.endswith("Generate"):
+                    assert [m async for m in channel.unary_stream(method)(b"x", timeout=5)] == [
+                        b"x"]
+                else:
+                    assert await channel.unary_unary(method)(b"x", timeout=5) == b"x"
+            # Neither API's other methods start one (smg polls GetLoads).
+            await channel.unary_unary("/vllm.grpc.engine.VllmEngine/GetLoads")(b"x", timeout=5)
+    finally:
+        await server.stop(None)
+    handle.provider.force_flush()
+    spans = exporter.get_finished_spans()
+    assert sorted((s.name, s.kind.name) for s in spans) == sorted(
+        (method, "SERVER") for method in roots)
+    assert all(s.parent is None for s in spans)
