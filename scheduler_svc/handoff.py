@@ -158,7 +158,10 @@ class PrefillSide:
                     decoder, request_id, cmd.snapshot_id, cmd.num_tokens,
                     first_token_id)) as events:
                 async for event in events:
-                    if first and self._metrics is not None:
+                    # Timed to the decode instance's first token: an abort
+                    # there delivered none.
+                    if first and self._metrics is not None and not isinstance(
+                            event, RemoteAborted):
                         self._metrics.handoff_s.observe(time.monotonic() - started)
                     first = False
                     if isinstance(event, RemoteAborted):

@@ -31,9 +31,10 @@ from scheduler_svc.decode_peers import (
 )
 from scheduler_svc.engine import Engine
 from scheduler_svc.inflight import InFlightRequests
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
 from tests.scheduler_svc.factories import make_scheduler
-from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink
+from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink, sample
 
 PROMPT = [1, 2, 3, 4]
 HANG = "hang"  # in a script: the decode instance sends nothing more until cancelled
@@ -108,9 +109,11 @@ async def mixed() -> AsyncIterator[Engine]:
     await engine.close()
 
 
-def prefill_engine(peers: FakePeers, core: Scheduler | None = None) -> Engine:
+def prefill_engine(peers: FakePeers, core: Scheduler | None = None,
+                   metrics: SchedulerMetrics | None = None) -> Engine:
     return Engine(core or make_scheduler(role=Role.PREFILL),  # type: ignore[arg-type]
-                  FakeWorkerLink(), None, decode_peers=peers)  # type: ignore[arg-type]
+                  FakeWorkerLink(), None, decode_peers=peers,  # type: ignore[arg-type]
+                  metrics=metrics)
 
 
 async def events_of(stream: RequestStream) -> tuple[list[int], RequestStatus | Exception]:
@@ -266,6 +269,28 @@ async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> 
         stream = await engine.admit("a", PROMPT, sampling(5))
         assert await events_of(stream) == ([7, 8, 7, 7, 7], RequestStatus.FINISHED_LENGTH)
         engine.check_integrity()
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(("script", "num_timed"), [
+    ([RemoteTokens([8]), RemoteFinished([9], RequestStatus.FINISHED_LENGTH,
+                                        RequestUsage(4, 3, 0, 0, 0, None))], 1),
+    ([RemoteAborted()], 0),
+], ids=["decoded", "aborted-there"])
+async def test_a_hand_off_is_timed_only_to_a_token_from_its_decode_instance(
+        script: list[RemoteEvent | Exception | str], num_timed: int) -> None:
+    """handoff_seconds runs to the decode instance's first token: one
+    aborted there before any token sent none (the request finishes here)."""
+    core = make_scheduler(role=Role.PREFILL)
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+    engine = prefill_engine(FakePeers([script]), core, metrics)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(3))
+        _, end = await events_of(stream)
+        assert end is RequestStatus.FINISHED_LENGTH
+        assert await sample(metrics, "handoff_seconds_count") == num_timed
     finally:
         await engine.close()
 
