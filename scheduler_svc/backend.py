@@ -99,11 +99,14 @@ class Backend:
         return side.decode(request_id, snapshot_id, num_tokens, first_token_id)
 
     async def updates(
-        self, request_id: str, stream: RequestStream, timing: Timing,
+        self, request_id: str, stream: RequestStream, timing: Timing, *, observed: bool = True,
     ) -> AsyncGenerator[RequestUpdate, None]:
         """A submitted request's updates, the finishing one last, or the
         KvstashError that ended it. Closed before the end (the client went
-        away), it aborts the request."""
+        away), it aborts the request. `observed`: a client's request, whose
+        end the per-request metrics count; not a decode instance's part of a
+        P/D request (Decode), which its prefill instance counts, from its
+        client's arrival."""
         try:
             while True:
                 event = await stream.events.get()
@@ -118,8 +121,9 @@ class Backend:
             if not stream.finished:  # the client went away: free everything now
                 with contextlib.suppress(errors.NotFound):
                     self.abort(request_id)
-            self.metrics.observe_finished(
-                stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
+            if observed:
+                self.metrics.observe_finished(
+                    stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
 
 
 class BackendSlot:

@@ -89,14 +89,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         check_snapshot_id(request.snapshot_id)
         stream = backend.decode(request.request_id, request.snapshot_id,
                                        request.num_tokens, request.first_token_id)
-        async for response in self._responses(request.request_id, stream, timing, backend):
+        # Not a client's request: its prefill instance counts it (once, from
+        # its client's arrival; here TTFT would time the second token).
+        async for response in self._responses(request.request_id, stream, timing, backend,
+                                               observed=False):
             yield response
 
     async def _responses(
         self, request_id: str, stream: RequestStream, timing: Timing, backend: Backend,
+        observed: bool = True,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         text = backend.tokenizer.stream()
-        async with contextlib.aclosing(backend.updates(request_id, stream, timing)) as updates:
+        async with contextlib.aclosing(
+                backend.updates(request_id, stream, timing, observed=observed)) as updates:
             async for event in updates:
                 response = scheduler_pb2.GenerateResponse(
                     request_id=request_id, token_ids=event.new_token_ids,

@@ -12,15 +12,20 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstash.client import Client
-from kvstash.common import settings
+from kvstash.common import rpc_connections, settings
 from kvstash.common.binding import free_port
 from kvstash.common.stats import declared
+from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.launch.stack import StackConfig, running_stack
-from scheduler_svc.core.config import PreemptionMode
+from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.backend import Backend
+from scheduler_svc.core.config import PreemptionMode, Role
 from scheduler_svc.core.outputs import SchedulerStats
 from scheduler_svc.core.preemption import REMEASURE_EVERY
+from scheduler_svc.engine import Engine
 from scheduler_svc.flags import parse_args
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.serving import create_scheduler_server
 from tests.integration.workload import (
     MAX_TOKENS,
     PRESSURED_BLOCKS,
@@ -30,6 +35,7 @@ from tests.integration.workload import (
 )
 from tests.metrics_helpers import scrape
 from tests.scheduler_svc.factories import make_scheduler, teach_costs
+from tests.scheduler_svc.test_engine_reports import FakeWorkerLink
 from tests.stats_helpers import count_distinct
 
 P = "kvstash_scheduler_"
@@ -133,3 +139,43 @@ async def test_every_preemption_the_core_can_choose_is_counted() -> None:
                for s in family.samples if s.name == "kvstash_scheduler_preemptions_total"}
     assert samples[("recompute", "cheaper")] == REMEASURE_EVERY - 1
     assert samples[("offload", "remeasure")] == 1
+
+
+async def test_a_decode_instances_part_of_a_pd_request_is_not_counted_as_a_request() -> None:
+    """The prefill instance counts a handed-off request once, from its
+    client's arrival; the decode instance's Decode call counting it too
+    doubled every P/D request in finished_requests_by_reason summed over
+    the pools, and put the time to its *second* token in the TTFT
+    histogram. A decode instance over a real channel; its worker's steps
+    and copies are a fake link's."""
+    core = make_scheduler(role=Role.DECODE, bytes_per_block=100)
+    loop = asyncio.get_running_loop()
+    metrics = SchedulerMetrics(core, loop)
+    engine = Engine(core, FakeWorkerLink(), None, metrics=metrics)  # type: ignore[arg-type]
+    await engine.start()
+    server = await create_scheduler_server("127.0.0.1:0")
+    try:
+        await asyncio.wait_for(engine.wait_until_worker_up(), 10)
+        server.attach(Backend(engine, ByteTokenizer(), metrics))
+        async with rpc_connections.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            prompt = scheduler_pb2.TokenIds(ids=[1, 2, 3, 4, 5])
+            reply = await stub.ReserveBlocks(scheduler_pb2.ReserveBlocksRequest(
+                request_id="r", prompt=prompt, sampling=common_pb2.SamplingParams(
+                    max_tokens=4, ignore_eos=True),
+                block_size=core.config.block_size, bytes_per_block=100))
+            assert reply.accepted
+            responses = [r async for r in stub.Decode(scheduler_pb2.DecodeRequest(
+                request_id="r", snapshot_id="prefill-r-0", num_tokens=5, first_token_id=9))]
+        assert responses[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
+        assert sum(len(r.token_ids) for r in responses) == 3  # the first came from prefill
+        assert core.stats().num_generation_tokens == 3
+        values = {name: await asyncio.to_thread(metrics.registry.get_sample_value, P + name,
+                                                {"reason": "length"} if "reason" in name else {})
+                  for name in ("finished_requests_by_reason_total", "ttft_seconds_count",
+                               "time_per_output_token_seconds_count",
+                               "e2e_request_latency_seconds_count")}
+        assert values == dict.fromkeys(values, 0.0)
+    finally:
+        await server.server.stop(None)
+        await engine.close()
