@@ -42,15 +42,21 @@ _STATS = (
     *declared(SchedulerStats),
     _gauge("kv_usage_ratio", "Share of KV blocks held by requests (neither free nor evictable)"),
 )
-# Fields of the core's CostEstimates; NaN until measured.
-_COST_GAUGES = tuple(_gauge(name, doc) for name, doc in {
-    "offload_s_fixed": "Learned fixed seconds of one offload",
-    "offload_s_per_block": "Learned seconds per KV block offloaded",
-    "restore_s_fixed": "Learned fixed seconds of one restore",
-    "restore_s_per_block": "Learned seconds per KV block restored",
-    "prefill_s_per_token": "Learned prefill seconds per token (a in a*L + b*L^2)",
-    "prefill_s_per_token_squared": "Learned prefill seconds per token squared (b)",
-    "crossover_tokens": "Context length above which AUTO predicts offload cheaper than recompute",
+# Fields of the core's CostEstimates, exported with the unit spelled out as
+# Prometheus names it (`_seconds`, never `_s`); NaN until measured.
+_COST_GAUGES = tuple(Stat(name, Kind.GAUGE, doc, metric, float) for name, (metric, doc) in {
+    "offload_s_fixed": ("offload_fixed_seconds", "Learned fixed seconds of one offload"),
+    "offload_s_per_block": ("offload_seconds_per_block",
+                            "Learned seconds per KV block offloaded"),
+    "restore_s_fixed": ("restore_fixed_seconds", "Learned fixed seconds of one restore"),
+    "restore_s_per_block": ("restore_seconds_per_block",
+                            "Learned seconds per KV block restored"),
+    "prefill_s_per_token": ("prefill_seconds_per_token",
+                            "Learned prefill seconds per token (a in a*L + b*L^2)"),
+    "prefill_s_per_token_squared": ("prefill_seconds_per_token_squared",
+                                    "Learned prefill seconds per token squared (b)"),
+    "crossover_tokens": ("crossover_tokens", "Context length above which AUTO predicts "
+                         "offload cheaper than recompute"),
 }.items())
 # (mode, reason) of every preemption the core can choose.
 _PREEMPTIONS = (

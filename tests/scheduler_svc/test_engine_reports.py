@@ -150,11 +150,13 @@ async def test_copies_are_timed_and_the_learned_rates_are_gauges() -> None:
     costs = core.preemption.costs
     assert (costs.num_offloads, costs.num_restores) == (1, 1)
     # Not yet trusted (min_cost_samples 4): NaN.
-    value = await sample(metrics, "cost_offload_s_per_block")
+    value = await sample(metrics, "cost_offload_seconds_per_block")
     assert value is not None and math.isnan(value)
     teach_costs(costs, (0.01, 2e-4), (0.005, 1e-4), (1e-4, 1e-7))
     estimates = core.cost_estimates()
-    for name in ("offload_s_per_block", "restore_s_fixed", "prefill_s_per_token_squared",
-                 "crossover_tokens"):
-        assert await sample(metrics, "cost_" + name) == getattr(estimates, name), name
+    for name, metric in (("offload_s_per_block", "offload_seconds_per_block"),
+                         ("restore_s_fixed", "restore_fixed_seconds"),
+                         ("prefill_s_per_token_squared", "prefill_seconds_per_token_squared"),
+                         ("crossover_tokens", "crossover_tokens")):
+        assert await sample(metrics, "cost_" + metric) == getattr(estimates, name), name
     assert estimates.crossover_tokens is not None and estimates.crossover_tokens > 0

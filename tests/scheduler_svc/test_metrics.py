@@ -5,12 +5,15 @@ agrees with the requests sent and with GetStats."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cache_svc.metrics import TransferMetrics
+from cache_svc.model import CacheStats
 from kvstash.client import Client
 from kvstash.common import rpc_connections, settings
 from kvstash.common.binding import free_port
@@ -179,3 +182,15 @@ async def test_a_decode_instances_part_of_a_pd_request_is_not_counted_as_a_reque
     finally:
         await server.server.stop(None)
         await engine.close()
+
+
+async def test_metric_names_spell_their_units_as_prometheus_does() -> None:
+    """`_seconds`, never `_s` (the learned costs were `..._s_per_block`):
+    the scheduler's and the cache's every metric."""
+    metrics = SchedulerMetrics(make_scheduler(), asyncio.get_running_loop())
+    text = (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    names |= {"kvstash_cache_" + s.metric for s in declared(CacheStats) if s.metric}
+    names |= {f.name for f in TransferMetrics().registry.collect()}
+    assert P + "cost_offload_seconds_per_block" in names
+    assert [n for n in names if re.search(r"_s(_|$)", n)] == []
