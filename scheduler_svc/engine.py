@@ -205,7 +205,7 @@ class Engine:
             tiers = await self._cache.stored_run(ids)
             span.set_attribute("kvstash.num_stored", len(tiers or ()))
         if self._metrics is not None:
-            self._metrics.observe_lookup(tiers or [])
+            self._metrics.observe_lookup(tiers)
         return None if tiers is None else len(tiers)
 
     def submit(

@@ -108,8 +108,10 @@ class SchedulerMetrics:
             "(all its segments)", TRANSFER_BUCKETS)
         lookups = Counter(_PREFIX + "prefix_tier_lookups",
                           "Requests whose prompt segments the prefix tier was asked for, by "
-                          "whether it held the first", ["result"], registry=r)
-        self._lookups = {hit: lookups.labels("hit" if hit else "miss") for hit in (True, False)}
+                          "whether it held the first (hit, miss; unanswered: the cache did "
+                          "not answer)", ["result"], registry=r)
+        self._lookups = {result: lookups.labels(result)
+                         for result in ("hit", "miss", "unanswered")}
         found = Counter(_PREFIX + "prefix_tier_found_segments",
                         "Leading prompt segments the prefix tier held at arrival, by tier",
                         ["tier"], registry=r)
@@ -122,9 +124,13 @@ class SchedulerMetrics:
         self._preemptions = {(mode, reason): preemptions.labels(mode.value, reason.value)
                              for mode, reason in _PREEMPTIONS}
 
-    def observe_lookup(self, tiers: list[str]) -> None:
-        """A lookup found the leading segments in these tiers (memory, disk)."""
-        self._lookups[bool(tiers)].inc()
+    def observe_lookup(self, tiers: list[str] | None) -> None:
+        """A lookup found the leading segments in these tiers (memory, disk);
+        None: the cache did not answer, which says nothing of what it holds."""
+        if tiers is None:
+            self._lookups["unanswered"].inc()
+            return
+        self._lookups["hit" if tiers else "miss"].inc()
         for tier in tiers:
             self._found[tier].inc()
 

@@ -16,7 +16,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.binding import free_port
 from kvstash.common.sampling import SamplingParams
+from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 from scheduler_svc.core.scheduler import Scheduler
@@ -160,3 +163,23 @@ async def test_copies_are_timed_and_the_learned_rates_are_gauges() -> None:
                          ("crossover_tokens", "crossover_tokens")):
         assert await sample(metrics, "cost_" + metric) == getattr(estimates, name), name
     assert estimates.crossover_tokens is not None and estimates.crossover_tokens > 0
+
+
+async def test_a_prefix_lookup_the_cache_did_not_answer_is_no_miss() -> None:
+    """A cache service nobody listens for (a real channel, refused): the
+    request prefills, and its lookup counts as unanswered, not as a miss
+    (which would read as the tier not holding the prompt)."""
+    core = make_scheduler(prefix_segment_blocks=1, prefix_tier_salt="tiny")
+    metrics = SchedulerMetrics(core, asyncio.get_running_loop())
+    client = CacheClient(f"127.0.0.1:{free_port()}")
+    engine = Engine(core, FakeWorkerLink(), CacheLink(client),  # type: ignore[arg-type]
+                    metrics=metrics)
+    await engine.start()
+    try:
+        await finished(await engine.admit("a", [1, 2, 3, 4] * 4, SamplingParams(2)))
+    finally:
+        await engine.close()
+        await client.close()
+    counts = {result: await sample(metrics, "prefix_tier_lookups_total", result=result)
+              for result in ("hit", "miss", "unanswered")}
+    assert counts == {"hit": 0, "miss": 0, "unanswered": 1}
