@@ -223,7 +223,7 @@ class DecodeSide:
         (raises NotFound / InvalidArgument as PdManager.start_remote_decode)."""
         cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
                                                 first_token_id)
-        stream = self._requests.open(request_id)
+        stream = self._requests.open(request_id, prefilled=True)
         self._tasks.spawn(self._copies.restore(cmd))
         self._wake()
         return stream

@@ -94,12 +94,15 @@ class InFlightRequests:
             admission.aborted = True
         return admission is not None
 
-    def open(self, request_id: str, handoff: Handoff | None = None) -> RequestStream:
-        """The record of a request the core just took; its stream."""
+    def open(self, request_id: str, handoff: Handoff | None = None,
+             prefilled: bool = False) -> RequestStream:
+        """The record of a request the core just took; its stream.
+        `prefilled`: a decode instance's, whose prompt was computed on its
+        prefill instance (tracing.RequestPhases)."""
         stream = RequestStream()
         if self._tracing_on:
             stream.trace_context = otel_context.get_current()
-            stream.phases = tracing.RequestPhases(stream.trace_context)
+            stream.phases = tracing.RequestPhases(stream.trace_context, prefilled)
         self._req_to_record[request_id] = InFlight(stream, handoff)
         return stream
 

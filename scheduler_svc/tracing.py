@@ -29,16 +29,19 @@ class RequestPhases:
     would be a trace of its own (hundreds per second, each one span). Step
     timing is the worker's step histogram; here each phase counts its steps.
     A request preempted by recompute prefills again inside its decode span
-    (the Generate span's "preempted" event marks when)."""
+    (the Generate span's "preempted" event marks when). A decode instance's
+    part of a P/D request (`prefilled`: its prompt was computed on the
+    prefill instance) is one kvstash.decode span, under its Decode call,
+    from the restore of its KV to its end."""
 
     __slots__ = ("_context", "_name", "_num_steps", "_span")
 
-    def __init__(self, context: otel_context.Context) -> None:
+    def __init__(self, context: otel_context.Context, prefilled: bool = False) -> None:
         self._context = context
         self._name: str | None = None  # of the open span; None once ended
         self._span: trace.Span | None = None
         self._num_steps = 0  # steps the open phase has been scheduled in
-        self._next("kvstash.queued")
+        self._next("kvstash.decode" if prefilled else "kvstash.queued")
 
     def scheduled(self) -> None:
         """The request is in this step's batch."""

@@ -13,8 +13,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
 from kvstash import errors
+from kvstash.common import telemetry
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import IntegrityError
 from scheduler_svc import handoff
@@ -29,7 +33,7 @@ from scheduler_svc.decode_peers import (
     RemoteFinished,
     RemoteTokens,
 )
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.inflight import InFlightRequests
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
@@ -407,3 +411,29 @@ async def test_an_abort_while_the_prefix_tier_is_asked_ends_the_request_unrun() 
             engine.abort("a")
     finally:
         await engine.close()
+
+
+async def test_a_decode_instances_part_of_a_request_is_one_decode_phase(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its prompt was prefilled on the prefill instance: its trace shows
+    the restore and one kvstash.decode span here, no second kvstash.queued
+    and kvstash.prefill (the first step here decodes)."""
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", Once())
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    exporter = InMemorySpanExporter()
+    handle = telemetry.setup_tracing(telemetry.SCHEDULER_SERVICE, env={}, exporter=exporter)
+    assert handle is not None
+    engine = Engine(make_scheduler(role=Role.DECODE), FakeWorkerLink(),  # type: ignore[arg-type]
+                    None, EngineConfig(tracing=True))
+    await engine.start()
+    try:
+        await asyncio.wait_for(engine.wait_until_worker_up(), 10)
+        assert engine.decode_side.reserve("a", PROMPT, sampling(3))
+        with trace.get_tracer(__name__).start_as_current_span("Decode"):
+            stream = engine.decode_side.decode("a", "prefill-a-0", len(PROMPT), 9)
+        assert await events_of(stream) == ([7, 7], RequestStatus.FINISHED_LENGTH)
+    finally:
+        await engine.close()
+        handle.shutdown()
+    names = sorted(s.name for s in exporter.get_finished_spans())
+    assert names == ["Decode", "kvstash.decode", "kvstash.restore"]
