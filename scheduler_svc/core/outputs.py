@@ -189,10 +189,12 @@ class Counters:
     # P/D, prefill instance: handoffs whose snapshot was committed, their
     # bytes, and those that failed.
     num_handoffs: int = counter(
-        "handoffs", "P/D: prefilled requests whose KV went to a decode instance")
-    bytes_handed_off: int = counter("handoff_bytes", "P/D: KV bytes handed to decode instances")
+        "handoffs", "P/D: prefilled requests whose KV was copied out for a decode instance")
+    bytes_handed_off: int = counter("handoff_bytes",
+                                    "P/D: KV bytes copied out for decode instances")
     num_handoff_failures: int = counter(
-        "handoff_failures", "P/D: handoffs that failed (the request finished on this instance)")
+        "handoff_failures", "P/D: handoffs that failed: the copy, or no decode instance took "
+        "it in time (the request finished on this instance)")
     # Prefix tier (prefix_tier.py).
     num_tier_hit_tokens: int = counter(
         "prefix_tier_hit_tokens", "Prompt tokens whose KV was loaded from the prefix tier")
