@@ -10,29 +10,20 @@ from pathlib import Path
 
 from cache_svc.config import CacheConfig
 from cache_svc.server import create_cache_server
-from kvstash.common import rpc_connections, rpc_server, security, settings, telemetry, units
+from kvstash.common import (
+    flag_types,
+    rpc_connections,
+    rpc_server,
+    security,
+    settings,
+    telemetry,
+)
 from kvstash.common.binding import BindError
 from kvstash.common.malloc_tuning import tune_malloc
 from kvstash.common.metrics import listen_host
 
 # Every flag that sets a CacheConfig field defaults to that field's default.
 _DEFAULTS = CacheConfig()
-
-
-def parse_duration(text: str) -> float:
-    """"90", "90s", "30m", "1h" -> seconds."""
-    try:
-        return units.parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_size(text: str) -> int:
-    """"8GiB", "512MiB", "4096" -> bytes."""
-    try:
-        return units.parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,27 +35,28 @@ def build_parser() -> argparse.ArgumentParser:
                "KVSTASH_CACHE_MEMORY_BUDGET=8GiB); the command line wins. "
                "Sizes are in bytes, durations in seconds.")
     p.add_argument("--listen", default="127.0.0.1:50071", help="host:port; port 0 = any free")
-    p.add_argument("--memory-budget", type=parse_size, default=d.memory_budget_bytes,
+    p.add_argument("--memory-budget", type=flag_types.byte_size, default=d.memory_budget_bytes,
                    help="bytes of snapshots kept in memory, e.g. 8GiB")
     p.add_argument("--unpinned-share", type=float, default=d.unpinned_share,
                    help="share of the memory budget unpinned snapshots (prefix-tier "
                         "segments) may hold; they never displace pinned ones")
     p.add_argument("--disk-dir", type=Path, default=d.disk_dir, help="disk tier; omit for none")
-    p.add_argument("--disk-budget", type=parse_size, default=d.disk_budget_bytes,
+    p.add_argument("--disk-budget", type=flag_types.byte_size, default=d.disk_budget_bytes,
                    help="bytes of snapshots kept on disk, e.g. 100GiB")
-    p.add_argument("--default-ttl", type=parse_duration, default=d.default_ttl_s,
+    p.add_argument("--default-ttl", type=flag_types.duration, default=d.default_ttl_s,
                    help="expiry after the last access for puts that send ttl_s=0, e.g. 1h")
-    p.add_argument("--sweep-interval", type=parse_duration, default=d.sweep_interval_s,
+    p.add_argument("--sweep-interval", type=flag_types.duration, default=d.sweep_interval_s,
                    help="how often expired snapshots are looked for")
-    p.add_argument("--max-inflight", type=parse_size, default=d.max_inflight_bytes,
+    p.add_argument("--max-inflight", type=flag_types.byte_size, default=d.max_inflight_bytes,
                    help="chunk payload bytes in flight over all streams")
     p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
                    help="calls served at once; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--reserve-wait", type=parse_duration, default=d.reserve_wait_s,
+    p.add_argument("--reserve-wait", type=flag_types.duration, default=d.reserve_wait_s,
                    help="how long a put waits for room before RESOURCE_EXHAUSTED")
     p.add_argument("--io-threads", type=int, default=d.io_threads,
                    help="threads for disk reads, writes and scans")
-    p.add_argument("--bandwidth-limit", type=parse_size, default=d.bandwidth_limit_bytes_per_s,
+    p.add_argument("--bandwidth-limit", type=flag_types.byte_size,
+                   default=d.bandwidth_limit_bytes_per_s,
                    metavar="BYTES_PER_S",
                    help="cap on put and get payload bytes per second, all streams "
                         "together, e.g. 2MiB; 0 = unlimited")
@@ -72,29 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus port; 0 = off")
     p.add_argument("--metrics-host", type=listen_host, default=d.metrics_host,
                    help="address the Prometheus endpoint listens on; 0.0.0.0 = every interface")
-    p.add_argument("--buffer-pool", type=parse_size, default=d.buffer_pool_bytes,
+    p.add_argument("--buffer-pool", type=flag_types.byte_size, default=d.buffer_pool_bytes,
                    help="freed snapshot buffers kept (within the memory budget) for "
                         "reuse by puts of the same size; 0 = off")
-    p.add_argument("--buffer-pool-idle", type=parse_duration, default=d.buffer_pool_idle_s,
+    p.add_argument("--buffer-pool-idle", type=flag_types.duration, default=d.buffer_pool_idle_s,
                    help="pooled buffers unused this long are unmapped")
     p.add_argument("--arena-dir", type=Path, default=d.arena_dir,
                    help="keep the memory tier in a shared-memory arena file here (a tmpfs "
                         "such as /dev/shm, with room for the whole memory budget), which "
                         "co-located workers map; omit for private memory")
-    p.add_argument("--shared-lease", type=parse_duration, default=d.shared_lease_s,
+    p.add_argument("--shared-lease", type=flag_types.duration, default=d.shared_lease_s,
                    help="how long a co-located put or get may hold its arena extent (that of a "
                         "put cut off by it is then quarantined as long)")
-    p.add_argument("--put-idle", type=parse_duration, default=d.put_idle_s,
+    p.add_argument("--put-idle", type=flag_types.duration, default=d.put_idle_s,
                    help="how long a streamed put may wait for its client's next chunk")
-    p.add_argument("--get-idle", type=parse_duration, default=d.get_idle_s,
+    p.add_argument("--get-idle", type=flag_types.duration, default=d.get_idle_s,
                    help="how long a streamed get may wait for its client to take a chunk")
-    p.add_argument("--grace", type=parse_duration, default=5.0,
+    p.add_argument("--grace", type=flag_types.duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info")
     security.add_flags(p)
     rpc_connections.add_connection_flags(p)
     # Test hook: simulates a slow disk (bytes per second).
-    p.add_argument("--disk-throttle", type=parse_size, default=d.disk_write_bytes_per_s,
+    p.add_argument("--disk-throttle", type=flag_types.byte_size, default=d.disk_write_bytes_per_s,
                    help=argparse.SUPPRESS)
     return p
 

@@ -23,9 +23,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from gpu_worker import step_checks
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
 from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
@@ -88,6 +88,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len or cfg.max_model_len
+        self._limits = step_checks.Limits(block_size, num_blocks, cfg.vocab_size,
+                                          self.max_model_len)
         self.device = model.device
         self.dtype = model.dtype
         self.kv_cache = torch.zeros(
@@ -116,101 +118,11 @@ class ModelRunner:
     # ---- validation -------------------------------------------------------
 
     def check_block_ids(self, block_ids: Sequence[int], what: str) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise InvalidArgument(f"{what}: block ids {bad[:8]} outside [0, {self.num_blocks})")
-
-    def _check_seq(self, seq: SeqWork) -> None:
-        who = f"request {seq.request_id!r}"
-        n = len(seq.token_ids)
-        if n == 0:
-            raise InvalidArgument(f"{who}: no token_ids to compute")
-        vocab = self.model_config.vocab_size
-        bad_tokens = [t for t in seq.token_ids if not 0 <= t < vocab]
-        if bad_tokens:
-            raise InvalidArgument(f"{who}: token ids {bad_tokens[:8]} outside vocab of {vocab}")
-        end = seq.start_pos + n
-        if seq.start_pos < 0 or end > self.max_model_len:
-            raise InvalidArgument(
-                f"{who}: positions {seq.start_pos}..{end - 1} exceed max_model_len "
-                f"{self.max_model_len}"
-            )
-        need = -(-end // self.block_size)
-        if len(seq.block_ids) < need:
-            raise InvalidArgument(
-                f"{who}: {end} positions need {need} blocks of {self.block_size}, "
-                f"block table has {len(seq.block_ids)}"
-            )
-        self.check_block_ids(seq.block_ids, who)
-        used = seq.block_ids[:need]
-        if len(set(used)) != need:  # one block for two places: each overwrites the other
-            repeats = [b for b, k in Counter(used).items() if k > 1]
-            raise InvalidArgument(
-                f"{who}: block table names blocks {repeats[:8]} more than once in the "
-                f"{need} blocks its {end} positions use")
+        step_checks.check_block_ids(block_ids, self.num_blocks, what)
 
     def check_step(self, seqs: Sequence[SeqWork]) -> None:
         """Every problem a step could hit, raised before any KV is written."""
-        seen_requests: set[str] = set()
-        for seq in seqs:
-            if seq.request_id in seen_requests:
-                raise InvalidArgument(f"request {seq.request_id!r} appears twice in one step")
-            seen_requests.add(seq.request_id)
-            self._check_seq(seq)
-        used = [self._used_blocks(seq) for seq in seqs]
-        slots = [self._write_slots(seq, table) for seq, table in zip(seqs, used, strict=True)]
-        flat = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
-        if len(np.unique(flat)) != len(flat):
-            self._raise_shared_slot(seqs, slots)
-        if len(seqs) > 1:
-            self._check_written_blocks_unshared(seqs, used)
-
-    def _used_blocks(self, seq: SeqWork) -> np.ndarray:
-        """The block table entries a step reads or writes for `seq`."""
-        end = seq.start_pos + len(seq.token_ids)
-        return np.asarray(seq.block_ids[: -(-end // self.block_size)], dtype=np.int64)
-
-    def _check_written_blocks_unshared(self, seqs: Sequence[SeqWork],
-                                       used: list[np.ndarray]) -> None:
-        """No block a sequence writes is in another's table this step. Requests
-        share only whole prefix blocks, which none of them writes; a block
-        given to two (a block pool's double allocation) would have one
-        request's new KV overwrite the other's cached KV, or be read by it.
-        `used`: each sequence's _used_blocks."""
-        blocks, counts = np.unique(np.concatenate(used), return_counts=True)
-        shared = blocks[counts > 1]  # tables hold no repeats (_check_seq)
-        if not len(shared):
-            return
-        written = [table[seq.start_pos // self.block_size:]
-                   for seq, table in zip(seqs, used, strict=True)]
-        if not np.isin(np.concatenate(written), shared).any():
-            return
-        for seq, seq_written in zip(seqs, written, strict=True):
-            clash = seq_written[np.isin(seq_written, shared)]
-            if len(clash):
-                block = int(clash[0])
-                other = next(o.request_id for o, t in zip(seqs, used, strict=True)
-                             if o is not seq and block in t)
-                raise InvalidArgument(
-                    f"request {seq.request_id!r} writes block {block}, which request "
-                    f"{other!r} also holds in this step (only whole prefix blocks, "
-                    "written by none, may be shared)")
-
-    def _write_slots(self, seq: SeqWork, table: np.ndarray) -> np.ndarray:
-        """`table`: the sequence's _used_blocks."""
-        pos = np.arange(seq.start_pos, seq.start_pos + len(seq.token_ids))
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _raise_shared_slot(self, seqs: Sequence[SeqWork], slots: list[np.ndarray]) -> None:
-        written: dict[int, str] = {}  # slot -> request writing it
-        for seq, seq_slots in zip(seqs, slots, strict=True):
-            for slot in seq_slots.tolist():
-                other = written.setdefault(slot, seq.request_id)
-                if other != seq.request_id:
-                    raise InvalidArgument(
-                        f"requests {other!r} and {seq.request_id!r} both write block "
-                        f"{slot // self.block_size} offset {slot % self.block_size}"
-                    )
+        step_checks.check_step(seqs, self._limits)
 
     # ---- steps ------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import grpc
 
+from kvstash.common import flag_types
 from kvstash.common.security import PLAINTEXT, Security, channel_args
-from kvstash.common.units import MIB, parse_duration
+from kvstash.common.units import MIB
 
 # Snapshot chunks are at most 4 MiB of payload; leave room for framing.
 MAX_MESSAGE_BYTES = 8 * MIB
@@ -80,11 +81,12 @@ DEFAULT_CONNECTIONS = Connections()
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     d = DEFAULT_CONNECTIONS
     group = parser.add_argument_group("connections")
-    group.add_argument("--keepalive", type=_duration, default=d.keepalive_s,
+    group.add_argument("--keepalive", type=flag_types.duration, default=d.keepalive_s,
                        help="ping a client silent this long (e.g. 60s)")
-    group.add_argument("--keepalive-timeout", type=_duration, default=d.keepalive_timeout_s,
+    group.add_argument("--keepalive-timeout", type=flag_types.duration,
+                       default=d.keepalive_timeout_s,
                        help="drop a client that does not answer a ping within this")
-    group.add_argument("--idle-timeout", type=_duration, default=d.idle_s,
+    group.add_argument("--idle-timeout", type=flag_types.duration, default=d.idle_s,
                        help="close a connection without calls this long (e.g. 10m)")
     group.add_argument("--max-streams-per-connection", type=int, default=d.max_streams,
                        help="calls open at once on one connection; more wait on the client's "
@@ -94,13 +96,6 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 def connections_from_args(args: argparse.Namespace) -> Connections:
     return Connections(args.keepalive, args.keepalive_timeout, args.idle_timeout,
                        args.max_streams_per_connection)
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def channel(address: str, security: Security = PLAINTEXT,

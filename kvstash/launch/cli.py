@@ -13,9 +13,8 @@ from pathlib import Path
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.common import security
-from kvstash.common.binding import MAX_PORT, BindError, split_address
-from kvstash.common.units import parse_bytes
+from kvstash.common import flag_types, security
+from kvstash.common.binding import BindError
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
@@ -36,43 +35,6 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _listen_address(text: str) -> str:
-    """--listen's type: host:port, the port 0-65535."""
-    try:
-        host, _ = split_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not host:
-        raise argparse.ArgumentTypeError(f"address {text!r} is not host:port")
-    return text
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_PORT:
-        raise argparse.ArgumentTypeError(f"not a port (0-{MAX_PORT}): {text!r}")
-    return int(text)
-
-
-def _byte_size(text: str) -> str:
-    """A size the services parse themselves (1GiB, 512MiB), checked here so a
-    bad one is refused before anything starts, its flag named."""
-    try:
-        parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a whole number > 0: {text!r}")
-    return value
-
-
 def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
     p.add_argument("--model", default=defaults.model, help="'tiny' or a checkpoint directory")
     p.add_argument("--dtype", default=defaults.dtype,
@@ -87,9 +49,10 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                    choices=["auto", "offload", "recompute"],
                    help="what a preempted request's KV becomes: auto weighs offload "
                         "against recompute by their measured costs")
-    p.add_argument("--cache-memory-budget", type=_byte_size,
+    p.add_argument("--cache-memory-budget", type=flag_types.byte_size_text,
                    default=defaults.cache_memory_budget, help="the cache service's memory tier")
-    p.add_argument("--cache-disk-budget", type=_byte_size, default=defaults.cache_disk_budget,
+    p.add_argument("--cache-disk-budget", type=flag_types.byte_size_text,
+                   default=defaults.cache_disk_budget,
                    help="the cache service's disk tier")
     p.add_argument("--cache-disk-dir", default=None,
                    help="the disk tier's directory (default: a temporary one, removed at stop)")
@@ -239,12 +202,12 @@ def main(argv: list[str] | None = None) -> int:
 
     up = sub.add_parser("up", help="start cache, worker and scheduler on this machine",
                         formatter_class=_ShowDefaults)
-    up.add_argument("--listen", type=_listen_address, default=DEFAULT_ADDRESS,
+    up.add_argument("--listen", type=flag_types.host_port, default=DEFAULT_ADDRESS,
                     help="the scheduler's address; the others listen on its host")
     up.add_argument("--plaintext", action="store_true",
                     help="allow a non-loopback --listen: every service then serves plaintext "
                          "gRPC to anyone who can reach that host")
-    up.add_argument("--gateway-port", type=_port, default=8000,
+    up.add_argument("--gateway-port", type=flag_types.port, default=8000,
                     help="with --gateway: smg's HTTP port, on --listen's host (0: a free one)")
     up.add_argument("--metrics", action="store_true", help="every service serves Prometheus "
                     "/metrics on a free port of --listen's host (printed at start)")
@@ -279,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="start a stack, run a pressured workload, summarize",
                           formatter_class=_ShowDefaults)
-    demo.add_argument("--requests", type=_positive, default=32, help="requests sent at once")
-    demo.add_argument("--max-tokens", type=_positive, default=96, help="tokens each generates")
+    demo.add_argument("--requests", type=flag_types.positive_int, default=32,
+                      help="requests sent at once")
+    demo.add_argument("--max-tokens", type=flag_types.positive_int, default=96,
+                      help="tokens each generates")
     _add_stack_flags(demo, StackConfig(num_blocks=96))
 
     args = parser.parse_args(argv)
