@@ -1,7 +1,8 @@
 """bench.sim_vs_replay end to end on the tiny model: a real P/D stack (a
 prefill and a decode instance, real processes) beside its simulation, every
 figure in the table, the hand-offs counted on both sides, the real steps
-timed against the profile from the prefill scheduler's own record."""
+timed against the profile from the prefill scheduler's own record, and the
+simulation run again on jittered arrivals."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ def test_a_pd_slice_is_replayed_and_simulated_side_by_side(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--synthetic", "6", "--rates", "2", "--synthetic-input", "64",
                  "--synthetic-output", "8", "--model", "tiny", "--policies", "offload",
-                 "--num-blocks", "256", "--pd"]) == 0
-    rows = {" ".join(line.split()[2:-4]): line.split()[-4:]
+                 "--num-blocks", "256", "--pd", "--sim-runs", "3"]) == 0
+    rows = {" ".join(line.split()[2:-5]): line.split()[-5:]
             for line in capsys.readouterr().out.splitlines()[1:]}
     assert set(rows) == set(FIGURES)
-    real, _, sim, _ = rows["hand-offs"]
+    real, _, sim, sim_range, _ = rows["hand-offs"]
     assert float(real) == float(sim) == 6  # every request decoded on the decode instance
-    real, _, sim, _ = rows["step s/profile"]
+    assert sim_range == "6.000-6.000"  # in every jittered run too
+    _, _, sim, sim_range, _ = rows["TTFT p50"]
+    low, high = map(float, sim_range.split("-"))
+    assert 0 < low <= float(sim) <= high
+    real, _, sim, _, _ = rows["step s/profile"]
     # The tiny model's steps against the llama-small profile: far quicker.
     assert 0 < float(real) < 1 and float(sim) == 1
