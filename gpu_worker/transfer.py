@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
+from gpu_worker.host_buffers import HostBlocks
 from gpu_worker.runner import ModelRunner
 from kvstash import errors
 from kvstash.common.layout import Layout
@@ -87,6 +88,24 @@ class KvTransfer:
 
     async def _on_compute(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    async def _borrow(self, num_blocks: int) -> HostBlocks:
+        """A loan from the host pool, taken on the compute thread (a new pinned
+        buffer takes about 0.5 s per GiB, which the event loop must not wait).
+        A caller cancelled meanwhile (its deadline, its client gone) gives the
+        loan back once the thread has taken it."""
+        pool = self.runner.host_pool
+        taking = asyncio.get_running_loop().run_in_executor(self.compute, pool.acquire,
+                                                            num_blocks)
+        try:
+            return await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            def give_back(taken: asyncio.Future[HostBlocks]) -> None:
+                if not taken.cancelled() and taken.exception() is None:
+                    pool.release(taken.result())
+
+            taking.add_done_callback(give_back)
+            raise
 
     @staticmethod
     async def _bounded(call: Callable[[float], Awaitable[T]], deadline: float, what: str) -> T:
@@ -148,9 +167,7 @@ class KvTransfer:
         )
         if stored is not None:
             return stored
-        # Borrowed (and, the first time, allocated) on the compute thread: a new
-        # pinned buffer takes about 0.5 s per GiB, which the event loop must not wait.
-        loan = await self._on_compute(pool.acquire, len(block_ids))
+        loan = await self._borrow(num_blocks)
         try:
             await self._on_compute(self.runner.gather_blocks_into, list(block_ids), loan.blocks)
             return await self._bounded(
@@ -187,7 +204,7 @@ class KvTransfer:
         )
         if header is not None:
             return int(header.total_bytes)
-        loan = await self._on_compute(pool.acquire, len(block_ids))
+        loan = await self._borrow(num_blocks)
         host = loan.blocks
         try:
             try:

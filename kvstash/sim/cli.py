@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -31,8 +32,8 @@ from kvstash.sim.profile import COPY_PATHS, DEFAULT_PROFILE, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
-from kvstash.workload.metrics import Slo, Summary, spread, summarize
-from kvstash.workload.trace import Trace, TraceError, fit
+from kvstash.workload.metrics import Slo, Summary, median_run, spread, spread_text, summarize
+from kvstash.workload.trace import Trace, TraceError, fit, jittered
 from scheduler_svc.core.config import POLICIES
 from scheduler_svc.core.pd import HANDOFF_WAIT_S
 
@@ -81,6 +82,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--cache-disk-budget", default="0")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    p.add_argument("--runs", type=int, default=1,
+                   help="simulations per point: the arrivals as traced, then copies with each "
+                        "up to --jitter late; shows the spread of the latency figures (on a "
+                        "short trace a millisecond can move a p50 by 2x); --find uses the "
+                        "median run")
+    p.add_argument("--jitter", type=float, default=0.002,
+                   help="seconds an arrival may be late in the jittered runs")
     p.add_argument("--json", type=Path, help="write every run's figures here")
     p.add_argument("--find", choices=sorted(find.DIMENSIONS),
                    help="instead of a table: the least of this resource that keeps SLO "
@@ -119,6 +127,12 @@ def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
     with tqdm(total=len(trace.requests), desc=f"{policy} @ {trace.rate:.3g}/s", unit="req",
               file=sys.stderr, leave=False) as bar:
         return cluster.run(trace, bar.update)
+
+
+def simulate_runs(args: argparse.Namespace, policy: str, trace: Trace) -> list[SimResult]:
+    """--runs simulations: the trace as it is, then jittered copies (seeds 1, 2, ...)."""
+    return [simulate(args, policy, jittered(trace, args.jitter, seed) if seed else trace)
+            for seed in range(args.runs)]
 
 
 def plotted(policy: str, rate: float, result: SimResult) -> plots.Run:
@@ -186,34 +200,6 @@ def replay_record(path: Path, profile_path: Path) -> int:
     return 0
 
 
-def find_least(args: argparse.Namespace, slo: Slo, trace: Trace) -> int:
-    policy = args.policies[0]
-    attr, largest = find.DIMENSIONS[args.find]
-
-    def run_at(value: int) -> Summary:
-        setattr(args, attr, value)
-        summary = summarize(simulate(args, policy, trace).records, slo)
-        print(f"  {args.find} {value:>14,}: SLO attainment {summary.attainment:6.1%}, "
-              f"goodput {summary.goodput:.3f}/s, TTFT p99 {summary.ttft_s['p99']:.3f} s",
-              flush=True)
-        return summary
-
-    print(f"finding the least {args.find} for SLO attainment >= {args.target:.0%}: {policy}, "
-          f"{len(trace.requests)} requests at {trace.rate:.3g}/s")
-    found = find.search(getattr(args, attr), largest, args.target, run_at,
-                        find.close_enough(args.find))
-    if args.plots is not None:
-        args.plots.mkdir(parents=True, exist_ok=True)
-        find.plot(found, args.find, args.target, str(args.plots / "find.png"),
-                  f"kvstash sim --find {args.find}: {policy} at {trace.rate:.3g} req/s")
-    if found.value is None:
-        print(f"not met: up to {max(found.tried):,} {args.find} (more stopped helping, or the "
-              f"largest searched)")
-        return 1
-    print(f"least {args.find}: {found.value:,}")
-    return 0
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replay is not None:
         return replay_record(args.replay, args.profile)
@@ -233,6 +219,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("--find sizes mixed instances; with P/D pools, compare runs instead")
     if args.handoff_wait < 0:
         parser.error(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
+    if args.runs < 1 or not (args.jitter >= 0 and math.isfinite(args.jitter)):
+        parser.error(f"--runs must be >= 1 and --jitter >= 0, got {args.runs}, {args.jitter}")
     if not 0 < args.target <= 1:
         parser.error(f"--target is an SLO attainment in (0, 1], got {args.target}")
     try:
@@ -265,24 +253,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"kvstash sim: {exc}", file=sys.stderr)
         return 2
     if args.find is not None:
-        return find_least(args, slo, fitted[0][0])
+        policy = args.policies[0]
+        return find.least(args, policy, fitted[0][0], lambda: median_run(
+            [summarize(r.records, slo) for r in simulate_runs(args, policy, fitted[0][0])]))
     print(HEADER)
     runs: list[dict[str, Any]] = []
     shown: list[plots.Run] = []  # each run, with --plots
     for trace, dropped in fitted:
         for policy in args.policies:
             started = time.perf_counter()
-            result = simulate(args, policy, trace)
-            seconds = time.perf_counter() - started
+            result, *jittered_runs = simulate_runs(args, policy, trace)
+            seconds = (time.perf_counter() - started) / args.runs
             summary = summarize(result.records, slo)
             print(row(policy, trace.rate, summary, result, seconds), flush=True)
             if args.prefill_instances:
                 print(pd_row(result), flush=True)
+            others = [summarize(r.records, slo) for r in jittered_runs]
+            if others:
+                print(f"{'':<16} {len(others) + 1} runs, median (min-max): "
+                      f"{spread_text([summary, *others])}", flush=True)
             if args.plots is not None:
                 shown.append(plotted(policy, trace.rate, result))
             runs.append({"policy": policy, "rate": trace.rate, "dropped": dropped,
                          "summary": asdict(summary), "counters": result.counters,
-                         "sim_seconds": seconds, "virtual_seconds": result.end_s})
+                         "sim_seconds": seconds, "virtual_seconds": result.end_s,
+                         "jittered": [asdict(x) for x in others]})
     if args.json is not None:
         setup = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                  if k not in ("cost",)}

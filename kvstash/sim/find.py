@@ -15,11 +15,13 @@ tried is shown: the curve, not only the answer.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstash.common.units import MIB
 from kvstash.workload.metrics import Summary
+from kvstash.workload.trace import Trace
 
 # Flag name -> the attribute of the parsed arguments it sets, and its largest value.
 DIMENSIONS: dict[str, tuple[str, int]] = {
@@ -89,3 +91,34 @@ def plot(found: Found, dimension: str, target: float, path: str, title: str) -> 
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def least(args: argparse.Namespace, policy: str, trace: Trace,
+          summary: Callable[[], Summary]) -> int:
+    """kvstash sim --find, printing the curve: `summary()` simulates the
+    setting `args` holds (the dimension's attribute set to each value tried).
+    Exit code 0 where met, 1 where not."""
+    attr, largest = DIMENSIONS[args.find]
+
+    def run_at(value: int) -> Summary:
+        setattr(args, attr, value)
+        result = summary()
+        print(f"  {args.find} {value:>14,}: SLO attainment {result.attainment:6.1%}, "
+              f"goodput {result.goodput:.3f}/s, TTFT p99 {result.ttft_s['p99']:.3f} s",
+              flush=True)
+        return result
+
+    runs = f" (the median of {args.runs} runs)" if args.runs > 1 else ""
+    print(f"finding the least {args.find} for SLO attainment >= {args.target:.0%}{runs}: "
+          f"{policy}, {len(trace.requests)} requests at {trace.rate:.3g}/s")
+    found = search(getattr(args, attr), largest, args.target, run_at, close_enough(args.find))
+    if args.plots is not None:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        plot(found, args.find, args.target, str(args.plots / "find.png"),
+             f"kvstash sim --find {args.find}: {policy} at {trace.rate:.3g} req/s")
+    if found.value is None:
+        print(f"not met: up to {max(found.tried):,} {args.find} (more stopped helping, or the "
+              f"largest searched)")
+        return 1
+    print(f"least {args.find}: {found.value:,}")
+    return 0

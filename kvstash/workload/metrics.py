@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
@@ -132,3 +133,28 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> Summary:
         e2e_s=spread([r.e2e_s for r in done if r.e2e_s is not None]),
         errors=errors,
     )
+
+
+def median_run(summaries: Sequence[Summary]) -> Summary:
+    """Of several runs of one setting, the one whose SLO attainment is the
+    median (the lower middle of an even count)."""
+    return sorted(summaries, key=lambda s: s.attainment)[(len(summaries) - 1) // 2]
+
+
+# Figures spread_text shows: name, how a Summary gives it, its format.
+SPREAD_FIGURES: tuple[tuple[str, Callable[[Summary], float], str], ...] = (
+    ("goodput", lambda s: s.goodput, "{:.3f}"), ("SLO", lambda s: s.attainment, "{:.0%}"),
+    ("TTFT p50", lambda s: s.ttft_s["p50"], "{:.3f}"),
+    ("TTFT p99", lambda s: s.ttft_s["p99"], "{:.3f}"),
+    ("TPOT p50", lambda s: s.tpot_s["p50"], "{:.4f}"))
+
+
+def spread_text(summaries: Sequence[Summary]) -> str:
+    """Several runs' median (min-max) of each of SPREAD_FIGURES."""
+    parts = []
+    for name, figure, form in SPREAD_FIGURES:
+        values = sorted(map(figure, summaries))
+        middle = statistics.median(values)
+        parts.append(f"{name} {form.format(middle)} "
+                     f"({form.format(values[0])}-{form.format(values[-1])})")
+    return ", ".join(parts)

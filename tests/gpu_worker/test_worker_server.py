@@ -4,6 +4,7 @@ stand-in for the cache service."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.host_buffers import HostBlocks
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.server import WorkerServer, create_worker_server
 from kvstash import errors
@@ -422,4 +424,41 @@ async def test_block_ids_are_checked_before_a_buffer_is_sized_or_a_snapshot_read
         assert h.cache is not None and "kept" in h.cache.snapshots  # not consumed
         assert runner.host_pool.num_allocations == 1 and runner.host_pool.num_lent == 0
     finally:
+        await _stop(h, channel)
+
+
+@pytest.mark.parametrize("copy", ["offload", "restore"])
+async def test_a_copy_cancelled_while_its_buffer_is_taken_gives_it_back(copy: str) -> None:
+    """The caller's deadline passes while the compute thread takes the copy's
+    host buffer (a first pinned allocation takes ~0.5 s per GiB on CUDA): once
+    taken, the buffer goes back to the pool, not lent forever."""
+    runner = make_runner()
+    h, channel = await _start(MemoryCache(), runner)
+    pool, allocating = runner.host_pool, threading.Event()
+    acquire = pool.acquire
+
+    def slow_acquire(num_blocks: int) -> HostBlocks:
+        allocating.wait(10.0)
+        return acquire(num_blocks)
+
+    try:
+        await h.stub.Offload(worker_pb2.OffloadRequest(
+            request_id="r", snapshot_id="s", block_ids=[0, 1], num_tokens=8))
+        pool.acquire = slow_acquire  # type: ignore[method-assign]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if copy == "offload":
+                await h.stub.Offload(worker_pb2.OffloadRequest(
+                    request_id="r", snapshot_id="t", block_ids=[2, 3], num_tokens=8),
+                    timeout=0.3)
+            else:
+                await h.stub.Restore(worker_pb2.RestoreRequest(
+                    request_id="r", snapshot_id="s", block_ids=[4, 5]), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.1)  # the server cancels the handler
+        allocating.set()
+        await asyncio.wrap_future(h.worker.servicer._compute.submit(lambda: None))
+        await asyncio.sleep(0.05)  # the taken loan's done-callback
+        assert pool.num_lent == 0 and len(pool._idle) == 1
+    finally:
+        allocating.set()
         await _stop(h, channel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,43 @@ def test_sim_refuses_pd_flags_that_do_not_fit(
         main(["sim", *SMALL, *flags])
     assert exit_info.value.code == 2
     assert error in capsys.readouterr().err
+
+
+def test_sim_runs_jittered_copies_and_shows_their_spread(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--runs: the trace as it is, then copies with arrivals up to --jitter
+    late; the row is the exact run's, the spread line and the JSON add the rest."""
+    exact, jittered = tmp_path / "exact.json", tmp_path / "jittered.json"
+    assert main(["sim", *SMALL, "--policies", "recompute", "--json", str(exact)]) == 0
+    capsys.readouterr()
+    assert main(["sim", *SMALL, "--policies", "recompute", "--runs", "5", "--jitter", "0.01",
+                 "--json", str(jittered)]) == 0
+    spread_line = next(line for line in capsys.readouterr().out.splitlines()
+                       if "runs, median (min-max):" in line)
+    assert spread_line.split()[0] == "5"
+    plain, = json.loads(exact.read_text())["runs"]
+    run, = json.loads(jittered.read_text())["runs"]
+    assert run["summary"] == plain["summary"] and plain["jittered"] == []
+    assert len(run["jittered"]) == 4
+    p50s = [s["ttft_s"]["p50"] for s in [run["summary"], *run["jittered"]]]
+    assert len(set(p50s)) > 1  # a few ms moved the schedule
+    found = re.search(r"TTFT p50 ([\d.]+) \(([\d.]+)-([\d.]+)\)", spread_line)
+    assert found is not None, spread_line
+    median, low, high = map(float, found.groups())
+    assert (low, high) == (round(min(p50s), 3), round(max(p50s), 3))
+    assert low <= median <= high
+
+
+@pytest.mark.parametrize("bad", [["--runs", "0"], ["--jitter", "-0.001"],
+                                 ["--jitter", "nan"]])
+def test_sim_refuses_bad_runs_or_jitter(bad: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", *SMALL, *bad])
+    assert exit_info.value.code == 2
+
+
+def test_find_with_runs_uses_the_median_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", *SMALL, "--policies", "auto", "--find", "instances", "--runs", "3",
+                 "--target", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "(the median of 3 runs)" in out and out.splitlines()[-1].startswith("least instances")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvstash.workload.metrics import RequestRecord, Slo, percentile, summarize
+from kvstash.workload.metrics import (
+    RequestRecord,
+    Slo,
+    median_run,
+    percentile,
+    spread_text,
+    summarize,
+)
 
 
 def record(index: int, sent: float, chunks: list[float], tokens: int | None = None,
@@ -55,3 +62,16 @@ def test_percentile_interpolates_between_ranks() -> None:
 def test_a_run_where_nothing_ended_has_no_wall_time() -> None:
     s = summarize([record(0, 100.0, [], error="Unavailable")], Slo(1.0, 0.1))
     assert (s.wall_s, s.goodput, s.requests_per_s, s.attainment) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_the_median_run_and_the_spread_of_several() -> None:
+    slo = Slo(ttft_s=1.0, tpot_s=1.0)
+    # Runs of two requests whose TTFTs put 0, 1 or 2 of them within the SLO.
+    runs = [summarize([record(0, 0.0, [ttft]), record(1, 0.0, [0.5])], slo)
+            for ttft in (2.0, 0.2, 3.0)]
+    assert [r.attainment for r in runs] == [0.5, 1.0, 0.5]
+    assert median_run(runs) in (runs[0], runs[2]) and median_run(runs).attainment == 0.5
+    assert median_run(runs[:2]) is runs[0]  # an even count: the lower middle
+    text = spread_text(runs)
+    assert "SLO 50% (50%-100%)" in text
+    assert "TTFT p50 1.250 (0.350-1.750)" in text
