@@ -24,7 +24,9 @@ runs as in the simulated ones, and one exact run is one draw of them.
 Each real run's (prefill) scheduler records its decisions (`--record-
 decisions`, which also keeps its prefix tier off: the simulation has none),
 and the record is replayed against the profile: `step s/profile` is the
-run's step seconds over what the profile gives the same steps. Above 1 the
+run's steps over what the profile gives the same steps (each step's turn of
+the engine's loop, from its schedule() to the next: what a profile fitted
+with `kvstash calibrate --from-record` models). Above 1 the
 host ran those steps slower than the profile says, and the simulation's
 latencies come out low by about as much.
 """
@@ -61,7 +63,7 @@ def figures(summary: Summary, counters: dict[str, int], step_ratio: float = 1.0
             ) -> tuple[float, ...]:
     """FIGURES; counters are the (prefill) instance's: its preemptions and
     hand-offs (a decode instance's preemptions are not among them).
-    `step_ratio`: the run's step seconds over the profile's for the same
+    `step_ratio`: the run's step turns over the profile's for the same
     steps (a simulation's are the profile's: 1)."""
     preempted = counters["num_preemptions_offload"] + counters["num_preemptions_recompute"]
     return (summary.requests_per_s, summary.output_tokens_per_s, summary.ttft_s["p50"],
@@ -72,9 +74,9 @@ def figures(summary: Summary, counters: dict[str, int], step_ratio: float = 1.0
 def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[int]],
              profile: CostProfile, record: Path) -> tuple[RunResult, float]:
     """One run through a real stack, its (prefill) scheduler recording its
-    decisions; and its steps' recorded seconds over the profile's for the
-    same steps, summed (how much slower than the profile the host ran it:
-    what the simulation cannot know)."""
+    decisions; and its steps' turns (schedule() to schedule()) over the
+    profile's for the same steps, summed (how much slower than the profile
+    the host ran it: what the simulation cannot know)."""
     flag = ("--record-decisions", str(record))
     base = (dataclasses.replace(base, prefill_scheduler_args=(*base.prefill_scheduler_args,
                                                               *flag)) if base.pd
@@ -83,8 +85,9 @@ def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[in
     done = replay(read_record(record))
     if done.mismatch is not None:
         raise SystemExit(f"the real run's record does not replay: {done.mismatch}")
-    predicted = sum(profile.step.of_features(features) for features, _ in done.steps)
-    return run, sum(seconds for _, seconds in done.steps) / predicted
+    turns = list(zip(done.steps, done.turns, strict=False))
+    predicted = sum(profile.step.of_features(features) for (features, _), _ in turns)
+    return run, sum(turn for _, turn in turns) / predicted
 
 
 def simulate(args: argparse.Namespace, profile: CostProfile, policy: str, trace: Trace

@@ -236,19 +236,22 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
 
 def from_record(path: Path, base: CostProfile, name: str | None) -> CostProfile:
     """`base` with its step line fitted to the steps a served run recorded:
-    what each step took with the scheduler, cache and clients beside the
-    worker, where `calibrate` times the worker alone."""
+    each step's turn of the engine's loop (the worker's step, then the
+    scheduler's update, streams and next schedule), with the cache and
+    clients beside, where `calibrate` times the worker alone."""
     if not path.is_file():
         raise ValueError(f"--from-record {path}: no such file")
     replayed = replay(read_record(path))
     if replayed.mismatch is not None:  # its steps would not be the steps it ran
         raise ValueError(f"{path} does not replay: {replayed.mismatch}")
-    steps = replayed.steps
+    # Each step's whole turn of the loop, the scheduler's own time included.
+    steps = [(x, turn) for (x, _), turn in zip(replayed.steps, replayed.turns, strict=False)]
     if len(steps) < 5:
         raise ValueError(f"{path}: {len(steps)} recorded steps; a fit needs at least 5")
     coef, error = lstsq([list(x) for x, _ in steps], [s for _, s in steps])
-    how = (f"kvstash calibrate --from-record {path.name}: {len(steps)} served steps, "
-           f"{datetime.date.today().isoformat()}; relative RMS error of the fit {error:.1%}")
+    how = (f"kvstash calibrate --from-record {path.name}: {len(steps)} served steps (each "
+           f"from its schedule() to the next), {datetime.date.today().isoformat()}; "
+           f"relative RMS error of the fit {error:.1%}")
     print(f"fitted {len(steps)} recorded steps: relative RMS error {error:.1%}")
     return CostProfile(name or f"{base.name}, steps as served", base.bytes_per_block,
                        base.block_size, StepCost(*coef), base.copy,

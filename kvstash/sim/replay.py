@@ -43,6 +43,10 @@ class Replayed:
     step_ratios: list[float] = field(default_factory=list)
     # Each recorded step's features (costs.step_features) and seconds.
     steps: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
+    # Each step's turn of the engine's loop: from its schedule() to the next
+    # (the step, the update, the streams and copies let run, the next
+    # schedule); the last step's, where the record ends before another.
+    turns: list[float] = field(default_factory=list)
 
 
 def read_record(path: Path) -> list[dict[str, Any]]:
@@ -82,6 +86,7 @@ class _Replay:
         self.last: SchedulerOutput | None = None
         self.copies: dict[str, OffloadCommand | RestoreCommand] = {}
         self.result = Replayed()
+        self.stepped_at: float | None = None  # the latest step's schedule() time
 
     def output(self) -> SchedulerOutput:
         assert self.last is not None, "a step before any schedule()"
@@ -96,7 +101,10 @@ class _Replay:
             core.add_request(line["id"], line["prompt"], _sampling(line["sampling"]),
                              handoff=line.get("handoff", False))
         elif op == "schedule":
+            if self.stepped_at is not None:
+                self.result.turns.append(line["t"] - self.stepped_at)
             self.last = out = core.schedule()
+            self.stepped_at = line["t"] if out.seqs else None
             self.result.schedules += 1
             self.result.preemptions += len(out.preempted)
             for cmds in (out.offloads, out.restores, out.handoffs):

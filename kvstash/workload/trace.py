@@ -185,18 +185,17 @@ def synthetic(num_requests: int, rate: float, input_mean: int, output_mean: int,
 
 def jittered(trace: Trace, seconds: float, seed: int) -> Trace:
     """The trace with each arrival later by up to `seconds` (uniform, seeded),
-    order kept: the lag a real client adds when it sends. A served run's
-    latency percentiles on a short slice hang on such lags (which request
-    a long prefill step lands beside), so one exact run is one draw of
-    them; runs of several jittered copies show their spread."""
+    in the order that makes: the lag a real client adds when it sends, which
+    also decides which of the requests a burst sends at once comes first. A
+    served run's latency percentiles on a short slice hang on that order
+    (which request a long prefill step lands beside), so one exact run is
+    one draw of them; runs of several jittered copies show their spread."""
     if not (seconds >= 0 and math.isfinite(seconds)):
         raise ValueError(f"jitter must be >= 0 s, got {seconds}")
     rng = random.Random(seed)
-    requests, last = [], 0.0
-    for r in trace.requests:
-        last = max(last, r.arrival_s + rng.uniform(0.0, seconds))
-        requests.append(TraceRequest(last, r.input_length, r.output_length, r.hash_ids))
-    return Trace(tuple(requests), trace.block_tokens)
+    late = [TraceRequest(r.arrival_s + rng.uniform(0.0, seconds), r.input_length,
+                         r.output_length, r.hash_ids) for r in trace.requests]
+    return Trace(tuple(sorted(late, key=lambda r: r.arrival_s)), trace.block_tokens)
 
 
 def write_trace(trace: Trace, path: Path) -> None:

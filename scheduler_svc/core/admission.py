@@ -98,7 +98,7 @@ class Admission:
             return budget
         config = self.config
         kv = life.kv
-        reserved_blocks = self.reservation.reserved_blocks
+        own_blocks = self.reservation.own_blocks
         chunk_limit = config.max_num_batched_tokens
         reserved = self.blocks_kept_back()
         tier = self._tier
@@ -118,11 +118,7 @@ class Admission:
             # block and preempt it, or another, the step after admission.
             own = 0
             if plan is not None or num_new_tokens <= chunk_limit:
-                held = kv.num_blocks_for(req.num_tokens)
-                usable = kv.num_blocks_for(req.num_prompt_tokens + req.sampling.max_tokens - 1)
-                # Never more than it can use (fixed_blocks reserves N for any
-                # decode): a request that fits the pool alone is never refused.
-                own = min(reserved_blocks(req, held), max(usable - held, 0))
+                own = own_blocks(req, kv.num_blocks_for(req.num_tokens))
             if kv.allocate_slots(req, num_new_tokens, prefix_block_ids, reserved + own) is None:
                 break
             reserved += own

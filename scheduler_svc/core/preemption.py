@@ -118,24 +118,28 @@ class Preemption:
         return Preempted(request_id, mode, reason, num_tokens, num_blocks, offload_restore_s,
                          recompute_s)
 
-    def resume(self, num_seats: int) -> list[RestoreCommand]:
-        """Restores OFFLOADED requests, oldest first, while blocks and seats last."""
+    def resume(self, num_seats: int, kept_back: int) -> list[RestoreCommand]:
+        """Restores OFFLOADED requests, oldest first, while blocks and seats
+        last, keeping back what admission does (`kept_back`: the reservations
+        of the requests about to decode, Admission.blocks_kept_back; and each
+        resumed request's own) plus resume_headroom blocks per running decode."""
         life = self.life
         pool = life.kv.pool
         offloaded = life.offloaded
         reservation = self.reservation
         headroom_per_decode = self.config.resume_headroom
-        decoding = life.decoding.values()
-        headroom = reservation.total_reserved_blocks(decoding) + headroom_per_decode * len(decoding)
+        headroom = kept_back + headroom_per_decode * len(life.decoding)
         commands: list[RestoreCommand] = []
         while offloaded and len(commands) < num_seats:
             req = offloaded[0]
             snapshot = req.snapshot
             assert snapshot is not None
-            if pool.num_allocatable_blocks < snapshot.num_blocks + headroom:
+            # It decodes as soon as its KV lands: its own reservation too.
+            own = reservation.own_blocks(req, snapshot.num_blocks)
+            if pool.num_allocatable_blocks < snapshot.num_blocks + headroom + own:
                 break
             command = life.start_restore(req)
             assert command is not None  # the pool covers the snapshot
             commands.append(command)
-            headroom += reservation.reserved_blocks(req) + headroom_per_decode
+            headroom += own + headroom_per_decode
         return commands

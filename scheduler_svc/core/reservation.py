@@ -62,6 +62,15 @@ class Reservation:
         return _blocks(req, len(req.block_ids) if num_held is None else num_held,
                        config.block_size, config.clip_max_new_tokens, self.new_token_ratio)
 
+    def own_blocks(self, req: Request, num_held: int) -> int:
+        """What a request about to decode keeps back for itself as it takes
+        `num_held` blocks (admitted, or resuming): its reservation, never more
+        than it can use (fixed_blocks reserves N for any decode, so a request
+        that fits the pool alone would otherwise be refused)."""
+        usable = -(-(req.num_prompt_tokens + req.sampling.max_tokens - 1)
+                   // self.config.block_size)
+        return min(self.reserved_blocks(req, num_held), max(usable - num_held, 0))
+
     def total_reserved_blocks(self, reqs: Iterable[Request]) -> int:
         """`reserved_blocks` summed (admission sums it over every running
         decode on every step a request waits: one call per request, not three)."""

@@ -178,7 +178,8 @@ class Scheduler:
         self._schedule_decodes(seqs)
         out.num_decodes = len(seqs)
         if not victims and life.offloaded:
-            out.restores = self.preemption.resume(config.max_num_seqs - life.num_running)
+            out.restores = self.preemption.resume(config.max_num_seqs - life.num_running,
+                                                  self.admission.blocks_kept_back())
         # Preempted requests come back before anything new is admitted.
         admit = not victims and not life.offloaded and not life.offloading
         self._scheduled_prefills, budget = self.admission.schedule_prefills(
@@ -234,6 +235,14 @@ class Scheduler:
                 f"output of step {output.step_id} has {len(seqs)} seqs, "
                 f"{len(decodes) + len(prefills)} were scheduled"
             )
+        # Every token is checked before any state changes: a refused update leaves none.
+        for req in decodes:
+            if req.request_id not in sampled_token_ids and req.status is RUNNING_DECODE:
+                raise InvalidArgument(f"no sampled token for request {req.request_id}")
+        for seq, req in zip(islice(seqs, len(decodes), None), prefills, strict=True):
+            if seq.sample and req.request_id not in sampled_token_ids and (
+                    req.status is RUNNING_PREFILL and req.num_computed_tokens == seq.start_pos):
+                raise InvalidArgument(f"no sampled token for request {req.request_id}")
         self._updated_step_id = output.step_id
         block_size = self.config.block_size
         cache_full_blocks = self.kv.cache_full_blocks
@@ -267,10 +276,7 @@ class Scheduler:
             if req.status is not RUNNING_DECODE:
                 continue  # aborted since schedule()
             request_id = req.request_id
-            try:
-                token_id = sampled_token_ids[request_id]
-            except KeyError:
-                raise InvalidArgument(f"no sampled token for request {request_id}") from None
+            token_id = sampled_token_ids[request_id]
             output_ids = req.output_token_ids
             output_ids.append(token_id)
             if token_id in req.stop_ids or len(output_ids) >= req.sampling.max_tokens:

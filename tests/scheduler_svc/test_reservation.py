@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.reservation import Reservation
+from scheduler_svc.core.scheduler import Scheduler
 from tests.scheduler_svc.factories import (
     add,
     finish_offload,
@@ -175,3 +179,47 @@ def test_a_request_that_fits_the_pool_alone_is_admitted_under_fixed_blocks() -> 
     for _ in range(20):
         step(scheduler)
     assert not scheduler.has_unfinished_requests
+
+
+def _kept_back_as_needed(scheduler: Scheduler) -> int:
+    """What the requests about to decode can still use of their reservations."""
+    life, own = scheduler.life, scheduler.reservation.own_blocks
+    limit = scheduler.config.max_num_batched_tokens
+    about_to_decode = [*life.decoding.values(), *life.resuming.values(),
+                       *(r for r in life.prefilling.values()
+                         if r.num_tokens - r.num_computed_tokens <= limit)]
+    return sum(own(r, len(r.block_ids)) for r in about_to_decode)
+
+
+@pytest.mark.parametrize("policy", list(ReservationPolicy))
+def test_a_resume_keeps_back_what_admission_promised(policy: ReservationPolicy) -> None:
+    """Random offload workloads on small pools: whenever a step resumes an
+    offloaded request, the blocks left still cover the reservations of every
+    request about to decode (prefills on their last chunk and requests
+    already resuming included, and the resumed one's own)."""
+    for seed in range(300):
+        rng = random.Random(seed)
+        scheduler = make_scheduler(
+            num_blocks=rng.randint(8, 24), preemption_mode=PreemptionMode.OFFLOAD,
+            reservation_policy=policy, fixed_blocks_per_decode=rng.randint(0, 2),
+            bytes_per_block=1, max_num_batched_tokens=rng.choice([8, 16, 64]),
+            new_token_ratio_decay_steps=rng.choice([5, 50]))
+        in_flight: list[OffloadCommand | RestoreCommand] = []
+        for n in range(300):
+            if rng.random() < 0.3 and n < 90:
+                add(scheduler, f"r{n}", prompt_len=rng.randint(1, 12),
+                    max_tokens=rng.randint(1, 16), first_token=1 + n % 80, ignore_eos=True)
+            output = scheduler.schedule()
+            if output.restores:
+                left = scheduler.kv.pool.num_allocatable_blocks
+                assert left >= _kept_back_as_needed(scheduler), f"seed {seed}, step {n}"
+            scheduler.update(output, {seq.request_id: 1 for seq in output.seqs if seq.sample})
+            scheduler.check_integrity()
+            in_flight += [*output.offloads, *output.restores]
+            rng.shuffle(in_flight)
+            while in_flight and rng.random() < 0.6:
+                copy = in_flight.pop()
+                if isinstance(copy, OffloadCommand):
+                    scheduler.finish_offload(copy, 1)
+                else:
+                    scheduler.finish_restore(copy, 1)

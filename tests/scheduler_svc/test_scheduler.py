@@ -194,6 +194,28 @@ def test_update_refuses_stale_output_and_missing_tokens() -> None:
         scheduler2.update(output, {})
 
 
+def test_an_update_missing_one_token_changes_nothing() -> None:
+    """A decode and a prefill sampled, one token missing: refused before any
+    state moves, so the same output then applies whole."""
+    scheduler = make_scheduler()
+    add(scheduler, "a")
+    step(scheduler)  # a decodes from here
+    add(scheduler, "b", first_token=40)
+    output = scheduler.schedule()
+    a, b = scheduler.get_request("a"), scheduler.get_request("b")
+    assert a is not None and b is not None
+    before = (a.num_computed_tokens, list(a.output_token_ids), b.status, b.num_computed_tokens)
+    for sampled, missing in (({"b": 7}, "a"), ({"a": 5}, "b")):
+        with pytest.raises(InvalidArgument, match=f"no sampled token for request {missing}"):
+            scheduler.update(output, sampled)
+        assert (a.num_computed_tokens, a.output_token_ids, b.status,
+                b.num_computed_tokens) == before
+        scheduler.check_integrity()
+    updates = scheduler.update(output, {"a": 5, "b": 7})
+    assert {u.request_id: u.new_token_ids for u in updates} == {"a": [5], "b": [7]}
+    scheduler.check_integrity()
+
+
 def test_abort_unknown_or_finished_is_not_found() -> None:
     scheduler = make_scheduler()
     with pytest.raises(NotFound, match="request x is unknown or already finished"):

@@ -56,8 +56,13 @@ def test_a_recorded_run_replays_to_the_same_decisions(
     profile = read_profile(fitted)
     assert "--from-record decisions.jsonl" in profile.source["step"]
     assert profile.copy == read_profile(DEFAULT_PROFILE).copy
-    ratios = replay(read_record(record), profile).step_ratios
-    assert len(ratios) == steps and 0.67 < statistics.median(ratios) < 1.5
+    done = replay(read_record(record), profile)
+    assert len(done.step_ratios) == steps and 0.67 < statistics.median(done.step_ratios) < 1.5
+    # It is fitted to each step's turn of the engine's loop: the step and
+    # the scheduler's own time around it, from one schedule() to the next.
+    assert steps - 1 <= len(done.turns) <= steps
+    assert all(turn > seconds for (_, seconds), turn in zip(done.steps, done.turns))
+    assert "the loop's own time a step" in out
 
 
 def test_a_tampered_record_is_caught(tmp_path: Path,
