@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulations per point: the exact arrivals, then jittered copies")
     p.add_argument("--jitter", type=float, default=0.002,
                    help="seconds each arrival may be late in the jittered simulations")
+    p.add_argument("--json", type=Path, help="also write every run's figures here")
     p.add_argument("--pd", action="store_true",
                    help="a prefill and a decode instance (P/D), not one mixed instance")
     args = p.parse_args(argv)
@@ -172,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                               for r, ratio in reals],
                              simulated(args, profile, policy, slo, trace)))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(
+            [{"policy": policy, "rate": rate, "figures": FIGURES, "real": real, "sim": sim}
+             for policy, rate, real, sim in rows], indent=1))
     print(f"{'policy':<12} {'rate':>5} {'figure':<14} {'real':>9} {'real min-max':>19} "
           f"{'sim':>9} {'sim min-max':>19} {'error':>7}")
     for policy, rate, real_runs, sim_runs in rows:

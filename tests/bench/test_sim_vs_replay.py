@@ -6,16 +6,20 @@ simulation run again on jittered arrivals."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench.sim_vs_replay import FIGURES, main
 
 
 def test_a_pd_slice_is_replayed_and_simulated_side_by_side(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--synthetic", "6", "--rates", "2", "--synthetic-input", "64",
                  "--synthetic-output", "8", "--model", "tiny", "--policies", "offload",
-                 "--num-blocks", "256", "--pd", "--sim-runs", "3"]) == 0
+                 "--num-blocks", "256", "--pd", "--sim-runs", "3",
+                 "--json", str(tmp_path / "runs.json")]) == 0
     rows = {" ".join(line.split()[2:-5]): line.split()[-5:]
             for line in capsys.readouterr().out.splitlines()[1:]}
     assert set(rows) == set(FIGURES)
@@ -28,3 +32,6 @@ def test_a_pd_slice_is_replayed_and_simulated_side_by_side(
     real, _, sim, _, _ = rows["step s/profile"]
     # The tiny model's steps against the llama-small profile: far quicker.
     assert 0 < float(real) < 1 and float(sim) == 1
+    [point] = json.loads((tmp_path / "runs.json").read_text())
+    assert len(point["real"]) == 1 and len(point["sim"]) == 3
+    assert point["sim"][0][FIGURES.index("hand-offs")] == 6
