@@ -250,17 +250,44 @@ def test_the_prefix_tier_reaches_the_scheduler_and_the_cache(
     assert containers["cache"]["KVSTASH_CACHE_UNPINNED_SHARE"] == share
 
 
-def _service_names(release: str, tmp_path: Path) -> list[str] | str:
-    """The Services `helm template` renders for `release` (P/D, shared cache,
-    gateway: every Service the chart has), or helm's error."""
-    values = {"instances": {"role": "pd"}, "cache": {"mode": "shared"},
-              "gateway": {"enabled": True}}
+def _names(release: str, kind: str, tmp_path: Path,
+           values: dict[str, Any] | None = None) -> list[str] | str:
+    """The names of the `kind` objects `helm template` renders for `release`
+    (by default a cache per node and the gateway: no StatefulSet, whose
+    names must be shorter), or helm's error."""
+    values = values or {"cache": {"mode": "daemonset"}, "gateway": {"enabled": True}}
     done = helm("template", release, str(CHART), "--namespace", "kv", values=values,
                 tmp_path=tmp_path)
     if done.returncode != 0:
         return done.stderr
     return [d["metadata"]["name"] for d in yaml.safe_load_all(done.stdout)
-            if d and d["kind"] == "Service"]
+            if d and d["kind"] == kind]
+
+
+def _service_names(release: str, tmp_path: Path) -> list[str] | str:
+    return _names(release, "Service", tmp_path)
+
+
+PERSISTENT_SIDECAR = {"cache": {"mode": "sidecar",
+                                "disk": {"enabled": True, "persistence": {"enabled": True}}}}
+
+
+@pytest.mark.parametrize(("values", "longest_release", "longest"), [
+    ({"cache": {"mode": "shared"}}, 38, "-kvstash-cache"),
+    (PERSISTENT_SIDECAR, 44, "-kvstash"),
+])
+def test_statefulset_names_fit_their_pods_labels_or_the_render_says_why(
+        values: dict[str, Any], longest_release: int, longest: str, tmp_path: Path) -> None:
+    """A StatefulSet's pods carry the label controller-revision-hash, its name
+    and 11 characters: a name past 52 renders, installs, and no pod starts."""
+    names = _names("r" * longest_release, "StatefulSet", tmp_path, values)
+    assert isinstance(names, list) and max(map(len, names)) == 52, names
+    assert "r" * longest_release + longest in names
+    error = _names("r" * (longest_release + 1), "StatefulSet", tmp_path, values)
+    assert isinstance(error, str)
+    assert (f'the StatefulSet "{"r" * (longest_release + 1)}{longest}" is 53 characters: '
+            "Kubernetes would refuse its pods") in error
+    assert "a fullnameOverride 1 characters shorter" in error
 
 
 def test_service_names_fit_kubernetes_or_the_render_says_why(tmp_path: Path) -> None:

@@ -16,6 +16,21 @@ message naming the keys involved and what to change.
 {{- if gt (len $fullname) 53 -}}
 {{- $errors = append $errors (printf "the release's full name %q is %d characters: Kubernetes would refuse the Service %s-instances (a Service name is at most 63); use a shorter release name, or fullnameOverride of at most 53 characters" $fullname (len $fullname) $fullname) -}}
 {{- end -}}
+{{- /* A StatefulSet's pods carry the label controller-revision-hash "<name>-<10 characters>", a label value of at most 63: its name at most 52. */ -}}
+{{- $statefulSets := list -}}
+{{- if and $c.enabled (eq $c.mode "shared") -}}
+{{- $statefulSets = append $statefulSets (printf "%s-cache" $fullname) -}}
+{{- end -}}
+{{- if and $c.enabled (eq $c.mode "sidecar") $c.disk.enabled $c.disk.persistence.enabled -}}
+{{- range $pools -}}
+{{- $statefulSets = append $statefulSets .name -}}
+{{- end -}}
+{{- end -}}
+{{- range $statefulSets -}}
+{{- if gt (len .) 52 -}}
+{{- $errors = append $errors (printf "the StatefulSet %q is %d characters: Kubernetes would refuse its pods (their controller-revision-hash label is the name, a dash and 10 characters: at most 63); use a shorter release name, or a fullnameOverride %d characters shorter" . (len .) (sub (len .) 52)) -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has $c.mode (list "sidecar" "daemonset" "shared")) -}}
 {{- $errors = append $errors (printf "cache.mode %q: use sidecar, daemonset or shared" $c.mode) -}}
 {{- end -}}
