@@ -10,7 +10,9 @@ target is met (or halves while it still is), then bisects between the last
 miss and the first hit; it gives up where three doublings changed nothing
 at all in the run (another resource binds). Attainment need not be monotonic in every resource
 (a bigger pool admits more at once, which can cost latency), so every value
-tried is shown: the curve, not only the answer.
+tried is shown: the curve, not only the answer. With `--runs N` each value
+is simulated N times (jittered arrivals) and judged by the run of median
+attainment: one run of a short trace is one draw of it.
 """
 
 from __future__ import annotations
