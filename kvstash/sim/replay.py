@@ -45,7 +45,7 @@ class Replayed:
     steps: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
     # Each step's turn of the engine's loop: from its schedule() to the next
     # (the step, the update, the streams and copies let run, the next
-    # schedule); the last step's, where the record ends before another.
+    # schedule); none for a step the record ends after.
     turns: list[float] = field(default_factory=list)
 
 
