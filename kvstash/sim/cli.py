@@ -193,7 +193,8 @@ def replay_record(path: Path, profile_path: Path) -> int:
         print(f"recorded step seconds / {profile.name}'s prediction, over "
               f"{len(done.step_ratios)} steps: p50 {ratios['p50']:.2f}, p90 {ratios['p90']:.2f}, "
               f"p99 {ratios['p99']:.2f}")
-    if beyond := [turn - seconds for (_, seconds), turn in zip(done.steps, done.turns)]:
+    turns = zip(done.steps, done.turns, strict=False)  # none for a last step
+    if beyond := [turn - seconds for (_, seconds), turn in turns]:
         print(f"the loop's own time a step (its turn, schedule() to schedule(), less the "
               f"step): p50 {spread(beyond)['p50'] * 1e3:.2f} ms")
     if done.mismatch is not None:

@@ -61,7 +61,8 @@ def test_a_recorded_run_replays_to_the_same_decisions(
     # It is fitted to each step's turn of the engine's loop: the step and
     # the scheduler's own time around it, from one schedule() to the next.
     assert steps - 1 <= len(done.turns) <= steps
-    assert all(turn > seconds for (_, seconds), turn in zip(done.steps, done.turns))
+    assert all(turn > seconds
+               for (_, seconds), turn in zip(done.steps, done.turns, strict=False))
     assert "the loop's own time a step" in out
 
 
