@@ -44,4 +44,6 @@ def step_page_faults(mode: str) -> int:
 def test_repeated_steps_do_not_fault_their_pages_in_again() -> None:
     default = step_page_faults("default")
     assert default > 10_000  # each step maps its 38 MB score tensors afresh: this can fail
-    assert step_page_faults("keep") < default // 8  # measured: 1,356-7,116 against 112,376
+    # Measured: 1,356-7,116 against 112,376 (AVX-512 host); 8,648 against
+    # 43,291 on the AMD host in a CI run. Without the thresholds they are alike.
+    assert step_page_faults("keep") < default // 3
