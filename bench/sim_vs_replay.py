@@ -16,9 +16,10 @@ figures are the prefill instance's, which streams every token). Error =
 simulated / real - 1, of the medians.
 
 The simulation runs --sim-runs times, each arrival after the first run
-later by up to --jitter (the lag a real client adds when it sends): on a
+later by up to --jitter (the lag a real client adds when it sends, which
+also decides which of a burst's requests the scheduler takes first): on a
 short slice which request a long prefill step lands beside decides the
-latency percentiles, so a millisecond moves TTFT p50 by 2x, in the real
+latency percentiles, so that order moves TTFT p50 by up to 2x, in the real
 runs as in the simulated ones, and one exact run is one draw of them.
 
 Each real run's (prefill) scheduler records its decisions (`--record-
@@ -54,7 +55,7 @@ from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
-from kvstash.workload.trace import Trace, fit, jittered
+from kvstash.workload.trace import Trace, fit, jittered_runs
 
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions",
            "hand-offs", "step s/profile")
@@ -111,9 +112,8 @@ def simulated(args: argparse.Namespace, profile: CostProfile, policy: str, slo: 
     """The figures of --sim-runs simulations: the trace as it is, then
     jittered copies (seeds 1, 2, ...)."""
     runs = []
-    for seed in range(args.sim_runs):
-        sim, counters = simulate(args, profile, policy,
-                                 jittered(trace, args.jitter, seed) if seed else trace)
+    for run in jittered_runs(trace, args.sim_runs, args.jitter):
+        sim, counters = simulate(args, profile, policy, run)
         runs.append(figures(summarize(sim.records, slo), counters))
     return runs
 

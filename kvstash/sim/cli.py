@@ -33,7 +33,7 @@ from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, median_run, spread, spread_text, summarize
-from kvstash.workload.trace import Trace, TraceError, fit, jittered
+from kvstash.workload.trace import Trace, TraceError, fit, jittered_runs
 from scheduler_svc.core.config import POLICIES
 from scheduler_svc.core.pd import HANDOFF_WAIT_S
 
@@ -131,8 +131,7 @@ def simulate(args: argparse.Namespace, policy: str, trace: Trace) -> SimResult:
 
 def simulate_runs(args: argparse.Namespace, policy: str, trace: Trace) -> list[SimResult]:
     """--runs simulations: the trace as it is, then jittered copies (seeds 1, 2, ...)."""
-    return [simulate(args, policy, jittered(trace, args.jitter, seed) if seed else trace)
-            for seed in range(args.runs)]
+    return [simulate(args, policy, run) for run in jittered_runs(trace, args.runs, args.jitter)]
 
 
 def plotted(policy: str, rate: float, result: SimResult) -> plots.Run:

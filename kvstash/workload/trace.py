@@ -198,6 +198,11 @@ def jittered(trace: Trace, seconds: float, seed: int) -> Trace:
     return Trace(tuple(sorted(late, key=lambda r: r.arrival_s)), trace.block_tokens)
 
 
+def jittered_runs(trace: Trace, runs: int, seconds: float) -> list[Trace]:
+    """`runs` traces to serve: `trace` as it is, then jittered copies (seeds 1, 2, ...)."""
+    return [trace, *(jittered(trace, seconds, seed) for seed in range(1, runs))]
+
+
 def write_trace(trace: Trace, path: Path) -> None:
     """In the Mooncake format, as fitted: a tool replaying it must be told
     the block a hash id stands for (`trace.block_tokens`; aiperf:

@@ -15,6 +15,7 @@ from kvstash.workload.trace import (
     TraceRequest,
     fit,
     jittered,
+    jittered_runs,
     read_trace,
     synthetic,
     write_trace,
@@ -184,5 +185,7 @@ def test_jitter_delays_each_arrival_a_little_and_reorders_a_burst() -> None:
     orders = {tuple(r.input_length for r in jittered(burst, 0.002, seed).requests[:4])
               for seed in range(20)}
     assert len(orders) > 1  # the requests a burst sends at once come in any order
+    assert jittered_runs(burst, 3, 0.002) == [burst, jittered(burst, 0.002, 1),
+                                              jittered(burst, 0.002, 2)]
     with pytest.raises(ValueError, match="jitter"):
         jittered(burst, -0.001, seed=0)
