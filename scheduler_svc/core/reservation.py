@@ -53,9 +53,8 @@ class Reservation:
         self.new_token_ratio = min(ratio, self.init_ratio)
 
     def reserved_blocks(self, req: Request, num_held: int | None = None) -> int:
-        """Never more than it can still use: blocks for prompt + max_tokens - 1
-        positions in all (its last token needs no KV), less those it holds
-        (`num_held`, default its block table's length)."""
+        """Under the ratio never more than it can still use (_usable; `num_held`
+        defaults to its block table's length); fixed_blocks: N for any decode."""
         config = self.config
         if config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
             return config.fixed_blocks_per_decode
@@ -67,9 +66,10 @@ class Reservation:
         `num_held` blocks (admitted, or resuming): its reservation, never more
         than it can use (fixed_blocks reserves N for any decode, so a request
         that fits the pool alone would otherwise be refused)."""
-        usable = -(-(req.num_prompt_tokens + req.sampling.max_tokens - 1)
-                   // self.config.block_size)
-        return min(self.reserved_blocks(req, num_held), max(usable - num_held, 0))
+        reserved = self.reserved_blocks(req, num_held)
+        if self.config.reservation_policy is ReservationPolicy.FIXED_BLOCKS:
+            return min(reserved, max(_usable(req, num_held, self.config.block_size), 0))
+        return reserved  # the ratio's is capped already
 
     def total_reserved_blocks(self, reqs: Iterable[Request]) -> int:
         """`reserved_blocks` summed (admission sums it over every running
@@ -86,5 +86,10 @@ def _blocks(req: Request, num_held: int, block_size: int, clip: int, ratio: floa
     max_tokens = req.sampling.max_tokens
     remaining = min(max_tokens - len(req.output_token_ids), clip)
     wanted = math.ceil((remaining if remaining > 0 else 0) * ratio / block_size)
-    usable = -(-(req.num_prompt_tokens + max_tokens - 1) // block_size) - num_held
-    return max(0, min(wanted, usable))
+    return max(0, min(wanted, _usable(req, num_held, block_size)))
+
+
+def _usable(req: Request, num_held: int, block_size: int) -> int:
+    """Blocks it can still use: for prompt + max_tokens - 1 positions in all
+    (its last token needs no KV), less the `num_held` it holds."""
+    return -(-(req.num_prompt_tokens + req.sampling.max_tokens - 1) // block_size) - num_held
