@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -46,6 +47,11 @@ def scraped() -> Iterator[tuple[Series, float]]:
             asyncio.run(pressure(stack, 24, 64))
         finally:
             scraper.stop()
+        # Prometheus scrapes on: a counter first exported after the scraper's
+        # last sample (smg's, once the last HTTP responses went) needs two
+        # more for rate() to see it.
+        scrape(stack, series)
+        time.sleep(1.0)
         yield series, scrape(stack, series)
 
 
