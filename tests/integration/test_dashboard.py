@@ -29,6 +29,7 @@ from bench.dashboard_snapshot import (
     variable_queries,
 )
 from bench.promql import Series, Value
+from kvstash.launch.openai_http import stream_completion
 from kvstash.launch.stack import running_stack
 
 # Labels a Kubernetes scrape adds (the chart's ServiceMonitors), not the services.
@@ -47,10 +48,14 @@ def scraped() -> Iterator[tuple[Series, float]]:
             asyncio.run(pressure(stack, 24, 64))
         finally:
             scraper.stop()
-        # Prometheus scrapes on: a counter first exported after the scraper's
-        # last sample (smg's, once the last HTTP responses went) needs two
-        # more for rate() to see it.
+        # Traffic goes on, as Prometheus scrapes on: smg exports its HTTP
+        # counter once its first responses went, often all in one interval
+        # at the load's end, which rate() cannot see rise; one more request
+        # between two more scrapes makes it.
         scrape(stack, series)
+        assert stack.gateway is not None
+        asyncio.run(stream_completion(stack.gateway.url, {
+            "model": "tiny", "prompt": "one more", "max_tokens": 2}))
         time.sleep(1.0)
         yield series, scrape(stack, series)
 
