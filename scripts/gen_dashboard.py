@@ -154,7 +154,9 @@ def panels() -> list[dict[str, Any]]:
         (rate(s + "handoffs_total"), "handed off"),
         (rate(s + "handoff_failures_total"), "failed")])
     b.panel("Hand-off time", "s", quantiles(s + "handoff_seconds"))
-    b.panel("Hand-off bytes", "Bps", [(rate(s + "handoff_bytes_total"), "bytes/s")])
+    b.panel("Hand-off bytes", "Bps", [
+        (rate(s + "handoff_bytes_total"), "copied out (prefill)"),
+        (rate(s + "handoff_restored_bytes_total"), "restored (decode)")])
     b.row("Worker")
     w = "kvstash_worker_"
     b.panel("Step time", "s", quantiles(w + "step_seconds"))

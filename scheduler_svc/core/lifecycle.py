@@ -142,8 +142,9 @@ class Lifecycle:
         self.reserved[req.request_id] = req
         return True
 
-    def move(self, req: Request, to: RequestStatus) -> None:
-        """The only status writer: leaves the old queue, joins the new one."""
+    def move(self, req: Request, to: RequestStatus, *, counted: bool = True) -> None:
+        """The only status writer: leaves the old queue, joins the new one. A
+        request that ends counts in num_finished unless not `counted`."""
         status = req.status
         if to not in _NEXT.get(status, ()):
             raise IntegrityError(
@@ -166,7 +167,8 @@ class Lifecycle:
             self.offloaded.insert(bisect.bisect(keys, req.arrival_seq), req)
         elif to in _DONE:
             del self.requests[rid]
-            self.counters.num_finished += 1
+            if counted:
+                self.counters.num_finished += 1
         else:
             self._queues[to][rid] = req
 
@@ -258,13 +260,18 @@ class Lifecycle:
         consumed: RUNNING_DECODE; or the copy failed (None): WAITING to
         recompute, the snapshot deleted."""
         req = self._take_copy(cmd.snapshot_id, RESUMING)
+        snapshot = req.snapshot
+        assert snapshot is not None
         if num_bytes is None:
             self._drop_snapshot(req)
         req.snapshot = None
         if req.status is FINISHED_ABORTED:
             self.kv.free(req)
         elif num_bytes is not None:
-            self.counters.bytes_restored += num_bytes
+            if snapshot.handed_in:
+                self.counters.bytes_handed_in += num_bytes
+            else:
+                self.counters.bytes_restored += num_bytes
             self.move(req, RUNNING_DECODE)
             self.kv.cache_full_blocks(req)
         else:
@@ -335,7 +342,7 @@ class Lifecycle:
         """Prefill instance: a HANDED_OFF request finished on its decode
         instance (FINISHED_STOPPED or FINISHED_LENGTH), which read its snapshot."""
         req.snapshot = None  # consumed there: nothing to delete
-        self.finish(req, status)
+        self.move(req, status, counted=False)  # it holds no blocks; counted where it ended
 
     def start_remote_decode(
         self, req: Request, snapshot_id: str, first_token_id: int
@@ -344,7 +351,8 @@ class Lifecycle:
         goes into its reserved blocks; RESUMING with its first token."""
         req.output_token_ids.append(first_token_id)
         req.num_computed_tokens = req.num_prompt_tokens
-        req.snapshot = Snapshot(snapshot_id, req.num_prompt_tokens, len(req.block_ids))
+        req.snapshot = Snapshot(snapshot_id, req.num_prompt_tokens, len(req.block_ids),
+                                handed_in=True)
         self.move(req, RESUMING)
         self.copies[snapshot_id] = req
         return RestoreCommand(req.request_id, snapshot_id, list(req.block_ids))

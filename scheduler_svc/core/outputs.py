@@ -166,19 +166,24 @@ class Counters:
                                         "Restores that failed (fell back to recompute)")
     num_recomputed_tokens: int = counter("recomputed_tokens",
                                          "Tokens prefilled again after preemption")
-    # Aborted ones included.
-    num_finished: int = counter("finished_requests", "Requests finished, any reason")
+    # Aborted ones included. Each counter counts what this instance did: a
+    # request a prefill instance handed off (P/D) counts as finished, and its
+    # tokens after the first as generated, on the decode instance.
+    num_finished: int = counter("finished_requests",
+                                "Requests finished here, any reason (P/D: a handed-off "
+                                "request where it was decoded)")
     # Once per request.
     num_prompt_tokens: int = counter("prompt_tokens",
                                      "Prompt tokens of requests whose prefill completed")
-    num_generation_tokens: int = counter("generation_tokens", "Output tokens generated")
+    num_generation_tokens: int = counter("generation_tokens", "Output tokens sampled here")
     # Recomputed tokens included.
     num_prefix_hit_tokens: int = counter("prefix_hit_tokens",
                                          "Prompt tokens whose KV a prefix-cache hit supplied")
     # Snapshot bytes the cache service committed, and bytes restored into blocks.
     bytes_offloaded: int = counter("offloaded_bytes", "KV bytes stashed in the cache service")
     bytes_restored: int = counter("restored_bytes",
-                                  "KV bytes brought back from the cache service")
+                                  "KV bytes of preempted requests brought back from the cache "
+                                  "service")
     # P/D, decode instance: ReserveBlocks calls.
     num_reservations_accepted: int = counter(
         "reservations_accepted", "P/D: block reservations a decode instance accepted")
@@ -195,6 +200,10 @@ class Counters:
     num_handoff_failures: int = counter(
         "handoff_failures", "P/D: handoffs that failed: the copy, or no decode instance took "
         "it in time (the request finished on this instance)")
+    # P/D, decode instance: hand-offs' bytes restored into reserved blocks
+    # (not in bytes_restored; a failed one counts in num_restore_failures).
+    bytes_handed_in: int = counter(
+        "handoff_restored_bytes", "P/D: KV bytes of prefill instances' hand-offs restored here")
     # Prefix tier (prefix_tier.py).
     num_tier_hit_tokens: int = counter(
         "prefix_tier_hit_tokens", "Prompt tokens whose KV was loaded from the prefix tier")

@@ -156,8 +156,7 @@ class PdManager:
         if req is None:
             return None
         self._check_remote_tokens(req, token_ids)
-        req.output_token_ids.extend(token_ids)
-        self.life.counters.num_generation_tokens += len(token_ids)
+        req.output_token_ids.extend(token_ids)  # counted where they were sampled
         return RequestUpdate(request_id, list(token_ids),
                              num_cached_tokens=req.num_cached_tokens)
 

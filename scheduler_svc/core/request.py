@@ -84,6 +84,8 @@ class Snapshot:
     num_blocks: int
     # Size the cache service committed; 0 while the copy is in flight.
     num_bytes: int = 0
+    # P/D, decode instance: a prefill instance's hand-off, not this one's offload.
+    handed_in: bool = False
 
 
 @dataclass(slots=True, eq=False)

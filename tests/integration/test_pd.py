@@ -136,6 +136,14 @@ async def test_pd_gives_the_mixed_tokens_under_decode_pressure(tmp_path: Path) -
     assert prefill.num_handoffs == num_requests and prefill.num_handoff_failures == 0
     assert prefill.bytes_handed_off > 0
     assert decode.num_reservations_accepted == num_requests
+    # Each request, token and restore counted once over the pair: where it
+    # finished, where it was sampled, and hand-offs apart from preemptions.
+    assert (prefill.num_finished, decode.num_finished) == (0, num_requests)
+    assert prefill.num_generation_tokens + decode.num_generation_tokens == sum(
+        len(r.token_ids) for r in outcome.results)
+    assert prefill.num_generation_tokens == num_requests  # each one's first
+    assert decode.bytes_handed_in == prefill.bytes_handed_off
+    assert decode.bytes_restored <= decode.bytes_offloaded
     assert decode.num_preemptions_offload + decode.num_preemptions_recompute > 0
     # The decode instance's preemptions reach the client's usage.
     assert sum(r.usage.num_preemptions for r in outcome.results if r.usage) >= (

@@ -648,7 +648,9 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     assert update.finish_status is (S.FINISHED_STOPPED if stopped else S.FINISHED_LENGTH)
     assert update.usage == RequestUsage(6, 5, 2, 3, 700, 0.0)
     stats = core.stats()
-    assert (stats.num_finished, stats.num_handed_off, stats.num_generation_tokens) == (1, 0, 5)
+    # Its end and the decode instance's tokens count there, not here (one
+    # request, five tokens over the pair): only the first token was sampled here.
+    assert (stats.num_finished, stats.num_handed_off, stats.num_generation_tokens) == (0, 0, 1)
     assert stats.num_prompt_tokens == 6
     assert core.get_request("a") is None
     assert core.take_snapshots_to_delete() == []  # the decode instance read it
@@ -940,6 +942,10 @@ class PD:
         self.lose: dict[str, str | int] = {}
         self.aborts: dict[int, list[str]] = {}
         self.lost: set[str] = set()
+        # Tokens the decode core sampled and the prefill core relayed, and the
+        # requests that finished there: each counts on the decode core only.
+        self.relayed_tokens = 0
+        self.finished_there: set[str] = set()
         # What each abort found: (prefill core's status, decode core's status).
         self.aborted_in: list[tuple[RequestStatus | None, RequestStatus | None]] = []
 
@@ -1037,8 +1043,10 @@ class PD:
                                               update.finish_status is S.FINISHED_STOPPED,
                                               update.usage)
             assert answer is not None and answer.finish_status is update.finish_status
+            self.finished_there.add(rid)
         prefill.check_integrity()
         assert answer is not None and answer.new_token_ids == update.new_token_ids
+        self.relayed_tokens += len(answer.new_token_ids)
         self.prefill.truth[rid].extend(answer.new_token_ids)
         self._deliver(answer)
 
@@ -1150,10 +1158,11 @@ class PD:
         assert not self.cache, f"snapshots leak: {sorted(self.cache)}"
         assert not self.on_decode and not self.pending
         prefill = self.prefill.core.stats()
-        assert prefill.num_finished == len(self.outputs) - sum(
+        assert prefill.num_finished == len(self.outputs) - len(self.finished_there) - sum(
             1 for rid, out in self.outputs.items()
             if self.finished[rid] is S.FINISHED_ABORTED and rid not in self.prefill.truth)
-        assert prefill.num_generation_tokens == sum(len(o) for o in self.outputs.values())
+        assert prefill.num_generation_tokens == sum(
+            len(o) for o in self.outputs.values()) - self.relayed_tokens
         decode = self.decode.core.stats()
         if not self.mixed:
             assert decode.num_reservations_accepted == decode.num_finished
@@ -1235,6 +1244,10 @@ def test_pd_preemptions_on_the_decode_side_happen_in_the_pressured_configs() -> 
         pd.run(make_jobs(14, seed=3))
         stats = pd.decode.core.stats()
         assert stats.num_preemptions_offload + stats.num_preemptions_recompute > 0, name
+        # Hand-offs restored count apart from its own preempted requests' restores.
+        assert stats.bytes_handed_in == pd.prefill.core.stats().bytes_handed_off > 0
+        assert stats.bytes_restored == stats.bytes_offloaded, name
+        assert (stats.bytes_offloaded > 0) == (name == "offload")
 
 
 LOSSES: dict[str, str | int] = {"before_restore": "before_restore",
