@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         # if any, identifies them); the worker and cache demand one of us.
         secured = security.from_args(args, require_client_cert=False)
         security.check_listen(args.listen, secured)
-        check_role(args)
+        check_role(args, secured)
         EngineConfig(worker_reconnect_s=args.worker_reconnect,
                      step_timeout_s=args.step_timeout)  # its checks, before any start
     except ValueError as exc:

@@ -174,8 +174,10 @@ def prefix_tier(
     return tokens // layout.block_size, salt
 
 
-def check_role(args: argparse.Namespace) -> None:
-    """P/D flags that contradict each other fail at start, not at the first request."""
+def check_role(args: argparse.Namespace, secured: security.Security) -> None:
+    """P/D flags that contradict each other, or a token for decode instances
+    that would go in plaintext (security.check_send), fail at start, not at
+    the first request."""
     addresses = [a for a in args.decode_address.split(",") if a]
     if args.role == "prefill":
         if not addresses:
@@ -184,6 +186,7 @@ def check_role(args: argparse.Namespace) -> None:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--decode-address {address!r} is not host:port")
+            security.check_send(address, secured)
         if args.handoff_wait < 0:
             raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
     elif addresses:

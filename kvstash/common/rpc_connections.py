@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from kvstash.common import flag_types
-from kvstash.common.security import PLAINTEXT, Security, channel_args
+from kvstash.common.security import PLAINTEXT, Security, channel_args, check_send
 from kvstash.common.units import MIB
 
 # Snapshot chunks are at most 4 MiB of payload; leave room for framing.
@@ -101,7 +101,9 @@ def connections_from_args(args: argparse.Namespace) -> Connections:
 def channel(address: str, security: Security = PLAINTEXT,
             options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A client channel: TLS (with this process's certificate, for mutual
-    TLS) and the bearer token as `security` says."""
+    TLS) and the bearer token as `security` says (ValueError where it would
+    go in plaintext beyond loopback unasked: security.check_send)."""
+    check_send(address, security)
     merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(DIRECT_OPTIONS)
                    | dict(options)).items())
     extra = channel_args(security)

@@ -15,7 +15,9 @@ demand a bearer token on every call but the health service (Kubernetes
 probes carry none). Tokens are compared in constant time and never logged.
 
 Without TLS a service serves plaintext only on loopback, or where told so
-with `--plaintext`: `check_listen` refuses anything else at start-up.
+with `--plaintext`: `check_listen` refuses anything else at start-up. A
+client sends its bearer token in plaintext by the same rule (`check_send`):
+only to loopback, or with `--plaintext`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class Tls:
 @dataclass(frozen=True, slots=True)
 class Security:
     tls: Tls | None = None
-    plaintext: bool = False  # allowed to serve without TLS beyond loopback
+    # Allowed without TLS beyond loopback: to serve, and to send the token.
+    plaintext: bool = False
     tokens: frozenset[str] = frozenset()  # as a server: bearer tokens accepted (empty = none asked)
     token: str | None = None  # as a client: the bearer token sent
 
@@ -79,7 +82,12 @@ def add_flags(parser: argparse.ArgumentParser, *, server: bool = True,
     if server:
         group.add_argument("--plaintext", action="store_true",
                            help="serve without TLS on a non-loopback address (only on a "
-                                "network you trust)")
+                                "network you trust)" + (", and send --token-file's token so"
+                                                        if sends_token else ""))
+    elif sends_token:
+        group.add_argument("--plaintext", action="store_true",
+                           help="send --token-file's token without TLS to a non-loopback "
+                                "address (only on a network you trust)")
     if accepts_tokens:
         group.add_argument("--auth-token-file", type=Path, default=None,
                            help="file of accepted bearer tokens, one per line: every call but "
@@ -135,7 +143,22 @@ def check_listen(address: str, security: Security) -> None:
         "or --plaintext to accept that anyone who reaches this address can call it")
 
 
+def check_send(address: str, security: Security) -> None:
+    """Refuses to send a bearer token in plaintext beyond loopback unless
+    `--plaintext` said so: anyone on the path could read and reuse it."""
+    if (security.token is None or security.tls is not None or security.plaintext
+            or is_loopback(address)):
+        return
+    raise ValueError(
+        f"refusing to send the bearer token in plaintext to {address}: give --tls-ca (the CA "
+        "that signed the server's certificate), or --plaintext to accept that anyone on the "
+        "path can read it")
+
+
 def is_loopback(address: str) -> bool:
+    """A loopback host (or a Unix socket): nothing outside this machine sees it."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
     host = address.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from kvstash.common import security
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
+from scheduler_svc.flags import check_role, parse_args
 from tests.scheduler_svc.factories import make_config
 
 
@@ -62,3 +65,26 @@ def test_snapshot_ids_are_unique_per_scheduler() -> None:
     assert make_config().snapshot_id_prefix != make_config().snapshot_id_prefix
     with pytest.raises(ValueError, match="snapshot_id_prefix"):
         make_config(snapshot_id_prefix="../x")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ((), "refusing to send the bearer token in plaintext to decode.svc:50051"),
+    (("--plaintext",), None),
+    (("--decode-address", "127.0.0.1:50051"), None),
+])
+def test_a_prefill_instance_checks_its_decode_token_at_start(
+    tmp_path: Path, extra: tuple[str, ...], message: str | None,
+) -> None:
+    """The token for decode instances would go in plaintext: refused at start
+    (scheduler_svc's main), not at the first hand-off."""
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    args = parse_args(["--role", "prefill", "--cache-address", "127.0.0.1:1",
+                       "--decode-address", "decode.svc:50051", "--token-file", str(token),
+                       *extra])
+    secured = security.from_args(args, require_client_cert=False)
+    if message is None:
+        check_role(args, secured)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_role(args, secured)

@@ -57,6 +57,29 @@ def test_plaintext_only_on_loopback_unless_asked(address: str, loopback: bool) -
             security.check_listen(address, security.PLAINTEXT)
 
 
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:5", True), ("localhost:5", True), ("[::1]:5", True), ("unix:/tmp/s", True),
+    ("10.0.0.7:5", False), ("decode.svc:5", False),
+])
+def test_a_token_goes_in_plaintext_only_to_loopback_unless_asked(
+    address: str, loopback: bool, ca: trustme.CA,
+) -> None:
+    """As serving: a client's bearer token crosses a network only inside TLS,
+    or where --plaintext accepted that anyone on the path can read it."""
+    token = Security(token="secret")
+    for allowed in (security.PLAINTEXT, Security(plaintext=True, token="secret"),
+                    Security(Tls(ca.cert_pem.bytes()), token="secret")):
+        security.check_send(address, allowed)
+    if loopback:
+        security.check_send(address, token)
+        return
+    with pytest.raises(ValueError, match=f"refusing to send the bearer token in plaintext to "
+                                         f"{address}"):
+        security.check_send(address, token)
+    with pytest.raises(ValueError, match="refusing to send the bearer token"):
+        Client(address, token)  # before any connection is made
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     security.add_flags(parser, accepts_tokens=True, sends_token=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,16 @@ def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert f"kvstash {argv[0]}: error: {message}" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "stats"])
+def test_a_token_is_not_sent_in_plaintext_beyond_loopback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str,
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    argv = [command, "hello"] if command == "generate" else [command]
+    assert main([*argv, "--address", "10.0.0.7:50051", "--token-file", str(token)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvstash {command}: refusing to send the bearer token in plaintext "
+                          "to 10.0.0.7:50051: give --tls-ca"), err
