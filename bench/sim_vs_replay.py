@@ -30,6 +30,14 @@ the engine's loop, from its schedule() to the next: what a profile fitted
 with `kvstash calibrate --from-record` models). Above 1 the
 host ran those steps slower than the profile says, and the simulation's
 latencies come out low by about as much.
+
+The record also says when each request reached the scheduler, so each real
+run is simulated once more as it was served (`paired`): every request
+arriving when that run's scheduler added it, in that order, and timed, as
+the client timed it, from when it was due. What is left between a real run
+and its paired simulation is the timing model's error alone, with no draw
+of the arrival order in it. (The client's due times and the scheduler's
+clock are both CLOCK_MONOTONIC: time.perf_counter and time.monotonic.)
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay.runs import POLICIES, RunResult, run_policy
@@ -57,6 +66,7 @@ from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit, jittered_runs
 
+Figures = tuple[float, ...]  # FIGURES' values
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions",
            "hand-offs", "step s/profile")
 
@@ -73,23 +83,59 @@ def figures(summary: Summary, counters: dict[str, int], step_ratio: float = 1.0
             float(counters["num_handoffs"]), step_ratio)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RealRun:
+    run: RunResult
+    step_ratio: float  # its step turns over the profile's for the same steps
+    served: Trace  # the slice as its scheduler received it (as_served)
+    due_s: list[float]  # each of served's requests' arrival in the slice
+
+
 def real_run(base: StackConfig, policy: str, trace: Trace, prompts: list[list[int]],
-             profile: CostProfile, record: Path) -> tuple[RunResult, float]:
+             profile: CostProfile, record: Path) -> RealRun:
     """One run through a real stack, its (prefill) scheduler recording its
-    decisions; and its steps' turns (schedule() to schedule()) over the
+    decisions; its steps' turns (schedule() to schedule()) over the
     profile's for the same steps, summed (how much slower than the profile
-    the host ran it: what the simulation cannot know)."""
+    the host ran it: what the simulation cannot know); and the arrivals its
+    scheduler saw."""
     flag = ("--record-decisions", str(record))
     base = (dataclasses.replace(base, prefill_scheduler_args=(*base.prefill_scheduler_args,
                                                               *flag)) if base.pd
             else dataclasses.replace(base, scheduler_args=(*base.scheduler_args, *flag)))
     run = run_policy(base, policy, trace, prompts)
-    done = replay(read_record(record))
+    lines = read_record(record)
+    done = replay(lines)
     if done.mismatch is not None:
         raise SystemExit(f"the real run's record does not replay: {done.mismatch}")
     turns = list(zip(done.steps, done.turns, strict=False))
     predicted = sum(profile.step.of_features(features) for (features, _), _ in turns)
-    return run, sum(turn for _, turn in turns) / predicted
+    return RealRun(run, sum(turn for _, turn in turns) / predicted,
+                   *as_served(trace, prompts, run, lines))
+
+
+def as_served(trace: Trace, prompts: list[list[int]], run: RunResult,
+              lines: list[dict[str, Any]]) -> tuple[Trace, list[float]]:
+    """The slice as the run's scheduler received it: each request arriving
+    (from the slice's start, as the client kept it) when the record says the
+    core added it, in that order (one the stack refused keeps its own
+    arrival); and each one's arrival in the slice, to time it from. A
+    request is known by its prompt (the run's warm-up is no request of it)."""
+    start = run.records[0].sent_s - trace.requests[0].arrival_s
+    waiting: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        waiting.setdefault(tuple(prompt), []).append(i)
+    added: dict[int, float] = {}
+    for line in lines:
+        if line["op"] == "add" and (same := waiting.get(tuple(line["prompt"]))):
+            i = same.pop(0)
+            added[i] = line["t"] - start
+            if added[i] < trace.requests[i].arrival_s - 0.001:
+                raise SystemExit(f"request {i} reached the scheduler before it was due: "
+                                 "the client's and the scheduler's clocks differ")
+    order = sorted((added.get(i, r.arrival_s), i) for i, r in enumerate(trace.requests))
+    served = Trace(tuple(dataclasses.replace(trace.requests[i], arrival_s=t) for t, i in order),
+                   trace.block_tokens)
+    return served, [trace.requests[i].arrival_s for _, i in order]
 
 
 def simulate(args: argparse.Namespace, profile: CostProfile, policy: str, trace: Trace
@@ -105,6 +151,16 @@ def simulate(args: argparse.Namespace, profile: CostProfile, policy: str, trace:
     cluster = (PdCluster(*pd_configs(policy, 1, 1, **settings), profile, cache) if args.pd
                else Cluster(instance_configs(policy, 1, **settings), profile, cache))
     return cluster.run(trace), counters_of(cluster.front[0].core)
+
+
+def paired(args: argparse.Namespace, profile: CostProfile, policy: str, slo: Slo,
+           real: RealRun) -> tuple[float, ...]:
+    """The figures of one simulation of the real run as it was served, each
+    request timed from when it was due."""
+    sim, counters = simulate(args, profile, policy, real.served)
+    for record, due in zip(sim.records, real.due_s, strict=True):
+        record.sent_s = due
+    return figures(summarize(sim.records, slo), counters)
 
 
 def simulated(args: argparse.Namespace, profile: CostProfile, policy: str, slo: Slo,
@@ -148,10 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     if unknown := [x for x in policies if x not in POLICIES]:
         p.error(f"unknown policies {unknown}")
-    slo = Slo(args.slo_ttft, args.slo_tpot)
-    raw = flags.load_slice(args)
-    profile = read_profile(args.profile)
-    rows: list[tuple[str, float, list[tuple[float, ...]], list[tuple[float, ...]]]] = []
+    try:
+        slo = Slo(args.slo_ttft, args.slo_tpot)
+        raw = flags.load_slice(args)
+        fitted = [fit(raw, args.length_scale, args.time_scale, rate, MAX_MODEL_LEN[args.model],
+                      args.output_scale) for rate in args.rates]
+        profile = read_profile(args.profile)
+    except (ValueError, OSError) as exc:  # TraceError and ProfileError are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # Per (policy, rate): the real runs', the simulations' and the paired ones' figures.
+    rows: list[tuple[str, float, list[Figures], list[Figures], list[Figures]]] = []
     with tempfile.TemporaryDirectory(prefix="kvstash-simcheck-") as workdir:
         model = args.model
         if model != "tiny":
@@ -161,34 +224,37 @@ def main(argv: list[str] | None = None) -> int:
                            num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            cache_memory_budget=args.cache_memory_budget, pd=args.pd)
-        for rate in args.rates:
-            trace, _ = fit(raw, args.length_scale, args.time_scale, rate,
-                           MAX_MODEL_LEN[args.model], args.output_scale)
+        for trace, _ in fitted:
             prompts = build_prompts(trace, args.seed)
             for policy in policies:
                 reals = [real_run(base, policy, trace, prompts, profile,
                                   Path(workdir) / f"record-{n}.jsonl")
                          for n in range(args.repeat)]
                 rows.append((policy, trace.rate,
-                             [figures(summarize(r.records, slo), r.counters, ratio)
-                              for r, ratio in reals],
-                             simulated(args, profile, policy, slo, trace)))
+                             [figures(summarize(r.run.records, slo), r.run.counters,
+                                      r.step_ratio) for r in reals],
+                             simulated(args, profile, policy, slo, trace),
+                             [paired(args, profile, policy, slo, r) for r in reals]))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(
-            [{"policy": policy, "rate": rate, "figures": FIGURES, "real": real, "sim": sim}
-             for policy, rate, real, sim in rows], indent=1))
+            [{"policy": policy, "rate": rate, "figures": FIGURES, "real": real, "sim": sim,
+              "paired": pairs} for policy, rate, real, sim, pairs in rows], indent=1))
     print(f"{'policy':<12} {'rate':>5} {'figure':<14} {'real':>9} {'real min-max':>19} "
-          f"{'sim':>9} {'sim min-max':>19} {'error':>7}")
-    for policy, rate, real_runs, sim_runs in rows:
+          f"{'sim':>9} {'sim min-max':>19} {'error':>7} {'paired':>9} {'paired err':>10}")
+    for policy, rate, real_runs, sim_runs, pairs in rows:
         for i, name in enumerate(FIGURES):
             values = [run[i] for run in real_runs]
             sims = [run[i] for run in sim_runs]
             real, sim = statistics.median(values), statistics.median(sims)
             error = f"{sim / real - 1:+.0%}" if real else "n/a"
+            # Each real run against its own paired simulation, then the median.
+            pair = statistics.median(run[i] for run in pairs)
+            errors = [p[i] / r[i] - 1 for p, r in zip(pairs, real_runs, strict=True) if r[i]]
             print(f"{policy:<12} {rate:>5.3g} {name:<14} {real:>9.3f} "
                   f"{min(values):>9.3f}-{max(values):<9.3f} {sim:>9.3f} "
-                  f"{min(sims):>9.3f}-{max(sims):<9.3f} {error:>7}")
+                  f"{min(sims):>9.3f}-{max(sims):<9.3f} {error:>7} {pair:>9.3f} "
+                  f"{f'{statistics.median(errors):+.0%}' if errors else 'n/a':>10}")
     return 0
 
 
