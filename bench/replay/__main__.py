@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-address", help="with --address: its cache, for occupancy")
     p.add_argument("--http-url", help="with --address and --via http: the smg in front of it")
     p.add_argument("--write-trace", type=Path,
-                   help="also write the fitted slice here (Mooncake format, for another tool)")
+                   help="also write the fitted slice here (Mooncake format, for another tool; "
+                        "one rate); read it back with the --block-tokens it prints")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     p.add_argument("--model", default="tiny", help="tiny, llama-small or a checkpoint directory")
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     flags.check_flags(p, args)
     if args.num_blocks <= 0:
         p.error("--num-blocks must be > 0")
+    if args.write_trace is not None and len(args.rates) > 1:
+        p.error("--write-trace writes one fitted slice: give one rate")
     if args.address and args.via == "http" and not args.http_url:
         p.error("--address with --via http needs --http-url (smg's base URL)")
     args.policies = args.policies.split(",")
@@ -102,6 +105,8 @@ def replay_all(args: argparse.Namespace, base: StackConfig,
         prompts = build_prompts(trace, args.seed)
         if args.write_trace is not None:
             write_trace(trace, args.write_trace)
+            print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "
+                  f"{trace.block_tokens})", flush=True)
         inputs = sum(r.input_length for r in trace.requests)
         print(f"{len(trace.requests)} requests ({dropped} longer than {max_context} dropped), "
               f"{trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} prompt "

@@ -97,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     config = StackConfig(gateway=True)
-    raw = read_trace(args.trace, args.start, args.count)
-    trace, _ = fit(raw, args.length_scale, rate=args.rate, max_context=args.max_context)
+    try:
+        raw = read_trace(args.trace, args.start, args.count)
+        trace, _ = fit(raw, args.length_scale, rate=args.rate, max_context=args.max_context)
+    except (ValueError, OSError) as exc:  # TraceError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows: dict[str, list[dict[str, float]]] = {"replayer": [], "aiperf": []}
     with tempfile.TemporaryDirectory(prefix="kvstash-aiperf-") as tmp:
         workdir = Path(tmp)

@@ -47,10 +47,10 @@ def output_mismatches(runs: Sequence[RunResult]) -> list[str]:
 
 
 def prefix_hit_rate(counters: dict[str, int]) -> float:
-    """Of the prompt (and recomputed) tokens prefilled, the share a cached
-    prefix supplied."""
-    total = counters["num_prompt_tokens"] + counters["num_recomputed_tokens"]
-    return counters["num_prefix_hit_tokens"] / total if total else 0.0
+    """Of the tokens that needed KV at each admission (a recompute's again),
+    the share a cached prefix supplied."""
+    queried = counters["num_prefix_query_tokens"]
+    return counters["num_prefix_hit_tokens"] / queried if queried else 0.0
 
 
 def table(runs: Sequence[RunResult], slo: Slo) -> str:

@@ -34,7 +34,7 @@ OnDone = Callable[[RequestRecord], None] | None
 COUNTERS = ("num_preemptions_offload", "num_preemptions_recompute", "num_recomputed_tokens",
             "bytes_offloaded", "bytes_restored", "num_offload_failures",
             "num_restore_failures", "num_prompt_tokens", "num_generation_tokens",
-            "num_prefix_hit_tokens", "num_steps", "num_handoffs")
+            "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_steps", "num_handoffs")
 
 
 @dataclass(frozen=True, slots=True)

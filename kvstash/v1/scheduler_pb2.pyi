@@ -347,6 +347,7 @@ class SchedulerStats(_message.Message):
     NUM_HANDOFF_FAILURES_FIELD_NUMBER: _builtins.int
     BYTES_HANDED_IN_FIELD_NUMBER: _builtins.int
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_TIER_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     BYTES_TIER_LOADED_FIELD_NUMBER: _builtins.int
     NUM_TIER_LOAD_FAILURES_FIELD_NUMBER: _builtins.int
@@ -408,7 +409,10 @@ class SchedulerStats(_message.Message):
     bytes_restored, which counts this instance's preempted requests).
     """
     num_prefix_hit_tokens: _builtins.int
-    """Prompt (and recomputed) tokens whose KV a prefix-cache hit supplied."""
+    """Prompt (and recomputed) tokens whose KV a prefix-cache hit supplied, and
+    the tokens looked up at each admission (the hit rate: hits / queries).
+    """
+    num_prefix_query_tokens: _builtins.int
     num_tier_hit_tokens: _builtins.int
     """The prefix tier: prompt segments kept in the cache service for every
     instance (loaded at admission, saved once prefilled).
@@ -454,6 +458,7 @@ class SchedulerStats(_message.Message):
         num_handoff_failures: _builtins.int = ...,
         bytes_handed_in: _builtins.int = ...,
         num_prefix_hit_tokens: _builtins.int = ...,
+        num_prefix_query_tokens: _builtins.int = ...,
         num_tier_hit_tokens: _builtins.int = ...,
         bytes_tier_loaded: _builtins.int = ...,
         num_tier_load_failures: _builtins.int = ...,
@@ -465,7 +470,7 @@ class SchedulerStats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_handed_in", b"bytes_handed_in", "bytes_handed_off", b"bytes_handed_off", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "bytes_tier_loaded", b"bytes_tier_loaded", "bytes_tier_saved", b"bytes_tier_saved", "cache_available", b"cache_available", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_generation_tokens", b"num_generation_tokens", "num_handed_off", b"num_handed_off", "num_handoff_failures", b"num_handoff_failures", "num_handoffs", b"num_handoffs", "num_loading", b"num_loading", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens", b"num_prompt_tokens", "num_recomputed_tokens", b"num_recomputed_tokens", "num_reservations_accepted", b"num_reservations_accepted", "num_reservations_expired", b"num_reservations_expired", "num_reservations_refused", b"num_reservations_refused", "num_reserved", b"num_reserved", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_tier_hit_tokens", b"num_tier_hit_tokens", "num_tier_load_failures", b"num_tier_load_failures", "num_tier_loads_declined", b"num_tier_loads_declined", "num_tier_save_failures", b"num_tier_save_failures", "num_tier_saves", b"num_tier_saves", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_handed_in", b"bytes_handed_in", "bytes_handed_off", b"bytes_handed_off", "bytes_offloaded", b"bytes_offloaded", "bytes_restored", b"bytes_restored", "bytes_tier_loaded", b"bytes_tier_loaded", "bytes_tier_saved", b"bytes_tier_saved", "cache_available", b"cache_available", "new_token_ratio", b"new_token_ratio", "num_evictable_blocks", b"num_evictable_blocks", "num_finished", b"num_finished", "num_free_blocks", b"num_free_blocks", "num_generation_tokens", b"num_generation_tokens", "num_handed_off", b"num_handed_off", "num_handoff_failures", b"num_handoff_failures", "num_handoffs", b"num_handoffs", "num_loading", b"num_loading", "num_offload_failures", b"num_offload_failures", "num_offloaded", b"num_offloaded", "num_preemptions_offload", b"num_preemptions_offload", "num_preemptions_recompute", b"num_preemptions_recompute", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prefix_query_tokens", b"num_prefix_query_tokens", "num_prompt_tokens", b"num_prompt_tokens", "num_recomputed_tokens", b"num_recomputed_tokens", "num_reservations_accepted", b"num_reservations_accepted", "num_reservations_expired", b"num_reservations_expired", "num_reservations_refused", b"num_reservations_refused", "num_reserved", b"num_reserved", "num_restore_failures", b"num_restore_failures", "num_running_decode", b"num_running_decode", "num_running_prefill", b"num_running_prefill", "num_steps", b"num_steps", "num_tier_hit_tokens", b"num_tier_hit_tokens", "num_tier_load_failures", b"num_tier_load_failures", "num_tier_loads_declined", b"num_tier_loads_declined", "num_tier_save_failures", b"num_tier_save_failures", "num_tier_saves", b"num_tier_saves", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,9 +5,10 @@ synthetic trace, scaled to fit, at one or more request rates."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
-from kvstash.workload.trace import Trace, read_trace, synthetic
+from kvstash.workload.trace import TRACE_BLOCK_TOKENS, Trace, read_trace, synthetic
 
 
 def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
@@ -15,6 +16,9 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
     one of which must be given, where a caller may add its own source."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    p.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+                   help="tokens a hash id of --trace stands for (Mooncake's; a slice "
+                        "--write-trace wrote says its own)")
     source.add_argument("--synthetic", type=int, metavar="N",
                         help="N synthetic requests: Poisson arrivals at --rates' first rate")
     p.add_argument("--synthetic-input", type=int, default=256, help="mean prompt tokens")
@@ -39,21 +43,24 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
 def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exits through `p.error` on a bad value; turns --rates into a list
     ([None]: the slice's own arrival times)."""
-    for name in ("count", "synthetic", "max_context"):
+    for name in ("count", "synthetic", "max_context", "block_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("length_scale", "output_scale", "time_scale"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be finite and > 0")
     try:
         args.rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
     except ValueError:
         p.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
-    if any(r is not None and not r > 0 for r in args.rates):
-        p.error("--rates must be > 0")
+    if any(r is not None and not 0 < r < math.inf for r in args.rates):
+        p.error("--rates must be finite and > 0")
 
 
 def load_slice(args: argparse.Namespace) -> Trace:
     """The trace slice, or the synthetic trace, before fitting (TraceError,
     OSError on a bad file)."""
     if args.trace is not None:
-        return read_trace(args.trace, args.start, args.count)
+        return read_trace(args.trace, args.start, args.count, args.block_tokens)
     return synthetic(args.synthetic, args.rates[0] or 1.0, args.synthetic_input,
                      args.synthetic_output, args.synthetic_shared_blocks, args.seed)

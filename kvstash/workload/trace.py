@@ -13,7 +13,6 @@ block with them, so shared prefixes stay shared), arrivals by another.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import random
@@ -57,8 +56,9 @@ class Trace:
         return (len(self.requests) - 1) / span if span > 0 else math.inf
 
 
-def parse_line(text: str, where: str) -> TraceRequest:
-    """One line of a trace; TraceError naming `where` and what is wrong."""
+def parse_line(text: str, where: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRequest:
+    """One line of a trace whose hash ids stand for `block_tokens` tokens each;
+    TraceError naming `where` and what is wrong."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -71,34 +71,48 @@ def parse_line(text: str, where: str) -> TraceRequest:
         raise TraceError(f"{where}: missing {', '.join(missing)}")
     stamp, inputs, outputs, ids = (obj["timestamp"], obj["input_length"],
                                    obj["output_length"], obj["hash_ids"])
-    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or stamp < 0 \
-            or not math.isfinite(stamp):
-        raise TraceError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
+    ms = math.nan
+    if isinstance(stamp, int | float) and not isinstance(stamp, bool):
+        try:
+            ms = float(stamp)
+        except OverflowError:  # an integer past any float
+            ms = math.inf
+    if not 0 <= ms < math.inf:
+        raise TraceError(f"{where}: timestamp must be a finite number of ms >= 0, got "
+                         f"{repr(stamp)[:40]}")
     for name, value in (("input_length", inputs), ("output_length", outputs)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TraceError(f"{where}: {name} must be an integer > 0, got {value!r}")
     if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
-    if len(ids) * TRACE_BLOCK_TOKENS < inputs:
-        raise TraceError(f"{where}: {len(ids)} hash_ids cover {len(ids) * TRACE_BLOCK_TOKENS} "
+    if len(ids) * block_tokens < inputs:
+        raise TraceError(f"{where}: {len(ids)} hash_ids cover {len(ids) * block_tokens} "
                          f"tokens, fewer than input_length {inputs}")
-    return TraceRequest(stamp / 1000.0, inputs, outputs, tuple(ids))
+    return TraceRequest(ms / 1000.0, inputs, outputs, tuple(ids))
 
 
-def read_trace(path: Path, start: int = 0, count: int | None = None) -> Trace:
+def read_trace(path: Path, start: int = 0, count: int | None = None,
+               block_tokens: int = TRACE_BLOCK_TOKENS) -> Trace:
     """Requests start .. start+count-1 (0-based, blank lines skipped) of a
-    JSONL trace, arrivals from the first of them; every line up to the last
-    taken is checked."""
-    if start < 0 or (count is not None and count <= 0):
-        raise ValueError(f"need start >= 0 and count > 0, got {start}, {count}")
+    JSONL trace whose hash ids stand for `block_tokens` tokens each (a slice
+    `write_trace` wrote: its fitted block), arrivals from the first of them;
+    every line up to the last taken is checked."""
+    if start < 0 or (count is not None and count <= 0) or block_tokens <= 0:
+        raise ValueError(f"need start >= 0, count > 0 and block_tokens > 0, got {start}, "
+                         f"{count}, {block_tokens}")
     requests: list[TraceRequest] = []
     index = 0
+    last = 0.0
     with path.open(encoding="utf-8") as lines:
         for number, text in enumerate(lines, 1):
             if not text.strip():
                 continue
-            request = parse_line(text, f"{path.name}:{number}")
+            request = parse_line(text, f"{path.name}:{number}", block_tokens)
+            if request.arrival_s < last:
+                raise TraceError(f"{path.name}:{number}: timestamps go back ({last * 1000:g} "
+                                 f"ms, then {request.arrival_s * 1000:g} ms)")
+            last = request.arrival_s
             if index >= start:
                 requests.append(request)
             index += 1
@@ -106,13 +120,9 @@ def read_trace(path: Path, start: int = 0, count: int | None = None) -> Trace:
                 break
     if not requests:
         raise TraceError(f"{path.name}: no requests from #{start} ({index} in the file)")
-    for prev, cur in itertools.pairwise(requests):
-        if cur.arrival_s < prev.arrival_s:
-            raise TraceError(f"{path.name}: timestamps go back ({prev.arrival_s * 1000:g} ms, "
-                             f"then {cur.arrival_s * 1000:g} ms)")
     first = requests[0].arrival_s
     return Trace(tuple(TraceRequest(r.arrival_s - first, r.input_length, r.output_length,
-                                    r.hash_ids) for r in requests))
+                                    r.hash_ids) for r in requests), block_tokens)
 
 
 def fit(trace: Trace, length_scale: float = 1.0, time_scale: float = 1.0,
@@ -129,8 +139,10 @@ def fit(trace: Trace, length_scale: float = 1.0, time_scale: float = 1.0,
     are dropped (a clipped one would change the prefix structure and the
     work)."""
     output_scale = length_scale if output_scale is None else output_scale
-    if min(length_scale, time_scale, output_scale) <= 0 or (rate is not None and rate <= 0):
-        raise ValueError(f"scales and rate must be > 0, got length_scale={length_scale}, "
+    factors = (length_scale, time_scale, output_scale, 1.0 if rate is None else rate)
+    if not all(0 < x < math.inf for x in factors):  # NaN fails both
+        raise ValueError(f"scales and rate must be finite and > 0, got length_scale="
+                         f"{length_scale}, "
                          f"output_scale={output_scale}, time_scale={time_scale}, rate={rate}")
     block = max(1, round(trace.block_tokens * length_scale))
     kept = []
@@ -205,8 +217,8 @@ def jittered_runs(trace: Trace, runs: int, seconds: float) -> list[Trace]:
 
 def write_trace(trace: Trace, path: Path) -> None:
     """In the Mooncake format, as fitted: a tool replaying it must be told
-    the block a hash id stands for (`trace.block_tokens`; aiperf:
-    --prompt-input-tokens-block-size)."""
+    the block a hash id stands for (`trace.block_tokens`; read_trace's
+    block_tokens, --block-tokens here; aiperf: --prompt-input-tokens-block-size)."""
     lines = (json.dumps({"timestamp": round(r.arrival_s * 1000, 3),
                          "input_length": r.input_length, "output_length": r.output_length,
                          "hash_ids": list(r.hash_ids)}) for r in trace.requests)

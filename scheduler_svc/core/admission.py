@@ -125,6 +125,7 @@ class Admission:
             if declined:
                 life.counters.num_tier_loads_declined += 1
             num_hit_tokens = len(prefix_block_ids) * config.block_size
+            life.counters.num_prefix_query_tokens += req.num_tokens
             life.counters.num_prefix_hit_tokens += num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self._clock()

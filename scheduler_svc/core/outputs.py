@@ -176,7 +176,11 @@ class Counters:
     num_prompt_tokens: int = counter("prompt_tokens",
                                      "Prompt tokens of requests whose prefill completed")
     num_generation_tokens: int = counter("generation_tokens", "Output tokens sampled here")
-    # Recomputed tokens included.
+    # At every admission, a recompute's included: the tokens that needed KV
+    # (its prompt; prompt and output on a recompute), and those a hit supplied.
+    # Their ratio is the hit rate (vLLM's prefix_cache_queries and _hits).
+    num_prefix_query_tokens: int = counter(
+        "prefix_query_tokens", "Tokens looked up in the prefix cache at admission")
     num_prefix_hit_tokens: int = counter("prefix_hit_tokens",
                                          "Prompt tokens whose KV a prefix-cache hit supplied")
     # Snapshot bytes the cache service committed, and bytes restored into blocks.

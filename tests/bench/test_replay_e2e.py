@@ -66,9 +66,21 @@ def test_a_bad_trace_is_refused_before_any_stack_starts(
 @pytest.mark.parametrize(("bad", "says"), [
     (["--synthetic", "1", "--rates", "2"], "at once"),
     (["--synthetic", "4", "--max-context", "1"], "no request fits"),
-    (["--synthetic", "4", "--length-scale", "0"], "must be > 0"),
 ])
 def test_a_slice_that_cannot_be_fitted_is_refused_before_any_stack_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str], says: str) -> None:
     assert main([*bad, "--out", str(tmp_path)]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [
+    ["--length-scale", "0"], ["--length-scale", "inf"], ["--output-scale", "inf"],
+    ["--time-scale", "nan"], ["--rates", "inf"], ["--block-tokens", "0"],
+])
+def test_a_scale_that_is_not_finite_and_positive_is_refused_by_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str]) -> None:
+    """Not an OverflowError from round(inf), not a replay of NaN arrivals."""
+    with pytest.raises(SystemExit) as done:
+        main(["--synthetic", "4", *bad, "--out", str(tmp_path)])
+    assert done.value.code == 2
+    assert f"{bad[0]} must be" in capsys.readouterr().err

@@ -10,14 +10,19 @@ import pytest
 from bench.replay import report
 from bench.replay.drive import Occupancy
 from bench.replay.runs import COUNTERS, RunResult
+from kvstash.sim.cache import SimCache
+from kvstash.sim.cluster import Cluster, instance_configs
+from kvstash.sim.profile import DEFAULT_PROFILE, read_profile
 from kvstash.workload import plots
 from kvstash.workload.metrics import RequestRecord, Slo
+from kvstash.workload.trace import synthetic
 
 
 def run(policy: str, outputs: dict[int, list[int]], rate: float = 1.0) -> RunResult:
     records = [RequestRecord(i, 0.0, [0.1, 0.2], len(out), out, 0.2)
                for i, out in outputs.items()]
     counters = dict.fromkeys(COUNTERS, 0) | {"num_prompt_tokens": 300,
+                                             "num_prefix_query_tokens": 300,
                                              "num_prefix_hit_tokens": 75}
     occupancy = [Occupancy(0.1 * i, 10 * i, 64, i, 0, 0, i << 20, 0) for i in range(5)]
     return RunResult(policy, rate, records, counters, occupancy)
@@ -65,3 +70,25 @@ def test_the_oracle_fails_where_it_compared_nothing() -> None:
     assert report.output_mismatches([run("recompute", {0: [1]}), run("offload", {1: [2]})]) == [
         "no request completed in two runs: no output was compared"]
     assert report.output_mismatches([run("recompute", {0: [1]})]) == []
+
+
+def test_prefix_hit_rate_is_a_share_even_after_recompute_preemptions() -> None:
+    """The scheduler core (in the simulator) under KV pressure, recompute
+    only: a preempted request readmitted with its prompt still cached hits
+    again; that hit counts against the tokens it looked up again, so the
+    rate stays a share (hits over prompt + recomputed tokens went past 1)."""
+    profile = read_profile(DEFAULT_PROFILE)
+    trace = synthetic(12, rate=50.0, input_mean=20, output_mean=150, shared_blocks=2, seed=0,
+                      block_tokens=64)
+    cluster = Cluster(instance_configs("recompute", 1, num_blocks=24, block_size=16,
+                                       max_model_len=2048, max_num_seqs=16,
+                                       max_num_batched_tokens=512,
+                                       bytes_per_block=profile.bytes_per_block),
+                      profile, SimCache(1 << 30, 0))
+    c = cluster.run(trace).counters
+    assert c["num_preemptions_recompute"] > 0
+    assert c["num_prefix_hit_tokens"] > c["num_prompt_tokens"] + c["num_recomputed_tokens"]
+    rate = report.prefix_hit_rate(c)
+    assert 0 < rate <= 1
+    # Every admission looks up its tokens: at least each prompt once.
+    assert c["num_prefix_query_tokens"] >= sum(r.input_length for r in trace.requests)

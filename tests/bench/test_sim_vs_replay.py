@@ -20,18 +20,32 @@ def test_a_pd_slice_is_replayed_and_simulated_side_by_side(
                  "--synthetic-output", "8", "--model", "tiny", "--policies", "offload",
                  "--num-blocks", "256", "--pd", "--sim-runs", "3",
                  "--json", str(tmp_path / "runs.json")]) == 0
-    rows = {" ".join(line.split()[2:-5]): line.split()[-5:]
+    rows = {" ".join(line.split()[2:-7]): line.split()[-7:]
             for line in capsys.readouterr().out.splitlines()[1:]}
     assert set(rows) == set(FIGURES)
-    real, _, sim, sim_range, _ = rows["hand-offs"]
-    assert float(real) == float(sim) == 6  # every request decoded on the decode instance
-    assert sim_range == "6.000-6.000"  # in every jittered run too
-    _, _, sim, sim_range, _ = rows["TTFT p50"]
+    real, _, sim, sim_range, _, pair, pair_error = rows["hand-offs"]
+    # Every request decoded on the decode instance, in every jittered run
+    # too, and in the run simulated as it was served.
+    assert float(real) == float(sim) == float(pair) == 6 and pair_error == "+0%"
+    assert sim_range == "6.000-6.000"
+    _, _, sim, sim_range, _, pair, _ = rows["TTFT p50"]
     low, high = map(float, sim_range.split("-"))
-    assert 0 < low <= float(sim) <= high
-    real, _, sim, _, _ = rows["step s/profile"]
+    assert 0 < low <= float(sim) <= high and float(pair) > 0
+    real, _, sim, _, _, pair, _ = rows["step s/profile"]
     # The tiny model's steps against the llama-small profile: far quicker.
-    assert 0 < float(real) < 1 and float(sim) == 1
+    assert 0 < float(real) < 1 and float(sim) == float(pair) == 1
     [point] = json.loads((tmp_path / "runs.json").read_text())
-    assert len(point["real"]) == 1 and len(point["sim"]) == 3
+    assert len(point["real"]) == len(point["paired"]) == 1 and len(point["sim"]) == 3
     assert point["sim"][0][FIGURES.index("hand-offs")] == 6
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    ('{"timestamp": 0, "input_length": 5}\n', "t.jsonl:1: missing output_length, hash_ids"),
+    ("", "no requests"),
+])
+def test_a_bad_trace_is_a_clear_error_before_any_stack_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, says: str) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(bad, encoding="utf-8")
+    assert main(["--trace", str(trace), "--model", "tiny"]) == 2
+    assert says in capsys.readouterr().err

@@ -89,4 +89,5 @@ def test_prefix_hits_are_counted_in_tokens() -> None:
     add(core, "b", prompt_len=10, max_tokens=1)  # shares a's first 9 tokens: 2 full blocks
     [finished] = step(core)[1]
     assert core.stats().num_prefix_hit_tokens == 8
+    assert core.stats().num_prefix_query_tokens == 9 + 10  # each prompt looked up
     assert finished.usage is not None and finished.usage.num_cached_tokens == 8  # its own

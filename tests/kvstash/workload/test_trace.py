@@ -189,3 +189,49 @@ def test_jitter_delays_each_arrival_a_little_and_reorders_a_burst() -> None:
                                               jittered(burst, 0.002, 2)]
     with pytest.raises(ValueError, match="jitter"):
         jittered(burst, -0.001, seed=0)
+
+
+@pytest.mark.parametrize("scales", [
+    {"time_scale": float("nan")},    # every arrival NaN: the replay sends all at once
+    {"time_scale": float("inf")},    # first arrival 0 * inf = NaN, the rest inf
+    {"length_scale": float("inf")},  # OverflowError from round(), not a ValueError
+    {"output_scale": float("inf")},
+    {"rate": float("inf")},
+])
+def test_fit_refuses_a_scale_that_is_not_finite(scales: dict[str, float]) -> None:
+    trace = Trace((TraceRequest(0.0, 600, 10, (0, 1)), TraceRequest(1.0, 600, 10, (0, 1))))
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        fit(trace, **scales)  # type: ignore[arg-type]
+
+
+def test_a_timestamp_too_large_for_a_float_is_refused_naming_the_line(tmp_path: Path) -> None:
+    """A JSON integer past any float: refused by line, not an OverflowError."""
+    huge = '{"timestamp": 1' + "0" * 400 + ', "input_length": 600, "output_length": 10, ' \
+        '"hash_ids": [0, 1]}'
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: .*timestamp"):
+        read_trace(write(tmp_path, line(0), huge))
+
+
+def test_timestamps_going_back_name_the_line(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"t\.jsonl:3"):
+        read_trace(write(tmp_path, line(0), line(500), line(100)))
+
+
+def test_a_fitted_slice_written_reads_back_as_it_was_with_its_block(tmp_path: Path) -> None:
+    """--write-trace writes a slice as fitted (hash ids of 32 tokens at x1/16,
+    1,024 at x2); read back with that block (--block-tokens) it is the same
+    slice, the same prompts; read with Mooncake's 512 it is refused or would
+    share what it must not."""
+    raw = Trace((TraceRequest(0.0, 1400, 10, (0, 1, 2)), TraceRequest(1.0, 1400, 10, (0, 3, 4))))
+    for scale in (0.0625, 2.0):
+        fitted, _ = fit(raw, length_scale=scale)
+        write_trace(fitted, tmp_path / "w.jsonl")
+        again = read_trace(tmp_path / "w.jsonl", block_tokens=fitted.block_tokens)
+        assert again == fitted and build_prompts(again) == build_prompts(fitted)
+    small, _ = fit(raw, length_scale=0.0625)
+    a, b = build_prompts(small)
+    assert a[:32] == b[:32] and a[32:] != b[32:]  # only their first id is shared
+    with pytest.raises(TraceError, match=r"w\.jsonl:1: 3 hash_ids cover 1536 tokens"):
+        read_trace(tmp_path / "w.jsonl")  # the x2 slice, at 512 tokens an id
+    with pytest.raises(ValueError, match="block_tokens > 0"):
+        read_trace(tmp_path / "w.jsonl", block_tokens=0)
