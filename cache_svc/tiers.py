@@ -66,6 +66,17 @@ class Tiers:
             self.disk_used += entry.size
         if found:
             log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
+        # A smaller budget than before: the oldest unpinned snapshots go.
+        over = self.disk_used - self.config.disk_budget_bytes
+        for entry in [e for e in self._lru.values() if not e.meta.pinned]:
+            if over <= 0:
+                break
+            over -= entry.size
+            self.num_evictions += 1
+            self.drop(entry)
+        if over > 0:
+            log.warning("disk tier: pinned snapshots hold %d bytes more than its budget; no "
+                        "spill until they are deleted or expire", over)
 
     async def close(self) -> None:
         """Lets running spills, unlinks and unmaps finish, then stops the I/O
@@ -177,7 +188,8 @@ class Tiers:
                 memory.pool.release(pooled_needed)
             changed = self.background.changed
             room = self._makes_room(size)
-            spill_room = 0 if loop.time() < self._spills_paused_until else self.disk_free()
+            spill_room = (0 if loop.time() < self._spills_paused_until
+                          else self.disk_free(overdrawn=True))
             plan = plan_room(self._lru.values(), spill_room,
                              room if excess <= 0 else CappedRoom(room, excess),
                              unpinned_only=not pinned)
@@ -272,10 +284,14 @@ class Tiers:
         self.settle(entry)
         background.notify()
 
-    def disk_free(self) -> int:
+    def disk_free(self, overdrawn: bool = False) -> int:
+        """Disk budget bytes not used or reserved; with `overdrawn`, below 0 by
+        what the disk holds beyond it (recovered under a smaller budget): a
+        spill then evicts that much more first."""
         if self.disk is None:
             return 0
-        return max(0, self.config.disk_budget_bytes - self.disk_used - self.disk_reserved)
+        free = self.config.disk_budget_bytes - self.disk_used - self.disk_reserved
+        return free if overdrawn else max(0, free)
 
     def check_integrity(self) -> None:
         """Raises AssertionError when the accounting disagrees with the entries

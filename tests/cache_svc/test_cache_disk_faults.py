@@ -255,3 +255,35 @@ async def test_missing_file_is_data_loss_and_unlisted(start_cache) -> None:
                        match=r"snapshot 'a', chunk 2: the file is missing"):
         await running.client.get_into("a", memoryview(bytearray(4 * MIB)), start_chunk=2)
     await assert_healthy(running, gone="a")
+
+
+async def test_a_disk_tier_recovered_over_a_smaller_budget_gets_back_within_it(
+        start_cache) -> None:
+    """Restarted with half the disk budget over 4 MiB of unpinned snapshots:
+    the oldest go at start, and a later spill evicts what it needs from what
+    is left, so the disk tier holds no more than its budget again (a spill
+    judged its room from a free figure clamped at 0: it evicted one snapshot
+    per one spilled, and the tier stayed over for good)."""
+    one_mib = 32  # blocks of LAYOUT
+    running = await start_cache(memory_budget_bytes=4 * MIB, unpinned_share=1.0)
+    for i in range(8):  # u0..u3 spill to disk, u4..u7 stay in memory
+        await running.client.put(f"u{i}", LAYOUT, one_mib, 0,
+                                 make_payload(LAYOUT, one_mib, seed=i), pinned=False)
+    assert (await running.client.stats()).disk_bytes == 4 * MIB
+    await running.cache.stop(0)
+
+    running = await start_cache(memory_budget_bytes=4 * MIB, disk_budget_bytes=2 * MIB,
+                                unpinned_share=1.0)
+    stats = await running.client.stats()
+    assert (stats.disk_bytes, stats.disk_snapshots, stats.num_evictions) == (2 * MIB, 2, 2)
+    for name in ("u0", "u1"):  # the oldest went
+        with pytest.raises(errors.NotFound):
+            await running.client.stat(name)
+    await wait_until(lambda: len(running.disk_files()) == 2, "the evicted files are removed")
+    for i in range(5):  # p0..p3 fill memory; p4 makes p0 spill
+        await running.client.put(f"p{i}", LAYOUT, one_mib, 0,
+                                 make_payload(LAYOUT, one_mib, seed=10 + i))
+    assert (await running.client.stat("p0")).tier == cache_pb2.TIER_DISK
+    stats = await running.client.stats()
+    assert stats.disk_bytes <= stats.disk_budget_bytes == 2 * MIB
+    running.cache.store.check_integrity()
