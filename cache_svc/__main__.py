@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-dir", type=Path, default=d.disk_dir, help="disk tier; omit for none")
     p.add_argument("--disk-budget", type=flag_types.byte_size, default=d.disk_budget_bytes,
                    help="bytes of snapshots kept on disk, e.g. 100GiB")
+    p.add_argument("--max-snapshots", type=int, default=d.max_snapshots,
+                   help="snapshots listed at most, both tiers: each costs ~2 KiB of "
+                        "bookkeeping whatever its size; beyond, a put evicts the least "
+                        "recently used unpinned one or is refused")
     p.add_argument("--default-ttl", type=flag_types.duration, default=d.default_ttl_s,
                    help="expiry after the last access for puts that send ttl_s=0, e.g. 1h")
     p.add_argument("--sweep-interval", type=flag_types.duration, default=d.sweep_interval_s,
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> CacheConfig:
         disk_dir=args.disk_dir,
         disk_budget_bytes=args.disk_budget,
         default_ttl_s=max(1, round(args.default_ttl)),
+        max_snapshots=args.max_snapshots,
         sweep_interval_s=args.sweep_interval,
         max_inflight_bytes=args.max_inflight,
         max_concurrent_rpcs=args.max_concurrent_rpcs,

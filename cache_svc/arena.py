@@ -38,7 +38,9 @@ from kvstash.cache_sdk.shared_arena import buffer_address
 
 log = logging.getLogger(__name__)
 
-ALIGN = 256  # extent start and size granularity: DMA-friendly, little waste
+# Extent start and size granularity: a page, as a private mapping's, so the
+# budget charges a snapshot the same either way (model.pages).
+ALIGN = mmap.PAGESIZE
 PREFIX = "kvstash-arena-"
 SUFFIX = ".shm"
 

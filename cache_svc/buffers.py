@@ -21,9 +21,12 @@ import contextlib
 import mmap
 from collections.abc import Callable
 
+from cache_svc.model import pages
+
 
 class BufferPool:
-    """Idle buffers, least recently given back first, at most `max_bytes` in all."""
+    """Idle buffers, least recently given back first, at most `max_bytes` in
+    all (their whole pages, as the memory budget counts them)."""
 
     def __init__(self, max_bytes: int,
                  unmap: Callable[[mmap.mmap], None] | None = None) -> None:
@@ -43,7 +46,7 @@ class BufferPool:
             buffer, _ = self._idle[i]
             if len(buffer) == size:
                 del self._idle[i]
-                self.num_bytes -= size
+                self.num_bytes -= pages(size)
                 self.num_reused += 1
                 return buffer
         return None
@@ -51,7 +54,7 @@ class BufferPool:
     def give(self, buffer: mmap.mmap, now: float) -> None:
         """Pools `buffer`, releasing the oldest buffers to stay within
         max_bytes; a buffer bigger than max_bytes is released at once."""
-        size = len(buffer)
+        size = pages(len(buffer))
         if size > self.max_bytes:
             self._dispose(buffer)
             return
@@ -77,14 +80,14 @@ class BufferPool:
         return released
 
     def _unmap(self, buffer: mmap.mmap) -> int:
-        size = len(buffer)
+        size = pages(len(buffer))
         self.num_bytes -= size
         self.num_released += 1
         self._dispose(buffer)
         return size
 
     def check_integrity(self) -> None:
-        assert self.num_bytes == sum(len(b) for b, _ in self._idle), self.num_bytes
+        assert self.num_bytes == sum(pages(len(b)) for b, _ in self._idle), self.num_bytes
         assert 0 <= self.num_bytes <= self.max_bytes, (self.num_bytes, self.max_bytes)
 
 

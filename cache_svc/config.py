@@ -19,6 +19,10 @@ STREAM_WINDOW_BYTES = 2 * MIB
 MAX_STREAMS_PER_CONNECTION = 32  # further calls wait on the client's side
 # Allocator slack: freed chunk copies the heap keeps until the sweeper trims it.
 HEAP_SLACK_BYTES = 32 * MIB
+# What a listed snapshot costs in either tier beyond its bytes: its entry,
+# metadata, checksums and place in the listing (measured ~0.8 KiB; 60,000
+# snapshots of 4 bytes took 4.8 KiB each with their pages).
+ENTRY_BYTES = 2 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +46,11 @@ class CacheConfig:
         chunks without waiting for admission (see cache.proto). Nothing more
         of a put is read before it is admitted;
       - HEAP_SLACK_BYTES of freed heap, returned to the OS by the sweeper
-        (pooled buffers go after `buffer_pool_idle_s`).
+        (pooled buffers go after `buffer_pool_idle_s`);
+      - ENTRY_BYTES per listed snapshot, at most `max_snapshots` of them.
+    The budgets charge a snapshot's bytes in whole pages (a mapping's, an
+    arena extent's, a file's with its head and checksums: model.pages), so
+    many small snapshots cannot hold more than their charge either.
     Measured with 32 puts of 64 MiB against a 256 MiB budget, their clients
     sending every chunk before admission: peak 90-120 MiB over idle + budget,
     of the 224 MiB this allows (tests/cache_svc/test_cache_memory.py).
@@ -56,6 +64,10 @@ class CacheConfig:
     disk_dir: Path | None = None  # None = no disk tier
     disk_budget_bytes: int = 0
     default_ttl_s: int = 3600  # for puts that send ttl_s = 0
+    # Snapshots listed at most, both tiers (puts in progress included): each
+    # costs ENTRY_BYTES of bookkeeping whatever its size. A put beyond it
+    # evicts the least recently used unpinned snapshot, or is refused.
+    max_snapshots: int = 32768
     sweep_interval_s: float = 5.0  # how often expired snapshots are looked for
     # Chunk payload bytes being received or sent at once, over all streams:
     # an admitted put holds PUT_SHARE_CHUNKS chunks, a get one chunk per send.
@@ -113,6 +125,8 @@ class CacheConfig:
             raise ValueError(f"unpinned_share is {self.unpinned_share}, must be in (0, 1]")
         if self.disk_budget_bytes < 0:
             raise ValueError(f"disk_budget_bytes is {self.disk_budget_bytes}, must be >= 0")
+        if self.max_snapshots < 1:
+            raise ValueError(f"max_snapshots is {self.max_snapshots}, must be >= 1")
         if self.default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s is {self.default_ttl_s}, must be > 0")
         if self.sweep_interval_s <= 0:
@@ -151,4 +165,5 @@ class CacheConfig:
         `num_streams` open put streams (default: as many as may be open) may
         cost at most (see above)."""
         streams = self.max_concurrent_rpcs if num_streams is None else num_streams
-        return 4 * self.max_inflight_bytes + streams * STREAM_WINDOW_BYTES + HEAP_SLACK_BYTES
+        return (4 * self.max_inflight_bytes + streams * STREAM_WINDOW_BYTES + HEAP_SLACK_BYTES
+                + self.max_snapshots * ENTRY_BYTES)

@@ -157,7 +157,7 @@ class DiskFiles:
                 head = f.read(DATA_OFFSET)
                 size = os.fstat(f.fileno()).st_size
                 meta = _decode_head(head)
-                expected = _file_bytes(meta)
+                expected = file_bytes(meta)
                 if size != expected:
                     log.warning("removing %s: %d bytes, expected %d", path.name, size, expected)
                     return None
@@ -204,7 +204,8 @@ def _decode_head(head: bytes) -> SnapshotMeta:
     return SnapshotMeta(**fields)
 
 
-def _file_bytes(meta: SnapshotMeta) -> int:
+def file_bytes(meta: SnapshotMeta) -> int:
+    """The size of a snapshot's file: head, payload and checksum trailer."""
     return DATA_OFFSET + meta.total_bytes + CHECKSUM_BYTES * meta.num_chunks
 
 

@@ -50,7 +50,7 @@ class BytesRoom:
         return self.free >= self.size
 
     def add(self, victim: Entry) -> None:
-        self.free += victim.size
+        self.free += victim.memory_bytes
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class CappedRoom:
         return self.excess <= 0 and self.room.enough()
 
     def add(self, victim: Entry) -> None:
-        self.excess -= victim.size
+        self.excess -= victim.memory_bytes
         self.room.add(victim)
 
 
@@ -93,7 +93,7 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
         e for e in entries
         if e.residence is Residence.DISK and not e.meta.pinned and e.num_readers == 0
     ]
-    disk_evictable = sum(e.size for e in disk_victims)
+    disk_evictable = sum(e.disk_bytes for e in disk_victims)
     plan = Plan()
     for entry in entries:
         if room.enough():
@@ -101,13 +101,13 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
         if (entry.residence is not Residence.MEMORY or entry.num_readers
                 or (unpinned_only and entry.meta.pinned)):
             continue
-        if disk_free + disk_evictable >= entry.size:
-            while disk_free < entry.size:
+        if disk_free + disk_evictable >= entry.disk_bytes:
+            while disk_free < entry.disk_bytes:
                 victim = disk_victims.pop(0)
                 plan.evict_disk.append(victim)
-                disk_free += victim.size
-                disk_evictable -= victim.size
-            disk_free -= entry.size
+                disk_free += victim.disk_bytes
+                disk_evictable -= victim.disk_bytes
+            disk_free -= entry.disk_bytes
             plan.spill.append(entry)
         elif not entry.meta.pinned:
             plan.evict_memory.append(entry)

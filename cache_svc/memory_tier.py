@@ -28,7 +28,7 @@ from cache_svc.background import Background
 from cache_svc.buffers import BufferPool, close_now
 from cache_svc.config import CacheConfig
 from cache_svc.eviction import ArenaRoom, BytesRoom, Room
-from cache_svc.model import Buffer
+from cache_svc.model import Buffer, pages
 
 
 class MemoryTier:
@@ -80,11 +80,12 @@ class MemoryTier:
         must not write into the bytes of whoever gets the extent next."""
         arena = self.arena
         assert arena is not None
-        self.quarantined += extent.nbytes
+        size = pages(extent.nbytes)
+        self.quarantined += size
 
         def end() -> None:
             self._quarantine_ends.discard(handle)
-            self.quarantined -= extent.nbytes
+            self.quarantined -= size
             arena.free(extent)
             self._background.notify()
 
@@ -95,7 +96,7 @@ class MemoryTier:
         """Unmaps a buffer on another thread: that takes ~70 ms per GiB, which
         every other call would otherwise wait out. Its bytes stay counted
         until it is gone, so resident memory never exceeds the budget."""
-        size = len(buffer)
+        size = pages(len(buffer))
         self.unmapping += size
 
         async def unmap() -> None:

@@ -8,11 +8,20 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_svc.disk import file_bytes
 from cache_svc.snapshot import SnapshotMeta
 from kvstash.common.stats import counter, gauge
 
 # A snapshot's bytes in memory: a private mapping, or an extent of the arena.
 Buffer = mmap.mmap | memoryview
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def pages(num_bytes: int) -> int:
+    """`num_bytes` in whole pages: what a mapping, an arena extent or a file
+    of them takes, and so what the budgets charge (a snapshot of 4 bytes
+    costs a page)."""
+    return -(-num_bytes // PAGE_BYTES) * PAGE_BYTES
 
 
 class Residence(enum.Enum):
@@ -43,8 +52,14 @@ class Entry:
     num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
 
     @property
-    def size(self) -> int:
-        return self.meta.total_bytes
+    def memory_bytes(self) -> int:
+        """What its buffer is charged against the memory budget."""
+        return pages(self.meta.total_bytes)
+
+    @property
+    def disk_bytes(self) -> int:
+        """What its file is charged against the disk budget."""
+        return pages(file_bytes(self.meta))
 
     @property
     def tier(self) -> TierName:

@@ -113,7 +113,7 @@ class Reads:
                 "read it with GetSnapshot"
             )
         reader = await self.open_reader(snapshot_id, consume=consume)
-        self._counters.bytes_out += entry.size
+        self._counters.bytes_out += entry.meta.total_bytes
         self._counters.num_shared_gets += 1
         return reader
 

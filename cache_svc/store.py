@@ -23,6 +23,7 @@ from cache_svc.buffers import BufferPool
 from cache_svc.config import CacheConfig
 from cache_svc.ingest import PutSession, allocate, populate
 from cache_svc.model import (
+    PAGE_BYTES,
     Buffer,
     CacheStats,
     Counters,
@@ -30,6 +31,7 @@ from cache_svc.model import (
     Residence,
     SnapshotInfo,
     TierName,
+    pages,
 )
 from cache_svc.reads import Reads
 from cache_svc.snapshot import SnapshotMeta
@@ -75,17 +77,23 @@ class SnapshotStore:
         snapshot_id = meta.snapshot_id
         if self._tiers.is_listed(snapshot_id) or snapshot_id in self._pending:
             raise AlreadyExists(f"snapshot {preview(snapshot_id)} already exists or is being put")
-        size = meta.total_bytes
         budget = self.config.memory_budget_bytes
-        if size > budget:
+        if pages(meta.total_bytes) > budget:
             self._counters.num_refused += 1
             raise ResourceExhausted(
-                f"snapshot {preview(snapshot_id)} has {size} bytes, more than the memory "
-                f"budget {budget}"
+                f"snapshot {preview(snapshot_id)} has {meta.total_bytes} bytes, more than the "
+                f"memory budget {budget} (in whole pages of {PAGE_BYTES})"
             )
+        if not self._tiers.make_slot(len(self._pending)):
+            self._counters.num_refused += 1
+            raise ResourceExhausted(
+                f"snapshot {preview(snapshot_id)}: the cache lists {self.config.max_snapshots} "
+                "snapshots and puts, the most it takes (--max-snapshots), and none of them is "
+                "unpinned and idle to evict")
         self._pending[snapshot_id] = None
         try:
-            self._pending[snapshot_id] = await self._tiers.reserve_memory(size, meta.pinned)
+            self._pending[snapshot_id] = await self._tiers.reserve_memory(meta.total_bytes,
+                                                                          meta.pinned)
         except BaseException as exc:
             if isinstance(exc, ResourceExhausted):
                 self._counters.num_refused += 1
@@ -241,7 +249,8 @@ class SnapshotStore:
             disk_bytes=tiers.disk_used,
             disk_budget_bytes=self.config.disk_budget_bytes,
             disk_snapshots=sum(1 for e in listed if e.residence is Residence.DISK),
-            pinned_bytes=sum(e.size for e in listed if e.meta.pinned),
+            pinned_bytes=sum(e.disk_bytes if e.residence is Residence.DISK else e.memory_bytes
+                             for e in listed if e.meta.pinned),
             reserved_bytes=tiers.memory.reserved,
             free_bytes=tiers.memory.free() + tiers.disk_free(),
         )

@@ -25,7 +25,7 @@ from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
 from cache_svc.eviction import CappedRoom, Room, plan_room
 from cache_svc.memory_tier import MemoryTier
-from cache_svc.model import Buffer, Entry, Residence
+from cache_svc.model import Buffer, Entry, Residence, pages
 from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Tiers:
         for snap in found:  # oldest first, so LRU order survives a restart
             entry = Entry(snap.meta, Residence.DISK, now, snap.checksums, path=snap.path)
             self._lru[snap.meta.snapshot_id] = entry
-            self.disk_used += entry.size
+            self.disk_used += entry.disk_bytes
         if found:
             log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
         # A smaller budget than before: the oldest unpinned snapshots go.
@@ -71,7 +71,7 @@ class Tiers:
         for entry in [e for e in self._lru.values() if not e.meta.pinned]:
             if over <= 0:
                 break
-            over -= entry.size
+            over -= entry.disk_bytes
             self.num_evictions += 1
             self.drop(entry)
         if over > 0:
@@ -110,20 +110,22 @@ class Tiers:
 
     def list_reserved(self, entry: Entry) -> None:
         """Lists a new memory entry, whose bytes were reserved, as most recent."""
-        self.memory.reserved -= entry.size
+        self.memory.reserved -= entry.memory_bytes
         if not entry.meta.pinned:
-            self.unpinned_reserved -= entry.size
-        self.memory.used += entry.size
+            self.unpinned_reserved -= entry.memory_bytes
+        self.memory.used += entry.memory_bytes
         self._lru[entry.meta.snapshot_id] = entry
         self.background.notify()
 
-    def unreserve(self, num_bytes: int, pinned: bool, buffer: Buffer | None = None,
+    def unreserve(self, total_bytes: int, pinned: bool, buffer: Buffer | None = None,
                   quarantine_s: float = 0.0) -> None:
-        """Gives back a reservation and, if one was mapped for it, its buffer
-        (an arena extent after `quarantine_s`, see MemoryTier.give_back)."""
-        self.memory.reserved -= num_bytes
+        """Gives back reserve_memory's reservation and, if one was mapped for
+        it, its buffer (an arena extent after `quarantine_s`, see
+        MemoryTier.give_back)."""
+        size = pages(total_bytes)
+        self.memory.reserved -= size
         if not pinned:
-            self.unpinned_reserved -= num_bytes
+            self.unpinned_reserved -= size
         if buffer is not None:
             self.memory.give_back(buffer, quarantine_s)
         self.background.notify()
@@ -132,7 +134,7 @@ class Tiers:
         """Unlists an entry; its bytes go now or when its last reader leaves."""
         del self._lru[entry.meta.snapshot_id]
         if entry.path is not None and self.disk is not None:
-            self.disk_used -= entry.size
+            self.disk_used -= entry.disk_bytes
             self.background.spawn(self.background.run_io(self.disk.remove, entry.path))
             entry.path = None
         self.settle(entry)
@@ -145,7 +147,7 @@ class Tiers:
         if self.lists(entry) and entry.residence is Residence.MEMORY:
             return
         buffer, entry.buffer = entry.buffer, None
-        self.memory.used -= entry.size
+        self.memory.used -= entry.memory_bytes
         self.memory.give_back(buffer)
 
     def lists(self, entry: Entry) -> bool:
@@ -154,18 +156,36 @@ class Tiers:
 
     # -- making room ----------------------------------------------------------
 
-    async def reserve_memory(self, size: int, pinned: bool = True) -> Buffer | None:
-        """Counts `size` bytes as reserved, spilling or evicting to make room
-        and waiting up to reserve_wait_s for that, or raises ResourceExhausted.
+    def make_slot(self, num_pending: int) -> bool:
+        """Room in the listing for one more snapshot, `num_pending` puts
+        holding theirs (max_snapshots): the least recently used unpinned
+        snapshot nobody is reading or spilling goes if need be; False if none can."""
+        if len(self._lru) + num_pending < self.config.max_snapshots:
+            return True
+        victim = next((e for e in self._lru.values()
+                       if not e.meta.pinned and not e.num_readers
+                       and e.residence is not Residence.SPILLING), None)
+        if victim is None:
+            return False
+        self.num_evictions += 1
+        self.drop(victim)
+        return True
+
+    async def reserve_memory(self, total_bytes: int, pinned: bool = True) -> Buffer | None:
+        """Counts a buffer of `total_bytes` (its whole pages, model.pages) as
+        reserved, spilling or evicting to make room and waiting up to
+        reserve_wait_s for that, or raises ResourceExhausted.
         An unpinned snapshot displaces only unpinned ones, and keeps unpinned
         ones within their share of the budget (eviction.py).
         Returns the buffer if one is ready: the arena's extent, or a pooled
-        buffer of exactly `size` bytes (its bytes, counted as pooled, are now
+        buffer of exactly `total_bytes` (its bytes, counted as pooled, are now
         the reservation); None means the caller maps one.
         The wait is real time (the event loop's), not `clock`, which is for TTLs
         and can be a test's fake."""
         memory = self.memory
-        buffer = memory.pool.take(size) if self._unpinned_excess(size, pinned) <= 0 else None
+        size = pages(total_bytes)
+        buffer = (memory.pool.take(total_bytes) if self._unpinned_excess(size, pinned) <= 0
+                  else None)
         if buffer is not None:
             self._count_reserved(size, pinned)
             return buffer
@@ -174,7 +194,7 @@ class Tiers:
         while True:
             excess = self._unpinned_excess(size, pinned)  # > 0: move unpinned out first
             if excess <= 0 and memory.arena is not None:
-                extent = memory.arena.alloc(size)
+                extent = memory.arena.alloc(total_bytes)
                 if extent is not None:
                     self._count_reserved(size, pinned)
                     return extent
@@ -229,7 +249,7 @@ class Tiers:
         if pinned:
             return 0
         held = self.unpinned_reserved + sum(
-            e.size for e in self._lru.values()
+            e.memory_bytes for e in self._lru.values()
             if not e.meta.pinned and e.residence is Residence.MEMORY)
         cap = int(self.config.unpinned_share * self.config.memory_budget_bytes)
         return held + size - cap
@@ -255,7 +275,7 @@ class Tiers:
     def _start_spill(self, entry: Entry) -> None:
         assert self.disk is not None and entry.buffer is not None
         entry.residence = Residence.SPILLING
-        self.disk_reserved += entry.size
+        self.disk_reserved += entry.disk_bytes
         self.background.spawn(self._spill(entry))
 
     async def _spill(self, entry: Entry) -> None:
@@ -268,16 +288,16 @@ class Tiers:
             log.exception("spilling %s failed; it stays in memory, and no snapshot is spilled "
                           "for %g s", entry.meta.snapshot_id, SPILL_BACKOFF_S)
             self._spills_paused_until = asyncio.get_running_loop().time() + SPILL_BACKOFF_S
-            self.disk_reserved -= entry.size
+            self.disk_reserved -= entry.disk_bytes
             entry.residence = Residence.MEMORY
             self.settle(entry)
             background.notify()
             return
-        self.disk_reserved -= entry.size
+        self.disk_reserved -= entry.disk_bytes
         entry.residence = Residence.DISK
         if self.lists(entry):
             entry.path = path
-            self.disk_used += entry.size
+            self.disk_used += entry.disk_bytes
             self.num_spills += 1
         else:  # deleted or expired while being written
             background.spawn(background.run_io(self.disk.remove, path))
@@ -297,8 +317,8 @@ class Tiers:
         """Raises AssertionError when the accounting disagrees with the entries
         (lingering entries held only by readers are not checked)."""
         listed = list(self._lru.values())
-        on_disk = sum(e.size for e in listed if e.path is not None)
-        self.memory.check_integrity(sum(e.size for e in listed if e.buffer is not None))
+        on_disk = sum(e.disk_bytes for e in listed if e.path is not None)
+        self.memory.check_integrity(sum(e.memory_bytes for e in listed if e.buffer is not None))
         assert self.disk_used == on_disk, (self.disk_used, on_disk)
         assert self.disk_used + self.disk_reserved <= max(self.config.disk_budget_bytes,
                                                            on_disk)

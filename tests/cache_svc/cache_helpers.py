@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cache_svc.disk import CHECKSUM_BYTES, DATA_OFFSET
+from cache_svc.model import pages
 from kvstash.cache_sdk import chunk_codec
 from kvstash.common.layout import Layout
 from kvstash.common.units import MIB
@@ -25,6 +27,13 @@ from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def on_disk(num_snapshots: int, num_bytes: int = 4 * MIB, chunk_bytes: int = MIB) -> int:
+    """The disk budget `num_snapshots` of `num_bytes` (put in chunks of
+    `chunk_bytes`) take: each its file, head and checksums, in whole pages."""
+    chunks = -(-num_bytes // chunk_bytes)
+    return num_snapshots * pages(DATA_OFFSET + num_bytes + CHECKSUM_BYTES * chunks)
 
 
 def make_layout(

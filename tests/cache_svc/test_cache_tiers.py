@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from cache_helpers import MIB, FakeClock, make_layout, make_payload, wait_until
+from cache_helpers import MIB, FakeClock, make_layout, make_payload, on_disk, wait_until
 
 from kvstash import errors
 from kvstash.v1 import cache_pb2
@@ -41,7 +41,7 @@ async def test_least_recently_used_spills_first(start_cache) -> None:
 
 
 async def test_unpinned_evicted_lru_when_both_tiers_full(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=8 * MIB,
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=on_disk(2),
                                 unpinned_share=1.0)
     payloads = {name: await put(running, name, pinned=False) for name in "abcd"}
     assert await tiers(running, "a", "b", "c", "d") == [DISK, DISK, MEMORY, MEMORY]
@@ -57,7 +57,7 @@ async def test_unpinned_evicted_lru_when_both_tiers_full(start_cache) -> None:
 
 
 async def test_pinned_snapshots_survive_pressure(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=8 * MIB)
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=on_disk(2))
     payloads = {"u1": await put(running, "u1", pinned=False)}
     for name in ("p1", "p2", "p3", "p4"):
         payloads[name] = await put(running, name)
@@ -72,7 +72,7 @@ async def test_pinned_snapshots_survive_pressure(start_cache) -> None:
     for name in ("p1", "p2", "p3", "p4"):
         assert (await running.client.get(name))[1] == payloads[name]
     stats = await running.client.stats()
-    assert stats.pinned_bytes == 16 * MIB and stats.num_refused == 2
+    assert stats.pinned_bytes == 8 * MIB + on_disk(2) and stats.num_refused == 2
     assert stats.num_evictions == 1 and stats.free_bytes == 0
     assert stats.reserved_bytes == 0
 
@@ -177,7 +177,7 @@ async def test_an_unpinned_put_never_displaces_a_pinned_snapshot(start_cache, di
 
 
 async def test_unpinned_snapshots_stay_within_their_share(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=16 * MIB, disk_budget_bytes=4 * MIB,
+    running = await start_cache(memory_budget_bytes=16 * MIB, disk_budget_bytes=on_disk(1),
                                 unpinned_share=0.5)
 
     async def settle(expected: list[int]) -> None:
