@@ -3,8 +3,11 @@ tasks that `close` waits for (`spawn`), and the event that wakes puts
 waiting for room (`notify`, `changed`).
 
 Bookkeeping stays on the event loop; only the blocking calls (disk reads and
-writes, unlinks, unmaps, populating a mapping) go to the threads. Every
-spawned task's end is a change: a put waiting for room looks again.
+writes, unlinks, unmaps, populating a mapping) go to the threads. Unlinks
+have a thread of their own (`run_unlink`): behind a spill of gigabytes on the
+pool, a deleted snapshot's file would outlive its delete by seconds, and come
+back with a crash meanwhile. Every spawned task's end is a change: a put
+waiting for room looks again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 class Background:
     def __init__(self, io_threads: int) -> None:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="cache-io")
+        self._unlinks = ThreadPoolExecutor(1, thread_name_prefix="cache-unlink")
         self._tasks: set[asyncio.Task[Any]] = set()
         # Set, and replaced, by `notify`: a waiter takes the current one and
         # wakes at the next change.
@@ -50,9 +54,14 @@ class Background:
     async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
+    async def run_unlink(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn` on the unlink thread, queued behind no disk read or write."""
+        return await asyncio.get_running_loop().run_in_executor(self._unlinks, fn, *args)
+
     async def close(self) -> None:
         """Lets every spawned task finish (including those spawned meanwhile),
         then stops the I/O threads."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._io.shutdown(wait=True)
+        self._unlinks.shutdown(wait=True)

@@ -71,7 +71,7 @@ class CacheServicer(StreamedCalls, ArenaCalls):
 
     @rpc_errors.maps_errors
     async def DeleteSnapshot(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self._store.delete(request.snapshot_id)
+        await self._store.delete(request.snapshot_id)
         return cache_pb2.DeleteSnapshotResponse()
 
     @rpc_errors.maps_errors

@@ -177,8 +177,12 @@ class SnapshotStore:
 
     # -- deletes, TTL, stats ---------------------------------------------------
 
-    def delete(self, snapshot_id: str) -> None:
-        self._tiers.drop(self._tiers.lookup(check_snapshot_id(snapshot_id)))
+    async def delete(self, snapshot_id: str) -> None:
+        """Unlists the snapshot at once, and returns once its file, if any, is
+        unlinked: a crash after the delete answered cannot bring it back."""
+        unlink = self._tiers.drop(self._tiers.lookup(check_snapshot_id(snapshot_id)))
+        if unlink is not None:
+            await asyncio.shield(unlink)  # a cancelled call still lets it finish
 
     def stat(self, snapshot_id: str) -> SnapshotInfo:
         entry = self._tiers.lookup(check_snapshot_id(snapshot_id))

@@ -130,15 +130,19 @@ class Tiers:
             self.memory.give_back(buffer, quarantine_s)
         self.background.notify()
 
-    def drop(self, entry: Entry) -> None:
-        """Unlists an entry; its bytes go now or when its last reader leaves."""
+    def drop(self, entry: Entry) -> asyncio.Future[None] | None:
+        """Unlists an entry; its bytes go now or when its last reader leaves.
+        Returns the unlink of its file, if it has one."""
         del self._lru[entry.meta.snapshot_id]
+        unlink = None
         if entry.path is not None and self.disk is not None:
             self.disk_used -= entry.disk_bytes
-            self.background.spawn(self.background.run_io(self.disk.remove, entry.path))
+            unlink = self.background.spawn(
+                self.background.run_unlink(self.disk.remove, entry.path))
             entry.path = None
         self.settle(entry)
         self.background.notify()
+        return unlink
 
     def settle(self, entry: Entry) -> None:
         """Frees the memory copy once nobody needs it."""
@@ -300,7 +304,7 @@ class Tiers:
             self.disk_used += entry.disk_bytes
             self.num_spills += 1
         else:  # deleted or expired while being written
-            background.spawn(background.run_io(self.disk.remove, path))
+            background.spawn(background.run_unlink(self.disk.remove, path))
         self.settle(entry)
         background.notify()
 

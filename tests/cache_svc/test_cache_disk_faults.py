@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -289,3 +290,30 @@ async def test_a_disk_tier_recovered_over_a_smaller_budget_gets_back_within_it(
     stats = await running.client.stats()
     assert stats.disk_bytes <= stats.disk_budget_bytes == 2 * charge
     running.cache.store.check_integrity()
+
+
+async def test_a_deleted_snapshot_stays_deleted_through_a_crash(start_cache, tmp_path) -> None:
+    """DeleteSnapshot answers once the file is unlinked, not queued behind a
+    spill on the disk threads: the disk as a crash right after the answer
+    leaves it (copied then) holds no deleted snapshot for a restart to find."""
+    one_mib = 32  # blocks of LAYOUT
+    running = await start_cache(memory_budget_bytes=4 * MIB, io_threads=1,
+                                disk_write_bytes_per_s=MIB)  # a spill takes 1 s
+
+    async def put(name: str) -> None:
+        await running.client.put(name, LAYOUT, one_mib, 0,
+                                 make_payload(LAYOUT, one_mib, seed=len(name)))
+
+    for i in range(5):  # a4 makes a0 spill
+        await put(f"a{i}")
+    await wait_until(lambda: running.cache.store.stat("a0").tier.value == "disk", "a0 spilled")
+    spilling = asyncio.ensure_future(put("a5"))  # a1 spills: the disk thread is busy
+    await wait_until(lambda: running.disk_files() and any(
+        n.startswith(".tmp") for n in running.disk_files()), "a1 being written")
+    await running.client.delete("a0")
+    crashed = tmp_path / "after_crash"
+    shutil.copytree(running.disk_dir, crashed)  # what a crash now leaves on disk
+    await spilling
+    restarted = await start_cache(memory_budget_bytes=4 * MIB, disk_dir=crashed)
+    with pytest.raises(errors.NotFound):
+        await restarted.client.stat("a0")
