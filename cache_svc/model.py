@@ -3,6 +3,7 @@ store hands to its callers."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import mmap
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class Entry:
     buffer: Buffer | None = None  # the bytes, while in memory
     path: Path | None = None  # the file, once on disk
     num_readers: int = 0  # gets in progress; a busy entry is never spilled or evicted
+    # Dropped while SPILLING: done once the file being written is gone again.
+    unlinked: asyncio.Future[None] | None = None
 
     @property
     def memory_bytes(self) -> int:

@@ -66,17 +66,21 @@ class Tiers:
             self.disk_used += entry.disk_bytes
         if found:
             log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
-        # A smaller budget than before: the oldest unpinned snapshots go.
+        # A smaller budget (or max_snapshots) than before: the oldest unpinned
+        # snapshots go.
         over = self.disk_used - self.config.disk_budget_bytes
+        extra = len(self._lru) - self.config.max_snapshots
         for entry in [e for e in self._lru.values() if not e.meta.pinned]:
-            if over <= 0:
+            if over <= 0 and extra <= 0:
                 break
             over -= entry.disk_bytes
+            extra -= 1
             self.num_evictions += 1
             self.drop(entry)
-        if over > 0:
-            log.warning("disk tier: pinned snapshots hold %d bytes more than its budget; no "
-                        "spill until they are deleted or expire", over)
+        if over > 0 or extra > 0:
+            log.warning("disk tier: pinned snapshots alone hold %d bytes and %d snapshots more "
+                        "than its budget and max_snapshots allow, until they are deleted or "
+                        "expire", max(0, over), max(0, extra))
 
     async def close(self) -> None:
         """Lets running spills, unlinks and unmaps finish, then stops the I/O
@@ -132,7 +136,8 @@ class Tiers:
 
     def drop(self, entry: Entry) -> asyncio.Future[None] | None:
         """Unlists an entry; its bytes go now or when its last reader leaves.
-        Returns the unlink of its file, if it has one."""
+        Returns what is done once its file is gone, if it has one (or one is
+        being written: see `_spill`)."""
         del self._lru[entry.meta.snapshot_id]
         unlink = None
         if entry.path is not None and self.disk is not None:
@@ -140,6 +145,8 @@ class Tiers:
             unlink = self.background.spawn(
                 self.background.run_unlink(self.disk.remove, entry.path))
             entry.path = None
+        elif entry.residence is Residence.SPILLING:
+            unlink = entry.unlinked = asyncio.get_running_loop().create_future()
         self.settle(entry)
         self.background.notify()
         return unlink
@@ -164,15 +171,16 @@ class Tiers:
         """Room in the listing for one more snapshot, `num_pending` puts
         holding theirs (max_snapshots): the least recently used unpinned
         snapshot nobody is reading or spilling goes if need be; False if none can."""
-        if len(self._lru) + num_pending < self.config.max_snapshots:
+        over = len(self._lru) + num_pending + 1 - self.config.max_snapshots
+        if over <= 0:
             return True
-        victim = next((e for e in self._lru.values()
-                       if not e.meta.pinned and not e.num_readers
-                       and e.residence is not Residence.SPILLING), None)
-        if victim is None:
+        victims = [e for e in self._lru.values() if not e.meta.pinned and not e.num_readers
+                   and e.residence is not Residence.SPILLING][:over]
+        if len(victims) < over:
             return False
-        self.num_evictions += 1
-        self.drop(victim)
+        for victim in victims:
+            self.num_evictions += 1
+            self.drop(victim)
         return True
 
     async def reserve_memory(self, total_bytes: int, pinned: bool = True) -> Buffer | None:
@@ -296,6 +304,7 @@ class Tiers:
             entry.residence = Residence.MEMORY
             self.settle(entry)
             background.notify()
+            _done(entry.unlinked)  # no file was left
             return
         self.disk_reserved -= entry.disk_bytes
         entry.residence = Residence.DISK
@@ -304,7 +313,8 @@ class Tiers:
             self.disk_used += entry.disk_bytes
             self.num_spills += 1
         else:  # deleted or expired while being written
-            background.spawn(background.run_unlink(self.disk.remove, path))
+            unlink = background.spawn(background.run_unlink(self.disk.remove, path))
+            unlink.add_done_callback(lambda _: _done(entry.unlinked))
         self.settle(entry)
         background.notify()
 
@@ -328,3 +338,8 @@ class Tiers:
                                                            on_disk)
         assert self.disk_reserved >= 0
         assert 0 <= self.unpinned_reserved <= self.memory.reserved
+
+
+def _done(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)

@@ -91,3 +91,25 @@ async def test_max_snapshots_evicts_the_oldest_unpinned_then_refuses(start_cache
     assert (CacheConfig(max_snapshots=9).overhead_bytes()
             - CacheConfig(max_snapshots=8).overhead_bytes()) == ENTRY_BYTES
     running.cache.store.check_integrity()
+
+
+async def test_a_restart_under_a_smaller_max_snapshots_gets_back_within_it(
+        start_cache) -> None:
+    """Four files on disk, restarted with max_snapshots 3: the oldest unpinned
+    goes at start; a put at the cap then evicts as many as it needs (one
+    each time, so a listing over the cap stayed over for good)."""
+    layout = make_layout()  # 32 KiB blocks
+    running = await start_cache(memory_budget_bytes=4 * MIB, unpinned_share=1.0)
+    for i in range(8):  # 1 MiB each: u0..u3 go to disk
+        await running.client.put(f"u{i}", layout, 32, 0, bytes(MIB), pinned=False)
+    await running.cache.stop(0)
+    running = await start_cache(memory_budget_bytes=4 * MIB, unpinned_share=1.0,
+                                max_snapshots=3)
+    stats = await running.client.stats()
+    assert (stats.disk_snapshots, stats.num_evictions) == (3, 1)
+    with pytest.raises(errors.NotFound):
+        await running.client.stat("u0")
+    await running.client.put("n", layout, 1, 0, bytes(32 * 1024), pinned=False)
+    stats = await running.client.stats()
+    assert stats.memory_snapshots + stats.disk_snapshots == 3
+    running.cache.store.check_integrity()

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import threading
+from collections.abc import Awaitable
 from pathlib import Path
 
 import numpy as np
@@ -314,6 +315,46 @@ async def test_a_deleted_snapshot_stays_deleted_through_a_crash(start_cache, tmp
     crashed = tmp_path / "after_crash"
     shutil.copytree(running.disk_dir, crashed)  # what a crash now leaves on disk
     await spilling
+    restarted = await start_cache(memory_budget_bytes=4 * MIB, disk_dir=crashed)
+    with pytest.raises(errors.NotFound):
+        await restarted.client.stat("a0")
+
+
+async def test_a_snapshot_deleted_while_spilling_stays_deleted_through_a_crash(
+        start_cache, tmp_path) -> None:
+    """Deleted while its file is being written, it has no file yet: the delete
+    answers only once the spill has ended and unlinked what it wrote (it
+    answered at once, and a crash before that unlink brought it back)."""
+    running = await start_cache(memory_budget_bytes=4 * MIB, io_threads=1,
+                                disk_write_bytes_per_s=2 * MIB)  # a spill takes 0.5 s
+    tiers = running.cache.store._tiers
+    release = threading.Event()
+    remove = tiers.disk.remove
+
+    def held_remove(path: Path) -> None:  # the unlink waits for the test
+        release.wait(10)
+        remove(path)
+
+    tiers.disk.remove = held_remove
+    one_mib = 32  # blocks of LAYOUT
+
+    def put(name: str) -> Awaitable[object]:
+        return running.client.put(name, LAYOUT, one_mib, 0, make_payload(LAYOUT, one_mib))
+
+    for i in range(4):
+        await put(f"a{i}")
+    spilling = asyncio.ensure_future(put("a4"))  # a0 spills
+    await wait_until(lambda: tiers.get("a0") is not None
+                     and tiers.get("a0").residence.value == "spilling", "a0 spilling")
+    delete = asyncio.ensure_future(running.client.delete("a0"))
+    await spilling
+    await wait_until(lambda: any(n.startswith("a0~") for n in running.disk_files()),
+                     "a0's file in place, its unlink held")
+    assert not delete.done()  # not answered while its file is there
+    release.set()
+    await delete
+    crashed = tmp_path / "after_crash"
+    shutil.copytree(running.disk_dir, crashed)  # what a crash now leaves on disk
     restarted = await start_cache(memory_budget_bytes=4 * MIB, disk_dir=crashed)
     with pytest.raises(errors.NotFound):
         await restarted.client.stat("a0")
