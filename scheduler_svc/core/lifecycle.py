@@ -198,7 +198,7 @@ class Lifecycle:
             self.kv.free(req)
         elif status is OFFLOADED or status is HANDED_OFF:
             self._drop_snapshot(req)
-        self.move(req, FINISHED_ABORTED)
+        self.move(req, FINISHED_ABORTED, counted=not req.remote)
         return req
 
     def recompute(self, req: Request) -> None:

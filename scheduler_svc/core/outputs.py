@@ -167,8 +167,9 @@ class Counters:
     num_recomputed_tokens: int = counter("recomputed_tokens",
                                          "Tokens prefilled again after preemption")
     # Aborted ones included. Each counter counts what this instance did: a
-    # request a prefill instance handed off (P/D) counts as finished, and its
-    # tokens after the first as generated, on the decode instance.
+    # request a prefill instance handed off (P/D) counts as finished on the
+    # decode instance if it finished there (else, aborted or taken back, on the
+    # prefill instance), and its tokens after the first as generated there.
     num_finished: int = counter("finished_requests",
                                 "Requests finished here, any reason (P/D: a handed-off "
                                 "request where it was decoded)")

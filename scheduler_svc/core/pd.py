@@ -230,6 +230,7 @@ class PdManager:
             raise InvalidArgument(f"request {request_id}: max_tokens {sampling.max_tokens} "
                                   "leaves nothing to decode after prefill")
         req = self._intake.create(request_id, prompt_token_ids, sampling, RESERVED)
+        req.remote = True
         life = self.life
         counters = life.counters
         # As admission: nothing new while a preempted request waits to come back.

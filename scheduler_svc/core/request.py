@@ -137,6 +137,10 @@ class Request:
     first_token_time: float | None = None
     # P/D: clock value when the RESERVED blocks go back (decode instance).
     reserved_until: float = 0.0
+    # P/D, decode instance: a prefill instance's request (reserved for it).
+    # Ended here other than by finishing (aborted, expired), it counts as
+    # finished there, where its client's call ends.
+    remote: bool = False
     # Its decode work item, refreshed in place by every schedule() that decodes
     # it rather than rebuilt: rebuilding more than doubles schedule() at 1024
     # decodes (0.16 -> 0.38 ms on the 2-core machine, bench/scheduler_bench.py).

@@ -369,7 +369,8 @@ def test_an_unused_reservation_expires_at_schedule_and_its_blocks_return() -> No
     output, _ = side.step()
     assert output.seqs == [] and status(core, "a") is None and status(core, "b") is S.RESERVED
     stats = core.stats()
-    assert (stats.num_reserved, stats.num_reservations_expired, stats.num_finished) == (1, 1, 1)
+    # Expired, it is no request finished here (its prefill instance asks again).
+    assert (stats.num_reserved, stats.num_reservations_expired, stats.num_finished) == (1, 1, 0)
     assert stats.num_free_blocks == 15
     with pytest.raises(NotFound, match="request a holds no reservation"):
         core.pd.start_remote_decode("a", "pre.a.0", 9, 5)
@@ -383,7 +384,7 @@ def test_an_unused_reservation_expires_at_schedule_and_its_blocks_return() -> No
         side.step()
     assert side.truth["b"][4:] == expected(prompt_of(4, 1), greedy(4))
     stats = core.stats()
-    assert (stats.num_reservations_expired, stats.num_finished) == (1, 2)
+    assert (stats.num_reservations_expired, stats.num_finished) == (1, 1)
     assert stats.num_free_blocks + stats.num_evictable_blocks == 16 and core.is_idle
     assert reserve(core, "a", 9, 4)  # its id is free again, with a new deadline
     again = core.get_request("a")
@@ -660,6 +661,36 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     assert core.pd.finish_remote("a", [1], True, remote) is None
     core.pd.take_back("a")
     core.check_integrity()
+
+
+def _handed_to_a_decode_instance() -> tuple[Side, Side]:
+    """A request "a" handed off by one core and decoding on another."""
+    prefill, decode = Side(prefill_config()), Side(pd_config())
+    cmd, _ = handed_off(prefill, max_tokens=6)
+    assert prefill.core.pd.finish_handoff(cmd, 512)
+    assert reserve(decode.core, "a", 6, 6, seed=2)
+    start_remote(decode, "a")
+    return prefill, decode
+
+
+def test_a_handed_off_request_that_ends_early_counts_once_over_the_pair() -> None:
+    """Aborted by its client (the prefill instance aborts it, and its relay's
+    end aborts it on the decode instance), or taken back after tokens came
+    (aborted there, finished here): it counts as finished once, on the
+    prefill instance, whose client call ended."""
+    prefill, decode = _handed_to_a_decode_instance()
+    prefill.core.abort("a")
+    decode.core.abort("a")
+    assert (prefill.core.stats().num_finished, decode.core.stats().num_finished) == (1, 0)
+
+    prefill, decode = _handed_to_a_decode_instance()
+    _, [update] = decode.step(decode.land_restores)  # one token sampled there, relayed
+    prefill.core.pd.remote_tokens("a", update.new_token_ids)
+    prefill.truth["a"].extend(update.new_token_ids)
+    decode.core.abort("a")
+    prefill.core.pd.take_back("a")
+    prefill.run_to_end()
+    assert (prefill.core.stats().num_finished, decode.core.stats().num_finished) == (1, 0)
 
 
 @pytest.mark.parametrize("sampling", [greedy(1), "stop"], ids=["max_tokens_1", "stop_token"])
@@ -1164,8 +1195,8 @@ class PD:
         assert prefill.num_generation_tokens == sum(
             len(o) for o in self.outputs.values()) - self.relayed_tokens
         decode = self.decode.core.stats()
-        if not self.mixed:
-            assert decode.num_reservations_accepted == decode.num_finished
+        if not self.mixed:  # only what finished there: the rest counts here
+            assert decode.num_finished == len(self.finished_there)
         for job in self.jobs:
             rid = job.request_id
             want = expected(job.prompt, job.sampling)
@@ -1295,7 +1326,10 @@ def test_a_failed_handoff_decodes_on_the_prefill_side_with_the_same_tokens() -> 
     stats = pd.prefill.core.stats()
     assert (stats.num_handoffs, stats.num_handoff_failures) == (2, 2)
     decode = pd.decode.core.stats()
-    assert (decode.num_reservations_accepted, decode.num_finished) == (4, 4)
+    # The two whose copies failed let their reservations go there and finished
+    # here: each counted once, where it ended.
+    assert (decode.num_reservations_accepted, decode.num_finished) == (4, 2)
+    assert stats.num_finished == 2
 
 
 def test_aborts_at_any_point_leak_nothing_on_either_side() -> None:
@@ -1446,7 +1480,10 @@ def test_random_decode_instance_histories_keep_every_invariant(
     core.take_snapshots_to_delete()
     assert pool_is_clean(core) and core.is_idle
     stats = core.stats()
-    assert stats.num_reservations_accepted == stats.num_finished == len(prompts)
+    assert stats.num_reservations_accepted == len(prompts)
+    # Only those that finished here count: aborted or expired, a prefill
+    # instance's request counts there.
+    assert stats.num_finished == sum(s is not S.FINISHED_ABORTED for s in finished.values())
     for rid, status_ in finished.items():
         if status_ is not S.FINISHED_ABORTED and rid in outputs:
             prompt, sampling = prompts[rid]
