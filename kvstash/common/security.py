@@ -159,7 +159,9 @@ def is_loopback(address: str) -> bool:
     """A loopback host (or a Unix socket): nothing outside this machine sees it."""
     if address.startswith(("unix:", "unix-abstract:")):
         return True
-    host = address.rsplit(":", 1)[0].strip("[]")
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):  # gRPC's target forms
+        address = address.removeprefix(scheme)
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
     if host == "localhost":
         return True
     try:

@@ -51,6 +51,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "tls": {"tls": {"enabled": True, "secretName": "kvstash-tls"},
             "auth": {"enabled": True, "secretName": "kvstash-tokens"}},
+    # Bearer tokens in plaintext: on a network the chart is told to trust.
+    "auth": {"auth": {"enabled": True, "secretName": "kvstash-tokens"}},
     # No claim anywhere: the built-in model, the disk tier on an emptyDir.
     "no-pvc": {"cache": {"disk": {"enabled": True, "budget": "4Gi"}}},
     "disk-pvc": {"cache": {"disk": {"enabled": True, "budget": "20Gi", "persistence": {

@@ -127,7 +127,7 @@ def test_services_accept_what_the_chart_passes(
             assert telemetry.tracing_requested(variables) is tracing, name
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "tls"])
+@pytest.mark.parametrize("value_set", ["defaults", "tls", "auth"])
 def test_helm_test_pod_cli_accepts_its_arguments(
     value_set: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -147,3 +147,10 @@ def test_helm_test_pod_cli_accepts_its_arguments(
     (args,) = seen
     assert args.prompt == VALUE_SETS[value_set].get("tests", {}).get("prompt", "Once upon a time")
     assert (args.tls_ca is not None) is (value_set == "tls")
+    # Its token goes to the scheduler's Service: in plaintext only where the
+    # chart serves plaintext (auth without TLS), and said so.
+    assert (args.token_file is not None) is (value_set != "defaults")
+    sends = security.Security(token="t" if args.token_file else None, plaintext=args.plaintext,
+                              tls=security.Tls(b"ca") if args.tls_ca else None)
+    security.check_send(args.address, sends)
+    assert args.plaintext is (value_set == "auth")

@@ -59,7 +59,9 @@ def test_plaintext_only_on_loopback_unless_asked(address: str, loopback: bool) -
 
 @pytest.mark.parametrize(("address", "loopback"), [
     ("127.0.0.1:5", True), ("localhost:5", True), ("[::1]:5", True), ("unix:/tmp/s", True),
-    ("10.0.0.7:5", False), ("decode.svc:5", False),
+    ("LOCALHOST:5", True), ("dns:///localhost:5", True), ("ipv4:127.0.0.1:5", True),
+    ("ipv6:[::1]:5", True), ("10.0.0.7:5", False), ("decode.svc:5", False),
+    ("dns:///decode.svc:5", False), ("ipv4:127.0.0.1:5,10.0.0.7:5", False),
 ])
 def test_a_token_goes_in_plaintext_only_to_loopback_unless_asked(
     address: str, loopback: bool, ca: trustme.CA,
