@@ -119,14 +119,16 @@ def as_served(trace: Trace, prompts: list[list[int]], run: RunResult,
     (from the slice's start, as the client kept it) when the record says the
     core added it, in that order (one the stack refused keeps its own
     arrival); and each one's arrival in the slice, to time it from. A
-    request is known by its prompt (the run's warm-up is no request of it)."""
+    request is known by its prompt; the run's warm-up, added before the
+    slice started, is none of them."""
     start = run.records[0].sent_s - trace.requests[0].arrival_s
     waiting: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         waiting.setdefault(tuple(prompt), []).append(i)
     added: dict[int, float] = {}
     for line in lines:
-        if line["op"] == "add" and (same := waiting.get(tuple(line["prompt"]))):
+        if line["op"] == "add" and line["t"] >= start and (
+                same := waiting.get(tuple(line["prompt"]))):
             i = same.pop(0)
             added[i] = line["t"] - start
             if added[i] < trace.requests[i].arrival_s - 0.001:

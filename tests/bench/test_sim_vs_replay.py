@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_vs_replay import FIGURES, main
+from bench.replay.runs import RunResult
+from bench.sim_vs_replay import FIGURES, as_served, main
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.trace import Trace, TraceRequest
 
 
 def test_a_pd_slice_is_replayed_and_simulated_side_by_side(
@@ -49,3 +52,26 @@ def test_a_bad_trace_is_a_clear_error_before_any_stack_starts(
     trace.write_text(bad, encoding="utf-8")
     assert main(["--trace", str(trace), "--model", "tiny"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_run_as_served_arrives_when_its_scheduler_added_each_request() -> None:
+    """The record's adds, by prompt, in their order; the warm-up (added before
+    the slice started, its prompt the first one's first tokens, here all of
+    it) is none of them; a request the stack refused keeps its own arrival."""
+    trace = Trace((TraceRequest(0.0, 4, 2, (0,)), TraceRequest(0.5, 6, 2, (1,)),
+                   TraceRequest(0.6, 6, 2, (2,))), 16)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11]]
+    start = 100.0  # the client's clock when the slice started
+    run = RunResult("offload", 2.0, [RequestRecord(i, start + r.arrival_s)
+                                     for i, r in enumerate(trace.requests)], {}, [])
+    lines = [{"op": "config", "t": 90.0},
+             {"op": "add", "t": 99.0, "prompt": prompts[0][:8]},  # the warm-up
+             {"op": "add", "t": 100.002, "prompt": prompts[0]},
+             {"op": "add", "t": 100.705, "prompt": prompts[1]}]  # request 2: refused
+    served, due = as_served(trace, prompts, run, lines)
+    assert [round(r.arrival_s, 3) for r in served.requests] == [0.002, 0.6, 0.705]
+    assert [r.input_length for r in served.requests] == [4, 6, 6]
+    assert due == [0.0, 0.6, 0.5]
+    late = [{**line, "t": line["t"] - 0.3} if line["t"] > 100.5 else line for line in lines]
+    with pytest.raises(SystemExit, match="clocks differ"):
+        as_served(trace, prompts, run, late)  # request 1 added before it was due
