@@ -27,7 +27,7 @@ from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id, check_snapshot_id
 from kvstash.common.sampling import Room
 from kvstash.common.stats import values
-from kvstash.common.tokenizer import Tokenizer
+from kvstash.common.tokenizer import Tokenizer, encode_text
 from kvstash.common.wire import sampling_from_proto
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend, Timing
@@ -53,10 +53,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.attached = attached
 
     @staticmethod
-    def _prompt_ids(request: scheduler_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    async def _prompt_ids(request: scheduler_pb2.GenerateRequest,
+                          tokenizer: Tokenizer) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return tokenizer.encode(request.text)
+            return await encode_text(tokenizer, request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("prompt is missing: set text or token_ids")
@@ -72,7 +73,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         span = trace.get_current_span()  # the Generate span, when tracing
         if span.is_recording():
             span.set_attribute("kvstash.request_id", request_id)
-        prompt = self._prompt_ids(request, backend.tokenizer)
+        prompt = await self._prompt_ids(request, backend.tokenizer)
         sampling = sampling_from_proto(
             request.sampling, Room(len(prompt), backend.config.max_servable_len))
         stream = await backend.admit(request_id, prompt, sampling)

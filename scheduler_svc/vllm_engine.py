@@ -42,7 +42,7 @@ from kvstash import errors
 from kvstash.common import rpc_errors
 from kvstash.common.ids import check_request_id
 from kvstash.common.sampling import Room, SamplingParams
-from kvstash.common.tokenizer import Tokenizer
+from kvstash.common.tokenizer import Tokenizer, encode_text
 from kvstash.errors import preview
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.outputs import RequestUpdate
@@ -158,7 +158,7 @@ class VllmEngineServicer(VllmInfo):
         request_id = request.request_id
         check_request_id(request_id)
         backend = self._attached()
-        prompt = self._prompt(request, backend)
+        prompt = await self._prompt(request, backend)
         sampling = sampling_from_vllm(request.sampling_params,
                                       Room(len(prompt), backend.config.max_servable_len))
         stops = stop_strings(request.sampling_params)
@@ -219,7 +219,7 @@ class VllmEngineServicer(VllmInfo):
             raise
 
     @staticmethod
-    def _prompt(request: pb.GenerateRequest, backend: Backend) -> list[int]:
+    async def _prompt(request: pb.GenerateRequest, backend: Backend) -> list[int]:
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs or (
                 request.media_refs.ByteSize()):
             raise errors.InvalidArgument(
@@ -233,7 +233,7 @@ class VllmEngineServicer(VllmInfo):
         if kind == "tokenized":
             return list(request.tokenized.input_ids)
         if kind == "text":
-            return backend.tokenizer.encode(request.text)
+            return await encode_text(backend.tokenizer, request.text)
         raise errors.InvalidArgument("input is missing: set tokenized or text")
 
     @rpc_errors.maps_errors

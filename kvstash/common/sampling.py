@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from kvstash.errors import InvalidArgument
 
 MAX_SEED = (1 << 64) - 1
+# Most stop token ids one request may give: every step's plan carries them to
+# the worker, so a request must not make a step's message huge.
+MAX_STOP_TOKEN_IDS = 256
 # What a request that leaves temperature unset samples at, on both APIs:
 # OpenAI's and vLLM's default (an OpenAI client through a gateway sends none).
 DEFAULT_TEMPERATURE = 1.0
@@ -50,6 +53,9 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
         stop = tuple(self.stop_token_ids)
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"stop_token_ids has {len(stop)} ids, at most "
+                                  f"{MAX_STOP_TOKEN_IDS}")
         if any(t < 0 for t in stop):
             raise InvalidArgument(f"stop_token_ids must be >= 0, got {list(stop)[:8]}")
         object.__setattr__(self, "stop_token_ids", stop)

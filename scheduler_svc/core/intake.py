@@ -76,6 +76,9 @@ def check_new_request(
                     f"request {request_id}: token id {token_id!r} at position {pos} is "
                     f"outside the vocabulary [0, {vocab_size})"
                 )
+    if bad := [t for t in sampling.stop_token_ids if t >= vocab_size]:
+        raise InvalidArgument(f"request {request_id}: stop token ids {bad[:8]} are outside "
+                              f"the vocabulary [0, {vocab_size})")
     num_total = len(prompt) + sampling.max_tokens
     if num_total > config.max_model_len:
         raise InvalidArgument(

@@ -49,6 +49,14 @@ def test_admission_refusals_name_the_numbers(
     assert scheduler.get_request("r") is None
 
 
+def test_a_stop_token_outside_the_vocabulary_is_refused() -> None:
+    scheduler = make_scheduler()  # a vocabulary of 100
+    with pytest.raises(InvalidArgument, match=r"stop token ids \[100, 1000\] are outside the "
+                                              r"vocabulary \[0, 100\)"):
+        scheduler.add_request("r", [1], SamplingParams(max_tokens=2, stop_token_ids=(7, 100, 1000)))
+    assert scheduler.get_request("r") is None
+
+
 @pytest.mark.parametrize(("sampling", "message"), [
     ({"temperature": -0.5}, "temperature must be finite and >= 0, got -0.5"),
     ({"temperature": float("nan")}, "temperature must be finite and >= 0, got nan"),
@@ -58,6 +66,9 @@ def test_admission_refusals_name_the_numbers(
     ({"seed": -1}, "seed must be in [0, 2**64), got -1"),
     ({"seed": 1 << 64}, "seed must be in [0, 2**64)"),
     ({"stop_token_ids": (3, -2)}, "stop_token_ids must be >= 0, got [3, -2]"),
+    # Each step's plan carries them: two requests of megabytes of them broke
+    # the worker's stream, and every request on it failed.
+    ({"stop_token_ids": tuple(range(257))}, "stop_token_ids has 257 ids, at most 256"),
 ])
 def test_bad_sampling_values_are_refused_naming_the_value(
     sampling: dict[str, object], message: str
