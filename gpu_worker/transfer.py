@@ -34,6 +34,7 @@ import torch
 from gpu_worker.host_buffers import HostBlocks
 from gpu_worker.runner import ModelRunner
 from kvstash import errors
+from kvstash.cache_sdk.arena_calls import Write
 from kvstash.common.layout import Layout
 from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import cache_pb2
@@ -58,7 +59,7 @@ class SnapshotClient(Protocol):
 
     async def put_shared(self, snapshot_id: str, layout: Layout, num_blocks: int,
                          num_tokens: int, total_bytes: int,
-                         write: Callable[[memoryview], Awaitable[list[int] | None]], *,
+                         write: Write, *,
                          pinned: bool = True, timeout_s: float | None = None) -> int | None: ...
 
     async def get_shared(
@@ -155,9 +156,17 @@ class KvTransfer:
         pool = self.runner.host_pool
         num_blocks = len(block_ids)
 
-        async def gather_into(extent: memoryview) -> None:  # hashed by the client
-            await self._on_compute(lambda: self.runner.gather_blocks_into(
-                list(block_ids), self._pinned_blocks(extent, num_blocks)))
+        def gather(extent: memoryview, held: Callable[[], bool]) -> None:
+            # Queued behind steps: by its turn the cache may have ended the
+            # call, and the extent be another put's.
+            if not held():
+                raise errors.Unavailable(f"{what}: the cache ended the put before the "
+                                         "gather's turn came")
+            self.runner.gather_blocks_into(list(block_ids),
+                                           self._pinned_blocks(extent, num_blocks))
+
+        async def gather_into(extent: memoryview, held: Callable[[], bool]) -> None:
+            await self._on_compute(gather, extent, held)  # hashed by the client
 
         stored = await self._bounded(
             lambda timeout_s: cache.put_shared(

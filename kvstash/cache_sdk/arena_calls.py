@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors
 from kvstash.cache_sdk.shared_arena import (
@@ -37,6 +39,10 @@ from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A put's filler: `write(extent, held)` fills the extent, checking `held()`
+# (thread-safe: False once the call has ended) before each copy into it, and
+# may return its chunks' checksums.
+Write = Callable[[memoryview, Callable[[], bool]], Awaitable[list[int] | None]]
 
 
 class ArenaCalls:
@@ -83,15 +89,22 @@ class ArenaCalls:
 
     async def put(
         self, arena: SharedArena, header: cache_pb2.SnapshotHeader,
-        write: Callable[[memoryview], Awaitable[list[int] | None]], timeout_s: float | None,
+        write: Write, timeout_s: float | None,
     ) -> int | None:
-        """Puts through `arena` (this client's `arena()`): `write(extent)`
-        fills the extent and may return its chunks' checksums (else computed
-        here), then the put is committed. Returns the bytes stored, or None
-        where the cache has no arena now."""
+        """Puts through `arena` (this client's `arena()`): `write(extent,
+        held)` fills the extent and may return its chunks' checksums (else
+        computed here), then the put is committed. Returns the bytes stored,
+        or None where the cache has no arena now.
+
+        `held()` turns False once the call has ended (its lease ran out, its
+        deadline passed, the cache went away): the extent is then another
+        put's after a quarantine of one lease, so a copy queued behind other
+        work must look before it starts, and not write."""
         call = self._stub.PutShared(timeout=timeout_s, metadata=_naming(arena))
+        ended = threading.Event()
+        call.add_done_callback(lambda _: ended.set())
         try:
-            await call.write(cache_pb2.PutSharedRequest(header=header))
+            await _write(call, cache_pb2.PutSharedRequest(header=header), header.snapshot_id)
             try:
                 reply = await _next(call, header.snapshot_id)
             except errors.FailedPrecondition:  # another arena, or none now: stream
@@ -99,13 +112,13 @@ class ArenaCalls:
                 call.cancel()
                 return None
             extent = arena.view(reply.extent)
-            sums = await _to_the_end(write(extent))
+            sums = await _to_the_end(write(extent, lambda: not ended.is_set()))
             if sums is None:
                 sums = await _to_the_end(
                     asyncio.to_thread(chunk_checksums, extent, header.chunk_bytes))
             del extent
             commit = cache_pb2.SharedPutCommit(checksums=sums)
-            await call.write(cache_pb2.PutSharedRequest(commit=commit))
+            await _write(call, cache_pb2.PutSharedRequest(commit=commit), header.snapshot_id)
             response = await _next(call, header.snapshot_id)
             await half_close(call)
             await _finish(call)
@@ -129,7 +142,7 @@ class ArenaCalls:
         call = self._stub.GetShared(timeout=timeout_s, metadata=_naming(arena))
         try:
             request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
-            await call.write(cache_pb2.GetSharedRequest(open=request))
+            await _write(call, cache_pb2.GetSharedRequest(open=request), snapshot_id)
             try:
                 response = await _next(call, snapshot_id)
             except errors.FailedPrecondition:  # on disk, another arena, or none now
@@ -143,7 +156,8 @@ class ArenaCalls:
                     f"snapshot {snapshot_id}"))
             await _to_the_end(read(response.header, extent, checksums))
             del extent
-            await call.write(cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()))
+            await _write(call, cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()),
+                         snapshot_id)
             await half_close(call)
             await _finish(call)
         except errors.Unavailable:
@@ -167,6 +181,17 @@ async def _next(call: Any, snapshot_id: str) -> Any:
     if response is grpc.aio.EOF:
         raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
     return response
+
+
+async def _write(call: Any, request: Any, snapshot_id: str) -> None:
+    """Sends `request`; where the cache has ended the call already (a lease
+    run out, a restart), how it ended, raised: Unavailable if it said nothing
+    (not grpc's InvalidStateError, which callers would take for a bug)."""
+    try:
+        await call.write(request)
+    except (asyncio.InvalidStateError, ExecuteBatchError):
+        await _finish(call)
+        raise errors.Unavailable(f"cache ended the call on {snapshot_id} early") from None
 
 
 async def _finish(call: Any) -> None:

@@ -42,7 +42,7 @@ from typing import Self, TypeVar
 import grpc
 
 from kvstash import errors
-from kvstash.cache_sdk.arena_calls import ArenaCalls
+from kvstash.cache_sdk.arena_calls import ArenaCalls, Write
 from kvstash.cache_sdk.chunk_codec import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
 from kvstash.cache_sdk.streamed_calls import StreamedCalls
@@ -103,15 +103,16 @@ class CacheClient:
 
     async def put_shared(
         self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
-        total_bytes: int, write: Callable[[memoryview], Awaitable[list[int] | None]],
+        total_bytes: int, write: Write,
         pinned: bool = True, ttl_s: int = 0, timeout_s: float | None = None,
     ) -> int | None:
-        """Puts through the arena: `write(extent)` must fill all total_bytes
-        of it, and may return the checksums of its chunks of `chunk_bytes`
-        (else they are computed here); then the put is committed. Returns the
-        bytes stored, or None where there is no arena to use (call `put`).
-        The extent is leased to the call, so the call outlives `write`, even
-        when cancelled."""
+        """Puts through the arena: `write(extent, held)` must fill all
+        total_bytes of it, each copy only if `held()` (the call still holds
+        the extent; see ArenaCalls.put), and may return the checksums of its
+        chunks of `chunk_bytes` (else they are computed here); then the put is
+        committed. Returns the bytes stored, or None where there is no arena
+        to use (call `put`). The extent is leased to the call, so the call
+        outlives `write`, even when cancelled."""
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
@@ -167,8 +168,14 @@ class CacheClient:
         put, waiting for room included."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
 
-        async def fill(extent: memoryview) -> list[int]:
-            return await asyncio.to_thread(copy_hashed, extent, view, self.chunk_bytes)
+        def copy(extent: memoryview, held: Callable[[], bool]) -> list[int]:
+            if not held():
+                raise errors.Unavailable(f"put of {snapshot_id}: the cache ended the call "
+                                         "before the copy began")
+            return copy_hashed(extent, view, self.chunk_bytes)
+
+        async def fill(extent: memoryview, held: Callable[[], bool]) -> list[int]:
+            return await asyncio.to_thread(copy, extent, held)
 
         stored = await self.put_shared(snapshot_id, layout, num_blocks, num_tokens, view.nbytes,
                                        fill, pinned, ttl_s, timeout_s)

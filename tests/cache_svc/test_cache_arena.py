@@ -9,6 +9,7 @@ import os
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -191,7 +192,7 @@ async def test_a_cancelled_put_ends_only_once_its_write_has(start_cache, tmp_pat
         extent[:] = bytes(extent.nbytes)
         writes.append("done")
 
-    async def write(extent: memoryview) -> None:
+    async def write(extent: memoryview, held: Callable[[], bool]) -> None:
         await asyncio.to_thread(slow_write, extent)
 
     with pytest.raises(TimeoutError):
@@ -401,7 +402,7 @@ _HALF_WRITER = textwrap.dedent("""
                         dtype="bfloat16")
         client = CacheClient(sys.argv[1])
 
-        async def write_half(extent):
+        async def write_half(extent, held):
             extent[: extent.nbytes // 2] = b"x" * (extent.nbytes // 2)
             print("WRITING", flush=True)
             await asyncio.sleep(3600)

@@ -1,0 +1,122 @@
+"""The worker's arena copies when the cache ends their calls under them: a
+gather queued behind a long step past its lease does not write the extent
+(by then another put's), and a cache gone mid-copy fails the copy as
+UNAVAILABLE (the scheduler falls back), not INTERNAL. Real gRPC, an
+in-process cache with its shared-memory arena."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
+from gpu_worker.config import WorkerConfig
+from gpu_worker.runner import ModelRunner
+from gpu_worker.server import WorkerServer, create_worker_server
+from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.rpc_connections import insecure_channel
+from kvstash.common.units import MIB
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from tests.gpu_worker.worker_factories import make_runner
+
+
+@dataclass
+class Stack:
+    runner: ModelRunner
+    worker: WorkerServer
+    stub: worker_pb2_grpc.WorkerStub
+    client: CacheClient  # straight to the cache, an observer / another writer
+    cache_server: grpc.aio.Server
+    channel: Any
+
+    def block_compute(self) -> threading.Event:
+        """Occupies the worker's compute thread (as a long step would) until set."""
+        release = threading.Event()
+        self.worker.servicer._compute.submit(release.wait, 30)
+        return release
+
+    async def stop(self) -> None:
+        await self.client.close()
+        await self.channel.close()
+        await self.worker.server.stop(None)
+        await self.worker.servicer.close()
+        await self.cache_server.stop(None)
+
+
+async def _start(tmp_path: Path, shared: bool, dtype: torch.dtype = torch.float32,
+                 num_blocks: int = 64, **cache_kw: Any) -> Stack:
+    cache_server, cache_port, _ = await create_cache_server(
+        CacheConfig(memory_budget_bytes=64 * MIB,
+                    arena_dir=tmp_path / "arena" if shared else None, **cache_kw),
+        "127.0.0.1:0")
+    config = WorkerConfig(block_size=4, num_blocks=num_blocks,
+                          cache_address=f"127.0.0.1:{cache_port}", cache_timeout_s=20.0)
+    runner = make_runner(dtype, num_blocks=num_blocks)
+    worker = await create_worker_server(config, "127.0.0.1:0", runner=runner)
+    channel = insecure_channel(f"127.0.0.1:{worker.port}")
+    return Stack(runner, worker, worker_pb2_grpc.WorkerStub(channel),
+                 CacheClient(f"127.0.0.1:{cache_port}"), cache_server, channel)
+
+
+async def test_a_gather_queued_past_the_lease_does_not_write_another_snapshots_extent(
+        tmp_path: Path) -> None:
+    """An arena offload waits for its gather behind a long step; the cache
+    ends the put when its lease runs out and, after the quarantine, hands the
+    same extent to another put. The gather, its turn come, sees the call
+    ended and writes nothing (it overwrote the other, committed, snapshot:
+    DATA_LOSS at its restore)."""
+    s = await _start(tmp_path, True, shared_lease_s=0.4)
+    try:
+        s.runner.kv_cache.fill_(1.0)
+        release = s.block_compute()
+        offload = asyncio.ensure_future(s.stub.Offload(worker_pb2.OffloadRequest(
+            request_id="r", snapshot_id="late", block_ids=[0, 1], num_tokens=8), timeout=15))
+        await asyncio.sleep(1.5)  # lease (0.4 s) and quarantine (0.4 s) are over
+        other = (np.arange(2 * s.runner.host_pool.block_bytes) % 251).astype(np.uint8)
+        assert await s.client.put("other", s.runner.layout, 2, 8, other.tobytes(),
+                                  timeout_s=5) == other.nbytes
+        assert (await s.client.stats()).num_shared_puts == 1  # through the arena
+        release.set()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await offload
+        _, data = await s.client.get("other", timeout_s=5)  # DataLoss if overwritten
+        assert data == other.tobytes()
+    finally:
+        await s.stop()
+
+
+@pytest.mark.parametrize("copy", ["offload", "restore"])
+async def test_a_cache_gone_mid_arena_copy_fails_unavailable(tmp_path: Path, copy: str) -> None:
+    """The cache goes away while the gather (or scatter) into its extent waits
+    for the compute thread: the copy fails as the cache unreachable
+    (UNAVAILABLE), not as a worker bug (INTERNAL: grpc's InvalidStateError
+    'RPC already finished' on the call's next write)."""
+    s = await _start(tmp_path, True)
+    try:
+        if copy == "restore":
+            await s.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="s", block_ids=[0, 1], num_tokens=8))
+            call = s.stub.Restore(worker_pb2.RestoreRequest(
+                request_id="r", snapshot_id="s", block_ids=[4, 5]), timeout=15)
+        else:
+            call = s.stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="t", block_ids=[2, 3], num_tokens=8), timeout=15)
+        release = s.block_compute()
+        pending = asyncio.ensure_future(call)
+        await asyncio.sleep(0.5)  # the extent is handed out; the copy waits
+        await s.cache_server.stop(None)  # the cache process is gone
+        release.set()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await pending
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    finally:
+        await s.stop()
