@@ -115,3 +115,28 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
             continue
         room.add(entry)
     return plan if room.enough() else None
+
+
+def over_limits(lru_entries: Iterable[Entry], disk_used: int, disk_budget: int,
+                max_snapshots: int) -> tuple[list[Entry], int, int]:
+    """After a restart with a smaller disk budget or max_snapshots than
+    before: the least recently used unpinned snapshots that bring the disk
+    tier and the listing back within both (as many as there are), and by how
+    many bytes and snapshots the pinned ones alone still exceed them."""
+    entries = list(lru_entries)
+    over, extra = disk_used - disk_budget, len(entries) - max_snapshots
+    victims = []
+    for entry in (e for e in entries if not e.meta.pinned):
+        if over <= 0 and extra <= 0:
+            break
+        victims.append(entry)
+        over, extra = over - entry.disk_bytes, extra - 1
+    return victims, max(0, over), max(0, extra)
+
+
+def slot_victims(lru_entries: Iterable[Entry], num: int) -> list[Entry] | None:
+    """The `num` least recently used unpinned snapshots nobody reads or
+    spills, making room in the listing (max_snapshots); None if fewer can go."""
+    victims = [e for e in lru_entries if not e.meta.pinned and not e.num_readers
+               and e.residence is not Residence.SPILLING][:num]
+    return victims if len(victims) == num else None

@@ -9,6 +9,11 @@ cache_svc.memory_tier's, with its invariant; the disk tier's are here
 (see `check_integrity`):
 
     disk_used + disk_reserved    <= disk budget     (disk_reserved: spills running)
+
+Why one file over 300 lines: each move between the tiers (a reservation, a
+spill, an eviction, a drop) changes the listing, both tiers' figures and the
+room a waiting put sees, together, on the event loop; which snapshots move
+is eviction.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable, Iterable
 from cache_svc.background import Background
 from cache_svc.config import CacheConfig
 from cache_svc.disk import DiskFiles
-from cache_svc.eviction import CappedRoom, Room, plan_room
+from cache_svc.eviction import CappedRoom, Room, over_limits, plan_room, slot_victims
 from cache_svc.memory_tier import MemoryTier
 from cache_svc.model import Buffer, Entry, Residence, pages
 from kvstash.errors import NotFound, ResourceExhausted, preview
@@ -66,21 +71,14 @@ class Tiers:
             self.disk_used += entry.disk_bytes
         if found:
             log.info("disk tier: recovered %d snapshots, %d bytes", len(found), self.disk_used)
-        # A smaller budget (or max_snapshots) than before: the oldest unpinned
-        # snapshots go.
-        over = self.disk_used - self.config.disk_budget_bytes
-        extra = len(self._lru) - self.config.max_snapshots
-        for entry in [e for e in self._lru.values() if not e.meta.pinned]:
-            if over <= 0 and extra <= 0:
-                break
-            over -= entry.disk_bytes
-            extra -= 1
-            self.num_evictions += 1
-            self.drop(entry)
-        if over > 0 or extra > 0:
+        victims, over, extra = over_limits(self._lru.values(), self.disk_used,
+                                           self.config.disk_budget_bytes,
+                                           self.config.max_snapshots)
+        self._evict(victims)
+        if over or extra:
             log.warning("disk tier: pinned snapshots alone hold %d bytes and %d snapshots more "
                         "than its budget and max_snapshots allow, until they are deleted or "
-                        "expire", max(0, over), max(0, extra))
+                        "expire", over, extra)
 
     async def close(self) -> None:
         """Lets running spills, unlinks and unmaps finish, then stops the I/O
@@ -172,16 +170,16 @@ class Tiers:
         holding theirs (max_snapshots): the least recently used unpinned
         snapshot nobody is reading or spilling goes if need be; False if none can."""
         over = len(self._lru) + num_pending + 1 - self.config.max_snapshots
-        if over <= 0:
-            return True
-        victims = [e for e in self._lru.values() if not e.meta.pinned and not e.num_readers
-                   and e.residence is not Residence.SPILLING][:over]
-        if len(victims) < over:
+        victims = slot_victims(self._lru.values(), over) if over > 0 else []
+        if victims is None:
             return False
+        self._evict(victims)
+        return True
+
+    def _evict(self, victims: list[Entry]) -> None:
         for victim in victims:
             self.num_evictions += 1
             self.drop(victim)
-        return True
 
     async def reserve_memory(self, total_bytes: int, pinned: bool = True) -> Buffer | None:
         """Counts a buffer of `total_bytes` (its whole pages, model.pages) as
@@ -226,9 +224,7 @@ class Tiers:
                              room if excess <= 0 else CappedRoom(room, excess),
                              unpinned_only=not pinned)
             if plan is not None and (plan.spill or plan.evict_memory):
-                for entry in plan.evict_disk + plan.evict_memory:
-                    self.num_evictions += 1
-                    self.drop(entry)
+                self._evict(plan.evict_disk + plan.evict_memory)
                 for entry in plan.spill:
                     self._start_spill(entry)
                 continue
