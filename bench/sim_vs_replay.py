@@ -72,7 +72,7 @@ FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemption
 
 
 def figures(summary: Summary, counters: dict[str, int], step_ratio: float = 1.0
-            ) -> tuple[float, ...]:
+            ) -> Figures:
     """FIGURES; counters are the (prefill) instance's: its preemptions and
     hand-offs (a decode instance's preemptions are not among them).
     `step_ratio`: the run's step turns over the profile's for the same
@@ -156,7 +156,7 @@ def simulate(args: argparse.Namespace, profile: CostProfile, policy: str, trace:
 
 
 def paired(args: argparse.Namespace, profile: CostProfile, policy: str, slo: Slo,
-           real: RealRun) -> tuple[float, ...]:
+           real: RealRun) -> Figures:
     """The figures of one simulation of the real run as it was served, each
     request timed from when it was due."""
     sim, counters = simulate(args, profile, policy, real.served)
@@ -166,7 +166,7 @@ def paired(args: argparse.Namespace, profile: CostProfile, policy: str, slo: Slo
 
 
 def simulated(args: argparse.Namespace, profile: CostProfile, policy: str, slo: Slo,
-              trace: Trace) -> list[tuple[float, ...]]:
+              trace: Trace) -> list[Figures]:
     """The figures of --sim-runs simulations: the trace as it is, then
     jittered copies (seeds 1, 2, ...)."""
     runs = []
