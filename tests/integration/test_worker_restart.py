@@ -88,7 +88,9 @@ async def test_a_hung_worker_fails_its_requests_then_serves_again(tmp_path: Path
                 stack.worker.process.send_signal(signal.SIGCONT)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "answered no step in 2 s" in (info.value.details() or "")
-        assert waited >= 2
+        # Timed from the step in flight when the worker stopped, sent a moment
+        # before `started` (a CI run measured 1.998 s).
+        assert 1.75 <= waited < 30
         async with Client(stack.address) as client:
             assert await complete_when_back(client) == expected
 
