@@ -64,7 +64,7 @@ from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, summarize
 from kvstash.workload.prompts import build_prompts
-from kvstash.workload.trace import Trace, fit, jittered_runs
+from kvstash.workload.trace import Trace, jittered_runs
 
 Figures = tuple[float, ...]  # FIGURES' values
 FIGURES = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "preemptions",
@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
-        fitted = [fit(raw, args.length_scale, args.time_scale, rate, MAX_MODEL_LEN[args.model],
-                      args.output_scale) for rate in args.rates]
+        fitted = flags.fit_slices(args, raw, MAX_MODEL_LEN[args.model])
         profile = read_profile(args.profile)
     except (ValueError, OSError) as exc:  # TraceError and ProfileError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)

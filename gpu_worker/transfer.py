@@ -34,7 +34,7 @@ import torch
 from gpu_worker.host_buffers import HostBlocks
 from gpu_worker.runner import ModelRunner
 from kvstash import errors
-from kvstash.cache_sdk.arena_calls import Write
+from kvstash.cache_sdk.arena_calls import Lease, Write
 from kvstash.common.layout import Layout
 from kvstash.common.wire import layout_from_proto
 from kvstash.v1 import cache_pb2
@@ -156,17 +156,13 @@ class KvTransfer:
         pool = self.runner.host_pool
         num_blocks = len(block_ids)
 
-        def gather(extent: memoryview, held: Callable[[], bool]) -> None:
-            # Queued behind steps: by its turn the cache may have ended the
-            # call, and the extent be another put's.
-            if not held():
-                raise errors.Unavailable(f"{what}: the cache ended the put before the "
-                                         "gather's turn came")
+        def gather(extent: memoryview, lease: Lease) -> None:
+            lease.check(what)  # queued behind steps: the call may have ended meanwhile
             self.runner.gather_blocks_into(list(block_ids),
                                            self._pinned_blocks(extent, num_blocks))
 
-        async def gather_into(extent: memoryview, held: Callable[[], bool]) -> None:
-            await self._on_compute(gather, extent, held)  # hashed by the client
+        async def gather_into(extent: memoryview, lease: Lease) -> None:
+            await self._on_compute(gather, extent, lease)  # hashed by the client
 
         stored = await self._bounded(
             lambda timeout_s: cache.put_shared(

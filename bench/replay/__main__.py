@@ -37,7 +37,7 @@ from kvstash.launch.stack import StackConfig
 from kvstash.workload import flags, plots
 from kvstash.workload.metrics import Slo
 from kvstash.workload.prompts import build_prompts
-from kvstash.workload.trace import Trace, fit, write_trace
+from kvstash.workload.trace import Trace, write_trace
 
 GENERATED_MODELS = ("llama-small",)
 
@@ -89,14 +89,6 @@ def commit() -> str:
     return done.stdout.strip()
 
 
-def fit_all(args: argparse.Namespace, raw: Trace) -> list[tuple[Trace, int]]:
-    """The slice fitted for each rate, and how many it dropped (ValueError,
-    TraceError: before any stack starts)."""
-    max_context = args.max_context or MAX_MODEL_LEN.get(args.model)
-    return [fit(raw, args.length_scale, args.time_scale, rate, max_context, args.output_scale)
-            for rate in args.rates]
-
-
 def replay_all(args: argparse.Namespace, base: StackConfig,
                fitted: list[tuple[Trace, int]]) -> list[RunResult]:
     runs = []
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
-        fitted = fit_all(args, raw)
+        fitted = flags.fit_slices(args, raw, MAX_MODEL_LEN.get(args.model))
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

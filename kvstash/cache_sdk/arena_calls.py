@@ -39,10 +39,29 @@ from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A put's filler: `write(extent, held)` fills the extent, checking `held()`
-# (thread-safe: False once the call has ended) before each copy into it, and
-# may return its chunks' checksums.
-Write = Callable[[memoryview, Callable[[], bool]], Awaitable[list[int] | None]]
+
+
+class Lease:
+    """Whether a shared put's call still holds its extent. Once the call has
+    ended (its lease ran out, its deadline passed, the cache went away) the
+    extent is another put's after a quarantine of one lease, so a copy queued
+    behind other work checks before it starts. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._ended = threading.Event()
+
+    def end(self) -> None:
+        self._ended.set()
+
+    def check(self, what: str) -> None:
+        """Unavailable, naming `what`, once the call has ended."""
+        if self._ended.is_set():
+            raise errors.Unavailable(f"{what}: the cache ended the call before the copy began")
+
+
+# A put's filler: `write(extent, lease)` fills the extent, `lease.check()`
+# before each copy into it, and may return its chunks' checksums.
+Write = Callable[[memoryview, Lease], Awaitable[list[int] | None]]
 
 
 class ArenaCalls:
@@ -92,17 +111,12 @@ class ArenaCalls:
         write: Write, timeout_s: float | None,
     ) -> int | None:
         """Puts through `arena` (this client's `arena()`): `write(extent,
-        held)` fills the extent and may return its chunks' checksums (else
-        computed here), then the put is committed. Returns the bytes stored,
-        or None where the cache has no arena now.
-
-        `held()` turns False once the call has ended (its lease ran out, its
-        deadline passed, the cache went away): the extent is then another
-        put's after a quarantine of one lease, so a copy queued behind other
-        work must look before it starts, and not write."""
+        lease)` fills the extent (see Lease) and may return its chunks'
+        checksums (else computed here), then the put is committed. Returns
+        the bytes stored, or None where the cache has no arena now."""
         call = self._stub.PutShared(timeout=timeout_s, metadata=_naming(arena))
-        ended = threading.Event()
-        call.add_done_callback(lambda _: ended.set())
+        lease = Lease()
+        call.add_done_callback(lambda _: lease.end())
         try:
             await _write(call, cache_pb2.PutSharedRequest(header=header), header.snapshot_id)
             try:
@@ -112,7 +126,7 @@ class ArenaCalls:
                 call.cancel()
                 return None
             extent = arena.view(reply.extent)
-            sums = await _to_the_end(write(extent, lambda: not ended.is_set()))
+            sums = await _to_the_end(write(extent, lease))
             if sums is None:
                 sums = await _to_the_end(
                     asyncio.to_thread(chunk_checksums, extent, header.chunk_bytes))

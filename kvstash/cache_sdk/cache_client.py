@@ -42,7 +42,7 @@ from typing import Self, TypeVar
 import grpc
 
 from kvstash import errors
-from kvstash.cache_sdk.arena_calls import ArenaCalls, Write
+from kvstash.cache_sdk.arena_calls import ArenaCalls, Lease, Write
 from kvstash.cache_sdk.chunk_codec import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
 from kvstash.cache_sdk.streamed_calls import StreamedCalls
@@ -106,9 +106,9 @@ class CacheClient:
         total_bytes: int, write: Write,
         pinned: bool = True, ttl_s: int = 0, timeout_s: float | None = None,
     ) -> int | None:
-        """Puts through the arena: `write(extent, held)` must fill all
-        total_bytes of it, each copy only if `held()` (the call still holds
-        the extent; see ArenaCalls.put), and may return the checksums of its
+        """Puts through the arena: `write(extent, lease)` must fill all
+        total_bytes of it, each copy after `lease.check()` (the call still
+        holds the extent; see arena_calls.Lease), and may return the checksums of its
         chunks of `chunk_bytes` (else they are computed here); then the put is
         committed. Returns the bytes stored, or None where there is no arena
         to use (call `put`). The extent is leased to the call, so the call
@@ -168,14 +168,12 @@ class CacheClient:
         put, waiting for room included."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
 
-        def copy(extent: memoryview, held: Callable[[], bool]) -> list[int]:
-            if not held():
-                raise errors.Unavailable(f"put of {snapshot_id}: the cache ended the call "
-                                         "before the copy began")
+        def copy(extent: memoryview, lease: Lease) -> list[int]:
+            lease.check(f"put of {snapshot_id}")
             return copy_hashed(extent, view, self.chunk_bytes)
 
-        async def fill(extent: memoryview, held: Callable[[], bool]) -> list[int]:
-            return await asyncio.to_thread(copy, extent, held)
+        async def fill(extent: memoryview, lease: Lease) -> list[int]:
+            return await asyncio.to_thread(copy, extent, lease)
 
         stored = await self.put_shared(snapshot_id, layout, num_blocks, num_tokens, view.nbytes,
                                        fill, pinned, ttl_s, timeout_s)

@@ -33,7 +33,7 @@ from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
 from kvstash.workload import flags
 from kvstash.workload.metrics import Slo, Summary, median_run, spread, spread_text, summarize
-from kvstash.workload.trace import Trace, TraceError, fit, jittered_runs
+from kvstash.workload.trace import Trace, TraceError, jittered_runs
 from scheduler_svc.core.config import POLICIES
 from scheduler_svc.core.pd import HANDOFF_WAIT_S
 
@@ -249,9 +249,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"core: {args.core}" + ("" if args.core == "compiled" else
                                   " (--core compiled: mypyc, 1.2-1.6x faster)"))
     try:  # every rate, before any run
-        fitted = [fit(raw, args.length_scale, args.time_scale, rate,
-                      args.max_context or args.max_model_len, args.output_scale)
-                  for rate in args.rates]
+        fitted = flags.fit_slices(args, raw, args.max_model_len)
     except (ValueError, TraceError) as exc:
         print(f"kvstash sim: {exc}", file=sys.stderr)
         return 2

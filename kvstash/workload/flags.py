@@ -8,7 +8,7 @@ import argparse
 import math
 from pathlib import Path
 
-from kvstash.workload.trace import TRACE_BLOCK_TOKENS, Trace, read_trace, synthetic
+from kvstash.workload.trace import TRACE_BLOCK_TOKENS, Trace, fit, read_trace, synthetic
 
 
 def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
@@ -64,3 +64,13 @@ def load_slice(args: argparse.Namespace) -> Trace:
         return read_trace(args.trace, args.start, args.count, args.block_tokens)
     return synthetic(args.synthetic, args.rates[0] or 1.0, args.synthetic_input,
                      args.synthetic_output, args.synthetic_shared_blocks, args.seed)
+
+
+def fit_slices(args: argparse.Namespace, raw: Trace, max_model_len: int | None
+               ) -> list[tuple[Trace, int]]:
+    """The slice fitted for each of --rates, and how many requests each
+    dropped: those longer than --max-context, else than `max_model_len`
+    (ValueError, TraceError where it cannot be fitted)."""
+    max_context = args.max_context or max_model_len
+    return [fit(raw, args.length_scale, args.time_scale, rate, max_context, args.output_scale)
+            for rate in args.rates]

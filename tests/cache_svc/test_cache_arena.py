@@ -9,7 +9,6 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -28,6 +27,7 @@ from cache_helpers import (
 
 from cache_svc.arena import ALIGN, Arena, remove_stale
 from kvstash import errors
+from kvstash.cache_sdk.arena_calls import Lease
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.cache_sdk.chunk_codec import checksum
 from kvstash.cache_sdk.shared_arena import copy_hashed, copy_verified
@@ -192,7 +192,7 @@ async def test_a_cancelled_put_ends_only_once_its_write_has(start_cache, tmp_pat
         extent[:] = bytes(extent.nbytes)
         writes.append("done")
 
-    async def write(extent: memoryview, held: Callable[[], bool]) -> None:
+    async def write(extent: memoryview, lease: Lease) -> None:
         await asyncio.to_thread(slow_write, extent)
 
     with pytest.raises(TimeoutError):
@@ -402,7 +402,7 @@ _HALF_WRITER = textwrap.dedent("""
                         dtype="bfloat16")
         client = CacheClient(sys.argv[1])
 
-        async def write_half(extent, held):
+        async def write_half(extent, lease):
             extent[: extent.nbytes // 2] = b"x" * (extent.nbytes // 2)
             print("WRITING", flush=True)
             await asyncio.sleep(3600)
