@@ -208,17 +208,21 @@ class PagedAttention:
 
     def _torch(self, q: torch.Tensor, cache: torch.Tensor, step: DeviceStep,
                keys: StepKeys) -> torch.Tensor:
-        rows = q.shape[0]
-        out = q.new_empty(rows + 1, self.num_heads, self.head_dim)  # + the dump row
+        rows, d = q.shape[0], self.head_dim
+        out = q.new_empty(rows + 1, self.num_heads, d)  # + the dump row
+        q_rows, planes = q.reshape(-1, d), cache.view(2, -1, d)
         for group in keys.groups:
-            out.index_copy_(0, group.dest, self._attend(q, cache, group))
+            out.view(-1, d).index_copy_(0, group.out_rows,
+                                        self._attend(q_rows, planes, group).view(-1, d))
         return out[:rows]
 
-    def _attend(self, q: torch.Tensor, cache: torch.Tensor, g: TileGroup) -> torch.Tensor:
-        """[tiles * rows, heads, d]: every tile row's attention. Each (tile,
-        chunk) pair scores its rows against its C keys; a row's weights are
-        exp(score - the row's max over all its keys), and the pairs of a tile
-        then add up in chunk order, from 0 (`_by_tile`):
+    def _attend(self, q_rows: torch.Tensor, planes: torch.Tensor, g: TileGroup) -> torch.Tensor:
+        """[tiles, kv heads, m, d]: every tile row's attention (m: tile rows x
+        query heads per KV head), from q and the cache planes as one head's
+        vector a row. Each (tile, chunk) pair scores its rows against its C
+        keys; a row's weights are exp(score - the row's max over all its
+        keys), and the pairs of a tile then add up in chunk order, from 0
+        (`_by_tile`):
 
             out = (sum_j P_j V_j) / (sum_j P_j 1)
 
@@ -226,35 +230,27 @@ class PagedAttention:
         same bits at any row count). Keys past a row's position weigh
         exactly 0, so chunks a row does not read add exactly nothing."""
         c, kv_heads, d = self.kv_chunk, self.num_kv_heads, self.head_dim
-        rows, tiles, group = g.rows, g.tiles, self.num_heads // kv_heads
-        m, pairs = rows * group, len(g.pair_tile)  # m: matrix rows per tile and KV head
-        qt = q.index_select(0, g.source).to(self.score_dtype).view(
-            tiles, rows, kv_heads, group, d).transpose(1, 2).reshape(tiles, kv_heads, m, d)
-        qp = qt.index_select(0, g.pair_tile).view(pairs * kv_heads, m, d).mul_(self.scale)
-        # Gathers along a plane's first dimension (on the CPU a third to a
-        # quarter of the time index_select takes along the second); V's rows
-        # straight into the [pairs, kv heads, C, d] the product reads.
-        k = cache[0].index_select(0, g.pair_slots).to(self.score_dtype).view(
-            pairs, c, kv_heads, d)
-        v = cache[1].view(-1, d).index_select(0, g.pair_value_rows).to(self.score_dtype).view(
-            pairs * kv_heads, c, d)
+        m = g.rows * (self.num_heads // kv_heads)
+        pairs, dtype = g.pairs * kv_heads, self.score_dtype
+        qp = q_rows.index_select(0, g.query_rows).to(dtype).view(pairs, m, d).mul_(self.scale)
         # K^T laid out [d, C] in memory: some BLAS (MKL with AVX-512) give a
         # row other bits at 128+ rows when K^T is a transposed view, or in
         # baddbmm when a step has one product.
-        kt = k.permute(0, 2, 3, 1).reshape(pairs * kv_heads, d, c)
-        scores = torch.bmm(qp, kt)  # [P*kv, m, C]
-        scores[len(scores) - len(g.bias):].add_(g.bias)
-        top = scores.amax(dim=-1, keepdim=True).view(pairs, kv_heads, m, 1)
+        kt = torch.empty(pairs, d, c, dtype=dtype, device=qp.device).copy_(
+            planes[0].index_select(0, g.key_rows).view(pairs, c, d).mT)
+        v = planes[1].index_select(0, g.key_rows).to(dtype).view(pairs, c, d)
+        scores = torch.bmm(qp, kt)  # [pairs * kv, m, C]
+        scores[(g.pairs - g.masked) * kv_heads:].add_(g.bias)
+        top = scores.amax(dim=-1, keepdim=True).view(-1, kv_heads, m, 1)
         # Every row reads key 0, so its max over the tile's pairs is finite.
-        row_max = top.new_full((tiles, kv_heads, m, 1), -math.inf).scatter_reduce_(
+        row_max = top.new_full((g.tiles, kv_heads, m, 1), -math.inf).scatter_reduce_(
             0, g.pair_tile.view(-1, 1, 1, 1).expand_as(top), top, "amax")
-        scores.sub_(row_max.index_select(0, g.pair_tile).view(pairs * kv_heads, m, 1))
+        scores.sub_(row_max.index_select(0, g.pair_tile).view(pairs, m, 1))
         weights = elementwise.exp_(scores)
-        per_pair = torch.bmm(weights, v).view(pairs, kv_heads, m, d)
-        sums = weights.sum(-1, keepdim=True).view(pairs, kv_heads, m, 1)
-        out = _by_tile(per_pair, g) / _by_tile(sums, g)
-        return out.view(tiles, kv_heads, rows, group, d).transpose(1, 2).reshape(
-            tiles * rows, self.num_heads, d).to(q.dtype)
+        # Each pair's weighted values and, beside them, its weights' sums.
+        summed = _by_tile(torch.cat((torch.bmm(weights, v), weights.sum(-1, keepdim=True)),
+                                    dim=-1).view(-1, kv_heads, m, d + 1), g)
+        return (summed[..., :d] / summed[..., d:]).to(q_rows.dtype)
 
 
 def _by_tile(values: torch.Tensor, g: TileGroup) -> torch.Tensor:

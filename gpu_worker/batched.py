@@ -43,12 +43,24 @@ kind of matmul.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, StepKeys, flash_supported
 from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS
-from gpu_worker.model import CausalLM, DecoderLayer, Matmul, k_pieces, stored_transposed
+from gpu_worker.model import (
+    CausalLM,
+    DecoderLayer,
+    Matmul,
+    Product,
+    RMSNorm,
+    k_pieces,
+    product_of,
+    rms_norm,
+    stored_transposed,
+)
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_graphs import StepGraphs
 from gpu_worker.step_inputs import DeviceStep
@@ -84,26 +96,47 @@ def invariant_matmul(device: torch.device, dtype: torch.dtype) -> Matmul:
     return fixed_gemm.matmul
 
 
-def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         matmul: Matmul | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, projections and rotary of rows `x`: q [rows, heads, d], k, v [rows, kv, d]
-    (views into one matmul's output)."""
-    attn, rows = layer.self_attn, x.shape[0]
-    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = attn.qkv(layer.input_layernorm(x), matmul)
-    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos, sin)
-    return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """One decoder layer's norms and products, each weight bound to the step's
+    matmul once (model.product_of), not looked at again on every call."""
 
+    norm_in: RMSNorm
+    qkv: Product
+    o_proj: Product
+    norm_post: RMSNorm
+    gate_up: Product
+    down: Product
+    heads: tuple[int, int, int]  # query heads, KV heads, head dim
 
-def _rest(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
-          matmul: Matmul | None) -> torch.Tensor:
-    """Output projection and residual, norm, MLP and residual."""
-    h = x + layer.self_attn.o_proj(attended, matmul)
-    mlp = layer.mlp
-    gate_up = mlp.gate_up(layer.post_attention_layernorm(h), matmul)
-    size = gate_up.shape[1] // 2
-    gate = elementwise.silu_(gate_up[:, :size])
-    return h + mlp.down_proj(gate * gate_up[:, size:], matmul)
+    @staticmethod
+    def of(layer: DecoderLayer, matmul: Matmul | None) -> LayerOps:
+        attn, mlp = layer.self_attn, layer.mlp
+        return LayerOps(layer.input_layernorm,
+                        product_of(attn.qkv.weight, attn.qkv.bias, matmul),
+                        product_of(attn.o_proj.weight, attn.o_proj.bias, matmul),
+                        layer.post_attention_layernorm,
+                        product_of(mlp.gate_up.weight, mlp.gate_up.bias, matmul),
+                        product_of(mlp.down_proj.weight, mlp.down_proj.bias, matmul),
+                        (attn.num_heads, attn.num_kv_heads, attn.head_dim))
+
+    def qkv_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, projections and rotary of rows `x`: q [rows, heads, d], k, v
+        [rows, kv, d] (views into one matmul's output)."""
+        heads, kv_heads, d = self.heads
+        rows, qk = x.shape[0], (heads + kv_heads) * d
+        qkv = self.qkv(rms_norm(x, self.norm_in.weight, self.norm_in.eps))
+        rotated = rotate(qkv[:, :qk].view(rows, heads + kv_heads, d), cos, sin)
+        return rotated[:, :heads], rotated[:, heads:], qkv[:, qk:].view(rows, kv_heads, d)
+
+    def rest(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection and residual, norm, MLP and residual."""
+        h = self.o_proj(attended).add_(x)
+        gate_up = self.gate_up(rms_norm(h, self.norm_post.weight, self.norm_post.eps))
+        size = gate_up.shape[1] // 2
+        gate = elementwise.silu_(gate_up[:, :size])
+        return self.down(gate * gate_up[:, size:]).add_(h)
 
 
 class BatchedForward:
@@ -138,6 +171,8 @@ class BatchedForward:
         self._head_weight = stored_transposed(
             cfg.vocab_size, cfg.hidden_size, head.dtype, head.device).copy_(head) if (
             self.matmul is k_pieces and not head.t().is_contiguous()) else None
+        self.layers = [LayerOps.of(layer, self.matmul) for layer in model.model.layers
+                       if isinstance(layer, DecoderLayer)]
         invariant = row_tile is not None
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)
@@ -168,7 +203,7 @@ class BatchedForward:
     def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's q, k, v of the whole step's rows."""
-        return _qkv(self._layer(i), x, cos, sin, self.matmul)
+        return self.layers[i].qkv_rows(x, cos, sin)
 
     def attend(self, cache: torch.Tensor, step: DeviceStep, keys: StepKeys,
                qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -184,12 +219,7 @@ class BatchedForward:
 
     def rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer i's output rows from its input rows and their attention."""
-        return _rest(self._layer(i), x, attended, self.matmul)
-
-    def _layer(self, i: int) -> DecoderLayer:
-        layer = self.model.model.layers[i]
-        assert isinstance(layer, DecoderLayer)
-        return layer
+        return self.layers[i].rest(x, attended)
 
     @torch.inference_mode()
     def hidden(self, step: DeviceStep, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -211,19 +241,18 @@ class BatchedForward:
             q = x.new_empty(rows, cfg.num_heads, head_dim)
             k = x.new_empty(rows, kv_heads, head_dim)
             v = x.new_empty(rows, kv_heads, head_dim)
-        for i in range(num_layers):
-            layer = self._layer(i)
+        for i, layer in enumerate(self.layers[:num_layers]):
             if self.whole:
-                q, k, v = self.qkv(i, x, cos, sin)
+                q, k, v = layer.qkv_rows(x, cos, sin)
             else:
                 for t in tiles:
-                    q[t], k[t], v[t] = _qkv(layer, x[t], cos[t], sin[t], None)
+                    q[t], k[t], v[t] = layer.qkv_rows(x[t], cos[t], sin[t])
             out = self.attend(flat[i], step, keys, (q, k, v)).view(rows, -1)
             if self.whole:
-                x = self.rest(i, x, out)
+                x = layer.rest(x, out)
             else:
                 for t in tiles:
-                    x[t] = _rest(layer, x[t], out[t], None)
+                    x[t] = layer.rest(x[t], out[t])
         return x
 
     @torch.inference_mode()

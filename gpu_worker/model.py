@@ -64,12 +64,22 @@ def k_pieces(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     one laid out [out, in] (a tied output head: the embedding) as
     (W . x^T)^T, with the rows as the product's columns: x . W^T with W^T a
     transposed view gives a row other bits from 8-16 rows. (GPUs: fixed_gemm.)"""
-    stored_in_out = weight.t().is_contiguous()
-    a, b = (x, weight.t()) if stored_in_out else (weight, x.t())
-    out = a[:, :K_PIECE] @ b[:K_PIECE]
-    for start in range(K_PIECE, weight.shape[1], K_PIECE):
-        out = torch.addmm(out, a[:, start:start + K_PIECE], b[start:start + K_PIECE])
-    return out if stored_in_out else out.t()
+    if weight.t().is_contiguous():
+        return _sum_pieces(x, _cut(weight.t()))
+    return _sum_pieces(weight, _cut(x.t())).t()
+
+
+def _cut(b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """b [K, n] in pieces of K_PIECE rows: (first row, piece)."""
+    return [(start, b[start:start + K_PIECE]) for start in range(0, b.shape[0], K_PIECE)]
+
+
+def _sum_pieces(a: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """a . b, b cut by `_cut`: one mm, then one addmm per further piece."""
+    out = torch.mm(a[:, :K_PIECE], pieces[0][1])
+    for start, piece in pieces[1:]:
+        out = torch.addmm(out, a[:, start:start + K_PIECE], piece)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -82,6 +92,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# A product with one weight: x [rows, in] -> [rows, out].
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def product_of(weight: torch.Tensor, bias: torch.Tensor | None, matmul: Matmul | None) -> Product:
+    """`linear(x, weight, bias, matmul)` for rows x [rows, in], with what it
+    asks of the weight (its layout, its pieces) settled once, not on every
+    call: on the CPU a lone decode's step spent more in that Python than in
+    its products."""
+    if matmul is k_pieces and weight.t().is_contiguous():
+        pieces = _cut(weight.t())
+        if bias is None:
+            return lambda x: _sum_pieces(x, pieces)
+        return lambda x: _sum_pieces(x, pieces) + bias
+    if matmul is None:
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: linear(x, weight, bias, matmul)
 
 
 class Linear(nn.Module):
@@ -161,9 +190,14 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(compute_dtype(x.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) (in at least float32), then times `weight` in x's dtype."""
+    h = x.to(compute_dtype(x.dtype))
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return h.to(x.dtype).mul_(weight)
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:

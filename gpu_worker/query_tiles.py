@@ -52,28 +52,30 @@ class TileGroup:
     read: chunk j of tile t for every j up to its last row's position. Pairs
     whose keys every row of the tile reads come first, those that need a mask
     last; either way a tile's pairs stay in chunk order (a tile's masked
-    chunks are its last ones)."""
+    chunks are its last ones).
+
+    Indexes are rows of [rows * heads, d] views (one head's vector a row: a
+    step's q, a cache plane [slots * kv_heads, d], the output), laid out as
+    the products read and write them: [pairs or tiles, kv heads, m, ...] with
+    m = tile rows x query heads per KV head."""
 
     rows: int  # per tile
-    source: torch.Tensor  # [tiles * rows] query row of each tile row (padding: the tile's first)
-    dest: torch.Tensor  # [tiles * rows] output row of each tile row (padding: the dump row)
+    tiles: int
+    pairs: int
+    masked: int  # the last pairs, those `bias` is added to
     pair_tile: torch.Tensor  # [pairs] tile of each pair
-    pair_slots: torch.Tensor  # [pairs * C] slot of each key (past the context: key 0)
-    # [pairs * kv_heads * C] each value's row in a cache plane viewed [slots *
-    # kv_heads, d], laid out [pairs, kv heads, C]
-    pair_value_rows: torch.Tensor
-    # [masked pairs * kv_heads, rows * group, C]: 0, or -inf where the key is
-    # past the row's position; added to the scores of the last pairs.
+    # [pairs * kv_heads * m] q row of each pair's query (padding: the tile's first row's)
+    query_rows: torch.Tensor
+    key_rows: torch.Tensor  # [pairs * kv_heads * C] cache row of each key (past the context: key 0)
+    out_rows: torch.Tensor  # [tiles * kv_heads * m] output row (padding rows: the dump row's)
+    # [masked pairs * kv_heads, m, C]: 0, or -inf where the key is past the
+    # row's position; added to the scores of the last pairs.
     bias: torch.Tensor
     # Where index_add_ may add a tile's pairs in any order (CUDA: atomics):
     # for each chunk j, the pairs reading it and their tiles, so that a tile's
     # pairs are added one call per chunk, in chunk order. Empty on the CPU,
     # whose index_add_ runs through the indices in order.
     chunk_pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-
-    @property
-    def tiles(self) -> int:
-        return len(self.source) // self.rows
 
 
 def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chunk: int,
@@ -106,17 +108,22 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     slots = np.take_along_axis(table, block, axis=1) * block_size + keys % block_size
     slots = np.where(keys < host.context_lens[seq][:, None], slots, table[:, :1] * block_size)
     kv_heads, group = heads
-    past = keys[plain:, None, :] > positions[pair_tile[plain:]][:, :, None]
-    bias = torch.zeros(len(past), kv_heads, rows, group, chunk, dtype=dtype, device=device)
-    bias.masked_fill_(torch.from_numpy(past).to(device)[:, None, :, None, :], float("-inf"))
+    past = keys[plain:, None, :] > positions[pair_tile[plain:]][:, :, None]  # [masked, rows, C]
+    bias = np.empty((len(past), kv_heads, rows, group, chunk), dtype=np.float32)
+    bias[:] = np.where(past, np.float32(-np.inf), np.float32(0))[:, None, :, None]
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
 
-    value_rows = slots[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]
+    # [1, kv, 1, group]: a head's row within a token's heads
+    head = (np.arange(kv_heads)[:, None] * group + np.arange(group))[None, :, None, :]
+    tile_rows = source[:, None, :, None] * (kv_heads * group) + head  # [tiles, kv, rows, group]
+    dest = np.where(real, source, host.num_rows)
     chunk_pairs = tuple((tensor(np.flatnonzero(pair_chunk == j)),
                          tensor(pair_tile[pair_chunk == j]))
                         for j in range(int(reads.max()) if by_chunk else 0))
-    return TileGroup(rows, tensor(source), tensor(np.where(real, source, host.num_rows)),
-                     tensor(pair_tile), tensor(slots), tensor(value_rows),
-                     bias.view(-1, rows * group, chunk), chunk_pairs)
+    return TileGroup(rows, len(reads), len(pair_tile), len(past), tensor(pair_tile),
+                     tensor(tile_rows[pair_tile]),
+                     tensor(slots[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]),
+                     tensor(dest[:, None, :, None] * (kv_heads * group) + head),
+                     tensor(bias).to(dtype).view(-1, rows * group, chunk), chunk_pairs)
