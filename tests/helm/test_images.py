@@ -5,6 +5,7 @@ service."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import trustme
 import yaml
 from chart_helpers import CHART, INSTALL_HINT, REPO
 
@@ -88,9 +90,9 @@ def test_gateway_image_is_the_pinned_smg_without_torch_as_our_user() -> None:
 
 
 
-def health(*args: str) -> subprocess.CompletedProcess[str]:
+def health(*args: str, environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(HEALTH), *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=60, check=False, env=environ)
 
 
 def test_kvstash_health_reports_a_real_service() -> None:
@@ -111,3 +113,41 @@ def test_kvstash_health_reports_a_real_service() -> None:
     down = health(f"127.0.0.1:{port}", "--timeout", "1", "--wait", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
     assert time.monotonic() - started < 20
+
+
+def without_proxies() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy", "no_proxy")}
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plaintext"])
+def test_kvstash_health_ignores_a_proxy_in_the_environment(tls: bool, tmp_path: Path) -> None:
+    """A pod's environment may name a proxy (http_proxy) for the internet;
+    gRPC sends even a probe of 127.0.0.1 through it, so a proxy that cannot
+    reach the pod failed every probe and the kubelet restarted serving
+    containers forever. The probe goes straight to the address."""
+    security: list[str] = []
+    if tls:
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        for name, pem in (("ca.crt", ca.cert_pem), ("tls.crt", cert.cert_chain_pems[0]),
+                          ("tls.key", cert.private_key_pem)):
+            pem.write_to_path(str(tmp_path / name))
+        # The chart's exec probe, as _helpers.tpl's kvstash.probes writes it.
+        security = ["--tls-ca", str(tmp_path / "ca.crt"), "--tls-cert",
+                    str(tmp_path / "tls.crt"), "--tls-key", str(tmp_path / "tls.key")]
+    port = free_port()
+    direct = without_proxies()
+    cache = subprocess.Popen(
+        [sys.executable, "-m", "cache_svc", "--listen", f"127.0.0.1:{port}",
+         "--memory-budget", "16MiB", *security], cwd=REPO, env=direct,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        up = health(f"127.0.0.1:{port}", "--wait", "30", *security, environ=direct)
+        assert up.returncode == 0, up.stderr
+        dead_proxy = {**direct, "http_proxy": f"http://127.0.0.1:{free_port()}"}
+        probe = health(f"127.0.0.1:{port}", "--timeout", "2", *security, environ=dead_proxy)
+        assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stderr
+    finally:
+        cache.terminate()
+        cache.wait(timeout=30)
