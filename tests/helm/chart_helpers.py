@@ -85,6 +85,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
            "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}},
     # Pools on their own GPU nodes: prefill 2 GPUs and a taint of its own,
     # decode the shared GPU count with bigger workers; the cache off the GPUs.
+    # minAvailable 1: each pool keeps one serving through drains (so each
+    # has 2, or no pod of it could ever be evicted).
     "pd-gpu": {
         "worker": {"gpu": {"count": 1}, "device": "cuda"},
         "instances": {
@@ -93,7 +95,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                              "effect": "NoSchedule"}],
             "pdb": {"minAvailable": 1, "maxUnavailable": None},
-            "prefill": {"gpuCount": 2,
+            "prefill": {"replicas": 2, "gpuCount": 2,
                         "nodeSelector": {"nvidia.com/gpu.present": "true", "gpu-type": "h100"},
                         "tolerations": [{"key": "kvstash.io/pool", "operator": "Equal",
                                          "value": "prefill", "effect": "NoSchedule"}]},

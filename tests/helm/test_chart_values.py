@@ -186,6 +186,23 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"networkPolicy": {"enabled": True, "clients": [
         {"podSelector": {}}, {"ipBlock": {"cidr": "10.0.0.0/8"}, "namespaceSelector": {}}]}},
      "networkPolicy.clients[1] has an ipBlock beside a podSelector or namespaceSelector"),
+    # Disruption budgets that would block every eviction (drains wait forever).
+    ({"instances": {"replicas": 2, "pdb": {"minAvailable": 2, "maxUnavailable": None}}},
+     "instances.pdb.minAvailable is 2 but instances.replicas is 2: no pod could ever be "
+     "evicted, so node drains would wait forever"),
+    ({"instances": {"pdb": {"maxUnavailable": 0}}},
+     "instances.pdb.maxUnavailable is 0: no pod could ever be evicted"),
+    ({"instances": {"role": "pd", "prefill": {"replicas": 2}, "decode": {"replicas": 1},
+                    "pdb": {"minAvailable": 1, "maxUnavailable": None}},
+      "cache": {"mode": "shared"}},
+     "instances.pdb.minAvailable is 1 but instances.decode.replicas is 1: no pod could ever "
+     "be evicted"),
+    ({"gateway": {"enabled": True, "replicas": 2,
+                  "pdb": {"minAvailable": 2, "maxUnavailable": None}}},
+     "gateway.pdb.minAvailable is 2 but gateway.replicas is 2: no gateway pod could ever be "
+     "evicted"),
+    ({"gateway": {"enabled": True, "replicas": 2, "pdb": {"maxUnavailable": 0}}},
+     "gateway.pdb.maxUnavailable is 0: no gateway pod could ever be evicted"),
 ]
 
 

@@ -72,10 +72,13 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors "instances.pdb: set exactly one of minAvailable and maxUnavailable" -}}
 {{- else if not (kindIs "invalid" $pdb.minAvailable) -}}
 {{- range $pools -}}
-{{- if gt (int $pdb.minAvailable) (int .replicas) -}}
-{{- $errors = append $errors (printf "instances.pdb.minAvailable is %d but %s is %d: no pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $pdb.minAvailable) .replicasKey (int .replicas)) -}}
+{{- /* minAvailable equal to the replicas blocks every eviction too (0 of 0 blocks nothing). */ -}}
+{{- if and (gt (int $pdb.minAvailable) 0) (ge (int $pdb.minAvailable) (int .replicas)) -}}
+{{- $errors = append $errors (printf "instances.pdb.minAvailable is %d but %s is %d: no pod could ever be evicted, so node drains would wait forever (lower minAvailable below the replicas, use maxUnavailable, or disable the PDB)" (int $pdb.minAvailable) .replicasKey (int .replicas)) -}}
 {{- end -}}
 {{- end -}}
+{{- else if eq (int $pdb.maxUnavailable) 0 -}}
+{{- $errors = append $errors "instances.pdb.maxUnavailable is 0: no pod could ever be evicted, so node drains would wait forever (use 1 or more, or disable the PDB)" -}}
 {{- end -}}
 {{- end -}}
 
@@ -150,8 +153,14 @@ message naming the keys involved and what to change.
 {{- if $g.pdb.enabled -}}
 {{- if eq (kindIs "invalid" $g.pdb.minAvailable) (kindIs "invalid" $g.pdb.maxUnavailable) -}}
 {{- $errors = append $errors "gateway.pdb: set exactly one of minAvailable and maxUnavailable" -}}
-{{- else if and (not (kindIs "invalid" $g.pdb.minAvailable)) (gt (int $g.pdb.minAvailable) (int $g.replicas)) -}}
-{{- $errors = append $errors (printf "gateway.pdb.minAvailable is %d but gateway.replicas is %d: no gateway pod could ever be evicted (lower minAvailable, or disable the PDB)" (int $g.pdb.minAvailable) (int $g.replicas)) -}}
+{{- else if not (kindIs "invalid" $g.pdb.minAvailable) -}}
+{{- /* The budget renders with 2 replicas or more: there minAvailable equal to them blocks every eviction too. */ -}}
+{{- $min := int $g.pdb.minAvailable -}}
+{{- if or (gt $min (int $g.replicas)) (and (gt (int $g.replicas) 1) (ge $min (int $g.replicas))) -}}
+{{- $errors = append $errors (printf "gateway.pdb.minAvailable is %d but gateway.replicas is %d: no gateway pod could ever be evicted, so node drains would wait forever (lower minAvailable below the replicas, use maxUnavailable, or disable the PDB)" $min (int $g.replicas)) -}}
+{{- end -}}
+{{- else if eq (int $g.pdb.maxUnavailable) 0 -}}
+{{- $errors = append $errors "gateway.pdb.maxUnavailable is 0: no gateway pod could ever be evicted, so node drains would wait forever (use 1 or more, or disable the PDB)" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
