@@ -8,7 +8,67 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_helpers import of_kind, render, workloads
+import yaml
+from chart_helpers import (
+    CHART,
+    container,
+    env,
+    instances,
+    of_kind,
+    render,
+    render_error,
+    workloads,
+)
+
+from gpu_worker.config import WorkerConfig
+
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def scheduler_env(workload: dict[str, Any]) -> dict[str, str]:
+    return env(container(workload["spec"]["template"]["spec"], "scheduler"))
+
+
+def test_segments_of_the_workers_default_block_size(tmp_path: Path) -> None:
+    """The chart's default block size is the worker's own."""
+    block = WorkerConfig().block_size
+    docs = render({"cache": {"prefixTier": {"segmentTokens": 3 * block}}}, tmp_path)
+    assert scheduler_env(instances(docs))["KVSTASH_SCHEDULER_PREFIX_SEGMENT_TOKENS"] == str(
+        3 * block)
+    error = render_error({"cache": {"prefixTier": {"segmentTokens": 3 * block + 1}}}, tmp_path)
+    assert f"not a multiple of the worker's KV block size {block} " in error
+
+
+def test_segments_of_a_block_size_of_ones_own(tmp_path: Path) -> None:
+    docs = render({"worker": {"flags": {"block-size": 32}},
+                   "cache": {"prefixTier": {"segmentTokens": 96}}}, tmp_path)
+    assert scheduler_env(instances(docs))["KVSTASH_SCHEDULER_PREFIX_SEGMENT_TOKENS"] == "96"
+
+
+@pytest.mark.parametrize(("request_", "expected"), [
+    ({}, "1536Mi"),
+    ({"memory": ""}, "1536Mi"),  # rendered memory twice, "" and the limit
+    ({"memory": "1Gi", "cpu": "2"}, "1Gi"),
+    ({"memory": "1536Mi"}, "1536Mi"),
+])
+def test_cache_memory_request_within_its_limit(request_: dict[str, str], expected: str,
+                                               tmp_path: Path) -> None:
+    docs = render({"cache": {"resources": {"requests": request_}}}, tmp_path)
+    resources = container(instances(docs)["spec"]["template"]["spec"], "cache")["resources"]
+    assert resources["limits"]["memory"] == "1536Mi"  # 1Gi budget + 512Mi overhead
+    assert resources["requests"] == {**DEFAULTS["cache"]["resources"]["requests"], **request_,
+                                     "memory": expected}
+
+
+def test_the_builtin_model_and_checkpoints_whatever_their_name(tmp_path: Path) -> None:
+    # model.name names the built-in model only; a checkpoint is a directory.
+    for values in ({"model": {"name": "tiny"}},
+                   {"model": {"name": "llama-3.1-8b", "source": "pvc",
+                              "pvc": {"claimName": "weights"}}}):
+        worker = env(container(instances(render(values, tmp_path))["spec"]["template"]["spec"],
+                               "worker"))
+        assert worker["KVSTASH_WORKER_MODEL"] == (
+            "tiny" if values["model"]["name"] == "tiny" else "/models")
 
 
 @pytest.mark.parametrize(("values", "budget"), [

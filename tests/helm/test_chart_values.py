@@ -79,6 +79,9 @@ SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "networkPolicy.metricsFrom.0: Must have at least 1 properties"),
     ({"networkPolicy": {"clients": {"podSelector": {}}}},
      "networkPolicy.clients: Invalid type. Expected: array"),
+    # Compared with the memory limit, so in the limit's units.
+    ({"cache": {"resources": {"requests": {"memory": "4G"}}}},
+     "cache.resources.requests.memory: Does not match pattern"),
 ]
 
 
@@ -203,6 +206,29 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "evicted"),
     ({"gateway": {"enabled": True, "replicas": 2, "pdb": {"maxUnavailable": 0}}},
      "gateway.pdb.maxUnavailable is 0: no gateway pod could ever be evicted"),
+    # The worker has one built-in model.
+    ({"model": {"name": "llama-3.1-8b"}},
+     'model.name is "llama-3.1-8b" with model.source builtin: the worker has one built-in '
+     'model, "tiny"; serve a checkpoint with model.source pvc, hostPath or image'),
+    # A memory request above the cache's limit (Kubernetes refuses the pod).
+    ({"cache": {"resources": {"requests": {"memory": "4Gi"}}}},
+     "cache.resources.requests.memory (4096Mi) exceeds the cache's memory limit (1536Mi, "
+     "derived from cache.memoryBudget + cache.overhead)"),
+    ({"cache": {"mode": "shared", "resources": {"requests": {"memory": "2Gi"},
+                                                "limits": {"memory": "1600Mi"}}}},
+     "cache.resources.requests.memory (2048Mi) exceeds the cache's memory limit (1600Mi, "
+     "cache.resources.limits.memory)"),
+    # Prefix segments of whole KV blocks (the scheduler refuses others once
+    # its worker has loaded).
+    ({"cache": {"prefixTier": {"segmentTokens": 100}}},
+     "cache.prefixTier.segmentTokens is 100, not a multiple of the worker's KV block size 16 "
+     "(the worker's default; worker.flags.block-size sets it): every scheduler would refuse "
+     "it at start, once its worker had loaded the model; use e.g. 96 or 112"),
+    ({"worker": {"flags": {"block-size": 32}}, "cache": {"prefixTier": {"segmentTokens": 16}}},
+     "cache.prefixTier.segmentTokens is 16, not a multiple of the worker's KV block size 32 "
+     "(worker.flags.block-size)"),
+    ({"worker": {"flags": {"block-size": 0}}},
+     "worker.flags.block-size is 0: the worker takes 1 to 1024 tokens per KV block"),
 ]
 
 

@@ -144,12 +144,12 @@ the service's real parser, so chart and code cannot drift apart.
   resources:
     requests:
       {{- range $k, $v := $c.resources.requests }}
+      {{- if ne $k "memory" }}
       {{ $k }}: {{ $v | quote }}
       {{- end }}
-      {{- if not $c.resources.requests.memory }}
-      {{- /* Request the limit: an arena is resident whole from the start, and a shared cache holds every instance's KV. */}}
-      memory: {{ printf "%sMi" (include "kvstash.cacheLimitMiB" .) }}
       {{- end }}
+      {{- /* By default the limit: an arena is resident whole from the start, and a shared cache holds every instance's KV. */}}
+      memory: {{ $c.resources.requests.memory | default (printf "%sMi" (include "kvstash.cacheLimitMiB" .)) | quote }}
     limits:
       {{- range $k, $v := $c.resources.limits }}
       {{- if ne $k "memory" }}

@@ -182,6 +182,20 @@ its own cgroup. torch alone would take one thread per node core.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The worker's KV block size in tokens: worker.flags.block-size, else the
+worker's own default (gpu_worker/config.py WorkerConfig.block_size; a test
+keeps the two equal).
+*/}}
+{{- define "kvstash.blockSize" -}}
+{{- $flags := .Values.worker.flags -}}
+{{- if hasKey $flags "block-size" -}}
+{{- index $flags "block-size" | int -}}
+{{- else -}}
+16
+{{- end -}}
+{{- end -}}
+
 {{/* Derived sizes, in MiB. */}}
 {{- define "kvstash.cacheLimitMiB" -}}
 {{- $c := .Values.cache -}}

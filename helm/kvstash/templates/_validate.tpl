@@ -90,6 +90,12 @@ message naming the keys involved and what to change.
 {{- if gt (add $budget $overhead) $limit -}}
 {{- $errors = append $errors (printf "cache.memoryBudget (%dMi) + cache.overhead (%dMi) = %dMi exceeds cache.resources.limits.memory (%dMi): the cache would be OOM-killed; raise the limit or lower the budget (or leave the limit empty to derive it)" $budget $overhead (add $budget $overhead) $limit) -}}
 {{- end -}}
+{{- with $c.resources.requests.memory -}}
+{{- $request := include "kvstash.mib" . | atoi -}}
+{{- if gt $request $limit -}}
+{{- $errors = append $errors (printf "cache.resources.requests.memory (%dMi) exceeds the cache's memory limit (%dMi, %s): Kubernetes refuses a container whose request is above its limit; lower the request, or leave it empty to request the limit" $request $limit (ternary "cache.resources.limits.memory" "derived from cache.memoryBudget + cache.overhead" (not (empty $c.resources.limits.memory)))) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $c.arena.enabled (eq $c.mode "sidecar") -}}
 {{- $shm := include "kvstash.arenaSizeLimitMiB" . | atoi -}}
 {{- if gt $budget $shm -}}
@@ -116,6 +122,22 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors "model.source is hostPath: set model.hostPath.path" -}}
 {{- else if and (eq $m.source "image") (not $m.image.reference) -}}
 {{- $errors = append $errors "model.source is image: set model.image.reference" -}}
+{{- end -}}
+
+{{- /* The worker's one built-in model (other sources name a directory: model.mountPath, model.subPath). */ -}}
+{{- if and (eq $m.source "builtin") (ne (toString $m.name) "tiny") -}}
+{{- $errors = append $errors (printf "model.name is %q with model.source builtin: the worker has one built-in model, \"tiny\"; serve a checkpoint with model.source pvc, hostPath or image (model.name is then unused)" (toString $m.name)) -}}
+{{- end -}}
+
+{{- /* The worker's KV blocks: within the worker's range, and whole in every prefix segment. */ -}}
+{{- $block := include "kvstash.blockSize" . | atoi -}}
+{{- $segment := int $c.prefixTier.segmentTokens -}}
+{{- if or (lt $block 1) (gt $block 1024) -}}
+{{- $errors = append $errors (printf "worker.flags.block-size is %v: the worker takes 1 to 1024 tokens per KV block" (index $v.worker.flags "block-size")) -}}
+{{- else if mod $segment $block -}}
+{{- $lower := mul (div $segment $block) $block -}}
+{{- $suggest := ternary (printf "%d or %d" $lower (add $lower $block)) (toString $block) (gt $lower 0) -}}
+{{- $errors = append $errors (printf "cache.prefixTier.segmentTokens is %d, not a multiple of the worker's KV block size %d (%s): every scheduler would refuse it at start, once its worker had loaded the model; use e.g. %s, or 0 to turn the prefix tier off" $segment $block (ternary "worker.flags.block-size" "the worker's default; worker.flags.block-size sets it" (hasKey $v.worker.flags "block-size")) $suggest) -}}
 {{- end -}}
 
 {{- /* Switches that need a companion value. */ -}}
