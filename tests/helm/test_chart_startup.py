@@ -1,6 +1,9 @@
 """What helm/kvstash renders starts and stays evictable, beyond what the
-services' parsers check (test_chart_flags.py). The values refused instead:
-test_chart_values.py."""
+services' parsers check (test_chart_flags.py): the scheduler waits for its
+worker as long as the kubelet lets the worker load its model; prefix
+segments hold whole KV blocks of the worker's size; the cache's memory
+request fits its limit; disruption budgets leave a pod to evict. The values
+refused instead: test_chart_values.py."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from chart_helpers import (
     env,
     instances,
     of_kind,
+    pools,
     render,
     render_error,
     workloads,
@@ -23,10 +27,40 @@ from chart_helpers import (
 from gpu_worker.config import WorkerConfig
 
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+PD = {"instances": {"role": "pd"}, "cache": {"mode": "shared"}}
+
+
+def startup(period: int, failures: int) -> dict[str, Any]:
+    return {"probes": {"startup": {"periodSeconds": period, "failureThreshold": failures,
+                                   "timeoutSeconds": 5}}}
 
 
 def scheduler_env(workload: dict[str, Any]) -> dict[str, str]:
     return env(container(workload["spec"]["template"]["spec"], "scheduler"))
+
+
+def test_default_wait_is_the_workers_startup_budget(tmp_path: Path) -> None:
+    """--worker-wait defaults to 120 s; the kubelet gives the worker 600."""
+    probe = DEFAULTS["worker"]["probes"]["startup"]
+    budget = probe["periodSeconds"] * probe["failureThreshold"]
+    assert budget > 120
+    wait = scheduler_env(instances(render({}, tmp_path)))["KVSTASH_SCHEDULER_WORKER_WAIT"]
+    assert wait == str(budget)
+
+
+@pytest.mark.parametrize("values", [{}, PD], ids=["mixed", "pd"])
+def test_wait_follows_the_workers_startup_probe(values: dict[str, Any], tmp_path: Path) -> None:
+    # 15 minutes to load, and the scheduler's own startup probe as long.
+    docs = render({**values, "worker": startup(10, 90), "scheduler": startup(5, 180)}, tmp_path)
+    schedulers = {role: scheduler_env(w) for role, w in pools(docs).items()}
+    assert len(schedulers) == (2 if values else 1)
+    for role, variables in schedulers.items():
+        assert variables["KVSTASH_SCHEDULER_WORKER_WAIT"] == "900", role
+
+
+def test_a_wait_of_ones_own_passes_as_given(tmp_path: Path) -> None:
+    docs = render({"scheduler": {"flags": {"worker-wait": 450.5}}}, tmp_path)
+    assert scheduler_env(instances(docs))["KVSTASH_SCHEDULER_WORKER_WAIT"] == "450.5"
 
 
 def test_segments_of_the_workers_default_block_size(tmp_path: Path) -> None:

@@ -229,6 +229,16 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "(worker.flags.block-size)"),
     ({"worker": {"flags": {"block-size": 0}}},
      "worker.flags.block-size is 0: the worker takes 1 to 1024 tokens per KV block"),
+    # The scheduler's startup probe outlasts its wait for the worker.
+    ({"worker": {"probes": {"startup": {"periodSeconds": 10, "failureThreshold": 120,
+                                        "timeoutSeconds": 5}}}},
+     "scheduler.probes.startup allows the scheduler 600 s (120 x 5 s) but it waits up to "
+     "1200 s for its worker (--worker-wait, from worker.probes.startup: 120 x 10 s"),
+    ({"scheduler": {"flags": {"worker-wait": 900.5}}},
+     "but it waits up to 900.5 s for its worker (--worker-wait, from "
+     "scheduler.flags.worker-wait), answering NOT_SERVING until then: the kubelet would "
+     "restart it while the worker still loads; raise scheduler.probes.startup.failureThreshold "
+     "to at least 181"),
 ]
 
 

@@ -14,6 +14,10 @@ the service's real parser, so chart and code cannot drift apart.
 {{- $_ := set $flags "cache-address" (include "kvstash.cacheAddress" $root) -}}
 {{- $_ := set $flags "prefix-segment-tokens" (int $v.cache.prefixTier.segmentTokens) -}}
 {{- $_ := set $flags "prefix-write" $v.cache.prefixTier.write -}}
+{{- /* Wait as long as the kubelet lets the worker load its model (--worker-wait's own default, 120 s, is far less): past it the scheduler exits 1. */ -}}
+{{- if not (hasKey $s.flags "worker-wait") -}}
+{{- $_ := set $flags "worker-wait" (include "kvstash.startupSeconds" $v.worker.probes.startup | atoi) -}}
+{{- end -}}
 {{- if $v.auth.enabled -}}
 {{- $_ := set $flags "auth-token-file" (include "kvstash.authTokenFile" $root) -}}
 {{- end -}}

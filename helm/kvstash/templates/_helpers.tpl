@@ -182,6 +182,25 @@ its own cgroup. torch alone would take one thread per node core.
 {{- end -}}
 {{- end -}}
 
+{{/* Seconds a startup probe lets a container come up: (dict "periodSeconds" N "failureThreshold" M). */}}
+{{- define "kvstash.startupSeconds" -}}
+{{- mul (int .periodSeconds) (int .failureThreshold) -}}
+{{- end -}}
+
+{{/*
+The scheduler's --worker-wait in seconds: scheduler.flags.worker-wait, else
+the worker's startup budget (worker.probes.startup), the time the kubelet
+gives it to load its model before restarting it.
+*/}}
+{{- define "kvstash.workerWait" -}}
+{{- $flags := .Values.scheduler.flags -}}
+{{- if hasKey $flags "worker-wait" -}}
+{{- include "kvstash.arg" (index $flags "worker-wait") -}}
+{{- else -}}
+{{- include "kvstash.startupSeconds" .Values.worker.probes.startup -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
 The worker's KV block size in tokens: worker.flags.block-size, else the
 worker's own default (gpu_worker/config.py WorkerConfig.block_size; a test

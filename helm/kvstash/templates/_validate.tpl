@@ -140,6 +140,16 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors (printf "cache.prefixTier.segmentTokens is %d, not a multiple of the worker's KV block size %d (%s): every scheduler would refuse it at start, once its worker had loaded the model; use e.g. %s, or 0 to turn the prefix tier off" $segment $block (ternary "worker.flags.block-size" "the worker's default; worker.flags.block-size sets it" (hasKey $v.worker.flags "block-size")) $suggest) -}}
 {{- end -}}
 
+{{- /* The scheduler answers NOT_SERVING until its worker is up: its startup probe must outlast --worker-wait. */ -}}
+{{- $schedulerStartup := $v.scheduler.probes.startup -}}
+{{- $schedulerBudget := include "kvstash.startupSeconds" $schedulerStartup | atoi -}}
+{{- $wait := include "kvstash.workerWait" . | float64 -}}
+{{- if gt $wait (float64 $schedulerBudget) -}}
+{{- $period := int $schedulerStartup.periodSeconds -}}
+{{- $waitFrom := ternary "scheduler.flags.worker-wait" (printf "worker.probes.startup: %d x %d s, the time the kubelet lets the worker load its model" (int $v.worker.probes.startup.failureThreshold) (int $v.worker.probes.startup.periodSeconds)) (hasKey $v.scheduler.flags "worker-wait") -}}
+{{- $errors = append $errors (printf "scheduler.probes.startup allows the scheduler %d s (%d x %d s) but it waits up to %s s for its worker (--worker-wait, from %s), answering NOT_SERVING until then: the kubelet would restart it while the worker still loads; raise scheduler.probes.startup.failureThreshold to at least %d" $schedulerBudget (int $schedulerStartup.failureThreshold) $period (include "kvstash.workerWait" .) $waitFrom (div (add (ceil $wait | int) (sub $period 1)) $period)) -}}
+{{- end -}}
+
 {{- /* Switches that need a companion value. */ -}}
 {{- if and $v.tls.enabled (not $v.tls.secretName) -}}
 {{- $errors = append $errors "tls.enabled: set tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
