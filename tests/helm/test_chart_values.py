@@ -239,6 +239,17 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "scheduler.flags.worker-wait), answering NOT_SERVING until then: the kubelet would "
      "restart it while the worker still loads; raise scheduler.probes.startup.failureThreshold "
      "to at least 181"),
+    # A flag the chart sets, spelled negated, is the chart's too; any other
+    # negated spelling would be ignored by the service (no flag is no-...).
+    ({"worker": {"flags": {"no-cache-arena": True}}},
+     "worker.flags.no-cache-arena negates --cache-arena, which is set by the chart"),
+    ({"scheduler": {"flags": {"no-plaintext": True}}},
+     "scheduler.flags.no-plaintext negates --plaintext, which is set by the chart"),
+    ({"worker": {"flags": {"no-batch-invariant": True}}},
+     "worker.flags.no-batch-invariant: write batch-invariant: false (a switch is passed by its "
+     "own name; the service would ignore KVSTASH_WORKER_NO_BATCH_INVARIANT)"),
+    ({"gateway": {"flags": {"no-port": True}}},
+     "gateway.flags.no-port negates --port, which is set by the chart"),
 ]
 
 

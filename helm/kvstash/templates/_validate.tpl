@@ -217,8 +217,14 @@ message naming the keys involved and what to change.
   "gateway" (include "kvstash.gateway.ownedFlags" . | fromYamlArray) -}}
 {{- range $component, $names := $owned -}}
 {{- range $flag, $_ := (index $v $component).flags -}}
+{{- $negated := trimPrefix "no-" $flag -}}
 {{- if has $flag $names -}}
 {{- $errors = append $errors (printf "%s.flags.%s is set by the chart: use the matching value in values.yaml" $component $flag) -}}
+{{- else if and (hasPrefix "no-" $flag) (has $negated $names) -}}
+{{- $errors = append $errors (printf "%s.flags.%s negates --%s, which is set by the chart: use the matching value in values.yaml" $component $flag $negated) -}}
+{{- else if and (hasPrefix "no-" $flag) (ne $component "gateway") -}}
+{{- /* No flag of these services is named no-...: kvstash/common/settings.py reads a switch's variable by its own name, and would ignore KVSTASH_<SERVICE>_NO_<FLAG>. */ -}}
+{{- $errors = append $errors (printf "%s.flags.%s: write %s: false (a switch is passed by its own name; the service would ignore KVSTASH_%s_%s)" $component $flag $negated (upper $component) ($flag | replace "-" "_" | upper)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
