@@ -247,10 +247,9 @@ class PagedAttention:
             0, g.pair_tile.view(-1, 1, 1, 1).expand_as(top), top, "amax")
         scores.sub_(row_max.index_select(0, g.pair_tile).view(pairs, m, 1))
         weights = elementwise.exp_(scores)
-        # Each pair's weighted values and, beside them, its weights' sums.
-        summed = _by_tile(torch.cat((torch.bmm(weights, v), weights.sum(-1, keepdim=True)),
-                                    dim=-1).view(-1, kv_heads, m, d + 1), g)
-        return (summed[..., :d] / summed[..., d:]).to(q_rows.dtype)
+        per_pair = torch.bmm(weights, v).view(-1, kv_heads, m, d)
+        sums = weights.sum(-1, keepdim=True).view(-1, kv_heads, m, 1)
+        return (_by_tile(per_pair, g) / _by_tile(sums, g)).to(q_rows.dtype)
 
 
 def _by_tile(values: torch.Tensor, g: TileGroup) -> torch.Tensor:
