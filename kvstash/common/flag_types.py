@@ -3,6 +3,7 @@ parse time with its flag named ("argument --memory-budget: ..."), before
 anything starts.
 
     duration        "90", "90s", "30m", "1h" -> seconds
+    positive_duration  the same, > 0 and finite
     byte_size       "8GiB", "512MiB", "4096" -> bytes
     byte_size_text  the same checked, kept as written (passed on to a service)
     port            0-65535
@@ -13,6 +14,7 @@ anything starts.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -32,6 +34,13 @@ def _refusing(parse: Callable[[str], T], text: str) -> T:
 
 def duration(text: str) -> float:
     return _refusing(units.parse_duration, text)
+
+
+def positive_duration(text: str) -> float:
+    seconds = duration(text)
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"not a duration > 0: {text!r}")
+    return seconds
 
 
 def byte_size(text: str) -> int:

@@ -71,6 +71,10 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                    help="torch threads of each worker; default: the CPUs this process may "
                         "use (affinity mask, cgroup CPU quota), less one for the schedulers "
                         "and cache, shared among the workers")
+    p.add_argument("--start-timeout", type=flag_types.positive_duration,
+                   default=defaults.start_timeout_s, metavar="SECONDS",
+                   help="how long each service (and smg) may take to be ready, e.g. 600 or "
+                        "10m for a worker loading a large checkpoint")
 
 
 def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
@@ -80,7 +84,8 @@ def _stack_config(args: argparse.Namespace, **extra: object) -> StackConfig:
         cache_memory_budget=args.cache_memory_budget, cache_disk_budget=args.cache_disk_budget,
         cache_disk_dir=args.cache_disk_dir, pd=args.pd, instances=args.instances,
         gateway=args.gateway, gateway_policy=args.gateway_policy,
-        worker_threads=args.worker_threads, **extra,  # type: ignore[arg-type]
+        worker_threads=args.worker_threads, start_timeout_s=args.start_timeout,
+        **extra,  # type: ignore[arg-type]
     )
 
 

@@ -31,7 +31,7 @@ from typing import IO
 
 from kvstash.common.binding import free_port
 from kvstash.launch.openai_http import open_direct
-from kvstash.launch.processes import stop_process
+from kvstash.launch.processes import stop_process, stop_signals_held
 
 # smg 1.13.0's --policy choices.
 POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",
@@ -99,29 +99,35 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
     prometheus_port = free_port(host)
     log_path = log_dir / "smg.log"
     log_path.write_bytes(b"")
-    process = subprocess.Popen(
-        [smg_executable(), "launch", "--host", host, "--port", str(port),
-         # smg's default is every interface: keep it where the HTTP API is.
-         "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-         "--policy", policy,
-         "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
-         "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
-         # An instance that stops answering leaves the rotation after two
-         # failed checks (until it answers twice again), not smg's 3 x 60 s.
-         "--health-check-interval-secs", str(health_check_interval_s),
-         "--health-failure-threshold", "2"],
-        env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT)
-    assert process.stdout is not None
-    copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path), daemon=True)
-    copier.start()
-    gateway = Gateway(f"http://{host}:{port}", process, log_path,
-                      f"http://{host}:{prometheus_port}/metrics", copier)
-    try:
-        _wait_ready(gateway, startup_timeout_s)
-    except BaseException:  # not ready, or interrupted while waiting
-        gateway.stop(timeout_s=5.0)
-        raise
+    # Signals held, as processes.start_service holds them: a stop handled
+    # inside Popen, or before the try below, would leave smg running.
+    with stop_signals_held() as release:
+        process = subprocess.Popen(
+            [smg_executable(), "launch", "--host", host, "--port", str(port),
+             # smg's default is every interface: keep it where the HTTP API is.
+             "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+             "--policy", policy,
+             "--worker-urls", *[a if "://" in a else f"grpc://{a}" for a in addresses],
+             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
+             # An instance that stops answering leaves the rotation after two
+             # failed checks (until it answers twice again), not smg's 3 x 60 s.
+             "--health-check-interval-secs", str(health_check_interval_s),
+             "--health-failure-threshold", "2"],
+            env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
+        try:
+            assert process.stdout is not None
+            copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path),
+                                      daemon=True)
+            copier.start()
+            gateway = Gateway(f"http://{host}:{port}", process, log_path,
+                              f"http://{host}:{prometheus_port}/metrics", copier)
+            release()  # a stop signal that came meanwhile acts here, smg known
+            _wait_ready(gateway, startup_timeout_s)
+        except BaseException:  # not ready, or a stop signal
+            process.kill()
+            process.wait()
+            raise
     return gateway
 
 

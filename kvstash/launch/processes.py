@@ -94,7 +94,7 @@ def start_service(
     # Append mode for the child's stderr too: its lines and the stdout that
     # _copy appends then never overwrite each other.
     log_file = log_path.open("a")
-    with _stop_signals_held() as release:
+    with stop_signals_held() as release:
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
@@ -119,14 +119,19 @@ def start_service(
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long a child whose stdout closed before its ready line may take to exit,
+# so that its exit code is what gets reported.
+_EXIT_WAIT_S = 5.0
 
 
 @contextlib.contextmanager
-def _stop_signals_held() -> Iterator[Callable[[], None]]:
+def stop_signals_held() -> Iterator[Callable[[], None]]:
     """Holds the stop signals (their handlers may raise, as `kvstash up`'s
     do) until `release()` or the block's end, then acts on those that came:
     one handled inside Popen, or before its child is known, would leave the
-    child running. Only the main thread handles signals; elsewhere, nothing."""
+    child running, and one handled while children are being stopped would
+    leave the rest running. Only the main thread handles signals; elsewhere,
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
@@ -165,8 +170,14 @@ def _wait_ready(
     reader.join(timeout_s)
     if found:
         return found[0]
+    ended = not reader.is_alive()  # its stdout closed: it is exiting, if not reaped yet
+    if ended:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(_EXIT_WAIT_S)
     code = process.poll()
-    why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:.0f} s"
+    why = (f"exited with code {code}" if code is not None
+           else "closed its output without a ready line" if ended
+           else f"not ready in {timeout_s:.0f} s")
     tail = log_path.read_text()[-3000:]
     raise RuntimeError(f"{name} {why}; its log ({log_path}):\n{tail}")
 

@@ -25,6 +25,7 @@ serves OpenAI HTTP in front of them, routing by prefix:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -38,7 +39,7 @@ from kvstash.common.binding import check_free, free_port
 from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
-from kvstash.launch.processes import Service, start_service
+from kvstash.launch.processes import Service, start_service, stop_signals_held
 
 SHARED_MEMORY_DIR = "/dev/shm"
 # CPUs worker_threads() leaves to the schedulers, the cache and the clients.
@@ -93,6 +94,9 @@ class StackConfig:
     # torch threads of each worker; None: the CPUs this process may use,
     # less one, shared among the workers it starts (worker_threads()).
     worker_threads: int | None = None
+    # Seconds each service (and smg) may take to say it is ready: a worker
+    # loading a large checkpoint takes longer than the default.
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -101,6 +105,8 @@ class StackConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.worker_threads is not None and self.worker_threads <= 0:
             raise ValueError(f"worker_threads must be > 0, got {self.worker_threads}")
+        if not 0 < self.start_timeout_s < math.inf:
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
 class Instance(NamedTuple):
@@ -222,12 +228,13 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     listen = f"{config.host}:0"
     plain = ["--plaintext"] if config.plaintext else []
     started: list[Service] = []
+    gateway: Gateway | None = None
     try:
         cache = start_service("cache", "cache_svc", [
             "--listen", listen, "--memory-budget", config.cache_memory_budget,
             "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
             *arena_args(config), *plain, *metrics_args(config), *config.cache_args,
-        ], logs)
+        ], logs, config.start_timeout_s)
         started.append(cache)
         decode: list[Service] = []
         pd_args: list[str] = []
@@ -240,20 +247,26 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
             config, f"instance{k + 1}-" if k else "", cache.address, pd_args,
             config.prefill_scheduler_args if config.pd else (), (), logs, started,
             scheduler_port=0 if k else config.scheduler_port)) for k in range(config.instances)]
-        gateway = None
         if config.gateway:
             gateway = start_gateway([i.scheduler.address for i in front], logs,
                                     host=config.host, port=config.gateway_port,
-                                    policy=config.gateway_policy)
+                                    policy=config.gateway_policy,
+                                    startup_timeout_s=config.start_timeout_s)
+        return Stack(cache, front[0].worker, front[0].scheduler, logs, tmp,
+                     _own_logs=log_dir is None, decode_scheduler=decode[0] if decode else None,
+                     decode_worker=decode[1] if decode else None, more_instances=front[1:],
+                     gateway=gateway)
     except BaseException:
-        for service in reversed(started):
-            service.stop()
-        tmp.cleanup()
+        # Signals held, as the running stack's stop holds them (the CLI's
+        # _stop_undisturbed): a second Ctrl-C or SIGTERM must not cut this
+        # short and leave the rest (the cache's arena, the data) behind.
+        with stop_signals_held():
+            if gateway is not None:
+                gateway.stop()
+            for service in reversed(started):
+                service.stop()
+            tmp.cleanup()
         raise
-    return Stack(cache, front[0].worker, front[0].scheduler, logs, tmp,
-                 _own_logs=log_dir is None, decode_scheduler=decode[0] if decode else None,
-                 decode_worker=decode[1] if decode else None, more_instances=front[1:],
-                 gateway=gateway)
 
 
 def _start_instance(
@@ -271,7 +284,7 @@ def _start_instance(
         "--num-blocks", str(config.num_blocks), "--cache-address", cache_address,
         "--num-threads", str(worker_threads(config)[0]),
         *plain, *metrics_args(config), *config.worker_args, *worker_args,
-    ], logs)
+    ], logs, config.start_timeout_s)
     started.append(worker)
     scheduler = start_service(prefix + "scheduler", "scheduler_svc", [
         "--listen", f"{config.host}:{scheduler_port}",
@@ -280,7 +293,7 @@ def _start_instance(
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--preemption-mode", config.preemption_mode,
         *role_args, *plain, *metrics_args(config), *config.scheduler_args, *scheduler_args,
-    ], logs)
+    ], logs, config.start_timeout_s)
     started.append(scheduler)
     return [scheduler, worker]
 

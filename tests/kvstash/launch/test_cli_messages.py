@@ -79,6 +79,8 @@ def test_nothing_at_the_address_is_one_line_with_a_hint(
     (["demo", "--cache-disk-budget", "lots"], "argument --cache-disk-budget: not a byte size"),
     (["demo", "--requests", "0"], "argument --requests: not a whole number > 0: '0'"),
     (["demo", "--max-tokens", "-1"], "argument --max-tokens: not a whole number > 0: '-1'"),
+    (["up", "--start-timeout", "0"], "argument --start-timeout: not a duration > 0: '0'"),
+    (["demo", "--start-timeout", "soon"], "argument --start-timeout: not a duration: 'soon'"),
 ])
 def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str,

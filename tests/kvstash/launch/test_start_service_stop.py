@@ -1,19 +1,26 @@
-"""A stop signal that lands as a service's process is being created (inside
-Popen, or before start_service holds the child) must still stop that child:
-`kvstash up` stopped while starting leaves nothing behind. Run in a process
-of its own, whose SIGTERM handler raises as `kvstash up`'s does."""
+"""Starting a stack's processes: a stop signal that lands as one is being
+created (inside Popen, or before the launcher holds the child), or while a
+failed start stops what had started, must still stop every child: `kvstash
+up` stopped while starting leaves nothing behind. Each case runs in a
+process of its own, whose SIGTERM handler raises as `kvstash up`'s does.
+Also what a start that fails reports, and how long a start may take."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+from kvstash.launch import cli, processes, stack
+from kvstash.launch.stack import StackConfig, start_stack
 from tests.gpu_worker.worker_factories import REPO
 
-SCRIPT = """
-import os, signal, sys, tempfile, time
+PRELUDE = """
+import os, signal, subprocess, sys, tempfile, time
 from pathlib import Path
-from kvstash.launch import processes
+from kvstash.launch import gateway, processes, stack
 
 class Stop(Exception):
     pass
@@ -22,19 +29,21 @@ def stop(signum, frame):
     raise Stop()
 
 signal.signal(signal.SIGTERM, stop)
-real = processes.subprocess.Popen
 
-def popen(*args, **kwargs):
-    child = real(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGTERM)  # the stop lands as the child exists
-    return child
+def then_stopped(call):
+    # `call`, then a stop signal lands (as the child it made exists).
+    def called(*args, **kwargs):
+        result = call(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    return called
 
-processes.subprocess.Popen = popen
-try:
-    processes.start_service("cache", "cache_svc", ["--listen", "127.0.0.1:0"],
-                            Path(tempfile.mkdtemp()))
-except Stop:
-    print("stopped")
+def sleeper():  # a child that holds none of our pipes
+    return subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+def fake_service(name, module, args, log_dir, timeout_s=120.0, kind=processes.Service):
+    return kind(name, sleeper(), "127.0.0.1:1", log_dir / f"{name}.log", module, tuple(args))
 
 def children():
     found = []
@@ -47,12 +56,112 @@ def children():
             found.append(stat.parent.name)
     return found
 
-print("children", len(children()))
+tempfile.tempdir = tempfile.mkdtemp()  # where a stack makes its data directory
+try:
+    START
+except Stop:
+    print("stopped")
+print("children", len(children()), "left", len(list(Path(tempfile.tempdir).glob("kvstash-*"))))
+"""
+
+SERVICE = """
+processes.subprocess.Popen = then_stopped(processes.subprocess.Popen)
+processes.start_service("cache", "cache_svc", ["--listen", "127.0.0.1:0"],
+                        Path(tempfile.mkdtemp()))
+"""
+
+GATEWAY = """
+smg = Path(tempfile.mkdtemp()) / "smg"
+smg.write_text("#!/bin/sh\\nexec sleep 60\\n")
+smg.chmod(0o755)
+gateway.smg_executable = lambda: str(smg)
+gateway.subprocess.Popen = then_stopped(gateway.subprocess.Popen)
+gateway.start_gateway(["127.0.0.1:1"], smg.parent)
+"""
+
+# The first stop lands while the scheduler starts; a second one as the
+# worker is being stopped.
+STACK_STOPPED_TWICE = """
+class StoppedAgain(processes.Service):
+    def stop(self, timeout_s=10.0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        super().stop(timeout_s)
+
+def start_service(name, module, args, log_dir, timeout_s=120.0):
+    if module == "scheduler_svc":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises here
+    kind = StoppedAgain if module == "gpu_worker" else processes.Service
+    return fake_service(name, module, args, log_dir, kind=kind)
+
+stack.start_service = start_service
+stack.start_stack(stack.StackConfig(cache_arena=False), Path(tempfile.mkdtemp()))
+"""
+
+# Everything up, smg too: the stop lands as the stack is returned.
+STACK_WITH_SMG = """
+stack.start_service = fake_service
+stack.check_gateway = lambda policy: None
+stack.start_gateway = lambda addresses, logs, **kwargs: gateway.Gateway(
+    "http://127.0.0.1:1", sleeper(), logs / "smg.log", "http://127.0.0.1:2/metrics")
+stack.Stack = then_stopped(stack.Stack)
+stack.start_stack(stack.StackConfig(cache_arena=False, gateway=True), Path(tempfile.mkdtemp()))
 """
 
 
-def test_a_stop_as_a_service_is_created_stops_it() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True,
+@pytest.mark.parametrize("start", [SERVICE, GATEWAY, STACK_STOPPED_TWICE, STACK_WITH_SMG],
+                         ids=["service", "smg", "stack stopped twice", "stack with smg"])
+def test_a_stop_while_starting_leaves_no_child_and_no_data(start: str) -> None:
+    script = PRELUDE.replace("    START\n", "".join(
+        f"    {line}\n" for line in start.strip().splitlines()))
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["stopped", "children", "0"], done.stdout
+    assert done.stdout.split() == ["stopped", "children", "0", "left", "0"], done.stdout
+
+
+@pytest.mark.parametrize(("rest", "exit_wait_s", "why"), [
+    ("time.sleep(1)\nos._exit(3)", 30.0, "exited with code 3"),
+    ("time.sleep(60)", 0.5, "closed its output without a ready line"),
+], ids=["exits", "runs on"])
+def test_a_service_that_closes_its_output_unready_is_reported_as_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rest: str, exit_wait_s: float, why: str,
+) -> None:
+    """Its output ends a moment before it is reaped: that is an exit (with
+    its code), not a service "not ready in 120 s" at once."""
+    (tmp_path / "unready.py").write_text(f"import os, time\nos.close(1)\n{rest}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(processes, "_EXIT_WAIT_S", exit_wait_s)
+    with pytest.raises(RuntimeError, match=f"^worker {why}; its log"):
+        processes.start_service("worker", "unready", [], tmp_path, timeout_s=120)
+
+
+def test_start_timeout_reaches_every_service_the_stack_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kvstash up --start-timeout 10m`: a worker loading a large checkpoint
+    may take longer than the 120 s default to be ready."""
+    started: list[StackConfig] = []
+
+    def recorded(config: StackConfig, log_dir: Path | None = None) -> stack.Stack:
+        started.append(config)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(cli, "_stop_on_signals", lambda: None)
+    monkeypatch.setattr(cli, "start_stack", recorded)
+    assert cli.main(["up", "--start-timeout", "10m", "--log-dir", str(tmp_path)]) == 2
+    assert started[0].start_timeout_s == 600
+    with pytest.raises(ValueError, match="start_timeout_s must be > 0, got 0"):
+        StackConfig(start_timeout_s=0)
+
+    timeouts: list[float] = []
+
+    def service(name: str, module: str, args: list[str], log_dir: Path,
+                timeout_s: float = 120.0) -> processes.Service:
+        timeouts.append(timeout_s)
+        return processes.Service(name, subprocess.Popen(["sleep", "60"], text=True),
+                                 "127.0.0.1:1", log_dir / f"{name}.log", module, tuple(args))
+
+    monkeypatch.setattr(stack, "start_service", service)
+    start_stack(StackConfig(start_timeout_s=600, pd=True), tmp_path).stop()
+    assert timeouts == [600] * 5  # the cache, and each instance's worker and scheduler
