@@ -43,8 +43,14 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """"host:port", an IPv6 host in brackets ("[::1]:50051"): split_address's inverse."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_free(host: str, port: int) -> None:
-    """BindError if something listens on `host`:`port` (port 0: never).
+    """BindError if something listens on `host`:`port` (port 0: never);
+    `host` as split_address gives it, IPv6 without brackets.
 
     Binds every address `host` resolves to as a server would, then lets go:
     with SO_REUSEADDR, so a port whose old connections linger in TIME_WAIT
@@ -66,14 +72,14 @@ def check_free(host: str, port: int) -> None:
                 probe.bind(sockaddr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    shown = f"[{host}]" if ":" in host else host
-                    raise in_use(f"{shown}:{port}") from None
+                    raise in_use(join_address(host, port)) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for a child told to listen there (one
     that does not say which port 0 got it). Another program may take it
-    before the child binds it; the child then fails with BindError."""
-    with socket.socket() as s:
+    before the child binds it; the child then fails with BindError. `host`
+    is an IP address or name, IPv6 without brackets."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.common import flag_types, security
-from kvstash.common.binding import BindError
+from kvstash.common.binding import split_address
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
@@ -107,14 +107,16 @@ def _stop_on_signals() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    port = int(args.listen.rsplit(":", 1)[1])
-    host = args.listen.rsplit(":", 1)[0]
+    host, port = split_address(args.listen)  # "::1", not "[::1]"
     config = _stack_config(args, host=host, scheduler_port=port, plaintext=args.plaintext,
                            gateway_port=args.gateway_port, metrics=args.metrics)
     _stop_on_signals()
     # Kept after stop: the user reads them when something went wrong.
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvstash-logs-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, no permission
+        raise OSError(f"--log-dir {log_dir}: {exc.strerror}") from None
     try:
         stack = start_stack(config, log_dir)
     except _Stop as exc:  # start_stack stopped what had started
@@ -285,10 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstash {args.command}: {text}{_hint(exc, getattr(args, 'address', ''))}",
               file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, BindError, RuntimeError) as exc:
-        # Bad input, smg missing, a port in use, or a service (or smg) that did not start.
+    except (ValueError, OSError, RuntimeError) as exc:
+        # Bad input, smg missing, a port in use (BindError), a --log-dir that
+        # cannot be one, or a service (or smg) that did not start.
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in generate or stats: no traceback
+        return 130
 
 
 def _hint(exc: errors.KvstashError, address: str) -> str:

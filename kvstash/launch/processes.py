@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kvstash.common.binding import join_address
 from kvstash.common.rpc_server import READY_MARKER
 
 # The name each service's module announces itself by when ready.
@@ -45,7 +46,8 @@ class Service:
         port = self._flag("--metrics-port", "0")
         if port == "0":
             return None
-        return f"http://{self._flag('--metrics-host', '127.0.0.1')}:{port}/metrics"
+        host = self._flag("--metrics-host", "127.0.0.1")
+        return f"http://{join_address(host, int(port))}/metrics"
 
     def _flag(self, name: str, default: str) -> str:
         """The value of `name` as started (its last, as argparse takes it)."""

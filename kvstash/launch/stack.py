@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstash.common.binding import check_free, free_port
+from kvstash.common.binding import check_free, free_port, join_address
 from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
@@ -67,7 +67,7 @@ class StackConfig:
     # The cache's memory tier in a shared-memory arena the worker maps (the
     # co-located path), where /dev/shm has room for it; else gRPC streams.
     cache_arena: bool = True
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # IPv6 without brackets: "::1"
     # Serve plaintext on a non-loopback host (every service refuses otherwise).
     plaintext: bool = False
     scheduler_port: int = 0
@@ -225,7 +225,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     # outlive a failed stack without keeping gigabytes of snapshots.
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvstash-logs-"))
     disk_dir = config.cache_disk_dir or str(Path(tmp.name) / "cache")
-    listen = f"{config.host}:0"
+    listen = join_address(config.host, 0)
     plain = ["--plaintext"] if config.plaintext else []
     started: list[Service] = []
     gateway: Gateway | None = None
@@ -276,7 +276,7 @@ def _start_instance(
 ) -> list[Service]:
     """A worker and its scheduler, named `prefix`worker / `prefix`scheduler;
     each appended to `started` once up. Returns [scheduler, worker]."""
-    listen = f"{config.host}:0"
+    listen = join_address(config.host, 0)
     plain = ["--plaintext"] if config.plaintext else []
     worker = start_service(prefix + "worker", "gpu_worker", [
         "--listen", listen, "--model", config.model, "--dtype", config.dtype,
@@ -287,7 +287,7 @@ def _start_instance(
     ], logs, config.start_timeout_s)
     started.append(worker)
     scheduler = start_service(prefix + "scheduler", "scheduler_svc", [
-        "--listen", f"{config.host}:{scheduler_port}",
+        "--listen", join_address(config.host, scheduler_port),
         "--worker-address", worker.address, "--cache-address", cache_address,
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),

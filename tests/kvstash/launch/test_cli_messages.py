@@ -1,15 +1,21 @@
 """What the `kvstash` command tells its user: every flag's help and default,
-and one line with a hint when nothing answers at the address."""
+one line with a hint when nothing answers at the address, one line (never a
+traceback) for a bad flag, and nothing at all for a Ctrl-C."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 
+from kvstash.launch import cli
 from kvstash.launch.cli import main
+from kvstash.launch.processes import Service
+from kvstash.launch.stack import StackConfig, metrics_args
 
 
 def help_of(capsys: pytest.CaptureFixture[str], command: str) -> str:
@@ -106,3 +112,58 @@ def test_a_token_is_not_sent_in_plaintext_beyond_loopback(
     err = capsys.readouterr().err
     assert err.startswith(f"kvstash {command}: refusing to send the bearer token in plaintext "
                           "to 10.0.0.7:50051: give --tls-ca"), err
+
+
+def test_a_log_dir_that_cannot_be_one_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "_stop_on_signals", lambda: None)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["up", "--log-dir", str(afile)]) == 2
+    assert capsys.readouterr().err == f"kvstash up: --log-dir {afile}: File exists\n"
+
+
+def test_an_ipv6_listen_address_is_checked_and_its_metrics_served_there(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--listen [::1]:PORT`: the port is checked on ::1 (the brackets kept
+    the check from resolving it, so it passed), and --metrics finds its free
+    ports there (a socket.gaierror traceback)."""
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(cli, "_stop_on_signals", lambda: None)
+        assert main(["up", "--listen", f"[::1]:{port}", "--metrics"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"kvstash up: cannot listen on [::1]:{port}: the address is in use")
+    flags = metrics_args(StackConfig(host="::1", metrics=True))
+    assert flags[2:] == ["--metrics-host", "::1"]
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", int(flags[1])))  # a free port of ::1
+    service = Service("cache", None, "[::1]:1", Path("cache.log"),  # type: ignore[arg-type]
+                      "cache_svc", tuple(flags))  # (no process: only its flags are read)
+    assert service.metrics_url == f"http://[::1]:{flags[1]}/metrics"
+
+
+def test_ctrl_c_in_generate_exits_130_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def interrupted(args: object) -> int:
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C while the tokens stream
+        await asyncio.sleep(30)
+        return 0
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    # Python's own SIGINT handler, as `kvstash generate` starts with (a test
+    # of `kvstash demo` before this one may have left the launcher's).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(["generate", "hello"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert capsys.readouterr().err == ""
