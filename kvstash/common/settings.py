@@ -7,7 +7,9 @@ command line wins over the variable; the variable wins over the built-in
 default. That is how a container (and the Helm chart) configures a service.
 A variable with the service's prefix that names no flag (a typo, a flag
 another service has) stops it too: ignored, it would leave the setting at
-its default without a word.
+its default without a word. So does one named after a flag's other spelling
+(KVSTASH_WORKER_NO_CACHE_ARENA, for --no-cache-arena): each setting is read
+from one variable, that of its first spelling (KVSTASH_WORKER_CACHE_ARENA=false).
 """
 
 from __future__ import annotations
@@ -40,15 +42,33 @@ def parse_args(
     so a bad value fails at start-up with the flag named."""
     environ = os.environ if environ is None else environ
     defaults: dict[str, object] = {}
-    known = {env_name(service, o): o for a in parser._actions for o in a.option_strings
-             if o.startswith("--")}
+    known: dict[str, str] = {}  # variable -> the flag it sets
+    # The variable of a flag's other spelling -> the one read, and whether
+    # that spelling negates it (--no-x of --x/--no-x).
+    spellings: dict[str, tuple[str, bool]] = {}
+    for action in parser._actions:  # argparse offers no public view of its options
+        long_options = [o for o in action.option_strings if o.startswith("--")]
+        if not long_options:
+            continue
+        variable = env_name(service, long_options[0])
+        known[variable] = long_options[0]
+        for option in long_options[1:]:
+            negated = (isinstance(action, argparse.BooleanOptionalAction)
+                       and option.startswith("--no-"))
+            spellings[env_name(service, option)] = (variable, negated)
     prefix = env_name(service, "")
     for name in sorted(environ):
-        if name.startswith(prefix) and name not in known and name not in _NOT_FLAGS:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]}, for {known[close[0]]}?)" if close else ""
-            parser.error(f"{name}: no flag of this service takes it{hint}")
-    for action in parser._actions:  # argparse offers no public view of its options
+        if not name.startswith(prefix) or name in known or name in _NOT_FLAGS:
+            continue
+        if name in spellings:
+            variable, negated = spellings[name]
+            if negated:  # NO_X=1 is X=false, NO_X=0 is X=true
+                variable += "=true" if environ[name].lower() in _FALSE else "=false"
+            parser.error(f"{name}: not read; set {variable} instead")
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}, for {known[close[0]]}?)" if close else ""
+        parser.error(f"{name}: no flag of this service takes it{hint}")
+    for action in parser._actions:
         long_options = [o for o in action.option_strings if o.startswith("--")]
         if not long_options or action.dest == "help":
             continue

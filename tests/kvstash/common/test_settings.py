@@ -46,6 +46,19 @@ def test_switch_variables_set_either_way() -> None:
     assert settings.parse_args(make_parser(), "worker", ["--fast"], env).fast
 
 
+@pytest.mark.parametrize(("value", "meant"), [("1", "false"), ("off", "true")])
+def test_the_off_form_of_a_switch_is_refused_naming_the_variable_to_set(
+    value: str, meant: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """KVSTASH_WORKER_NO_FAST names a flag (--no-fast) but was never read (a
+    chart's `worker.flags: {no-cache-arena: true}` left the arena on): each
+    setting comes from one variable, its first flag's."""
+    with pytest.raises(SystemExit):
+        settings.parse_args(make_parser(), "worker", [], {"KVSTASH_WORKER_NO_FAST": value})
+    assert (f"KVSTASH_WORKER_NO_FAST: not read; set KVSTASH_WORKER_FAST={meant} instead"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("KVSTASH_WORKER_NUM_BLOCKS", "many", "KVSTASH_WORKER_NUM_BLOCKS='many'"),
     ("KVSTASH_WORKER_MODE", "sometimes", "choose from auto, offload"),
