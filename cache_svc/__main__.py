@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a streamed get may wait for its client to take a chunk")
     p.add_argument("--grace", type=flag_types.duration, default=5.0,
                    help="time in-flight calls get to finish on SIGTERM/SIGINT")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=rpc_server.LOG_LEVELS)
     security.add_flags(p)
     rpc_connections.add_connection_flags(p)
     # Test hook: simulates a slow disk (bytes per second).

@@ -33,7 +33,7 @@ from scheduler_svc.core.config import (
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.flags import build_config, check_role, parse_args
+from scheduler_svc.flags import build_config, check_flags, check_role, parse_args
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.recording import RecordingScheduler
@@ -62,7 +62,8 @@ async def fetch_worker_info(channel: grpc.aio.Channel, wait_s: float) -> worker_
 async def serve(args: argparse.Namespace, secured: security.Security,
                 tracing: bool = False) -> str | None:
     """Serves until signalled (None), or until a bug breaks the step loop:
-    then what broke it, for the process to exit with."""
+    then what broke it, for the process to exit with; so is why it could
+    not start (no worker in time, a flag that does not fit the worker)."""
     # Whatever fails on the way up (no worker in time, a bad setting, a metrics
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
@@ -77,9 +78,15 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         cleanup.push_async_callback(worker_channel.close)
         log.info("listening on port %d (NOT_SERVING); waiting for the worker at %s",
                  port, args.worker_address)
-        info = await fetch_worker_info(worker_channel, args.worker_wait)
+        try:
+            info = await fetch_worker_info(worker_channel, args.worker_wait)
+        except grpc.aio.AioRpcError as exc:
+            return _no_worker_info(args, exc)
         layout = layout_from_proto(info.kv_layout)
-        config = build_config(args, info, layout)
+        try:
+            config = build_config(args, info, layout)
+        except ValueError as exc:  # a flag that does not fit this worker
+            return str(exc)
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
         engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
@@ -114,8 +121,12 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             model_type=info.model_type, architectures=tuple(info.architectures)))
         await engine.start()
         cleanup.push_async_callback(engine.close)
-        async with asyncio.timeout(args.worker_wait):
-            await engine.wait_until_worker_up()  # READY means SERVING
+        try:
+            async with asyncio.timeout(args.worker_wait):
+                await engine.wait_until_worker_up()  # READY means SERVING
+        except TimeoutError:
+            return (f"the worker at {args.worker_address} answered GetInfo, but no Execute "
+                    f"stream to it opened within --worker-wait {args.worker_wait:g} s")
         if args.metrics_port:
             cleanup.callback(metrics.serve(args.metrics_port, args.metrics_host).stop)
         log.info("serving %s (%d KV blocks of %d tokens) on port %d, role %s",
@@ -128,6 +139,15 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         return None if engine.failure is None else f"the step loop failed: {engine.failure!r}"
 
 
+def _no_worker_info(args: argparse.Namespace, exc: grpc.aio.AioRpcError) -> str:
+    """Why there is no worker info, naming the worker's address."""
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (f"no worker answered at {args.worker_address} within --worker-wait "
+                f"{args.worker_wait:g} s ({exc.code().name}: {exc.details()})")
+    return (f"the worker at {args.worker_address} refused GetInfo: {exc.code().name}: "
+            f"{exc.details()}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, __doc__)
     rpc_server.setup_logging(args.log_level)
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         secured = security.from_args(args, require_client_cert=False)
         security.check_listen(args.listen, secured)
         check_role(args, secured)
+        check_flags(args)  # not to wait for the worker only to refuse them
         EngineConfig(worker_reconnect_s=args.worker_reconnect,
                      step_timeout_s=args.step_timeout)  # its checks, before any start
     except ValueError as exc:

@@ -1,14 +1,16 @@
 """The scheduler's command line: its flags (each also a KVSTASH_SCHEDULER_*
-variable), the checks that need no peer, and the core's config built from
-them and the worker's model and KV layout (`build_config`)."""
+variable), the checks that need no peer (`check_role`, `check_flags`), and
+the core's config built from them and the worker's model and KV layout
+(`build_config`); a bad setting's ValueError names its flag."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
-from kvstash.common import rpc_connections, security, settings
+from kvstash.common import flag_types, rpc_connections, rpc_server, security, settings
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.v1 import worker_pb2
@@ -110,50 +112,79 @@ def parse_args(argv: list[str] | None = None,
                    help="seconds requests that need nothing from a lost worker (waiting, or "
                         "offloaded to the cache) wait for it to come back before they fail "
                         "UNAVAILABLE; 0 = fail them with it")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    p.add_argument("--metrics-port", type=flag_types.port, default=0,
+                   help="Prometheus port; 0 = off")
     p.add_argument("--metrics-host", type=listen_host, default=DEFAULT_METRICS_HOST,
                    help="address /metrics listens on; 0.0.0.0 = every interface")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=rpc_server.LOG_LEVELS)
     # --token-file: what a prefill instance sends its decode instances.
     security.add_flags(p, accepts_tokens=True, sends_token=True)
     rpc_connections.add_connection_flags(p)
     return settings.parse_args(p, "scheduler", argv)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """What build_config checks of the flags alone, before the worker
+    answers: build_config with a stand-in worker that any flag fits (blocks
+    of one token, as many as --num-blocks asks)."""
+    info = worker_pb2.WorkerInfo(num_blocks=max(args.num_blocks, 1), max_model_len=1,
+                                 vocab_size=1)
+    build_config(args, info, Layout(num_layers=1, block_size=1, num_kv_heads=1, head_dim=1,
+                                    dtype="float32"))
+
+
+# The flag of each SchedulerConfig field set from one, for its errors.
+_FLAG_OF = {"reservation_policy": "--reservation",
+            "reservation_timeout_s": "--reservation-timeout",
+            **{name: "--" + name.replace("_", "-") for name in (
+                "max_num_seqs", "max_num_waiting", "max_num_batched_tokens", "preemption_mode",
+                "min_cost_samples", "fixed_blocks_per_decode", "init_new_token_ratio",
+                "min_new_token_ratio_factor", "new_token_ratio_decay_steps",
+                "clip_max_new_tokens", "retract_steps", "resume_headroom", "role",
+                "prefix_write")}}
+_FIELD = re.compile(r"\b(?:" + "|".join(_FLAG_OF) + r")\b")
+
+
 def build_config(
     args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
 ) -> SchedulerConfig:
     """The core's config: the flags, and the worker's model and KV `layout`."""
-    if args.num_blocks < 0 or args.num_blocks > info.num_blocks:
-        raise ValueError(f"--num-blocks must be in 0..{info.num_blocks} (the worker's), "
+    if args.num_blocks < 0:
+        raise ValueError(f"--num-blocks must be >= 0 (0: all the worker's), "
+                         f"got {args.num_blocks}")
+    if args.num_blocks > info.num_blocks:
+        raise ValueError(f"--num-blocks must be at most the worker's {info.num_blocks}, "
                          f"got {args.num_blocks}")
     segment_blocks, salt = prefix_tier(args, info, layout)
-    return SchedulerConfig(
-        num_blocks=args.num_blocks or info.num_blocks,
-        block_size=layout.block_size,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=tuple(info.eos_token_ids),
-        max_num_seqs=args.max_num_seqs,
-        max_num_waiting=args.max_num_waiting,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=PreemptionMode(args.preemption_mode),
-        min_cost_samples=args.min_cost_samples,
-        reservation_policy=ReservationPolicy(args.reservation),
-        fixed_blocks_per_decode=args.fixed_blocks_per_decode,
-        init_new_token_ratio=args.init_new_token_ratio,
-        min_new_token_ratio_factor=args.min_new_token_ratio_factor,
-        new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
-        clip_max_new_tokens=args.clip_max_new_tokens,
-        retract_steps=args.retract_steps,
-        resume_headroom=args.resume_headroom,
-        role=Role(args.role),
-        reservation_timeout_s=args.reservation_timeout,
-        bytes_per_block=layout.bytes_per_block,
-        prefix_segment_blocks=segment_blocks,
-        prefix_tier_salt=salt,
-        prefix_write=PrefixWrite(args.prefix_write),
-    )
+    try:
+        return SchedulerConfig(
+            num_blocks=args.num_blocks or info.num_blocks,
+            block_size=layout.block_size,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+            max_num_seqs=args.max_num_seqs,
+            max_num_waiting=args.max_num_waiting,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            preemption_mode=PreemptionMode(args.preemption_mode),
+            min_cost_samples=args.min_cost_samples,
+            reservation_policy=ReservationPolicy(args.reservation),
+            fixed_blocks_per_decode=args.fixed_blocks_per_decode,
+            init_new_token_ratio=args.init_new_token_ratio,
+            min_new_token_ratio_factor=args.min_new_token_ratio_factor,
+            new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
+            clip_max_new_tokens=args.clip_max_new_tokens,
+            retract_steps=args.retract_steps,
+            resume_headroom=args.resume_headroom,
+            role=Role(args.role),
+            reservation_timeout_s=args.reservation_timeout,
+            bytes_per_block=layout.bytes_per_block,
+            prefix_segment_blocks=segment_blocks,
+            prefix_tier_salt=salt,
+            prefix_write=PrefixWrite(args.prefix_write),
+        )
+    except ValueError as exc:  # SchedulerConfig names its fields: say which flag
+        raise ValueError(_FIELD.sub(lambda found: _FLAG_OF[found[0]], str(exc))) from None
 
 
 def prefix_tier(
@@ -163,9 +194,11 @@ def prefix_tier(
     as without a cache) and the salt of its ids: all that decides a block's
     bytes."""
     tokens = args.prefix_segment_tokens
-    if tokens < 0 or tokens % layout.block_size:
-        raise ValueError(f"--prefix-segment-tokens must be 0 or a multiple of the block size "
-                         f"{layout.block_size}, got {tokens}")
+    if tokens < 0:
+        raise ValueError(f"--prefix-segment-tokens must be >= 0 (0: off), got {tokens}")
+    if tokens % layout.block_size:
+        raise ValueError(f"--prefix-segment-tokens must be a multiple of the worker's block "
+                         f"size {layout.block_size}, got {tokens}")
     if not tokens or not args.cache_address or args.record_decisions is not None:
         return 0, ""
     salt = "|".join((info.model_name, info.weights_id, info.model_type, *info.architectures,

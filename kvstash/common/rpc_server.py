@@ -148,6 +148,10 @@ async def run_until_signalled(
             await task
 
 
+# --log-level's choices, each service's.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

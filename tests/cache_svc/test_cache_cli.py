@@ -31,8 +31,9 @@ def test_flags_with_units_reach_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--memory-budget", "lots"], "not a byte size: 'lots'"),
     (["--default-ttl", "soon"], "not a duration: 'soon'"),
+    (["--log-level", "verbose"], "invalid choice: 'verbose'"),  # not a traceback at start
 ])
-def test_bad_units_name_the_flag_and_value(
+def test_bad_values_name_the_flag_and_value(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):

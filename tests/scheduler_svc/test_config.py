@@ -1,13 +1,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import socket
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvstash.common import security
+from kvstash.common.layout import Layout
+from kvstash.common.wire import layout_to_proto
+from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.__main__ import main as scheduler_main
+from scheduler_svc.__main__ import serve
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
-from scheduler_svc.flags import check_role, parse_args
+from scheduler_svc.flags import check_flags, check_role, parse_args
 from tests.scheduler_svc.factories import make_config
 
 
@@ -88,3 +96,77 @@ def test_a_prefill_instance_checks_its_decode_token_at_start(
         return
     with pytest.raises(ValueError, match=message):
         check_role(args, secured)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--max-num-seqs", "16", "--max-num-batched-tokens", "8"],
+     "--max-num-batched-tokens must be >= 16, got 8"),
+    (["--init-new-token-ratio", "5"], "--init-new-token-ratio must be in [1e-09, 1.0], got 5.0"),
+    (["--reservation-timeout", "0"], "--reservation-timeout must be in [0.001, 86400.0]"),
+    (["--num-blocks", "-1"], "--num-blocks must be >= 0 (0: all the worker's), got -1"),
+    (["--prefix-segment-tokens", "-16"], "--prefix-segment-tokens must be >= 0 (0: off)"),
+])
+def test_a_bad_setting_is_one_line_naming_its_flag_before_any_worker_is_asked(
+    argv: list[str], message: str,
+) -> None:
+    """Not a traceback once the worker has answered (which may take minutes
+    of model loading): no worker listens at this --worker-address."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_flags(parse_args(argv))
+    with pytest.raises(SystemExit) as done:
+        scheduler_main([*argv, "--worker-address", "127.0.0.1:1", "--worker-wait", "1"])
+    assert str(done.value.code).startswith(f"scheduler_svc: {message}")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--metrics-port", "99999"], "argument --metrics-port: not a port (0-65535): '99999'"),
+    (["--log-level", "verbose"], "argument --log-level: invalid choice: 'verbose'"),
+])
+def test_a_bad_flag_value_is_refused_as_it_is_parsed(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+class _Worker(worker_pb2_grpc.WorkerServicer):
+    """Answers GetInfo: 32 blocks of 16 tokens."""
+
+    async def GetInfo(self, request: object, context: object) -> worker_pb2.WorkerInfo:
+        layout = Layout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8,
+                        dtype="float32")
+        return worker_pb2.WorkerInfo(model_name="tiny", vocab_size=64, max_model_len=256,
+                                     num_blocks=32, kv_layout=layout_to_proto(layout))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-blocks", "64"], "--num-blocks must be at most the worker's 32, got 64"),
+    (["--prefix-segment-tokens", "10", "--cache-address", "127.0.0.1:1"],
+     "--prefix-segment-tokens must be a multiple of the worker's block size 16, got 10"),
+])
+async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
+    argv: list[str], message: str,
+) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        args = parse_args(["--listen", "127.0.0.1:0", "--worker-address",
+                           f"127.0.0.1:{port}", *argv])
+        assert await serve(args, security.from_args(args)) == message
+    finally:
+        await server.stop(None)
+
+
+async def test_no_worker_in_time_is_one_line_naming_its_address() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    args = parse_args(["--listen", "127.0.0.1:0", "--worker-address", address,
+                       "--worker-wait", "1"])
+    failure = await serve(args, security.from_args(args))
+    assert failure is not None
+    assert failure.startswith(f"no worker answered at {address} within --worker-wait 1 s ")
