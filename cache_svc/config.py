@@ -121,6 +121,13 @@ class CacheConfig:
             raise ValueError(
                 f"disk_budget_bytes is {self.disk_budget_bytes} but no disk_dir is set"
             )
+        if self.disk_dir is not None and self.disk_budget_bytes == 0:
+            # A tier that holds nothing would also evict, at start, every
+            # snapshot a previous run left in disk_dir.
+            raise ValueError(
+                f"disk_dir is {self.disk_dir} but disk_budget_bytes is 0: give the disk "
+                "tier a budget (--disk-budget), or no disk_dir for none"
+            )
         if not 0 < self.unpinned_share <= 1:
             raise ValueError(f"unpinned_share is {self.unpinned_share}, must be in (0, 1]")
         if self.disk_budget_bytes < 0:

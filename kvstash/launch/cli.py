@@ -53,7 +53,7 @@ def _add_stack_flags(p: argparse.ArgumentParser, defaults: StackConfig) -> None:
                    default=defaults.cache_memory_budget, help="the cache service's memory tier")
     p.add_argument("--cache-disk-budget", type=flag_types.byte_size_text,
                    default=defaults.cache_disk_budget,
-                   help="the cache service's disk tier")
+                   help="the cache service's disk tier (0: none)")
     p.add_argument("--cache-disk-dir", default=None,
                    help="the disk tier's directory (default: a temporary one, removed at stop)")
     p.add_argument("--pd", action="store_true",

@@ -62,7 +62,7 @@ class StackConfig:
     max_num_batched_tokens: int = 512
     preemption_mode: str = "auto"
     cache_memory_budget: str = "1GiB"
-    cache_disk_budget: str = "4GiB"
+    cache_disk_budget: str = "4GiB"  # 0: no disk tier
     cache_disk_dir: str | None = None  # None: a temporary directory, removed on stop
     # The cache's memory tier in a shared-memory arena the worker maps (the
     # co-located path), where /dev/shm has room for it; else gRPC streams.
@@ -203,6 +203,16 @@ def arena_args(config: StackConfig) -> list[str]:
     return ["--arena-dir", str(shm)]
 
 
+def disk_args(config: StackConfig, tmp_dir: str) -> list[str]:
+    """--disk-dir (cache_disk_dir, else one in `tmp_dir`) and --disk-budget;
+    none with a budget of 0 and no directory given (the cache refuses a
+    directory without a budget: a tier of 0 bytes would evict all it holds)."""
+    if not parse_bytes(config.cache_disk_budget) and config.cache_disk_dir is None:
+        return []
+    disk_dir = config.cache_disk_dir or str(Path(tmp_dir) / "cache")
+    return ["--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget]
+
+
 def metrics_args(config: StackConfig) -> list[str]:
     """--metrics-port (a free one) and --metrics-host, with config.metrics."""
     if not config.metrics:
@@ -224,7 +234,6 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     # Logs live apart from the data (the cache's disk tier), so they can
     # outlive a failed stack without keeping gigabytes of snapshots.
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvstash-logs-"))
-    disk_dir = config.cache_disk_dir or str(Path(tmp.name) / "cache")
     listen = join_address(config.host, 0)
     plain = ["--plaintext"] if config.plaintext else []
     started: list[Service] = []
@@ -232,8 +241,8 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     try:
         cache = start_service("cache", "cache_svc", [
             "--listen", listen, "--memory-budget", config.cache_memory_budget,
-            "--disk-dir", disk_dir, "--disk-budget", config.cache_disk_budget,
-            *arena_args(config), *plain, *metrics_args(config), *config.cache_args,
+            *disk_args(config, tmp.name), *arena_args(config), *plain, *metrics_args(config),
+            *config.cache_args,
         ], logs, config.start_timeout_s)
         started.append(cache)
         decode: list[Service] = []

@@ -3,6 +3,7 @@ durations are read with their units."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,13 @@ def test_bad_values_name_the_flag_and_value(
         build_parser().parse_args(flags)
     err = capsys.readouterr().err
     assert flags[0] in err and message in err
+
+
+def test_a_disk_dir_without_a_budget_is_refused(tmp_path: Path) -> None:
+    """Not a disk tier of 0 bytes, which would also evict, at start, every
+    snapshot a previous run left there."""
+    args = build_parser().parse_args(["--disk-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=re.escape(
+            f"disk_dir is {tmp_path} but disk_budget_bytes is 0: give the disk tier a budget "
+            "(--disk-budget), or no disk_dir for none")):
+        config_from_args(args)

@@ -3,7 +3,8 @@ created (inside Popen, or before the launcher holds the child), or while a
 failed start stops what had started, must still stop every child: `kvstash
 up` stopped while starting leaves nothing behind. Each case runs in a
 process of its own, whose SIGTERM handler raises as `kvstash up`'s does.
-Also what a start that fails reports, and how long a start may take."""
+Also what a start that fails reports, how long a start may take, and the
+flags the stack starts its cache with."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.launch import cli, processes, stack
-from kvstash.launch.stack import StackConfig, start_stack
+from kvstash.launch.stack import StackConfig, disk_args, start_stack
 from tests.gpu_worker.worker_factories import REPO
 
 PRELUDE = """
@@ -165,3 +166,15 @@ def test_start_timeout_reaches_every_service_the_stack_starts(
     monkeypatch.setattr(stack, "start_service", service)
     start_stack(StackConfig(start_timeout_s=600, pd=True), tmp_path).stop()
     assert timeouts == [600] * 5  # the cache, and each instance's worker and scheduler
+
+
+def test_a_disk_budget_of_0_starts_the_cache_without_a_disk_tier() -> None:
+    """The cache refuses a --disk-dir without a budget (a tier of 0 bytes
+    would evict, at start, all it finds there): `kvstash up
+    --cache-disk-budget 0` gives it neither; a directory given is passed on,
+    for the cache to refuse by name."""
+    assert disk_args(StackConfig(cache_disk_budget="0"), "/tmp/run") == []
+    assert disk_args(StackConfig(), "/tmp/run") == [
+        "--disk-dir", "/tmp/run/cache", "--disk-budget", "4GiB"]
+    assert disk_args(StackConfig(cache_disk_budget="0", cache_disk_dir="/data"), "/tmp/run") == [
+        "--disk-dir", "/data", "--disk-budget", "0"]
