@@ -17,9 +17,10 @@ instance.
             not known to be stored is copied out (`take_saves`: OffloadCommands
             with shared_prefix). Known stored: saved here since the request
             arrived (its lookup, the edge's, said the cache held no more: it may
-            have evicted what was saved before); none is sent while the cache does
-            not answer (`cache_answers`), as its blocks would stay pinned
-            until the copy timed out. back: its segments are only noted then, and
+            have evicted what was saved before; without an answer, saved here
+            ever); none is sent while the cache does not answer
+            (`cache_answers`), as its blocks would stay pinned until the copy
+            timed out. back: its segments are only noted then, and
             copied out when the pool is about to evict them (`write_back`,
             each step: the oldest evictable blocks, while fewer blocks are
             free than one step may take; `before_evicting`, before any
@@ -259,8 +260,9 @@ class PrefixTier:
         return sum(pool.ref_cnt(b) == 1 for blocks in self.saves.values() for b in blocks)
 
     def _stored_since(self, segment_id: str, t: float) -> bool:
-        """Saved here at or after `t`."""
-        return self._stored.get(segment_id, -math.inf) >= t
+        """Saved here at or after `t` (-inf: ever; one never saved is not stored)."""
+        saved = self._stored.get(segment_id)
+        return saved is not None and saved >= t
 
     def _save(self, request_id: str, segment_id: str, block_ids: list[int]) -> None:
         self._kv.pool.touch(block_ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
@@ -199,6 +200,25 @@ async def test_a_cache_killed_during_a_save_or_a_load_costs_only_the_tier(own_se
             assert h.core.stats().num_tier_load_failures == 1
         finally:
             restarted.stop()
+
+
+async def test_a_prompt_whose_lookup_timed_out_is_saved(own_services) -> None:
+    """The cache pauses (SIGSTOP) while the request is looked up: the lookup
+    times out (0.5 s), and the prompt, never saved here, is saved once the
+    cache answers again."""
+    cache_service, worker = own_services
+    async with tiered_engine(cache_service, worker) as h:
+        cache_service.process.send_signal(signal.SIGSTOP)
+        try:
+            admitting = asyncio.create_task(h.engine.admit("a", PROMPT, SAMPLING))
+            await asyncio.sleep(0.7)
+        finally:
+            cache_service.process.send_signal(signal.SIGCONT)
+        tokens, _ = await collect(await admitting)
+        assert tokens == EXPECTED
+        await idle(h)
+        assert h.core.stats().num_tier_saves == 2
+        assert await h.cache.find(segment_ids(h.core, PROMPT)) == [MEMORY, MEMORY]
 
 
 async def worker_reaches_cache(worker: Service) -> None:

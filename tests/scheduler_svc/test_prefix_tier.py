@@ -104,6 +104,14 @@ def test_no_segment_is_saved_while_the_cache_does_not_answer() -> None:
     assert len(save_all(core)) == 2
 
 
+def test_a_prompt_whose_lookup_went_unanswered_saves_the_segments_never_saved_here() -> None:
+    """No answer (the lookup timed out, or was refused) leaves "saved here
+    ever" as what is known stored: a segment never saved here is not."""
+    core = tiered()
+    add(core, "a", stored=None)
+    assert save_all(core) == segment_ids(core, PROMPT)
+
+
 def test_a_failed_save_is_counted_and_tried_again_by_the_next_prompt() -> None:
     core = tiered()
     add(core, "a")
@@ -349,6 +357,15 @@ def test_write_back_saves_what_one_admission_would_evict_before_it_does() -> Non
     assert out.prefix_saves == [] and core.get_request("big").status is not WAITING
     assert core.stats().num_tier_saves == 2
     core.check_integrity()
+
+
+def test_write_back_saves_the_segments_of_a_prompt_whose_lookup_went_unanswered() -> None:
+    core = tiered(prefix_write="back", num_blocks=53)
+    add(core, "a", stored=None)
+    finish(core, "a")
+    core.add_request("big", [(7 * i) % 90 + 5 for i in range(200)], SamplingParams(4))
+    out, _ = step(core)  # evicts a's blocks: saved first
+    assert sorted(s.snapshot_id for s in out.prefix_saves) == sorted(segment_ids(core, PROMPT))
 
 
 def test_write_back_never_saves_blocks_evicted_before_it_saw_them() -> None:
