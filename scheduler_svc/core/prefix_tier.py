@@ -9,9 +9,10 @@ segment is one unpinned snapshot in the cache, named by its content:
 
 The chain hash of a block names every token before it (kv_manager.py), so a
 segment's id names the whole prefix up to its end; the salt names what else
-decides its bytes (model and its weights, dtype, KV layout, block size), so no
-segment is ever read by another model or layout. Ids are the same on every
-instance.
+decides its bytes (model and its weights, dtype, KV layout, block size) and
+the segment's size in blocks, so no segment is ever read by another model or
+layout, or as a segment of another size. Ids are the same on every instance
+with the same segment size.
 
     write   through: once a prompt's prefill completes, each of its segments
             not known to be stored is copied out (`take_saves`: OffloadCommands
@@ -95,7 +96,9 @@ class PrefixTier:
         """`write_back_below`: 0 writes through; else free blocks below which
         the oldest evictable segments are written back. `clock`: the core's."""
         self.segment_blocks = segment_blocks
-        self._salt = xxhash.xxh3_128_digest(salt.encode())
+        # The segment's size too: an instance with other --prefix-segment-tokens
+        # (same model, same cache) would read a segment of another size as its own.
+        self._salt = xxhash.xxh3_128_digest(f"{salt}|{segment_blocks} blocks".encode())
         self._kv = kv
         self._costs = costs
         self._counters = counters

@@ -35,10 +35,12 @@ MEMORY, DISK = cache_pb2.TIER_MEMORY, cache_pb2.TIER_DISK
 
 
 @contextlib.asynccontextmanager
-async def tiered_engine(cache_service: Service, worker: Service) -> AsyncIterator[Harness]:
+async def tiered_engine(cache_service: Service, worker: Service,
+                        segment_blocks: int = 2) -> AsyncIterator[Harness]:
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
-        eos_token_ids=(257,), prefix_segment_blocks=2, prefix_tier_salt="tiny|float64"))
+        eos_token_ids=(257,), prefix_segment_blocks=segment_blocks,
+        prefix_tier_salt="tiny|float64"))
     channel = rpc_connections.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
@@ -219,6 +221,23 @@ async def test_a_prompt_whose_lookup_timed_out_is_saved(own_services) -> None:
         await idle(h)
         assert h.core.stats().num_tier_saves == 2
         assert await h.cache.find(segment_ids(h.core, PROMPT)) == [MEMORY, MEMORY]
+
+
+async def test_instances_with_other_segment_sizes_share_a_cache_without_failed_loads(
+        services) -> None:
+    """B stores 1-block segments, A (2-block segments) looks the same prompt
+    up in the same cache: it finds none of B's, and reads only its own."""
+    prompt = [(19 * j + 4) % 256 for j in range(70)]  # stored by no other test
+    async with tiered_engine(*services, segment_blocks=1) as b:
+        await serve_and_forget(b, "b", tiers=[MEMORY] * 4, prompt=prompt)
+    async with tiered_engine(*services) as a:
+        for request_id in ("a0", "a1"):
+            tokens, _ = await collect(await a.engine.admit(request_id, prompt, SAMPLING))
+            assert tokens == reference_greedy(prompt, 8)
+            await idle(a)
+            a.engine.flush_prefix_cache()
+        stats = a.core.stats()
+        assert (stats.num_tier_load_failures, stats.num_tier_hit_tokens) == (0, 64)  # a0's
 
 
 async def worker_reaches_cache(worker: Service) -> None:

@@ -134,6 +134,14 @@ def test_segment_ids_name_the_prefix_and_the_salt() -> None:
     assert segment_ids(make_scheduler(), PROMPT) == []  # no tier
 
 
+def test_segment_ids_name_the_segment_size() -> None:
+    """Instances of one model with other --prefix-segment-tokens share a
+    cache: a 1-block segment is never read as a 2-block one ending at the
+    same block."""
+    one_block = make_scheduler(prefix_segment_blocks=1, prefix_tier_salt="model-a|float32|4 layers")
+    assert not set(segment_ids(tiered(), PROMPT)) & set(segment_ids(one_block, PROMPT))
+
+
 def test_the_salt_follows_the_weights_not_only_their_name() -> None:
     """Two checkpoints mounted at the chart's /models (a fine-tune and its
     base) have one name: their segments must still differ."""
