@@ -32,8 +32,14 @@ from scheduler_svc.core.config import (
 )
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import DecodePeers
-from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.flags import build_config, check_flags, check_role, parse_args
+from scheduler_svc.engine import Engine
+from scheduler_svc.flags import (
+    build_config,
+    build_engine_config,
+    check_flags,
+    check_role,
+    parse_args,
+)
 from scheduler_svc.kv_event_hub import KvEventHub
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.recording import RecordingScheduler
@@ -89,10 +95,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             return str(exc)
         tokenizer = load_tokenizer(info.tokenizer_json, info.vocab_size,
                                    tuple(info.eos_token_ids))
-        engine_config = EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
-                                     check_integrity=args.check_integrity,
-                                     worker_reconnect_s=args.worker_reconnect,
-                                     step_timeout_s=args.step_timeout)
+        engine_config = build_engine_config(args, tracing)
         cache: CacheLink | None = None
         if args.cache_address:
             client = CacheClient(args.cache_address, security=internal)
@@ -158,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         security.check_listen(args.listen, secured)
         check_role(args, secured)
         check_flags(args)  # not to wait for the worker only to refuse them
-        EngineConfig(worker_reconnect_s=args.worker_reconnect,
-                     step_timeout_s=args.step_timeout)  # its checks, before any start
+        build_engine_config(args)  # its checks, before any start
     except ValueError as exc:
         sys.exit(f"scheduler_svc: {exc}")
     with telemetry.tracing_for(telemetry.SCHEDULER_SERVICE) as tracing:

@@ -87,9 +87,9 @@ class EngineConfig:
         if not 0 <= self.worker_reconnect_s < math.inf:
             raise ValueError("worker_reconnect_s must be a finite number of seconds >= 0, "
                              f"got {self.worker_reconnect_s}")
-        if not 0 < self.step_timeout_s < math.inf:
-            raise ValueError("step_timeout_s must be a finite number of seconds > 0, "
-                             f"got {self.step_timeout_s}")
+        for name in ("transfer_timeout_s", "step_timeout_s"):
+            if not 0 < (seconds := getattr(self, name)) < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds}")
 
 
 class Engine:

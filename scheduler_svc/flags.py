@@ -1,7 +1,8 @@
 """The scheduler's command line: its flags (each also a KVSTASH_SCHEDULER_*
-variable), the checks that need no peer (`check_role`, `check_flags`), and
-the core's config built from them and the worker's model and KV layout
-(`build_config`); a bad setting's ValueError names its flag."""
+variable), the checks that need no peer (`check_role`, `check_flags`), the
+core's config built from them and the worker's model and KV layout
+(`build_config`; a bad setting's ValueError names its flag), and the
+engine's (`build_engine_config`)."""
 
 from __future__ import annotations
 
@@ -185,6 +186,13 @@ def build_config(
         )
     except ValueError as exc:  # SchedulerConfig names its fields: say which flag
         raise ValueError(_FIELD.sub(lambda found: _FLAG_OF[found[0]], str(exc))) from None
+
+
+def build_engine_config(args: argparse.Namespace, tracing: bool = False) -> EngineConfig:
+    return EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
+                        check_integrity=args.check_integrity,
+                        worker_reconnect_s=args.worker_reconnect,
+                        step_timeout_s=args.step_timeout)
 
 
 def prefix_tier(

@@ -17,6 +17,7 @@ from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.launch.processes import Service
+from scheduler_svc.__main__ import main as scheduler_main
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.request import RequestStatus
@@ -217,3 +218,11 @@ async def test_offloaded_and_waiting_requests_outlive_their_worker(
             assert "worker unavailable" in str(result)
         else:
             assert result == reference_greedy(PROMPTS[rid], 48), (rid, at_loss.get(rid))
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "inf", "nan"])
+def test_a_transfer_timeout_that_is_no_time_is_refused_at_start(bad: str) -> None:
+    """Else every offload and restore would time out."""
+    with pytest.raises(SystemExit,
+                       match="transfer_timeout_s must be a finite number of seconds > 0"):
+        scheduler_main(["--transfer-timeout", bad])
