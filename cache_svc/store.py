@@ -36,15 +36,12 @@ from cache_svc.model import (
 from cache_svc.reads import Reads
 from cache_svc.snapshot import SnapshotMeta
 from cache_svc.tiers import Tiers
-from kvstash.common.ids import check_snapshot_id
+from kvstash.common.ids import MAX_FIND_IDS, check_snapshot_id
 from kvstash.common.malloc_tuning import trim_heap
 from kvstash.common.stats import values
 from kvstash.errors import AlreadyExists, InvalidArgument, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
-
-# Most ids one find takes: a 1M-token prompt in 256-token segments.
-MAX_FIND_IDS = 4096
 
 
 class SnapshotStore:

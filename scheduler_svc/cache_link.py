@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable
 
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.ids import MAX_FIND_IDS
 from kvstash.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,22 @@ class CacheLink:
         """Where the cache holds `segment_ids` (a prompt's, in order) from the
         first on, up to the first it does not ("memory" or "disk" each); None
         when it does not answer in time."""
+        # Only the leading run counts: a longer prompt's first MAX_FIND_IDS
+        # segments are asked, as the cache refuses more in one call.
         try:
-            tiers = await self._client.find(segment_ids, timeout_s=self._find_timeout_s)
+            tiers = await self._client.find(segment_ids[:MAX_FIND_IDS],
+                                            timeout_s=self._find_timeout_s)
         except errors.KvstashError as exc:
             log.debug("prefix lookup failed (%s); prefilling", exc)
             return None
-        run = itertools.takewhile(lambda t: t != cache_pb2.TIER_UNSPECIFIED, tiers)
-        return [_TIER_NAMES[t] for t in run]
+        run = []
+        for tier in tiers:
+            # Not stored, or a tier this build does not know (a newer cache's):
+            # the run ends there, and the rest is prefilled.
+            if (name := _TIER_NAMES.get(tier)) is None:
+                break
+            run.append(name)
+        return run
 
     async def watch(self, on_change: Callable[[bool], None]) -> None:
         """Probes the cache every `probe_s` and calls `on_change(available)`

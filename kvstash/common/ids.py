@@ -16,6 +16,9 @@ import re
 from kvstash.errors import MAX_ID_CHARS, InvalidArgument, preview
 
 MAX_REQUEST_ID_CHARS = 256
+# Most snapshot ids one FindSnapshots takes (the cache refuses more): a
+# 1M-token prompt in 256-token segments.
+MAX_FIND_IDS = 4096
 _REQUEST_ID = re.compile(f"[\\x21-\\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 SNAPSHOT_ID_CHARS = "A-Za-z0-9._-"
 _SNAPSHOT_ID = re.compile(f"[{SNAPSHOT_ID_CHARS}]+")
