@@ -36,11 +36,16 @@ class CacheLink:
         self._probe_s = probe_s
         self._timeout_s = timeout_s
         self._find_timeout_s = find_timeout_s
+        # The latest probe's answer (None: none yet).
+        self._available: bool | None = None
 
     async def stored_run(self, segment_ids: list[str]) -> list[str] | None:
         """Where the cache holds `segment_ids` (a prompt's, in order) from the
         first on, up to the first it does not ("memory" or "disk" each); None
-        when it does not answer in time."""
+        when it does not answer in time, or its latest probe went unanswered
+        (then nothing is asked: every admission would wait for the lookup)."""
+        if self._available is False:
+            return None
         # Only the leading run counts: a longer prompt's first MAX_FIND_IDS
         # segments are asked, as the cache refuses more in one call.
         try:
@@ -62,7 +67,6 @@ class CacheLink:
         """Probes the cache every `probe_s` and calls `on_change(available)`
         on every change (first with the first answer). Logs changes, not
         probes. Runs until cancelled."""
-        available: bool | None = None
         address = self._client.address
         while True:
             try:
@@ -70,13 +74,13 @@ class CacheLink:
                 now = True
             except errors.KvstashError as exc:
                 now = False
-                if available is not False:
+                if self._available is not False:
                     log.warning("cache service %s unreachable (%s); preemptions recompute "
                                 "until it is back", address, exc)
-            if now != available:
+            if now != self._available:
                 if now:
                     log.info("cache service %s available", address)
-                available = now
+                self._available = now
                 on_change(now)
             await asyncio.sleep(self._probe_s)
 

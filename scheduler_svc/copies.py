@@ -13,6 +13,9 @@ the snapshot deletes the core queued are sent and the step loop is woken.
                             request takes those up to the first that failed
                             (deleted if damaged) -> core.finish_prefix_load
 
+Offloads and restores are bounded by transfer_timeout_s, the prefix tier's
+copies by prefix_copy_timeout_s (short: EngineConfig says why).
+
 A copy's report: a failure is logged and marks its span failed; a success
 marks its span with the bytes copied and times the offload or restore
 histogram (a hand-off has its own: time to the decode instance's first token).
@@ -48,10 +51,11 @@ class Copies:
     def __init__(
         self, core: Scheduler, worker: WorkerLink, cache: CacheLink | None,
         requests: InFlightRequests, tasks: Tasks, wake: Callable[[], None], *,
-        transfer_timeout_s: float, metrics: SchedulerMetrics | None,
+        transfer_timeout_s: float, prefix_copy_timeout_s: float,
+        metrics: SchedulerMetrics | None,
     ) -> None:
         """`wake`: wakes the step loop (a copy landed); `transfer_timeout_s`
-        as EngineConfig says."""
+        and `prefix_copy_timeout_s` as EngineConfig says."""
         self._core = core
         self._worker = worker
         self._cache = cache
@@ -59,6 +63,7 @@ class Copies:
         self._tasks = tasks
         self._wake = wake
         self._timeout_s = transfer_timeout_s
+        self._prefix_timeout_s = prefix_copy_timeout_s
         self._metrics = metrics
 
     async def offload(self, cmd: OffloadCommand) -> None:
@@ -102,7 +107,7 @@ class Copies:
         with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
                                    "kvstash.prefix_save", cmd) as span:
             try:
-                outcome = await self._worker.offload(cmd, self._timeout_s)
+                outcome = await self._worker.offload(cmd, self._prefix_timeout_s)
             finally:
                 if outcome.num_bytes is None:
                     log.info("prefix segment save for %s failed (%s)", cmd.request_id,
@@ -118,12 +123,15 @@ class Copies:
         request takes those up to the first that failed."""
         segments = load.segments
         outcomes = [CopyOutcome(None, "cancelled")] * len(segments)
+        # Past the prefill it saves (the cost model's prediction), waiting
+        # for a load costs more than prefilling would.
+        timeout_s = max(self._prefix_timeout_s, load.predicted_prefill_s or 0.0)
         started = time.monotonic()
         with tracing.prefix_load_span(self._requests.trace_context(load.request_id),
                                       load) as span:
             try:
                 outcomes = await asyncio.gather(*(
-                    self._worker.restore(segment, self._timeout_s) for segment in segments))
+                    self._worker.restore(segment, timeout_s) for segment in segments))
             finally:
                 num_loaded = next((i for i, o in enumerate(outcomes) if o.num_bytes is None),
                                   len(segments))

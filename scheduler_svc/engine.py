@@ -69,6 +69,14 @@ INTEGRITY_EXIT_CODE = 70
 class EngineConfig:
     # One offload or restore, end to end: the worker bounds its cache calls by it.
     transfer_timeout_s: float = 60.0
+    # One prefix-tier save, or a load's reads (copies.py): bounded apart, and
+    # short. The copy is optional (a segment not loaded is prefilled, one not
+    # saved is sent again by the next prompt), yet a load holds its request
+    # LOADING and a save pins blocks other requests wait for, as long as a
+    # cache that hangs keeps them (its watcher sees it only once a probe
+    # times out). A load may also take as long as the prefill it saves is
+    # predicted to.
+    prefix_copy_timeout_s: float = 2.0
     # Emit phase and transfer spans (kvstash.common.telemetry is on). Off, the step
     # loop builds no span data at all.
     tracing: bool = False
@@ -87,7 +95,7 @@ class EngineConfig:
         if not 0 <= self.worker_reconnect_s < math.inf:
             raise ValueError("worker_reconnect_s must be a finite number of seconds >= 0, "
                              f"got {self.worker_reconnect_s}")
-        for name in ("transfer_timeout_s", "step_timeout_s"):
+        for name in ("transfer_timeout_s", "prefix_copy_timeout_s", "step_timeout_s"):
             if not 0 < (seconds := getattr(self, name)) < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds}")
 
@@ -122,7 +130,8 @@ class Engine:
         wake = self._wake.set
         self._copies = copies = Copies(
             core, worker, cache, requests, tasks, wake, metrics=metrics,
-            transfer_timeout_s=config.transfer_timeout_s)
+            transfer_timeout_s=config.transfer_timeout_s,
+            prefix_copy_timeout_s=config.prefix_copy_timeout_s)
         self._kv_events = kv_events
         if kv_events is not None:
             core.record_kv_events()

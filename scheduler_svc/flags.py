@@ -97,6 +97,10 @@ def parse_args(argv: list[str] | None = None,
                         "about to evict them (back: fewer copies, later reuse elsewhere)")
     p.add_argument("--transfer-timeout", type=float, default=_ENGINE.transfer_timeout_s,
                    help="seconds one offload or restore may take, end to end")
+    p.add_argument("--prefix-copy-timeout", type=float, default=_ENGINE.prefix_copy_timeout_s,
+                   help="seconds one prefix-tier save, or a load's reads, may take (a load "
+                        "also as long as the prefill it saves is predicted to); the request "
+                        "prefills what did not load")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the scheduler's invariants whenever it goes idle; exit with "
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
@@ -189,7 +193,8 @@ def build_config(
 
 
 def build_engine_config(args: argparse.Namespace, tracing: bool = False) -> EngineConfig:
-    return EngineConfig(transfer_timeout_s=args.transfer_timeout, tracing=tracing,
+    return EngineConfig(transfer_timeout_s=args.transfer_timeout,
+                        prefix_copy_timeout_s=args.prefix_copy_timeout, tracing=tracing,
                         check_integrity=args.check_integrity,
                         worker_reconnect_s=args.worker_reconnect,
                         step_timeout_s=args.step_timeout)

@@ -35,6 +35,7 @@ with the same segment size.
             cost model does not predict the load dearer than the prefill it
             saves, loads those segments into fresh blocks while the request
             is LOADING (lifecycle.py); whatever fails to load is prefilled.
+            Nothing is loaded while the cache does not answer.
 
 The restored blocks hold the bits the prefill would have written (the worker's
 steps are batch-invariant), so outputs do not depend on where a prefix came from.
@@ -132,7 +133,10 @@ class PrefixTier:
         prefix cache holds (`declined` where the cost model predicts loading
         them dearer than prefilling them), or None: the tier holds no more.
         The last prompt token is always left to compute: it samples the first
-        output."""
+        output. None while the cache does not answer (`cache_answers`): the
+        load would only wait out its bound before the request prefilled."""
+        if not self.cache_answers:
+            return None
         k = self.segment_blocks
         block_size = self._kv.block_size
         end = min(req.stored_segments, (req.num_tokens - 1) // block_size // k)

@@ -17,19 +17,27 @@ MEMORY, DISK, NONE = cache_pb2.TIER_MEMORY, cache_pb2.TIER_DISK, cache_pb2.TIER_
 
 class FakeClient:
     """Holds `tiers[i]` for the i-th id of any lookup (NONE past them), and
-    refuses more than MAX_FIND_IDS ids, as the cache does."""
+    refuses more than MAX_FIND_IDS ids, as the cache does; `up`: whether it
+    answers at all."""
 
     address = "fake"
 
     def __init__(self, tiers: Sequence[int] = ()) -> None:
         self.tiers = list(tiers)
+        self.up = True
         self.num_asked: list[int] = []
 
     async def find(self, snapshot_ids: list[str], timeout_s: float | None = None) -> list[int]:
         self.num_asked.append(len(snapshot_ids))
+        if not self.up:
+            raise errors.Unavailable("the cache is down")
         if len(snapshot_ids) > MAX_FIND_IDS:
             raise errors.InvalidArgument(f"find takes 1-{MAX_FIND_IDS} snapshot ids")
         return (self.tiers + [NONE] * len(snapshot_ids))[:len(snapshot_ids)]
+
+    async def stats(self, timeout_s: float | None = None) -> None:
+        if not self.up:
+            raise errors.Unavailable("the cache is down")
 
 
 def ids(n: int) -> list[str]:
@@ -55,3 +63,26 @@ def test_a_prompt_of_more_segments_than_one_lookup_takes_asks_for_its_first() ->
     assert stored_run(client, ids(MAX_FIND_IDS + 1)) == ["memory"]
     assert client.num_asked == [MAX_FIND_IDS]
 
+
+async def test_nothing_is_asked_while_the_latest_probe_went_unanswered() -> None:
+    """Every admission would wait for the lookup's timeout: it counts as
+    unanswered at once, until a probe answers again."""
+    client = FakeClient([MEMORY])
+    link = CacheLink(client, probe_s=0.01)  # type: ignore[arg-type]
+    changes: list[bool] = []
+    watching = asyncio.create_task(link.watch(changes.append))
+
+    async def seen(up: bool) -> None:
+        async with asyncio.timeout(10):
+            while changes[-1:] != [up]:
+                await asyncio.sleep(0.005)
+
+    try:
+        client.up = False
+        await seen(False)
+        assert await link.stored_run(ids(1)) is None and client.num_asked == []
+        client.up = True
+        await seen(True)
+        assert await link.stored_run(ids(1)) == ["memory"]
+    finally:
+        watching.cancel()

@@ -221,8 +221,10 @@ async def test_offloaded_and_waiting_requests_outlive_their_worker(
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "inf", "nan"])
-def test_a_transfer_timeout_that_is_no_time_is_refused_at_start(bad: str) -> None:
-    """Else every offload and restore would time out."""
-    with pytest.raises(SystemExit,
-                       match="transfer_timeout_s must be a finite number of seconds > 0"):
-        scheduler_main(["--transfer-timeout", bad])
+@pytest.mark.parametrize(("flag", "name"), [("--transfer-timeout", "transfer_timeout_s"),
+                                            ("--prefix-copy-timeout", "prefix_copy_timeout_s")])
+def test_a_copy_timeout_that_is_no_time_is_refused_at_start(flag: str, name: str,
+                                                            bad: str) -> None:
+    """Else every offload and restore (or prefix-tier copy) would time out."""
+    with pytest.raises(SystemExit, match=f"{name} must be a finite number of seconds > 0"):
+        scheduler_main([flag, bad])

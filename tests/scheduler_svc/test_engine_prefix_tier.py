@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
@@ -32,20 +33,23 @@ PROMPT = [(13 * j + 2) % 256 for j in range(70)]  # 2 segments of 32 tokens, and
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 EXPECTED = reference_greedy(PROMPT, 8)
 MEMORY, DISK = cache_pb2.TIER_MEMORY, cache_pb2.TIER_DISK
+TIERED_ENGINE = EngineConfig(transfer_timeout_s=10)
 
 
 @contextlib.asynccontextmanager
-async def tiered_engine(cache_service: Service, worker: Service,
-                        segment_blocks: int = 2) -> AsyncIterator[Harness]:
+async def tiered_engine(cache_service: Service, worker: Service, segment_blocks: int = 2,
+                        config: EngineConfig = TIERED_ENGINE,
+                        quick_probe: bool = False) -> AsyncIterator[Harness]:
+    """`quick_probe`: a cache that stops answering is seen down within a second."""
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
         eos_token_ids=(257,), prefix_segment_blocks=segment_blocks,
         prefix_tier_salt="tiny|float64"))
     channel = rpc_connections.insecure_channel(worker.address)
     cache = CacheClient(cache_service.address)
+    link = CacheLink(cache, probe_s=0.1, timeout_s=0.5) if quick_probe else CacheLink(cache)
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
-    engine = Engine(core, WorkerLink(channel, retry_s=0.1), CacheLink(cache),
-                    EngineConfig(transfer_timeout_s=10), metrics=metrics)
+    engine = Engine(core, WorkerLink(channel, retry_s=0.1), link, config, metrics=metrics)
     await engine.start()
     try:
         yield Harness(engine, core, cache, metrics)
@@ -238,6 +242,87 @@ async def test_instances_with_other_segment_sizes_share_a_cache_without_failed_l
             a.engine.flush_prefix_cache()
         stats = a.core.stats()
         assert (stats.num_tier_load_failures, stats.num_tier_hit_tokens) == (0, 64)  # a0's
+
+
+# Longer than any test may wait: where a test must not wait for a copy to a
+# cache that hangs, its bound.
+LONG_S = 30.0
+
+
+async def test_a_cache_known_down_is_neither_asked_nor_read(own_services) -> None:
+    """Stopped (SIGSTOP: a hung process, a black-holed network) and seen
+    down: admissions wait for no lookup, and a request whose lookup found
+    segments just before prefills at once instead of waiting out a load."""
+    cache_service, worker = own_services
+    config = EngineConfig(transfer_timeout_s=LONG_S, prefix_copy_timeout_s=LONG_S)
+    async with tiered_engine(cache_service, worker, config=config, quick_probe=True) as h:
+        await serve_and_forget(h, "first")
+        await until(lambda: h.core.preemption.cache_available, "the cache seen up")
+        cache_service.process.send_signal(signal.SIGSTOP)
+        try:
+            await until(lambda: not h.core.preemption.cache_available, "the cache seen down")
+            started = time.monotonic()
+            for i in range(10):  # 5 s, were each to wait for its lookup
+                stream = await h.engine.admit(f"r{i}", PROMPT, SAMPLING)
+                h.engine.abort(f"r{i}")
+                await collect(stream)
+            took = time.monotonic() - started
+            assert took < 2.5, f"10 admissions took {took:.2f} s: they waited for lookups"
+            started = time.monotonic()
+            # stored_segments=2: what its lookup answered just before the hang.
+            tokens, _ = await collect(h.engine.submit("second", PROMPT, SAMPLING, 2))
+            took = time.monotonic() - started
+            assert tokens == EXPECTED
+            assert took < LONG_S / 3, f"took {took:.1f} s: it waited for a load"
+            assert h.core.stats().num_tier_load_failures == 0
+        finally:
+            cache_service.process.send_signal(signal.SIGCONT)
+
+
+async def test_a_load_from_a_cache_that_hangs_unseen_gives_up_after_its_bound(
+        own_services) -> None:
+    """The cache hangs between a request's lookup and its load, and the
+    watcher has not seen it yet: the load gives up after prefix_copy_timeout_s,
+    not transfer_timeout_s, and the request prefills."""
+    cache_service, worker = own_services
+    config = EngineConfig(transfer_timeout_s=LONG_S, prefix_copy_timeout_s=1)
+    async with tiered_engine(cache_service, worker, config=config) as h:
+        await serve_and_forget(h, "first")
+        cache_service.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            tokens, _ = await collect(h.engine.submit("second", PROMPT, SAMPLING, 2))
+            took = time.monotonic() - started
+            assert tokens == EXPECTED
+            assert took < LONG_S / 3, f"took {took:.1f} s: the load waited past its bound"
+            assert h.core.stats().num_tier_load_failures == 1
+        finally:
+            cache_service.process.send_signal(signal.SIGCONT)
+
+
+async def test_saves_to_a_cache_that_hangs_unseen_hold_their_blocks_for_their_bound_only(
+        own_services) -> None:
+    """The cache hangs just after a request's lookup: its saves hold their
+    blocks until prefix_copy_timeout_s, not transfer_timeout_s, so a request
+    that needs those blocks waits that long at most."""
+    cache_service, worker = own_services
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    config = EngineConfig(transfer_timeout_s=LONG_S, prefix_copy_timeout_s=1)
+    async with tiered_engine(cache_service, worker, config=config) as h:
+        admitting = asyncio.create_task(h.engine.admit("a", PROMPT, one))
+        await until(lambda: h.core.get_request("a") is not None, "a admitted")
+        cache_service.process.send_signal(signal.SIGSTOP)  # after a's lookup answered
+        try:
+            await collect(await admitting)
+            await until(lambda: h.core.tier.saves, "a's saves in flight")
+            big = [(11 * j + 7) % 256 for j in range(200)]  # 13 blocks: 4 are a's saves'
+            started = time.monotonic()
+            tokens, _ = await collect(await h.engine.admit("big", big, one))
+            took = time.monotonic() - started
+            assert tokens == reference_greedy(big, 1)
+            assert took < LONG_S / 3, f"first token after {took:.1f} s: it waited for saves"
+        finally:
+            cache_service.process.send_signal(signal.SIGCONT)
 
 
 async def worker_reaches_cache(worker: Service) -> None:

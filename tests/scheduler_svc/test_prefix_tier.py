@@ -186,6 +186,16 @@ def test_admission_loads_stored_segments_and_prefills_only_the_rest() -> None:
     assert save_all(core) == []  # what it loaded is stored
 
 
+def test_nothing_is_loaded_while_the_cache_does_not_answer() -> None:
+    """Its lookup found segments just before the cache stopped answering:
+    a load would only wait out its bound, so the request prefills."""
+    core = tiered()
+    core.set_cache_available(False)
+    add(core, "b", stored=2)
+    out, _ = step(core)
+    assert out.prefix_loads == [] and core.get_request("b").status is RUNNING_DECODE
+
+
 def test_a_failed_segment_is_prefilled_with_everything_after_it() -> None:
     core = tiered()
     load = load_of(core, "b", stored=2)
