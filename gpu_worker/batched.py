@@ -110,7 +110,10 @@ class LayerOps:
     heads: tuple[int, int, int]  # query heads, KV heads, head dim
 
     @staticmethod
-    def of(layer: DecoderLayer, matmul: Matmul | None) -> LayerOps:
+    def of(layer: object, matmul: Matmul | None) -> LayerOps:
+        """Holds `layer`'s tensors as they are: weights loaded later must be
+        copied into them (checkpoint.py, fill_random), not put in their place."""
+        assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
         return LayerOps(layer.input_layernorm,
                         product_of(attn.qkv.weight, attn.qkv.bias, matmul),
@@ -171,8 +174,7 @@ class BatchedForward:
         self._head_weight = stored_transposed(
             cfg.vocab_size, cfg.hidden_size, head.dtype, head.device).copy_(head) if (
             self.matmul is k_pieces and not head.t().is_contiguous()) else None
-        self.layers = [LayerOps.of(layer, self.matmul) for layer in model.model.layers
-                       if isinstance(layer, DecoderLayer)]
+        self.layers = [LayerOps.of(layer, self.matmul) for layer in model.model.layers]
         invariant = row_tile is not None
         tiles = QueryTiles.for_heads(cfg.num_heads // cfg.num_kv_heads,
                                      fixed=invariant and not self.whole)

@@ -108,9 +108,11 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     slots = np.take_along_axis(table, block, axis=1) * block_size + keys % block_size
     slots = np.where(keys < host.context_lens[seq][:, None], slots, table[:, :1] * block_size)
     kv_heads, group = heads
-    past = keys[plain:, None, :] > positions[pair_tile[plain:]][:, :, None]  # [masked, rows, C]
-    bias = np.empty((len(past), kv_heads, rows, group, chunk), dtype=np.float32)
-    bias[:] = np.where(past, np.float32(-np.inf), np.float32(0))[:, None, :, None]
+    # The bias is filled where it is used, from [masked, rows, C]: a GPU gets
+    # the mask's bytes, not the bias's (kv_heads x group x 4 times as many).
+    past = keys[plain:, None, :] > positions[pair_tile[plain:]][:, :, None]
+    bias = torch.zeros(len(past), kv_heads, rows, group, chunk, dtype=dtype, device=device)
+    bias.masked_fill_(torch.from_numpy(past).to(device)[:, None, :, None, :], float("-inf"))
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)
@@ -122,8 +124,11 @@ def plan_tiles(host: HostStep, seqs: np.ndarray, rows: int, block_size: int, chu
     chunk_pairs = tuple((tensor(np.flatnonzero(pair_chunk == j)),
                          tensor(pair_tile[pair_chunk == j]))
                         for j in range(int(reads.max()) if by_chunk else 0))
-    return TileGroup(rows, len(reads), len(pair_tile), len(past), tensor(pair_tile),
-                     tensor(tile_rows[pair_tile]),
+    pairs = tensor(pair_tile)
+    # Each pair's query rows are its tile's, gathered where they are used (a
+    # tile's rows once each over to a GPU, not once per chunk it reads).
+    query_rows = tensor(tile_rows).view(len(reads), -1).index_select(0, pairs).view(-1)
+    return TileGroup(rows, len(reads), len(pair_tile), len(past), pairs, query_rows,
                      tensor(slots[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]),
                      tensor(dest[:, None, :, None] * (kv_heads * group) + head),
-                     tensor(bias).to(dtype).view(-1, rows * group, chunk), chunk_pairs)
+                     bias.view(-1, rows * group, chunk), chunk_pairs)

@@ -99,6 +99,26 @@ def test_the_checks_tell_a_path_that_is_not_invariant() -> None:
     assert rows_match_alone(make_runner().batched, BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_lone_decode_at_a_chunk_end_has_the_bits_it_has_in_company(dtype: torch.dtype) -> None:
+    """A decode reading exactly one 128-key chunk, no mask, alone in its step:
+    its tile group is one (tile, chunk) pair, where K^T once reached the
+    product as a transposed view (a reshape of [1, kv, d, C] copies nothing)
+    and MKL gave a float64 row other bits than beside another decode (found
+    in review, 2026-11-28)."""
+    def decode_logits(runner: ModelRunner, company: bool) -> torch.Tensor:
+        ids = prompt(("stash " * 22)[:127])
+        other = [SeqWork("b", ids[:50], 0, list(range(20, 24)))] if company else []
+        runner.logits([SeqWork("a", ids, 0, list(range(1, 9))), *other])
+        step = [SeqWork("a", [65], 127, list(range(1, 9)))]  # context 128: one chunk
+        if company:
+            step.append(SeqWork("b", [66], 50, list(range(20, 24))))
+        return runner.logits(step)[0]
+
+    alone = decode_logits(make_runner(dtype, block_size=16), company=False)
+    assert torch.equal(alone, decode_logits(make_runner(dtype, block_size=16), company=True))
+
+
 def test_shared_prefix_blocks_are_read_through_each_block_table() -> None:
     """Two sequences whose tables share the prompt's blocks: each reads the
     prefix KV another step wrote, through its own table."""
