@@ -127,8 +127,12 @@ class _Sequence:
         if self.matched is not None:
             complete.matched_stop_str = self.matched
         elif (status is RequestStatus.FINISHED_STOPPED and self.output
-              and self.output[-1] in self.sampling.stop_token_ids):
-            complete.matched_token_id = self.output[-1]  # not EOS: vLLM names none
+              and self.output[-1] in self.sampling.stop_token_ids and (
+                  self.sampling.ignore_eos
+                  or self.output[-1] not in self.tokenizer.eos_token_ids)):
+            # EOS (unless ignored) ends a sequence before any stop id does:
+            # vLLM names no matched token then, even one also listed.
+            complete.matched_token_id = self.output[-1]
         return complete
 
 

@@ -110,13 +110,16 @@ SEED_EOS = 6
 async def test_the_models_eos_is_no_matched_stop(
         engine: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
     """As vLLM's: matched_token_id is a token of the request's stop_token_ids
-    only; EOS ends a sequence as "stop" with no matched stop."""
-    [only] = [r async for r in engine.Generate(pb.GenerateRequest(
-        request_id="vllm-eos", tokenized=pb.TokenizedInput(input_ids=PROMPT),
-        sampling_params=pb.SamplingParams(temperature=1.0, seed=SEED_EOS, max_tokens=64)))]
-    complete = only.complete
-    assert (complete.finish_reason, complete.output_ids[-1]) == ("stop", 257)
-    assert complete.WhichOneof("matched_stop") is None
+    only; EOS ends a sequence as "stop" with no matched stop, even where the
+    request lists it among its stop ids too (found in review, 2026-11-28)."""
+    for stop_ids in ([], [257]):
+        [only] = [r async for r in engine.Generate(pb.GenerateRequest(
+            request_id=f"vllm-eos-{len(stop_ids)}", tokenized=pb.TokenizedInput(
+                input_ids=PROMPT), sampling_params=pb.SamplingParams(
+                    temperature=1.0, seed=SEED_EOS, max_tokens=64, stop_token_ids=stop_ids)))]
+        complete = only.complete
+        assert (complete.finish_reason, complete.output_ids[-1]) == ("stop", 257)
+        assert complete.WhichOneof("matched_stop") is None
 
 
 def first_ascii_pair(tokens: list[int]) -> int:
