@@ -220,8 +220,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("--instances counts mixed instances: give it or P/D pools, not both")
         if args.find is not None:
             parser.error("--find sizes mixed instances; with P/D pools, compare runs instead")
-    if args.handoff_wait < 0:
-        parser.error(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
+    if not 0 <= args.handoff_wait < math.inf:
+        parser.error(f"--handoff-wait must be a finite number of seconds >= 0, "
+                     f"got {args.handoff_wait}")
     if args.runs < 1 or not (args.jitter >= 0 and math.isfinite(args.jitter)):
         parser.error(f"--runs must be >= 1 and --jitter >= 0, got {args.runs}, {args.jitter}")
     if not 0 < args.target <= 1:
@@ -261,6 +262,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     runs: list[dict[str, Any]] = []
     shown: list[plots.Run] = []  # each run, with --plots
     for trace, dropped in fitted:
+        if dropped:  # the rows count only the requests simulated
+            print(f"{'':<16} {dropped} requests longer than the context limit dropped")
         for policy in args.policies:
             started = time.perf_counter()
             result, *jittered_runs = simulate_runs(args, policy, trace)

@@ -47,7 +47,7 @@ from scheduler_svc.core.outputs import (
 from scheduler_svc.core.scheduler import Scheduler
 
 TOKEN = 0  # what every simulated sample draws (the sim's configs stop on no token)
-VOCAB = 1 << 32  # prompt tokens are trace hash ids (prompt_of)
+VOCAB = 1 << 32  # prompt tokens number a trace's hash ids (prompt_of)
 SAMPLE_EVERY_S = 0.5  # virtual seconds between occupancy samples
 
 
@@ -89,14 +89,16 @@ def sampling_of(request: TraceRequest) -> SamplingParams:
     return SamplingParams(max_tokens=request.output_length, ignore_eos=True)
 
 
-def prompt_of(request: TraceRequest, block_tokens: int) -> list[int]:
+def prompt_of(request: TraceRequest, block_tokens: int, tokens: dict[int, int]) -> list[int]:
     """Tokens that share exactly what the request's hash ids share: each trace
-    block is its hash id, repeated (the core hashes its blocks chained, so a
-    run of equal tokens is no false match). No text: nothing decodes them."""
-    tokens: list[int] = []
+    block is one token, repeated (the core hashes its blocks chained, so a
+    run of equal tokens is no false match), numbered in `tokens` as its hash
+    id is first seen (a trace's ids may pass the core's 32-bit tokens). No
+    text: nothing decodes them."""
+    prompt: list[int] = []
     for hash_id in request.hash_ids:
-        tokens += [hash_id] * block_tokens
-    return tokens[:request.input_length]
+        prompt += [tokens.setdefault(hash_id, len(tokens))] * block_tokens
+    return prompt[:request.input_length]
 
 
 @dataclass(slots=True)
@@ -127,6 +129,7 @@ class Cluster:
         self.front = self.instances  # where arrivals are routed
         self.route = ROUTERS[router]()
         self.block_tokens = 1  # the trace's, once run
+        self.tokens: dict[int, int] = {}  # each hash id's token (prompt_of)
         self._next_sample_s = 0.0
         self._ended = 0  # requests finished or refused
         self._events: list[tuple[float, int, Callable[[], Instance | None]]] = []
@@ -185,7 +188,7 @@ class Cluster:
     def _arrive(self, index: int, request: TraceRequest) -> Instance | None:
         inst = self.route(self.front, request)
         inst.routed += 1
-        return self._admit(inst, index, prompt_of(request, self.block_tokens),
+        return self._admit(inst, index, prompt_of(request, self.block_tokens, self.tokens),
                            sampling_of(request))
 
     def _admit(self, inst: Instance, index: int, prompt: list[int], sampling: SamplingParams,

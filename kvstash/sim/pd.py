@@ -72,8 +72,8 @@ class PdCluster(Cluster):
         inst = self.route(self.front, request)
         inst.routed += 1
         sampling = sampling_of(request)
-        return self._admit(inst, index, prompt_of(request, self.block_tokens), sampling,
-                           handoff=sampling.max_tokens >= 2)
+        prompt = prompt_of(request, self.block_tokens, self.tokens)
+        return self._admit(inst, index, prompt, sampling, handoff=sampling.max_tokens >= 2)
 
     def _reserve(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams
                  ) -> Instance | None:

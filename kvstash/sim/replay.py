@@ -59,8 +59,15 @@ def read_record(path: Path) -> list[dict[str, Any]]:
                 if text.endswith("\n"):
                     raise ValueError(f"{path}:{n}: not JSON") from None
                 break  # the process was killed mid-line: the record ends before it
-    if not lines or lines[0].get("op") != "config":
+    if not lines or not isinstance(lines[0], dict) or lines[0].get("op") != "config":
         raise ValueError(f"{path}: not a decision record (its first line is no config)")
+    for n, line in enumerate(lines[1:], 2):
+        if not isinstance(line, dict) or "op" not in line or "t" not in line:
+            raise ValueError(f"{path}:{n}: not a decision (an object with op and t)")
+    try:
+        _config(lines[0]["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}:1: not a scheduler config ({exc!r})") from None
     return lines
 
 

@@ -46,6 +46,8 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("count", "synthetic", "max_context", "block_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.synthetic is not None and (args.start or args.count is not None):
+        p.error("--start and --count cut a --trace; --synthetic N makes N requests")
     for name in ("length_scale", "output_scale", "time_scale"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) < math.inf:
             p.error(f"--{name.replace('_', '-')} must be finite and > 0")

@@ -51,6 +51,20 @@ def test_every_request_ends_and_nothing_is_left_behind(policy: str) -> None:
         assert c["bytes_offloaded"] == c["bytes_restored"] > 0
 
 
+def test_hash_ids_past_32_bits_are_served_and_share_what_they_share() -> None:
+    """A trace's hash ids become tokens numbered as first seen: an id past the
+    core's 32-bit tokens failed its request (InvalidArgument), silently
+    (found in review, 2026-11-28)."""
+    big = 1 << 40
+    trace = Trace((TraceRequest(0.0, 128, 4, (big, big + 1)),
+                   TraceRequest(5.0, 128, 4, (big, big + 2))), block_tokens=64)
+    configs = [SchedulerConfig(num_blocks=64, block_size=16, max_model_len=1024,
+                               vocab_size=1 << 32, bytes_per_block=PROFILE.bytes_per_block)]
+    result = Cluster(configs, PROFILE, SimCache(1 << 30, 0)).run(trace)
+    assert all(r.ok and r.num_tokens == 4 for r in result.records)
+    assert result.counters["num_prefix_hit_tokens"] == 64  # the shared first block
+
+
 def test_a_run_repeats_exactly() -> None:
     first, _ = simulate("auto")
     second, _ = simulate("auto")

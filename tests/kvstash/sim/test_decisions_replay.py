@@ -123,3 +123,18 @@ def test_a_recorded_pd_pair_replays_to_the_same_decisions(
     decode.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert main(["sim", "--replay", str(decode)]) == 1
     assert "reserve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, error", [
+    ("[1, 2]\n", "its first line is no config"),
+    ('{"op": "config"}\n', ":1: not a scheduler config"),
+    ('{"op": "config", "config": {}}\n', ":1: not a scheduler config"),
+    ('{"op": "config", "config": {"eos_token_ids": [1]}}\n[3]\n', ":2: not a decision"),
+])
+def test_a_record_that_is_none_is_refused_naming_its_line(
+        tmp_path: Path, text: str, error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not tracebacks (found in review, 2026-11-28)."""
+    record = tmp_path / "bad.jsonl"
+    record.write_text(text)
+    assert main(["sim", "--replay", str(record)]) == 2
+    assert error in capsys.readouterr().err

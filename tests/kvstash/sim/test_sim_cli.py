@@ -47,6 +47,17 @@ def test_sim_refuses_a_slice_nothing_of_which_fits_before_any_run(
     assert captured.err.startswith("kvstash sim: ") and "SLO attainment" not in captured.out
 
 
+def test_sim_says_how_many_requests_it_dropped_as_too_long(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Its rows count only the requests simulated: those --max-context cut
+    are said, not hidden in a full row (found in review, 2026-11-28)."""
+    assert main(["sim", *SMALL, "--policies", "recompute", "--max-context", "680"]) == 0
+    out = capsys.readouterr().out
+    dropped = re.search(r"(\d+) requests longer than the context limit dropped", out)
+    assert dropped is not None, out
+    assert 0 < int(dropped[1]) < 30
+
+
 def test_sim_refuses_an_unknown_policy() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["sim", *SMALL, "--policies", "offload,telepathy"])
@@ -113,7 +124,11 @@ def test_sim_runs_pd_pools_and_reports_their_hand_offs(
      "give it or P/D pools, not both"),
     (["--prefill-instances", "1", "--decode-instances", "1", "--find", "instances"],
      "--find sizes mixed instances"),
-    (["--handoff-wait", "-1"], "--handoff-wait must be >= 0"),
+    (["--handoff-wait", "-1"], "--handoff-wait must be a finite number of seconds >= 0"),
+    (["--handoff-wait", "nan"], "--handoff-wait must be a finite number of seconds >= 0"),
+    (["--handoff-wait", "inf"], "--handoff-wait must be a finite number of seconds >= 0"),
+    (["--count", "5"], "--start and --count cut a --trace"),
+    (["--start", "3"], "--start and --count cut a --trace"),
 ])
 def test_sim_refuses_pd_flags_that_do_not_fit(
         flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
