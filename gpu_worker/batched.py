@@ -184,6 +184,18 @@ class BatchedForward:
         self.cos, self.sin = rotary_table(model, max_model_len)
         self.graphs: StepGraphs | None = None  # see use_graphs
 
+    @property
+    def numerics(self) -> str:
+        """What decides the bits this step writes beyond tokens, weights and
+        dtype (WorkerInfo.numerics): the hardware, torch, and the step's kernels."""
+        device = self.model.device
+        hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else f"{device.type} {torch.backends.cpu.get_cpu_capability()}")
+        kernels = ("plain" if self.row_tile is None else "whole" if self.whole
+                   else f"tiles of {self.row_tile}")
+        return (f"{hardware}|torch {torch.__version__}|{kernels} steps|"
+                f"{self.attention.backend.value} attention")
+
     def _tiles(self, rows: int) -> list[slice]:
         if self.whole or self.row_tile is None:  # the latter: for the type checker
             return [slice(0, rows)]

@@ -78,6 +78,7 @@ def info_proto(runner: ModelRunner) -> worker_pb2.WorkerInfo:
         model_type=cfg.model_type,
         architectures=[ARCHITECTURES[cfg.model_type]],
         weights_id=runner.weights_id,
+        numerics=runner.batched.numerics,
     )
 
 

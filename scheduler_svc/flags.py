@@ -205,7 +205,8 @@ def prefix_tier(
 ) -> tuple[int, str]:
     """Blocks per prefix-tier segment (--prefix-segment-tokens; 0: no tier,
     as without a cache) and the salt of its ids: all that decides a block's
-    bytes."""
+    bytes (the worker's numerics too: a GPU of another kind, or a step that
+    is not batch-invariant, writes other bits for the same tokens)."""
     tokens = args.prefix_segment_tokens
     if tokens < 0:
         raise ValueError(f"--prefix-segment-tokens must be >= 0 (0: off), got {tokens}")
@@ -216,7 +217,7 @@ def prefix_tier(
         return 0, ""
     salt = "|".join((info.model_name, info.weights_id, info.model_type, *info.architectures,
                      layout.dtype, str(layout.num_layers), str(layout.block_size),
-                     str(layout.num_kv_heads), str(layout.head_dim)))
+                     str(layout.num_kv_heads), str(layout.head_dim), info.numerics))
     return tokens // layout.block_size, salt
 
 

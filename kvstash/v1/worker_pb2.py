@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstash.v1 import common_pb2 as kvstash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstash/v1/worker.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xa5\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\t \x01(\x0c\x12\x12\n\nmodel_type\x18\n \x01(\t\x12\x15\n\rarchitectures\x18\x0b \x03(\t\x12\x12\n\nweights_id\x18\x0c \x01(\t\"\x94\x01\n\x07SeqWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvstash.v1.SamplingParams\">\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x04seqs\x18\x02 \x03(\x0b\x32\x13.kvstash.v1.SeqWork\"4\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"H\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.kvstash.v1.SampledToken\"\x92\x01\n\x0eOffloadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x15\n\rshared_prefix\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x06pinnedR\x05ttl_s\"$\n\x0fOffloadResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"Z\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x08\"$\n\x0fRestoreResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x32\x8c\x02\n\x06Worker\x12=\n\x07GetInfo\x12\x1a.kvstash.v1.GetInfoRequest\x1a\x16.kvstash.v1.WorkerInfo\x12;\n\x07\x45xecute\x12\x14.kvstash.v1.StepPlan\x1a\x16.kvstash.v1.StepResult(\x01\x30\x01\x12\x42\n\x07Offload\x12\x1a.kvstash.v1.OffloadRequest\x1a\x1b.kvstash.v1.OffloadResponse\x12\x42\n\x07Restore\x12\x1a.kvstash.v1.RestoreRequest\x1a\x1b.kvstash.v1.RestoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstash/v1/worker.proto\x12\nkvstash.v1\x1a\x17kvstash/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xb7\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.kvstash.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\t \x01(\x0c\x12\x12\n\nmodel_type\x18\n \x01(\t\x12\x15\n\rarchitectures\x18\x0b \x03(\t\x12\x12\n\nweights_id\x18\x0c \x01(\t\x12\x10\n\x08numerics\x18\r \x01(\t\"\x94\x01\n\x07SeqWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvstash.v1.SamplingParams\">\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x04seqs\x18\x02 \x03(\x0b\x32\x13.kvstash.v1.SeqWork\"4\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"H\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.kvstash.v1.SampledToken\"\x92\x01\n\x0eOffloadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x15\n\rshared_prefix\x18\x07 \x01(\x08J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x06pinnedR\x05ttl_s\"$\n\x0fOffloadResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"Z\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x08\"$\n\x0fRestoreResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x32\x8c\x02\n\x06Worker\x12=\n\x07GetInfo\x12\x1a.kvstash.v1.GetInfoRequest\x1a\x16.kvstash.v1.WorkerInfo\x12;\n\x07\x45xecute\x12\x14.kvstash.v1.StepPlan\x1a\x16.kvstash.v1.StepResult(\x01\x30\x01\x12\x42\n\x07Offload\x12\x1a.kvstash.v1.OffloadRequest\x1a\x1b.kvstash.v1.OffloadResponse\x12\x42\n\x07Restore\x12\x1a.kvstash.v1.RestoreRequest\x1a\x1b.kvstash.v1.RestoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=64
   _globals['_GETINFOREQUEST']._serialized_end=80
   _globals['_WORKERINFO']._serialized_start=83
-  _globals['_WORKERINFO']._serialized_end=376
-  _globals['_SEQWORK']._serialized_start=379
-  _globals['_SEQWORK']._serialized_end=527
-  _globals['_STEPPLAN']._serialized_start=529
-  _globals['_STEPPLAN']._serialized_end=591
-  _globals['_SAMPLEDTOKEN']._serialized_start=593
-  _globals['_SAMPLEDTOKEN']._serialized_end=645
-  _globals['_STEPRESULT']._serialized_start=647
-  _globals['_STEPRESULT']._serialized_end=719
-  _globals['_OFFLOADREQUEST']._serialized_start=722
-  _globals['_OFFLOADREQUEST']._serialized_end=868
-  _globals['_OFFLOADRESPONSE']._serialized_start=870
-  _globals['_OFFLOADRESPONSE']._serialized_end=906
-  _globals['_RESTOREREQUEST']._serialized_start=908
-  _globals['_RESTOREREQUEST']._serialized_end=998
-  _globals['_RESTORERESPONSE']._serialized_start=1000
-  _globals['_RESTORERESPONSE']._serialized_end=1036
-  _globals['_WORKER']._serialized_start=1039
-  _globals['_WORKER']._serialized_end=1307
+  _globals['_WORKERINFO']._serialized_end=394
+  _globals['_SEQWORK']._serialized_start=397
+  _globals['_SEQWORK']._serialized_end=545
+  _globals['_STEPPLAN']._serialized_start=547
+  _globals['_STEPPLAN']._serialized_end=609
+  _globals['_SAMPLEDTOKEN']._serialized_start=611
+  _globals['_SAMPLEDTOKEN']._serialized_end=663
+  _globals['_STEPRESULT']._serialized_start=665
+  _globals['_STEPRESULT']._serialized_end=737
+  _globals['_OFFLOADREQUEST']._serialized_start=740
+  _globals['_OFFLOADREQUEST']._serialized_end=886
+  _globals['_OFFLOADRESPONSE']._serialized_start=888
+  _globals['_OFFLOADRESPONSE']._serialized_end=924
+  _globals['_RESTOREREQUEST']._serialized_start=926
+  _globals['_RESTOREREQUEST']._serialized_end=1016
+  _globals['_RESTORERESPONSE']._serialized_start=1018
+  _globals['_RESTORERESPONSE']._serialized_end=1054
+  _globals['_WORKER']._serialized_start=1057
+  _globals['_WORKER']._serialized_end=1325
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,7 @@ class WorkerInfo(_message.Message):
     MODEL_TYPE_FIELD_NUMBER: _builtins.int
     ARCHITECTURES_FIELD_NUMBER: _builtins.int
     WEIGHTS_ID_FIELD_NUMBER: _builtins.int
+    NUMERICS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     max_model_len: _builtins.int
@@ -74,6 +75,13 @@ class WorkerInfo(_message.Message):
     prefix tier's segment ids, and a worker back with other weights is not
     used by a scheduler built for these.
     """
+    numerics: _builtins.str
+    """What else decides the bits of the KV a step writes for given tokens
+    and weights: the hardware (the GPU's name, or the CPU's vector
+    instructions), torch's version and the step's kernels (batch-invariant
+    or not, whole or in tiles, which attention). Salts the prefix tier's ids
+    too: a segment is read only by workers that would have written its bits.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -95,10 +103,11 @@ class WorkerInfo(_message.Message):
         model_type: _builtins.str = ...,
         architectures: _abc.Iterable[_builtins.str] | None = ...,
         weights_id: _builtins.str = ...,
+        numerics: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architectures", b"architectures", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "model_type", b"model_type", "num_blocks", b"num_blocks", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size", "weights_id", b"weights_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architectures", b"architectures", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_name", b"model_name", "model_type", b"model_type", "num_blocks", b"num_blocks", "numerics", b"numerics", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_json", b"tokenizer_json", "vocab_size", b"vocab_size", "weights_id", b"weights_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+import torch
 from tokenizers import Tokenizer, models
 
 from gpu_worker.config import WorkerConfig
@@ -94,6 +95,11 @@ async def test_get_info(harness: Harness) -> None:
     assert (info.model_type, list(info.architectures)) == ("llama", ["LlamaForCausalLM"])
     assert info.kv_layout == common_pb2.KvLayout(num_layers=4, block_size=4, num_kv_heads=2,
                                                  head_dim=32, dtype="float32")
+    # What else decides its KV's bits: this CPU, this torch, batch-invariant whole steps.
+    hardware, version, steps, attention = info.numerics.split("|")
+    assert hardware == f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    assert (version, steps, attention) == (f"torch {torch.__version__}", "whole steps",
+                                           "torch attention")
 
 
 async def test_a_tokenizer_larger_than_a_message_reaches_the_scheduler() -> None:

@@ -148,13 +148,18 @@ def test_the_salt_follows_the_weights_not_only_their_name() -> None:
     args = parse_args(["--cache-address", "127.0.0.1:1"])
     layout = Layout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
 
-    def salt(weights_id: str) -> str:
+    def salt(weights_id: str, numerics: str = "cpu AVX2|torch 2.13.0|whole steps") -> str:
         info = worker_pb2.WorkerInfo(
             model_name="models", vocab_size=64, max_model_len=256, num_blocks=32,
-            model_type="llama", architectures=["LlamaForCausalLM"], weights_id=weights_id)
+            model_type="llama", architectures=["LlamaForCausalLM"], weights_id=weights_id,
+            numerics=numerics)
         return build_config(args, info, layout).prefix_tier_salt
 
     assert salt("a") == salt("a") != salt("b")
+    # Nor do workers share segments whose steps write other bits for the same
+    # tokens (another GPU, a step that is not batch-invariant).
+    assert salt("a") != salt("a", "cpu AVX2|torch 2.13.0|plain steps")
+    assert salt("a") != salt("a", "NVIDIA H100|torch 2.13.0|whole steps")
 
 
 def load_of(core: Scheduler, request_id: str, stored: int) -> PrefixLoad:
