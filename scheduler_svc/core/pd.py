@@ -171,8 +171,9 @@ class PdManager:
         if req is None:
             return None
         output = [*req.output_token_ids, *token_ids]
-        if stopped != (output[-1] in req.stop_ids) or (
-                not stopped and len(output) != req.sampling.max_tokens):
+        at_length = len(output) >= req.sampling.max_tokens  # a length end (Scheduler._finish)
+        if stopped == at_length or len(output) > req.sampling.max_tokens or (
+                stopped and output[-1] not in req.stop_ids):
             raise InvalidArgument(
                 f"request {request_id}: a remote {'stop' if stopped else 'length'} finish "
                 f"after {len(output)} tokens ending in {output[-1]} (max_tokens "

@@ -288,8 +288,11 @@ class Scheduler:
         return updates
 
     def _finish(self, req: Request, token_id: int) -> RequestUpdate:
-        """token_id, just appended, ends req (a stop token, or max_tokens reached)."""
-        status = FINISHED_STOPPED if token_id in req.stop_ids else FINISHED_LENGTH
+        """token_id, just appended, ends req: max_tokens reached (a length
+        end, whatever the token: vLLM and SGLang look at the length first),
+        else a stop token."""
+        status = (FINISHED_LENGTH if len(req.output_token_ids) >= req.sampling.max_tokens
+                  else FINISHED_STOPPED)
         self.life.finish(req, status)
         if self._pd is not None:
             self._pd.on_finish(req)

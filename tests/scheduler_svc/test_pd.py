@@ -632,7 +632,7 @@ def test_a_prefilled_request_is_handed_off_at_the_next_schedule() -> None:
 def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: bool) -> None:
     side = Side(prefill_config())
     core = side.core
-    cmd, _ = handed_off(side, max_tokens=5, stop=(STOP,))
+    cmd, _ = handed_off(side, max_tokens=6 if stopped else 5, stop=(STOP,))
     assert core.pd.finish_handoff(cmd, 512)
     first = side.truth["a"][-1]
     assert core.pd.remote_tokens("a", [31, 32]) == RequestUpdate("a", [31, 32])
@@ -661,6 +661,19 @@ def test_remote_tokens_and_finish_remote_complete_a_handed_off_request(stopped: 
     assert core.pd.finish_remote("a", [1], True, remote) is None
     core.pd.take_back("a")
     core.check_integrity()
+
+
+def test_a_stop_token_at_the_last_allowed_position_is_a_length_end() -> None:
+    """As vLLM and SGLang report it (they look at the length first): the
+    decode instance says length, and a stop end there is refused."""
+    side = Side(prefill_config())
+    cmd, _ = handed_off(side, max_tokens=3, stop=(STOP,))
+    assert side.core.pd.finish_handoff(cmd, 512)
+    remote = RequestUsage(6, 3, 0, 0, 0, queue_time_s=None)
+    with pytest.raises(InvalidArgument, match="a remote stop finish"):
+        side.core.pd.finish_remote("a", [31, STOP], True, remote)
+    update = side.core.pd.finish_remote("a", [31, STOP], False, remote)
+    assert update is not None and update.finish_status is S.FINISHED_LENGTH
 
 
 def _handed_to_a_decode_instance() -> tuple[Side, Side]:
@@ -1496,7 +1509,8 @@ def test_random_decode_instance_histories_keep_every_invariant(
     ([1, 2, 3, 4, 5], None),    # beyond max_tokens 5 (one came from the prefill)
     ([1, 2], "stop"),           # a stop finish without a stop token
     ([1, 2], "length"),         # a length finish short of max_tokens
-    ([1, 2, 3, STOP], "length"),  # a length finish on a stop token
+    ([1, 2, 3, STOP], "stop"),  # a stop finish at max_tokens (there a length end)
+    ([1, STOP], "length"),      # a length finish on a stop token short of max_tokens
 ])
 def test_a_decode_instance_cannot_send_impossible_tokens(
         tokens: list[int], finish: str | None) -> None:
