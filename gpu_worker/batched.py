@@ -19,7 +19,7 @@ padded to whole tiles of `row_tile` rows and either
   row count. CPU: GEMMs (MKL, oneDNN) compute rows in panels of 4
   (`query_tiles.GEMM_ROW_PANEL`, the CPU's `row_tile`), so at any row count
   that is a multiple of 4 a row gets the same bits, as long as the inner
-  dimension is not split by row count (`model.k_pieces`); exp and silu go
+  dimension is not split by row count (`products.k_pieces`); exp and silu go
   through `elementwise`, so that no row is cut into a scalar tail. GPU:
   cuBLAS picks kernels and split-K by shape, so matmuls run in a Triton
   kernel of one tile shape (`fixed_gemm`), on steps padded to 128 rows.
@@ -50,17 +50,8 @@ import torch
 from gpu_worker import elementwise, fixed_gemm
 from gpu_worker.attention import AttentionBackend, PagedAttention, StepKeys, flash_supported
 from gpu_worker.config import DEFAULT_CUDA_GRAPH_ROWS
-from gpu_worker.model import (
-    CausalLM,
-    DecoderLayer,
-    Matmul,
-    Product,
-    RMSNorm,
-    k_pieces,
-    product_of,
-    rms_norm,
-    stored_transposed,
-)
+from gpu_worker.model import CausalLM, DecoderLayer, RMSNorm, rms_norm
+from gpu_worker.products import Matmul, Product, k_pieces, product_of, stored_transposed
 from gpu_worker.query_tiles import QueryTiles
 from gpu_worker.step_graphs import StepGraphs
 from gpu_worker.step_inputs import DeviceStep
@@ -99,7 +90,7 @@ def invariant_matmul(device: torch.device, dtype: torch.dtype) -> Matmul:
 @dataclass(frozen=True, slots=True)
 class LayerOps:
     """One decoder layer's norms and products, each weight bound to the step's
-    matmul once (model.product_of), not looked at again on every call."""
+    matmul once (products.product_of), not looked at again on every call."""
 
     norm_in: RMSNorm
     qkv: Product

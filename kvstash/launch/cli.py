@@ -1,4 +1,9 @@
-"""The `kvstash` command: up, generate, stats, demo, tokenizer export, sim, calibrate."""
+"""The `kvstash` command: up, generate, stats, demo, tokenizer export, sim, calibrate.
+
+Why one file over 300 lines: the subcommands share one parser, its flag
+types and one way of turning errors and signals into exit codes; what each
+runs lives elsewhere (stack.py, demo.py, tokenizer_export.py, kvstash.sim).
+"""
 
 from __future__ import annotations
 

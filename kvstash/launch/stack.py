@@ -20,6 +20,10 @@ cache, and with `gateway` the Shepherd Model Gateway (kvstash/launch/gateway.py)
 serves OpenAI HTTP in front of them, routing by prefix:
 
     HTTP clients --> smg --> scheduler 1..N --> worker 1..N --> cache
+
+Why one file over 300 lines: what a stack starts, in which order, with which
+flags, and how a failed or interrupted start stops what it started are one
+piece; starting and stopping one process is processes.py's, smg gateway.py's.
 """
 
 from __future__ import annotations

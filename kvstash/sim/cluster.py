@@ -91,10 +91,9 @@ def sampling_of(request: TraceRequest) -> SamplingParams:
 
 def prompt_of(request: TraceRequest, block_tokens: int, tokens: dict[int, int]) -> list[int]:
     """Tokens that share exactly what the request's hash ids share: each trace
-    block is one token, repeated (the core hashes its blocks chained, so a
-    run of equal tokens is no false match), numbered in `tokens` as its hash
-    id is first seen (a trace's ids may pass the core's 32-bit tokens). No
-    text: nothing decodes them."""
+    block one token, repeated (the core hashes its blocks chained: a run of
+    equal tokens is no false match), numbered in `tokens` as its hash id is
+    first seen (ids may pass the core's 32-bit tokens). No text."""
     prompt: list[int] = []
     for hash_id in request.hash_ids:
         prompt += [tokens.setdefault(hash_id, len(tokens))] * block_tokens

@@ -39,6 +39,10 @@ with the same segment size.
 
 The restored blocks hold the bits the prefill would have written (the worker's
 steps are batch-invariant), so outputs do not depend on where a prefix came from.
+
+Why one file over 300 lines: reads, write-through and write-back share one
+record of what was saved here and when, and one rule for what the cache is
+known to hold; apart, each would keep its own and they would disagree.
 """
 
 from __future__ import annotations

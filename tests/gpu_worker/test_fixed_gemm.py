@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 import torch.nn.functional as F
 from gpu_worker import fixed_gemm
-from gpu_worker.model import linear, stored_transposed
+from gpu_worker.products import linear, stored_transposed
 
 gen = torch.Generator().manual_seed(0)
 cpu = torch.device("cpu")
@@ -92,7 +92,7 @@ def host_dot_keeps_a_rows_bits_wherever_it_sits() -> bool:
 def test_the_kernel_multiplies_and_a_row_bits_do_not_depend_on_the_row_count() -> None:
     """Against float64 to the dtype's rounding, in both weight layouts; each
     row bit for bit the same whether 1, 5, 64, 128, 130 or 333 rows are
-    multiplied (the tile is 64 or 128 rows); through model.linear with a
+    multiplied (the tile is 64 or 128 rows); through products.linear with a
     bias and leading dimensions."""
     run(SCRIPT)
 
@@ -114,7 +114,7 @@ def test_it_is_offered_only_where_it_runs() -> None:
     assert not fixed_gemm.available(cpu, torch.float32)
     assert not fixed_gemm.available(torch.device("cuda"), torch.float64)
     from gpu_worker.batched import invariant_matmul
-    from gpu_worker.model import k_pieces
+    from gpu_worker.products import k_pieces
     assert invariant_matmul(cpu, torch.float32) is k_pieces
     with pytest.raises(ValueError, match="Triton"):
         invariant_matmul(torch.device("cuda"), torch.float64)

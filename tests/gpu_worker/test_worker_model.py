@@ -13,7 +13,8 @@ from gpu_worker import elementwise
 from gpu_worker.batched import rotary_table, rotate
 from gpu_worker.config import tiny_model_config
 from gpu_worker.invariance import choose_forward
-from gpu_worker.model import apply_rotary, build_tiny_model, k_pieces, linear, stored_transposed
+from gpu_worker.model import apply_rotary, build_tiny_model
+from gpu_worker.products import k_pieces, linear, stored_transposed
 from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import GREEDY, SamplingParams
 from gpu_worker.transfer import byte_view
@@ -189,7 +190,7 @@ def test_plain_exp_and_silu_do_not() -> None:
 
 @pytest.mark.parametrize("stored_in_out", [True, False])
 def test_linear_in_k_pieces_is_the_product_and_row_invariant(stored_in_out: bool) -> None:
-    """model.linear with k_pieces: the same product (float64: to rounding), and
+    """products.linear with k_pieces: the same product (float64: to rounding), and
     a row's bits the same at every row count that is a multiple of 4, for a
     K (1536) that MKL itself splits by row count. Laid out [in, out], on
     every CPU seen; [out, in] (a tied output head), on an AVX-512 Xeon's MKL
