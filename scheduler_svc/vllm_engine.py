@@ -65,7 +65,7 @@ FINISH_REASON = {
 class _Family:
     """A Generate call's sequences, by request id, and whether Abort named it."""
 
-    ids: list[str]
+    ids: list[str]  # none while its prompt is tokenized
     aborted: bool = False
 
 
@@ -162,17 +162,20 @@ class VllmEngineServicer(VllmInfo):
         request_id = request.request_id
         check_request_id(request_id)
         backend = self._attached()
-        prompt = await self._prompt(request, backend)
-        sampling = sampling_from_vllm(request.sampling_params,
-                                      Room(len(prompt), backend.config.max_servable_len))
-        stops = stop_strings(request.sampling_params)
-        sequences = [
-            _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
-            for child_id, child in children(request_id, request.sampling_params.n, sampling)]
         if request_id in self._families:  # its sequences' ids need not clash
             raise errors.AlreadyExists(f"request_id {preview(request_id)} is running")
-        family = self._families[request_id] = _Family([s.request_id for s in sequences])
+        # Known from here, so that an Abort while a long prompt is tokenized
+        # (on a thread) is kept for when its sequences would be submitted.
+        family = self._families[request_id] = _Family([])
         try:
+            prompt = await self._prompt(request, backend)
+            sampling = sampling_from_vllm(request.sampling_params,
+                                          Room(len(prompt), backend.config.max_servable_len))
+            stops = stop_strings(request.sampling_params)
+            sequences = [
+                _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
+                for child_id, child in children(request_id, request.sampling_params.n, sampling)]
+            family.ids = [s.request_id for s in sequences]
             await self._admit(backend, prompt, sequences, family)
             completes: list[pb.GenerateComplete] = []  # not streamed: sent at the end
             async with contextlib.aclosing(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
 from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
-from kvstash.common.tokenizer import ByteTokenizer
+from kvstash.common.tokenizer import INLINE_ENCODE_CHARS, ByteTokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.core.config import Role
@@ -260,6 +261,39 @@ async def queued(core: Scheduler, request_id: str) -> None:
     async with asyncio.timeout(10):
         while core.get_request(request_id) is None:
             await asyncio.sleep(0.01)
+
+
+class HeldTokenizer(ByteTokenizer):
+    """A byte tokenizer whose encode waits until the test lets it go: a long
+    prompt's tokenization (on a thread), as long as the test needs."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.started.set()
+        self.release.wait(10)
+        return super().encode(text)
+
+
+async def test_an_abort_while_a_long_prompt_is_tokenized_ends_the_call(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
+) -> None:
+    """Before the call was known until its prompt was tokenized: a gateway's
+    Abort then found nothing, and the request ran to its end."""
+    tokenizer = HeldTokenizer()
+    core = make_scheduler(vocab_size=258, max_model_len=20_000, num_blocks=5_000)
+    attach(server, nowhere, core, tokenizer=tokenizer)
+    engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    call = engine.Generate(vllm_engine_pb2.GenerateRequest(
+        request_id="long", text="a" * (INLINE_ENCODE_CHARS + 1), stream=True,
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4)))
+    assert await asyncio.to_thread(tokenizer.started.wait, 10)
+    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=["long"]))
+    tokenizer.release.set()
+    async with asyncio.timeout(10):  # before: it waited for a step that never came
+        assert [r.complete.finish_reason async for r in call] == ["abort"]
+    assert core.get_request("long") is None and core.stats().num_waiting == 0
 
 
 async def test_an_abort_naming_a_bad_id_aborts_none(
