@@ -1,9 +1,10 @@
 """Preemption policy: which decodes give up their blocks, how, and who comes back.
 
     victims   when the running decodes need more new blocks than are
-              allocatable (counting blocks of offloads in flight as soon
-              free): shortest output first, then longest prompt; one decode
-              always keeps running. A prefill is never a victim (admission
+              allocatable (counting as soon free the blocks of offloads in
+              flight, and of any copy an aborted request left): shortest
+              output first, then longest prompt; one decode always keeps
+              running. A prefill is never a victim (admission
               gave it all its blocks).
     how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
               AUTO: recompute while the cache service is down; else offload
@@ -24,12 +25,14 @@ Policy only: every status change goes through `Lifecycle`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import chain
 
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.costs import CostModel
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.outputs import OffloadCommand, Preempted, PreemptReason, RestoreCommand
+from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.reservation import Reservation
 
 # AUTO: at most this many victims in a row recomputed because copies were
@@ -54,8 +57,9 @@ class Preemption:
     def preempt_for_decodes(self, num_saving: Callable[[], int] | None = None
                             ) -> tuple[list[Preempted], list[OffloadCommand]]:
         """Preempts decodes until every other one can get its next block, counting
-        the blocks copies in flight will free (offloads', and `num_saving()`
-        held only by prefix-tier saves, asked only when blocks run short).
+        the blocks copies in flight will free (offloads', aborted requests',
+        and `num_saving()` held only by prefix-tier saves, asked only when
+        blocks run short).
         Returns the victims' choices (they are now OFFLOADING or WAITING) and
         the copies to make."""
         life = self.life
@@ -71,7 +75,7 @@ class Preemption:
             1 for r in decoding.values() if r.num_computed_tokens >= len(r.block_ids) * block_size
         )
         num_soon_free = (0 if num_saving is None else num_saving()) + sum(
-            kv.num_exclusive_blocks(r) for r in life.offloading.values())
+            kv.num_exclusive_blocks(r) for r in self._freed_on_landing())
         if num_needed <= pool.num_allocatable_blocks + num_soon_free:
             return victims, offloads
         by_progress = sorted(
@@ -93,6 +97,15 @@ class Preemption:
         if victims:
             self.reservation.on_preemption(decoding.values())
         return victims, offloads
+
+    def _freed_on_landing(self) -> Iterator[Request]:
+        """Requests whose copy in flight frees their blocks when it lands:
+        offloads, and every copy or load of an aborted request."""
+        life = self.life
+        yield from life.offloading.values()
+        for req in chain(life.copies.values(), life.loads.values()):
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                yield req
 
     def choose(self, request_id: str, num_tokens: int) -> Preempted:
         """Offload or recompute a victim holding KV of `num_tokens` positions."""

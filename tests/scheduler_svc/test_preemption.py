@@ -204,6 +204,25 @@ def test_blocks_being_offloaded_count_as_soon_free() -> None:
     assert ids(output.seqs) == ["b", "c"]
 
 
+def test_blocks_an_aborted_requests_copy_frees_count_as_soon_free() -> None:
+    """An aborted victim leaves OFFLOADING, but its copy still frees its
+    blocks when it lands: before, a second decode was preempted for them."""
+    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD)
+    for i, name in enumerate("abc"):
+        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
+    for _ in range(3):
+        step(scheduler)
+    output, _ = step(scheduler)
+    assert ids(output.offloads) == ["a"]
+    scheduler.abort("a")
+    output, _ = step(scheduler)
+    assert output.offloads == [] and output.preempted == []
+    finish_offload(scheduler, "a", 1)
+    output, _ = step(scheduler)
+    assert ids(output.seqs) == ["b", "c"]
+    scheduler.check_integrity()
+
+
 def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
     scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD, resume_headroom=0)
     for i, name in enumerate("abc"):
