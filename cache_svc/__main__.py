@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "co-located workers map; omit for private memory")
     p.add_argument("--shared-lease", type=flag_types.duration, default=d.shared_lease_s,
                    help="how long a co-located put or get may hold its arena extent (that of a "
-                        "put cut off by it is then quarantined as long)")
+                        "put ended without its writer's answer is then quarantined as long)")
     p.add_argument("--put-idle", type=flag_types.duration, default=d.put_idle_s,
                    help="how long a streamed put may wait for its client's next chunk")
     p.add_argument("--get-idle", type=flag_types.duration, default=d.get_idle_s,

@@ -4,16 +4,20 @@ cache.proto and cache_svc.arena) and the call carries only the extent,
 the checksums and the lease.
 
 A shared put is header, extent, commit (with the checksums of what the
-client wrote); a shared get is open, extent with checksums, done. The client
-holds its extent for at most shared_lease_s; a call that outlives its lease,
-or whose client leaves, is aborted and leaves nothing behind. An extent goes
-back at once unless the client's time ran out (the lease, or the call's
-deadline) while it may still be writing: then it is quarantined for another
-lease (`_quarantine_s`) before any other put gets it. A client that
-names the arena it maps (call metadata ARENA_ID_KEY) and maps another one
-(this cache restarted since it asked GetArena) is refused with
-FAILED_PRECONDITION before any room is taken, to re-attach. Mixed into
-`cache_svc.server.CacheServicer`, which sets the fields declared below.
+client wrote) or abandon; a shared get is open, extent with checksums, done.
+The client holds its extent for at most shared_lease_s; a call that outlives
+its lease, or whose client leaves, is aborted and leaves nothing behind. An
+extent goes back at once only where a message came from the client after it
+(a commit, even one refused, or `abandon`, which a client that gives up
+sends): it writes no more. Otherwise (its lease or deadline ran out, it
+cancelled, its channel closed, its process went; grpc reads each of these as
+the end of the request stream) a copy into it may still run, on a thread or
+a DMA engine, so it is quarantined for one more lease, still counted against
+the budget, before any other put gets it. A client that names the arena it
+maps (call metadata ARENA_ID_KEY) and maps another one (this cache restarted
+since it asked GetArena) is refused with FAILED_PRECONDITION before any room
+is taken, to re-attach. Mixed into `cache_svc.server.CacheServicer`, which
+sets the fields declared below.
 """
 
 from __future__ import annotations
@@ -33,11 +37,6 @@ from kvstash import errors
 from kvstash.cache_sdk.shared_arena import ARENA_ID_KEY
 from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
-
-# A put cancelled this close to its call's deadline counts as cut off by it:
-# the client's clock reaches the deadline first, so its cancel may arrive
-# a little before the server's copy of the deadline passes.
-_DEADLINE_SLACK_S = 1.0
 
 
 class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
@@ -79,11 +78,15 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             store.release_put(meta)
             raise
         committed = False
-        lease_ends = asyncio.get_running_loop().time() + store.config.shared_lease_s
+        writing = True  # the client may still write its extent
+        what = f"put of {errors.preview(meta.snapshot_id)}"
         try:
             yield cache_pb2.PutSharedResponse(extent=self._extent(arena, session.buffer))
-            commit = await self._expect(requests, "commit",
-                                        f"put of {errors.preview(meta.snapshot_id)}", lease=True)
+            request = await self._next_request(requests, what, lease=True)
+            writing = request is None
+            if request is not None and request.HasField("abandon"):
+                return
+            commit = _field(request, "commit", what)
             info = store.commit_shared_put(session, list(commit.checksums))
             committed = True
             yield cache_pb2.PutSharedResponse(info=info_to_proto(info))
@@ -91,7 +94,8 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             await rpc_errors.abort_with(context, exc)
         finally:
             if not committed:  # the client failed, left, or ran out of lease
-                await store.abort_put(session, self._quarantine_s(context, lease_ends))
+                quarantine_s = store.config.shared_lease_s if writing else 0.0
+                await store.abort_put(session, quarantine_s)
         self._metrics.put_seconds.observe(time.perf_counter() - started)
 
     @rpc_errors.maps_errors
@@ -142,9 +146,14 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
         return arena
 
     async def _expect(self, requests: Any, field: str, what: str, lease: bool = False) -> Any:
-        """The next request, which must be the `field` kind, within the shared
-        lease: the one the client's extent is held for (`lease`), or, for a
-        call's first message, so that a silent client does not keep a call."""
+        """The next request (see `_next_request`), which must be the `field` kind."""
+        return _field(await self._next_request(requests, what, lease), field, what)
+
+    async def _next_request(self, requests: Any, what: str, lease: bool) -> Any:
+        """The next request, None once the client closed its side, within the
+        shared lease: the one the client's extent is held for (`lease`), or,
+        for a call's first message, so that a silent client does not keep a
+        call."""
         step = anext(requests, None)
         lease_s = self._store.config.shared_lease_s
         try:
@@ -154,23 +163,15 @@ class ArenaCalls(cache_pb2_grpc.KVCacheServicer):
             held = "held its extent longer than" if lease else "sent nothing within"
             raise errors.DeadlineExceeded(
                 f"{what}: the client {held} the {lease_s:g} s lease") from None
-        if request is None or not request.HasField(field):
-            raise errors.InvalidArgument(f"{what}: expected a {field} message")
-        return getattr(request, field)
-
-    def _quarantine_s(self, context: grpc.aio.ServicerContext, lease_ends: float) -> float:
-        """How long the extent of a put ending uncommitted stays out of reuse.
-        A lease, where the client's time ran out: its lease (we end the call)
-        or its call's deadline (gRPC ends it), while a copy into the extent
-        may still run; 0 where the client ended the put itself (a commit we
-        refused, a message out of turn, its stream closed, a cancel, its
-        process gone), which it never does while its copy runs
-        (kvstash.cache_sdk.arena_calls waits for it)."""
-        remaining = context.time_remaining()
-        cut_off = (asyncio.get_running_loop().time() >= lease_ends
-                   or (remaining is not None and remaining < _DEADLINE_SLACK_S))
-        return self._store.config.shared_lease_s if cut_off else 0.0
+        return request
 
     def _extent(self, arena: Arena, buffer: Buffer) -> cache_pb2.Extent:
         offset, length = self._store.extent_of(buffer)
         return cache_pb2.Extent(arena_id=arena.arena_id, offset=offset, length=length)
+
+
+def _field(request: Any, field: str, what: str) -> Any:
+    """`request`'s `field`, which must be its kind (None: the client closed its side)."""
+    if request is None or not request.HasField(field):
+        raise errors.InvalidArgument(f"{what}: expected a {field} message")
+    return getattr(request, field)

@@ -101,7 +101,8 @@ class CacheConfig:
     arena_dir: Path | None = None
     # How long a co-located put may hold its extent before committing, and a
     # co-located get may hold a snapshot before it is done reading. Also how
-    # long the extent of a put cut off by it stays quarantined (arena_calls).
+    # long the extent of a put ended without its writer's answer (cut off by
+    # it, cancelled, its client gone) stays quarantined (arena_calls).
     shared_lease_s: float = 60.0
     # How long a streamed put may wait for its client's next message (pacing
     # by bandwidth_limit included) before it is abandoned, DEADLINE_EXCEEDED.

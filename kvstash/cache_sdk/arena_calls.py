@@ -12,13 +12,18 @@ the snapshot is only on disk) makes a call answer None, for the caller to
 stream instead (kvstash.cache_sdk.streamed_calls), and the next call
 re-attaches; Unavailable is raised. An extent is leased to its call, so the
 call is never ended, giving the extent back to the cache, while this process
-still touches it (`_to_the_end`).
+still touches it (`_to_the_end`); a put given up then says so (`abandon`),
+and the cache frees the extent at once (`_let_go`). A put's call ended
+otherwise (cancelled, its channel closed, its process gone) leaves its
+extent quarantined for a lease (cache_svc.arena_calls).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -39,6 +44,13 @@ from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long an arena that could not be mapped here is not asked for again:
+# the failure may pass (a file descriptor limit, memory), or may not (another host).
+_REMAP_AFTER_S = 60.0
+# How long a put given up waits for the cache to take its `abandon`, which
+# frees its extent at once; cut short, the call is cancelled and the cache
+# quarantines the extent instead.
+_LET_GO_S = 5.0
 
 
 class Lease:
@@ -72,7 +84,11 @@ class ArenaCalls:
         self._stub = stub
         self._address = address  # for the log line when the arena cannot be mapped
         self._arena: SharedArena | None = None
-        self._arena_known = False  # asked GetArena since the arena last changed
+        # Event-loop time from which GetArena is asked again: at once at first
+        # and after a call found the arena changed, _REMAP_AFTER_S after a
+        # failed mapping, else never.
+        self._ask_after = 0.0
+        self._unmapped_id: str | None = None  # the arena last failed to map (logged once)
         self._arena_lock = asyncio.Lock()
 
     def close(self) -> None:
@@ -83,9 +99,18 @@ class ArenaCalls:
     async def arena(self, timeout_s: float | None) -> SharedArena | None:
         """The cache's arena mapped here, or None where it has none or this
         process cannot map it."""
-        async with self._arena_lock:  # one GetArena for many concurrent first calls
-            if not self._arena_known:
+        try:
+            async with asyncio.timeout(timeout_s):  # one GetArena for many concurrent calls
+                await self._arena_lock.acquire()
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"cache {self._address}: its arena not known within the call's {timeout_s:g} s "
+                "deadline (another call's GetArena)") from None
+        try:
+            if asyncio.get_running_loop().time() >= self._ask_after:
                 await self._ask_arena(timeout_s)
+        finally:
+            self._arena_lock.release()
         return self._arena
 
     async def _ask_arena(self, timeout_s: float | None) -> None:
@@ -98,13 +123,17 @@ class ArenaCalls:
         if self._arena is not None and self._arena.arena_id != info.arena_id:
             self._arena.close()
             self._arena = None
+        ask_after = math.inf
         if info.path and self._arena is None:
             try:
                 self._arena = await asyncio.to_thread(SharedArena, info)
             except (OSError, ValueError) as exc:
-                log.info("cache %s: its arena %s cannot be mapped here (%s); streaming over "
-                         "gRPC", self._address, info.path, exc)
-        self._arena_known = True
+                level = logging.DEBUG if info.arena_id == self._unmapped_id else logging.INFO
+                log.log(level, "cache %s: its arena %s cannot be mapped here (%s); streaming "
+                        "over gRPC", self._address, info.path, exc)
+                self._unmapped_id = info.arena_id
+                ask_after = asyncio.get_running_loop().time() + _REMAP_AFTER_S
+        self._ask_after = ask_after
 
     async def put(
         self, arena: SharedArena, header: cache_pb2.SnapshotHeader,
@@ -117,14 +146,16 @@ class ArenaCalls:
         call = self._stub.PutShared(timeout=timeout_s, metadata=_naming(arena))
         lease = Lease()
         call.add_done_callback(lambda _: lease.end())
+        extent_out = False  # the cache handed out an extent (see _let_go)
         try:
             await _write(call, cache_pb2.PutSharedRequest(header=header), header.snapshot_id)
             try:
                 reply = await _next(call, header.snapshot_id)
             except errors.FailedPrecondition:  # another arena, or none now: stream
-                self._arena_known = False
+                self._ask_after = 0.0
                 call.cancel()
                 return None
+            extent_out = True
             extent = arena.view(reply.extent)
             sums = await _to_the_end(write(extent, lease))
             if sums is None:
@@ -137,11 +168,11 @@ class ArenaCalls:
             await half_close(call)
             await _finish(call)
         except errors.Unavailable:
-            self._arena_known = False  # it may have changed: ask again next time
-            call.cancel()
+            self._ask_after = 0.0  # it may have changed: ask again next time
+            await _let_go(call, extent_out, header.snapshot_id)
             raise
         except BaseException:
-            call.cancel()
+            await _let_go(call, extent_out, header.snapshot_id)
             raise
         return int(response.info.header.total_bytes)
 
@@ -154,44 +185,57 @@ class ArenaCalls:
         `verified_by_read`), then `read(header, extent, checksums)` uses it.
         None where the snapshot is only on disk or the cache has no arena now."""
         call = self._stub.GetShared(timeout=timeout_s, metadata=_naming(arena))
+        what = f"snapshot {snapshot_id}"
         try:
             request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
             await _write(call, cache_pb2.GetSharedRequest(open=request), snapshot_id)
             try:
                 response = await _next(call, snapshot_id)
             except errors.FailedPrecondition:  # on disk, another arena, or none now
-                self._arena_known = False
+                self._ask_after = 0.0
                 return None
+            header = response.header
             extent = arena.view(response.extent)
             checksums = list(response.checksums)
             if not verified_by_read:
                 await _to_the_end(asyncio.to_thread(
-                    verify_chunks, extent, response.header.chunk_bytes, checksums,
-                    f"snapshot {snapshot_id}"))
-            await _to_the_end(read(response.header, extent, checksums))
+                    verify_chunks, extent, header.chunk_bytes, checksums, what))
+            await _to_the_end(read(header, extent, checksums))
             del extent
             await _write(call, cache_pb2.GetSharedRequest(done=cache_pb2.SharedGetDone()),
                          snapshot_id)
             await half_close(call)
             await _finish(call)
         except errors.Unavailable:
-            self._arena_known = False
+            self._ask_after = 0.0
             raise
         finally:
             call.cancel()  # no-op once finished
-        return response.header
+        return header
 
 
 def _naming(arena: SharedArena) -> tuple[tuple[str, str], ...]:
     return ((ARENA_ID_KEY, arena.arena_id),)
 
 
-async def _next(call: Any, snapshot_id: str) -> Any:
-    """The next response of a shared call; its error status, raised."""
+async def _read(call: Any) -> Any:
+    """The next message of a shared call, or EOF; its error status, raised.
+    grpc raises CancelledError for a call cancelled here, this client closed
+    under it: Unavailable, unless this task is the one being cancelled."""
     try:
-        response = await call.read()
+        return await call.read()
     except grpc.aio.AioRpcError as exc:
         raise rpc_errors.error_from_rpc(exc, "cache") from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise errors.Unavailable("cache call cancelled: its client was closed") from None
+
+
+async def _next(call: Any, snapshot_id: str) -> Any:
+    """The next response of a shared call; its error status, raised."""
+    response = await _read(call)
     if response is grpc.aio.EOF:
         raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
     return response
@@ -210,22 +254,41 @@ async def _write(call: Any, request: Any, snapshot_id: str) -> None:
 
 async def _finish(call: Any) -> None:
     """Waits for a shared call's status; raises it unless OK."""
-    try:
-        extra = await call.read()
-    except grpc.aio.AioRpcError as exc:
-        raise rpc_errors.error_from_rpc(exc, "cache") from None
+    extra = await _read(call)
     if extra is not grpc.aio.EOF:
         raise errors.DataLoss(f"cache sent an unexpected message: {type(extra).__name__}")
 
 
-async def _to_the_end(step: Awaitable[T]) -> T:
-    """Awaits `step`; if the caller is cancelled meanwhile, still lets it
-    finish (a copy on a thread cannot be stopped) before the cancellation goes
-    on. So a shared call never ends, giving its extent back to the cache, while
-    this process still touches the extent."""
-    task = asyncio.ensure_future(step)
+async def _let_go(call: Any, extent_out: bool, snapshot_id: str) -> None:
+    """Ends a put that will not commit. Where the cache handed out an extent,
+    which this process no longer writes (`_to_the_end`), `abandon` says so,
+    and the cache frees it at once; a call cancelled instead (here when
+    cancelled again, or after _LET_GO_S) it quarantines for a lease."""
     try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait((task,))
-        raise
+        if extent_out and not call.done():
+            abandon = cache_pb2.PutSharedRequest(abandon=cache_pb2.SharedPutAbandon())
+            with contextlib.suppress(TimeoutError, errors.KvstashError):
+                async with asyncio.timeout(_LET_GO_S):
+                    await _write(call, abandon, snapshot_id)
+                    await call.code()  # the cache has read it: cancelling cannot overtake it
+    finally:
+        call.cancel()  # no-op once ended
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """Awaits `step`; if the caller is cancelled meanwhile, even more than
+    once, still lets it finish (a copy on a thread cannot be stopped) before
+    the cancellation goes on. So a shared call never ends, giving its extent
+    back to the cache, while this process still touches the extent."""
+    task = asyncio.ensure_future(step)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller sees the cancellation
+        raise cancelled
+    return task.result()

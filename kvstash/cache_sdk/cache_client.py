@@ -88,6 +88,8 @@ class CacheClient:
         await self.close()
 
     async def close(self) -> None:
+        """Ends every call: the cache quarantines the extent of an arena put
+        still being written (cache_svc.arena_calls)."""
         await self._channel.close()
         self._shared.close()
 

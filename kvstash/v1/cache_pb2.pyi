@@ -541,26 +541,47 @@ class SharedPutCommit(_message.Message):
 Global___SharedPutCommit: _TypeAlias = SharedPutCommit  # noqa: Y015
 
 @_typing.final
+class SharedPutAbandon(_message.Message):
+    """The client gives up the put and no longer writes the extent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedPutAbandon: _TypeAlias = SharedPutAbandon  # noqa: Y015
+
+@_typing.final
 class PutSharedRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    ABANDON_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___SnapshotHeader: ...
     @_builtins.property
     def commit(self) -> Global___SharedPutCommit: ...
+    @_builtins.property
+    def abandon(self) -> Global___SharedPutAbandon: ...
     def __init__(
         self,
         *,
         header: Global___SnapshotHeader | None = ...,
         commit: Global___SharedPutCommit | None = ...,
+        abandon: Global___SharedPutAbandon | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "commit", b"commit", "header", b"header", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "commit"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "commit", "abandon"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -170,7 +170,12 @@ class KVCacheServicer:
         header's chunk_bytes; the server lists the snapshot and answers with its
         info. The extent is leased to the call: a client that dies, cancels or
         does not commit within the server's lease loses it, and nothing of the
-        put is ever visible. The server stores the checksums as sent (whoever
+        put is ever visible. A client that gives up sends `abandon` once it no
+        longer writes the extent, which then goes back at once; a put that ends
+        with no message from the client after the extent (cancelled, its
+        deadline or lease run out, its client gone) may still have a copy
+        running into it, so the extent is quarantined for one more lease before
+        another put gets it. The server stores the checksums as sent (whoever
         can write the arena could also write any other extent, so verifying its
         own bytes would protect nothing); every reader verifies them.
         """

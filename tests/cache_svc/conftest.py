@@ -90,3 +90,26 @@ def processes() -> Iterator[list[Any]]:
     for process in started:
         if process.proc.poll() is None:
             process.kill()
+
+
+FakeCache = Callable[[dict[str, grpc.RpcMethodHandler]], Awaitable[str]]
+
+
+@pytest.fixture
+async def fake_cache() -> AsyncIterator[FakeCache]:
+    """Serves KVCache methods from handlers by method name, as a broken or
+    hostile cache would answer them; `await fake_cache({...})` is its address."""
+    servers: list[grpc.aio.Server] = []
+
+    async def serve(handlers: dict[str, grpc.RpcMethodHandler]) -> str:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("kvstash.v1.KVCache", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield serve
+    for server in servers:
+        await server.stop(None)

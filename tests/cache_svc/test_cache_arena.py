@@ -4,6 +4,7 @@ map (cache_svc.arena, cache.proto PutShared/GetShared, kvstash.cache_sdk.shared_
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import sys
@@ -27,10 +28,11 @@ from cache_helpers import (
 
 from cache_svc.arena import ALIGN, Arena, remove_stale
 from kvstash import errors
-from kvstash.cache_sdk.arena_calls import Lease
+from kvstash.cache_sdk import arena_calls
+from kvstash.cache_sdk.arena_calls import Lease, Write
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.cache_sdk.chunk_codec import checksum
-from kvstash.cache_sdk.shared_arena import copy_hashed, copy_verified
+from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
@@ -201,7 +203,102 @@ async def test_a_cancelled_put_ends_only_once_its_write_has(start_cache, tmp_pat
     assert writes == ["started", "done"]  # the lease outlived the write
     await wait_until(lambda: running.cache.store.stats().reserved_bytes == 0,
                      "the extent went back")
+    await running.assert_nothing_left()  # abandoned: back at once, not quarantined
+
+
+def slow_writer(seconds: float) -> tuple[list[str], Write]:
+    """A put's filler that copies on a thread for `seconds`, and what it did."""
+    writes: list[str] = []
+
+    def slow_write(extent: memoryview) -> None:
+        writes.append("started")
+        time.sleep(seconds)
+        extent[:] = bytes(extent.nbytes)
+        writes.append("done")
+
+    async def write(extent: memoryview, lease: Lease) -> None:
+        await asyncio.to_thread(slow_write, extent)
+
+    return writes, write
+
+
+async def test_a_put_cancelled_twice_keeps_its_extent_until_its_write_ends(
+        start_cache, tmp_path) -> None:
+    """A second cancel (the worker's deadline, then its Offload's own
+    cancellation) still waits for the write: the call ends only then, and
+    its extent goes back at once. Before, the second cancel ended the call
+    mid-write and another put could get the extent under the copy."""
+    running = await start_cache(arena_dir=tmp_path / "arena")
+    arena = running.cache.store.arena
+    writes, write = slow_writer(1.0)
+    put = asyncio.create_task(running.client.put_shared("s", LAYOUT, 4, 64, 4 * BLOCK, write))
+    await wait_until(lambda: writes == ["started"], "the write began")
+    put.cancel()
+    await asyncio.sleep(0.1)
+    put.cancel()
+    while writes == ["started"]:
+        assert not put.done() and arena.free_bytes < arena.size, "the put ended mid-write"
+        await asyncio.sleep(0.01)
+    with pytest.raises(asyncio.CancelledError):
+        await put
     await running.assert_nothing_left()
+
+
+async def test_closing_the_client_mid_copy_keeps_the_extent_until_the_copy_ends(
+        start_cache, tmp_path) -> None:
+    """Closing a client cancels its calls, a put whose copy still runs
+    included: the cache cannot tell that from a writer cut off, and
+    quarantines the extent for a lease before another put gets it. Before,
+    a cancelled call gave it back at once."""
+    running = await start_cache(arena_dir=tmp_path / "arena", shared_lease_s=2.0)
+    arena = running.cache.store.arena
+    client = CacheClient(running.client.address, chunk_bytes=MIB)
+    writes, write = slow_writer(1.0)
+    put = asyncio.create_task(client.put_shared("s", LAYOUT, 4, 64, 4 * BLOCK, write))
+    await wait_until(lambda: writes == ["started"], "the write began")
+    await client.close()
+    while writes == ["started"]:
+        assert arena.free_bytes < arena.size, "the extent went back mid-copy"
+        await asyncio.sleep(0.01)
+    with pytest.raises(errors.Unavailable):
+        await put
+    await wait_until(lambda: arena.free_bytes == arena.size, "the quarantine ended")
+    await running.assert_nothing_left()
+
+
+async def test_an_arena_that_failed_to_map_is_asked_for_again_later(
+        start_cache, tmp_path, monkeypatch) -> None:
+    running = await start_cache(arena_dir=tmp_path / "arena")
+    failures = [OSError(errno.EMFILE, "Too many open files")]  # passes
+
+    def flaky(info: cache_pb2.ArenaInfo) -> SharedArena:
+        if failures:
+            raise failures.pop()
+        return SharedArena(info)
+
+    monkeypatch.setattr(arena_calls, "SharedArena", flaky)
+    monkeypatch.setattr(arena_calls, "_REMAP_AFTER_S", 0.3)
+    assert await running.client.arena() is None  # streams meanwhile
+    assert await running.client.arena() is None  # not asked again at once
+    await asyncio.sleep(0.4)
+    assert await running.client.arena() is not None
+
+
+async def test_a_call_waiting_for_another_calls_get_arena_keeps_its_deadline(
+        fake_cache) -> None:
+    async def stuck(request: object, context: object) -> None:
+        await asyncio.sleep(3600)
+
+    address = await fake_cache({"GetArena": grpc.unary_unary_rpc_method_handler(stuck)})
+    loop = asyncio.get_running_loop()
+    async with CacheClient(address) as client:
+        first = asyncio.create_task(client.arena(timeout_s=5))  # holds the lock meanwhile
+        await asyncio.sleep(0.1)
+        started = loop.time()
+        with pytest.raises(errors.DeadlineExceeded, match=r"0\.2 s deadline"):
+            await client.arena(timeout_s=0.2)
+        assert loop.time() - started < 2
+        first.cancel()
 
 
 async def test_damage_in_the_arena_is_caught_by_the_reader(start_cache, tmp_path) -> None:
@@ -310,7 +407,7 @@ async def _shared_put_error(stub, *messages: cache_pb2.PutSharedRequest) -> grpc
 
 
 async def test_bad_shared_puts_leave_nothing(start_cache, tmp_path) -> None:
-    running = await start_cache(arena_dir=tmp_path / "arena")
+    running = await start_cache(arena_dir=tmp_path / "arena", shared_lease_s=0.5)
     header = make_header("s", LAYOUT, 64, chunk_bytes=MIB)  # 2 MiB: 2 chunks
     commit = cache_pb2.PutSharedRequest(commit=cache_pb2.SharedPutCommit(checksums=[1, 2]))
     cases = [
@@ -327,8 +424,11 @@ async def test_bad_shared_puts_leave_nothing(start_cache, tmp_path) -> None:
     for messages, code, message in cases:
         error = await _shared_put_error(running.stub, *messages)
         assert (error.code(), message in (error.details() or "")) == (code, True), error
+    # The extent of the put whose stream ended after its header waits out a
+    # quarantine: grpc reads a cancelled call as that too.
+    arena = running.cache.store.arena
+    await wait_until(lambda: arena.free_bytes == arena.size, "the quarantine ended")
     await running.assert_nothing_left()
-    assert running.cache.store.arena.free_bytes == running.cache.store.arena.size
 
 
 @pytest.mark.parametrize(("deadline_s", "lease_s"), [(30, 1.0), (0.5, 1.5)],
@@ -414,7 +514,8 @@ _HALF_WRITER = textwrap.dedent("""
 
 
 async def test_writer_killed_mid_put_leaves_nothing(tmp_path, processes) -> None:
-    cache = start_cache_process("--memory-budget", "8MiB", "--arena-dir", str(tmp_path))
+    cache = start_cache_process("--memory-budget", "8MiB", "--arena-dir", str(tmp_path),
+                                "--shared-lease", "1s")
     processes.append(cache)
     writer = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _HALF_WRITER, cache.address, cwd=REPO,
@@ -431,9 +532,14 @@ async def test_writer_killed_mid_put_leaves_nothing(tmp_path, processes) -> None
                 stats = await client.stats()
                 return stats.reserved_bytes == 0 and stats.num_failed_puts == 1
 
-            await wait_until(reclaimed, "the killed writer's extent came back")
+            await wait_until(reclaimed, "the killed writer's put ended")
             with pytest.raises(errors.NotFound):
                 await client.stat("victim")
+
+            async def all_free() -> bool:  # after a quarantine: its DMA might still land
+                return (await client.stats()).free_bytes == 8 * MIB
+
+            await wait_until(all_free, "the killed writer's extent came back")
             # The whole budget is there again, in one range: 8 MiB fit.
             data = make_payload(LAYOUT, 256)
             await client.put("whole", LAYOUT, 256, 16, data)

@@ -78,7 +78,7 @@ async def test_a_client_mapping_the_old_arena_is_refused_once_and_re_attaches(
                 stats = await worker.stats()
                 return stats.reserved_bytes == 0 and stats.num_failed_puts == 1
 
-            await wait_until(extent_back, "the cancelled put's extent came back")
+            await wait_until(extent_back, "the cancelled put ended (its extent quarantined)")
 
         # The worker's client, still mapping the old arena: this put is
         # refused through the arena and streamed; the next one re-attached.
