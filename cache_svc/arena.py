@@ -34,22 +34,25 @@ import os
 import secrets
 from pathlib import Path
 
-from kvstash.cache_sdk.shared_arena import buffer_address
+from kvstash.cache_sdk.shared_arena import (
+    ARENA_FILE_PREFIX,
+    ARENA_FILE_SUFFIX,
+    arena_file_name,
+    buffer_address,
+)
 
 log = logging.getLogger(__name__)
 
 # Extent start and size granularity: a page, as a private mapping's, so the
 # budget charges a snapshot the same either way (model.pages).
 ALIGN = mmap.PAGESIZE
-PREFIX = "kvstash-arena-"
-SUFFIX = ".shm"
 
 
 def remove_stale(directory: Path) -> int:
     """Removes arena files whose cache is gone (nobody holds their lock);
     returns how many."""
     removed = 0
-    for path in directory.glob(f"{PREFIX}*{SUFFIX}"):
+    for path in directory.glob(f"{ARENA_FILE_PREFIX}*{ARENA_FILE_SUFFIX}"):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # gone meanwhile, or another user's
@@ -77,7 +80,7 @@ class Arena:
         directory.mkdir(parents=True, exist_ok=True)
         remove_stale(directory)
         self.arena_id = secrets.token_hex(8)
-        self.path = directory / f"{PREFIX}{self.arena_id}{SUFFIX}"
+        self.path = directory / arena_file_name(self.arena_id)
         self.size = size
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -12,6 +12,8 @@ CPU cache instead of memory, and the cores together copy faster than one.
 The whole arena is mapped, populated, once per arena id (about 0.15 s per
 GiB): a client on the cache's host, running as its user, can read and write
 every extent, which is why readers verify and why the arena file is 0600.
+It maps only a file named as the cache names an arena (`arena_file_name`),
+so a cache cannot have it write into any other file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from kvstash import errors
 from kvstash.cache_sdk.chunk_codec import checksum
@@ -30,8 +34,15 @@ from kvstash.v1 import cache_pb2
 # that restarted serves another arena and refuses the call with
 # FAILED_PRECONDITION before it takes any room (cache_svc.arena_calls).
 ARENA_ID_KEY = "kvstash-arena-id"
+# An arena's file in the cache's --arena-dir: kvstash-arena-<arena id>.shm.
+ARENA_FILE_PREFIX = "kvstash-arena-"
+ARENA_FILE_SUFFIX = ".shm"
 
 _hashers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-hash")
+
+
+def arena_file_name(arena_id: str) -> str:
+    return f"{ARENA_FILE_PREFIX}{arena_id}{ARENA_FILE_SUFFIX}"
 
 
 def chunk_checksums(view: memoryview, chunk_bytes: int) -> list[int]:
@@ -104,9 +115,16 @@ class SharedArena:
         """Maps the arena `info` names; OSError or ValueError when this process
         cannot (another host, another user, a file that is not that arena)."""
         self.arena_id = info.arena_id
-        fd = os.open(info.path, os.O_RDWR)
+        path = Path(info.path)
+        if path.name != arena_file_name(info.arena_id):
+            raise ValueError(f"{errors.preview(info.path)} is not a cache arena file "
+                             f"(<arena dir>/{arena_file_name(info.arena_id)})")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise ValueError(f"{info.path} is not a regular file")
+            size = status.st_size
             if size != info.size_bytes:
                 raise ValueError(f"{info.path} has {size} bytes, the cache's arena "
                                  f"{info.size_bytes}")

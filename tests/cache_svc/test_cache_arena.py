@@ -32,7 +32,12 @@ from kvstash.cache_sdk import arena_calls
 from kvstash.cache_sdk.arena_calls import Lease, Write
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.cache_sdk.chunk_codec import checksum
-from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
+from kvstash.cache_sdk.shared_arena import (
+    SharedArena,
+    arena_file_name,
+    copy_hashed,
+    copy_verified,
+)
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
@@ -264,6 +269,31 @@ async def test_closing_the_client_mid_copy_keeps_the_extent_until_the_copy_ends(
         await put
     await wait_until(lambda: arena.free_bytes == arena.size, "the quarantine ended")
     await running.assert_nothing_left()
+
+
+def _serve_arena(info: cache_pb2.ArenaInfo) -> dict[str, grpc.RpcMethodHandler]:
+    return {"GetArena": grpc.unary_unary_rpc_method_handler(
+        lambda request, context: info, response_serializer=cache_pb2.ArenaInfo.SerializeToString)}
+
+
+@pytest.mark.parametrize("named", ["arena file", "any file", "arena-named link"])
+async def test_client_maps_only_a_cache_arena_file(fake_cache, tmp_path, named) -> None:
+    """The client maps read-write, and puts write into, whatever file
+    GetArena names: only a regular file named as the cache names its arena
+    is mapped (not any file of the right size, not a link), else it streams."""
+    victim = tmp_path / "precious.txt"
+    victim.write_bytes(b"A" * ALIGN)
+    path = {"arena file": tmp_path / arena_file_name("x"), "any file": victim,
+            "arena-named link": tmp_path / arena_file_name("x")}[named]
+    if named == "arena file":
+        path.write_bytes(bytes(ALIGN))
+    elif named == "arena-named link":
+        path.symlink_to(victim)
+    address = await fake_cache(_serve_arena(
+        cache_pb2.ArenaInfo(path=str(path), size_bytes=ALIGN, arena_id="x")))
+    async with CacheClient(address) as client:
+        assert (await client.arena() is not None) == (named == "arena file")
+    assert victim.read_bytes() == b"A" * ALIGN
 
 
 async def test_an_arena_that_failed_to_map_is_asked_for_again_later(
