@@ -108,7 +108,8 @@ class Client:
             request.token_ids.ids.extend(prompt)
         call = self._stub.Generate(request, timeout=timeout_s)
         try:
-            async for response in call:
+            async for message in call:
+                response = rpc_errors.decoded(message, "generate")
                 usage = None
                 if response.HasField("usage"):
                     u = response.usage
@@ -145,6 +146,7 @@ class Client:
 
     async def stats(self) -> scheduler_pb2.SchedulerStats:
         try:
-            return await self._stub.GetStats(common_pb2.GetStatsRequest())
+            response = await self._stub.GetStats(common_pb2.GetStatsRequest())
         except grpc.aio.AioRpcError as exc:
             raise rpc_errors.error_from_rpc(exc, "stats") from None
+        return rpc_errors.decoded(response, "stats")

@@ -32,6 +32,7 @@ import grpc
 from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors
+from kvstash.cache_sdk.chunk_codec import check_received_header
 from kvstash.cache_sdk.shared_arena import (
     ARENA_ID_KEY,
     SharedArena,
@@ -120,6 +121,7 @@ class ArenaCalls:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise rpc_errors.error_from_rpc(exc, "cache") from None
             info = cache_pb2.ArenaInfo()  # a cache that predates the arena
+        info = rpc_errors.decoded(info, "cache: GetArena")
         if self._arena is not None and self._arena.arena_id != info.arena_id:
             self._arena.close()
             self._arena = None
@@ -156,7 +158,8 @@ class ArenaCalls:
                 call.cancel()
                 return None
             extent_out = True
-            extent = arena.view(reply.extent)
+            extent = _view(arena, reply.extent, header.total_bytes,
+                           f"put of {header.snapshot_id}")
             sums = await _to_the_end(write(extent, lease))
             if sums is None:
                 sums = await _to_the_end(
@@ -195,7 +198,8 @@ class ArenaCalls:
                 self._ask_after = 0.0
                 return None
             header = response.header
-            extent = arena.view(response.extent)
+            check_received_header(header, what)
+            extent = _view(arena, response.extent, header.total_bytes, what)
             checksums = list(response.checksums)
             if not verified_by_read:
                 await _to_the_end(asyncio.to_thread(
@@ -218,6 +222,15 @@ def _naming(arena: SharedArena) -> tuple[tuple[str, str], ...]:
     return ((ARENA_ID_KEY, arena.arena_id),)
 
 
+def _view(arena: SharedArena, extent: cache_pb2.Extent, total_bytes: int, what: str
+          ) -> memoryview:
+    """The bytes of the extent the cache named for `total_bytes`."""
+    if extent.length != total_bytes:
+        raise errors.DataLoss(f"{what}: the cache named an extent of {extent.length} bytes "
+                              f"for {total_bytes}")
+    return arena.view(extent)
+
+
 async def _read(call: Any) -> Any:
     """The next message of a shared call, or EOF; its error status, raised.
     grpc raises CancelledError for a call cancelled here, this client closed
@@ -238,7 +251,7 @@ async def _next(call: Any, snapshot_id: str) -> Any:
     response = await _read(call)
     if response is grpc.aio.EOF:
         raise errors.Unavailable(f"cache ended the call on {snapshot_id} early")
-    return response
+    return rpc_errors.decoded(response, f"cache: a reply on {snapshot_id}")
 
 
 async def _write(call: Any, request: Any, snapshot_id: str) -> None:

@@ -270,6 +270,7 @@ class CacheClient:
 
     async def _call(self, make_call: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await make_call()
+            response = await make_call()
         except grpc.aio.AioRpcError as exc:
             raise rpc_errors.error_from_rpc(exc, "cache") from None
+        return rpc_errors.decoded(response, "cache")

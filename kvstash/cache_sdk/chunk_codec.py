@@ -26,7 +26,8 @@ from typing import Any
 import xxhash
 
 from kvstash.common.units import MIB
-from kvstash.errors import InvalidArgument
+from kvstash.common.wire import layout_from_proto
+from kvstash.errors import DataLoss, InvalidArgument
 from kvstash.v1 import cache_pb2
 
 # Every chunk but a snapshot's last carries exactly the header's chunk_bytes,
@@ -55,6 +56,21 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
             f"chunk_bytes is {chunk_bytes}, must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] "
             f"({MIN_CHUNK_BYTES // MIB}-{MAX_CHUNK_BYTES // MIB} MiB)"
         )
+
+
+def check_received_header(header: cache_pb2.SnapshotHeader, what: str) -> None:
+    """Raises DataLoss naming `what` unless a header the cache sent is one a
+    put could have made: chunks of a valid size, and total_bytes those of its
+    blocks in its layout (no buffer is sized by that number alone)."""
+    try:
+        check_chunk_bytes(header.chunk_bytes)
+        layout = layout_from_proto(header.layout)
+    except InvalidArgument as exc:
+        raise DataLoss(f"{what}: the cache sent a bad header: {exc}") from None
+    expected = header.num_blocks * layout.bytes_per_block
+    if header.num_blocks <= 0 or header.total_bytes != expected:
+        raise DataLoss(f"{what}: the cache sent a header of {header.total_bytes} bytes for "
+                       f"{header.num_blocks} blocks of {layout.bytes_per_block}")
 
 
 @dataclass(frozen=True, slots=True)

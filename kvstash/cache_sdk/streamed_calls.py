@@ -25,6 +25,7 @@ from kvstash import errors
 from kvstash.cache_sdk.chunk_codec import (
     ADMITTED_KEY,
     RawChunk,
+    check_received_header,
     checksum,
     decode_get_response,
     encode_chunk,
@@ -73,6 +74,7 @@ class StreamedCalls:
                     await call.write(encode_chunk(index, piece, checksum(piece)))
                 await half_close(call)
                 response = await call
+            response = rpc_errors.decoded(response, f"cache: put of {header.snapshot_id}")
         except asyncio.InvalidStateError:  # the server ended the call mid-stream
             try:
                 await call
@@ -100,8 +102,12 @@ class StreamedCalls:
         target = memoryview(b"")
         expected = start_chunk
         try:
-            async for response in call:
+            async for message in call:
+                response = rpc_errors.decoded(message, f"cache: snapshot {snapshot_id}")
                 if not isinstance(response, RawChunk):
+                    if header is not None:
+                        raise errors.DataLoss(f"snapshot {snapshot_id}: a second header")
+                    check_received_header(response, f"snapshot {snapshot_id}")
                     header = response
                     target = target_for(header)
                     continue

@@ -8,6 +8,8 @@ used both ways, so that no call of any service ends UNKNOWN.
       -> @maps_errors -> INTERNAL, logged  -->  errors.Unavailable
     request bytes do not decode
       -> DecodeErrorInterceptor -> INVALID_ARGUMENT
+                                              response bytes do not decode
+                                                -> None (grpc) -> decoded() -> errors.DataLoss
 
 Every servicer method is wrapped by `maps_errors` (a test checks each RPC of
 each service); every server built by kvstash.common.rpc_server installs
@@ -31,6 +33,7 @@ import grpc
 from kvstash import errors
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Server side: the status each domain error is sent as (subclasses included).
 _STATUS_FOR: dict[type[errors.KvstashError], grpc.StatusCode] = {
@@ -111,6 +114,14 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception, what: st
     log.error("%s failed", what, exc_info=exc)
     await end_call(context, grpc.StatusCode.INTERNAL,
                    f"{what} failed: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def decoded(response: T | None, what: str) -> T:
+    """`response`, unless grpc's client made it None, which it does (and logs)
+    for a response that does not decode: then DataLoss naming `what`."""
+    if response is None:
+        raise errors.DataLoss(f"{what}: a response did not decode")
+    return response
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -9,12 +9,14 @@ from typing import Any
 
 import grpc
 import pytest
+from cache_helpers import bytes_per_block, make_header, make_layout
 
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.cache_sdk.shared_arena import arena_file_name
 from kvstash.common import rpc_errors, rpc_server
 from kvstash.common.layout import Layout
-from kvstash.v1 import cache_pb2_grpc
+from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -81,3 +83,79 @@ async def test_each_call_takes_its_callers_timeout() -> None:
                 await asyncio.wait_for(client.stats(), 3.0)
     finally:
         await server.stop(None)
+
+
+def _stream(*responses: bytes) -> grpc.RpcMethodHandler:
+    return grpc.unary_stream_rpc_method_handler(lambda request, context: iter(responses))
+
+
+def _unary(response: bytes) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(lambda request, context: response)
+
+
+def _shared(reply: bytes) -> grpc.RpcMethodHandler:
+    """A shared call that answers its first message with `reply`."""
+    async def handler(requests: Any, context: Any) -> Any:
+        messages = aiter(requests)
+        await anext(messages)
+        yield reply
+        await anext(messages, None)  # the client's abandon, or its leaving
+
+    return grpc.stream_stream_rpc_method_handler(handler)
+
+
+UNDECODABLE = b"\x0a\xff\xff"  # a header field cut short
+LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
+TOTAL = 4 * bytes_per_block(LAYOUT)
+
+
+async def test_undecodable_get_response_is_a_domain_error(fake_cache) -> None:
+    """grpc's client logs a response that does not decode and hands back
+    None, which the client took for a header (AttributeError) or returned."""
+    address = await fake_cache({"GetSnapshot": _stream(UNDECODABLE), "GetArena": _unary(b""),
+                                "GetStats": _unary(UNDECODABLE)})
+    async with CacheClient(address) as client:
+        with pytest.raises(errors.DataLoss, match="did not decode"):
+            await client.get_into("s", memoryview(bytearray(TOTAL)))
+        with pytest.raises(errors.DataLoss, match="did not decode"):
+            await client.stats()
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    (make_header("s", LAYOUT, 4, chunk_bytes=0), "chunk_bytes is 0"),
+    (make_header("s", LAYOUT, 4, total_bytes=1 << 40),
+     "header of 1099511627776 bytes for 4 blocks of 32768"),
+], ids=["chunk_bytes 0", "total_bytes not its blocks'"])
+async def test_a_header_no_put_could_make_is_data_loss(fake_cache, header, message) -> None:
+    """Not a division by zero, nor a buffer of whatever size it names."""
+    response = cache_pb2.GetSnapshotResponse(header=header).SerializeToString()
+    address = await fake_cache({"GetSnapshot": _stream(response), "GetArena": _unary(b"")})
+    async with CacheClient(address) as client:
+        with pytest.raises(errors.DataLoss, match=message):
+            await client.get("s")
+
+
+async def test_a_shared_reply_that_does_not_fit_the_snapshot_is_data_loss(
+        fake_cache, tmp_path) -> None:
+    arena = tmp_path / arena_file_name("x")
+    arena.write_bytes(bytes(2 * TOTAL))
+    info = cache_pb2.ArenaInfo(path=str(arena), size_bytes=2 * TOTAL, arena_id="x")
+    long = cache_pb2.Extent(arena_id="x", offset=0, length=TOTAL + 1)
+    cases = [
+        ("PutShared", cache_pb2.PutSharedResponse(extent=long).SerializeToString(),
+         f"extent of {TOTAL + 1} bytes for {TOTAL}"),
+        ("PutShared", UNDECODABLE, "did not decode"),
+        ("GetShared", cache_pb2.GetSharedResponse(
+            header=make_header("s", LAYOUT, 4), extent=long).SerializeToString(),
+         f"extent of {TOTAL + 1} bytes for {TOTAL}"),
+    ]
+    for method, reply, message in cases:
+        address = await fake_cache({"GetArena": _unary(info.SerializeToString()),
+                                    method: _shared(reply)})
+        async with CacheClient(address) as client:
+            with pytest.raises(errors.DataLoss, match=message):
+                if method == "PutShared":
+                    await client.put("s", LAYOUT, 4, 64, bytes(TOTAL))
+                else:
+                    await client.get_into("s", memoryview(bytearray(TOTAL)))
+
