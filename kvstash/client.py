@@ -1,7 +1,8 @@
 """The Python client: `async with Client(address) as c: async for d in c.generate(...)`.
 
 Failures raise kvstash.errors (InvalidArgument, NotFound, Unavailable, ...)
-carrying the server's message, never raw grpc exceptions.
+carrying the server's message, never raw grpc exceptions; a bad argument is
+InvalidArgument before anything is sent.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from types import TracebackType
 
 import grpc
 
+from kvstash import errors
 from kvstash.common import rpc_connections, rpc_errors
+from kvstash.common.rpc_connections import DEFAULT_TIMEOUT_S
 from kvstash.common.security import PLAINTEXT, Security
+from kvstash.common.wire import check_uint, check_uints
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 _FINISH_REASON = {
@@ -55,9 +59,12 @@ class GenerateResult:
 
 
 class Client:
-    def __init__(self, address: str, security: Security = PLAINTEXT) -> None:
+    def __init__(self, address: str, security: Security = PLAINTEXT,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         """`security`: TLS (the CA that signed the scheduler's certificate) and
-        the bearer token the scheduler may ask for."""
+        the bearer token the scheduler may ask for. `timeout_s`: deadline of
+        an abort or stats call given none (None = no deadline)."""
+        self.timeout_s = timeout_s
         self._channel = rpc_connections.channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
@@ -92,7 +99,14 @@ class Client:
         ends; temperature: 1.0, as OpenAI's); the defaults here are a short
         greedy answer."""
         if max_tokens is not None and max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+            raise errors.InvalidArgument(f"max_tokens is {max_tokens}, must be > 0")
+        for name, value, bits in (("max_tokens", max_tokens, 32), ("top_k", top_k, 32),
+                                  ("seed", seed, 64)):
+            if value is not None:
+                check_uint(name, value, bits)
+        check_uints("stop_token_ids", stop_token_ids)
+        if not isinstance(prompt, str):
+            check_uints("prompt", prompt)
         sampling = common_pb2.SamplingParams(
             top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         if max_tokens is not None:
@@ -138,15 +152,22 @@ class Client:
                 result.finish_reason, result.usage = delta.finish_reason, delta.usage
         return result
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, timeout_s: float | None = None) -> None:
+        """`timeout_s`: the call's deadline, else the client's."""
         try:
-            await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))
+            await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
+                                   timeout=self._timeout(timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise rpc_errors.error_from_rpc(exc, "abort") from None
 
-    async def stats(self) -> scheduler_pb2.SchedulerStats:
+    async def stats(self, timeout_s: float | None = None) -> scheduler_pb2.SchedulerStats:
+        """`timeout_s`: the call's deadline, else the client's."""
         try:
-            response = await self._stub.GetStats(common_pb2.GetStatsRequest())
+            response = await self._stub.GetStats(common_pb2.GetStatsRequest(),
+                                                 timeout=self._timeout(timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise rpc_errors.error_from_rpc(exc, "stats") from None
         return rpc_errors.decoded(response, "stats")
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s

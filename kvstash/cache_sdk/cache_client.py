@@ -48,14 +48,12 @@ from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verifi
 from kvstash.cache_sdk.streamed_calls import StreamedCalls
 from kvstash.common import rpc_connections, rpc_errors
 from kvstash.common.layout import Layout
+from kvstash.common.rpc_connections import DEFAULT_TIMEOUT_S
 from kvstash.common.security import PLAINTEXT, Security
-from kvstash.common.wire import layout_to_proto
+from kvstash.common.wire import check_uint, layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 T = TypeVar("T")
-# For calls whose caller names no deadline (e.g. a scheduler's stats polls
-# and deletes): a stuck cache fails them instead of hanging them.
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class CacheClient:
@@ -115,11 +113,11 @@ class CacheClient:
         committed. Returns the bytes stored, or None where there is no arena
         to use (call `put`). The extent is leased to the call, so the call
         outlives `write`, even when cancelled."""
+        header = self._header(snapshot_id, layout, num_blocks, num_tokens, total_bytes, pinned,
+                              ttl_s)
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
-        header = self._header(snapshot_id, layout, num_blocks, num_tokens, total_bytes, pinned,
-                              ttl_s)
         return await self._shared.put(arena, header, write, self._timeout(timeout_s))
 
     async def get_shared(
@@ -145,6 +143,9 @@ class CacheClient:
         self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
         total_bytes: int, pinned: bool, ttl_s: int,
     ) -> cache_pb2.SnapshotHeader:
+        for name, value, bits in (("num_blocks", num_blocks, 32), ("num_tokens", num_tokens, 32),
+                                  ("total_bytes", total_bytes, 64), ("ttl_s", ttl_s, 32)):
+            check_uint(name, value, bits)
         return cache_pb2.SnapshotHeader(
             snapshot_id=snapshot_id, layout=layout_to_proto(layout), num_blocks=num_blocks,
             num_tokens=num_tokens, total_bytes=total_bytes, chunk_bytes=self.chunk_bytes,
@@ -195,6 +196,7 @@ class CacheClient:
         the cache deletes the snapshot once it has sent the last chunk (even
         if this then refuses it) or, through the arena, once it was copied
         out; a read that ends before that leaves it."""
+        check_uint("start_chunk", start_chunk)
         target = memoryview(out).cast("B")
         if target.readonly:
             raise errors.InvalidArgument("get_into needs a writable buffer")

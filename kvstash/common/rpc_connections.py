@@ -33,6 +33,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.lookahead_bytes", 4 * MIB),
 ]
 
+# The deadline of a client's unary call whose caller names none (a stats
+# poll, an abort, a delete): a stuck server fails it instead of hanging it.
+DEFAULT_TIMEOUT_S = 60.0
+
 # Clients find a dead server within ~80 s (a ping after 60 s of silence, 20 s
 # to answer) instead of when the kernel gives up on the socket.
 KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [

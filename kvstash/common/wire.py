@@ -1,4 +1,5 @@
-"""Proto <-> domain conversions shared by every service: sampling and KV layout.
+"""Proto <-> domain conversions shared by every service: sampling and KV layout,
+and the ranges of the unsigned fields clients fill (`check_uint`).
 
 Proto3 reads an unset scalar as 0, so `top_p` 0 means "unset" (1.0, off);
 `max_tokens` and `temperature` track presence (unset: until the context
@@ -8,6 +9,7 @@ ends, and DEFAULT_TEMPERATURE). Those rules live here and nowhere else.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import DEFAULT_TEMPERATURE, Room, SamplingParams
@@ -37,6 +39,20 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, room: Room | None = No
         stop_token_ids=tuple(proto.stop_token_ids),
         ignore_eos=proto.ignore_eos,
     )
+
+
+def check_uint(name: str, value: int, bits: int = 32) -> None:
+    """InvalidArgument naming `name` unless `value` fits a proto uint of `bits`
+    (protobuf's own ValueError names no field)."""
+    if not 0 <= value < 1 << bits:
+        raise InvalidArgument(f"{name} is {value}, must be in [0, 2**{bits})")
+
+
+def check_uints(name: str, values: Sequence[int], bits: int = 32) -> None:
+    """`check_uint` for each of `values`, naming the first bad one by index."""
+    if values and (min(values) < 0 or max(values) >= 1 << bits):
+        index = next(i for i, v in enumerate(values) if not 0 <= v < 1 << bits)
+        check_uint(f"{name}[{index}]", values[index], bits)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -159,3 +159,16 @@ async def test_a_shared_reply_that_does_not_fit_the_snapshot_is_data_loss(
                 else:
                     await client.get_into("s", memoryview(bytearray(TOTAL)))
 
+
+async def test_bad_arguments_are_invalid_argument_before_any_call() -> None:
+    """Not protobuf's ValueError, which names no field."""
+    async with CacheClient("127.0.0.1:1") as client:  # nothing listens: nothing is sent
+        for call, name in [
+            (client.put("s", LAYOUT, -1, 64, bytes(TOTAL)), "num_blocks is -1"),
+            (client.put("s", LAYOUT, 4, 64, bytes(TOTAL), ttl_s=-5), "ttl_s is -5"),
+            (client.put_shared("s", LAYOUT, 4, 1 << 32, TOTAL, None), "num_tokens is 4294967296"),
+            (client.get_into("s", memoryview(bytearray(TOTAL)), start_chunk=-1),
+             "start_chunk is -1"),
+        ]:
+            with pytest.raises(errors.InvalidArgument, match=name):
+                await call

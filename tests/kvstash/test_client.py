@@ -1,0 +1,61 @@
+"""kvstash.client, the public Python client: whatever goes wrong, a
+kvstash.errors class, and no call waits for ever."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstash import errors
+from kvstash.client import Client
+from kvstash.common import rpc_server
+from kvstash.v1 import scheduler_pb2_grpc
+
+
+class StalledScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Takes calls and never answers them."""
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.sleep(3600)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.sleep(3600)
+
+
+async def test_public_client_abort_and_stats_are_bounded() -> None:
+    """They had no deadline: a scheduler that took the call and never
+    answered held the caller for ever."""
+    server, port, _ = await rpc_server.create_server(
+        "127.0.0.1:0",
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(StalledScheduler(), s)],
+        [])
+    address = f"127.0.0.1:{port}"
+    try:
+        async with Client(address, timeout_s=0.3) as client:  # the client's, for calls given none
+            for call in (client.abort("r"), client.stats()):
+                with pytest.raises(errors.Unavailable, match="DEADLINE_EXCEEDED"):
+                    await asyncio.wait_for(call, 5)
+        async with Client(address, timeout_s=None) as client:
+            for call in (client.abort("r", timeout_s=0.3), client.stats(timeout_s=0.3)):
+                with pytest.raises(errors.Unavailable, match="DEADLINE_EXCEEDED"):
+                    await asyncio.wait_for(call, 5)
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": 0}, "max_tokens is 0, must be > 0"),
+    ({"prompt": [5, -1]}, r"prompt\[1\] is -1"),
+    ({"seed": -1}, "seed is -1"),
+    ({"top_k": -3}, "top_k is -3"),
+    ({"stop_token_ids": [1 << 32]}, r"stop_token_ids\[0\] is 4294967296"),
+])
+async def test_generate_argument_errors_are_invalid_argument(kwargs, message) -> None:
+    """Not a bare ValueError, nor protobuf's, which names no argument."""
+    async with Client("127.0.0.1:1") as client:  # nothing listens: nothing is sent
+        with pytest.raises(errors.InvalidArgument, match=message):
+            async for _ in client.generate(**{"prompt": "hi", **kwargs}):
+                pass
