@@ -112,12 +112,17 @@ class KvTransfer:
     async def _bounded(call: Callable[[float], Awaitable[T]], deadline: float, what: str) -> T:
         """Runs `call(timeout_s)` with the time left until `deadline` (event-loop
         time). The client gets the same deadline, so the cache service stops
-        when we do; `wait_for` also bounds a client that ignores it."""
+        when we do; the timeout also bounds a client that ignores it. It runs
+        in this task, not under `wait_for`: cancelled twice (the timeout, then
+        the RPC's own deadline), Python 3.11's `wait_for` stops waiting for its
+        inner task, and a copy the client still makes into a host buffer
+        would outlive the buffer's loan."""
         timeout_s = deadline - asyncio.get_running_loop().time()
         if timeout_s <= 0:
             raise errors.Unavailable(f"{what}: no time left for the cache service")
         try:
-            return await asyncio.wait_for(call(timeout_s), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await call(timeout_s)
         except TimeoutError:
             raise errors.Unavailable(
                 f"{what}: cache service did not finish within {timeout_s:.2f} s"

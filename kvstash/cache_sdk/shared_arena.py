@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvstash import errors
 from kvstash.cache_sdk.chunk_codec import checksum
+from kvstash.common.cpu import usable_cpus
 from kvstash.v1 import cache_pb2
 
 # Call-metadata key of a shared call: the arena id this client maps. A cache
@@ -38,7 +39,7 @@ ARENA_ID_KEY = "kvstash-arena-id"
 ARENA_FILE_PREFIX = "kvstash-arena-"
 ARENA_FILE_SUFFIX = ".shm"
 
-_hashers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kv-hash")
+_hashers = ThreadPoolExecutor(min(8, usable_cpus().num_cpus), thread_name_prefix="kv-hash")
 
 
 def arena_file_name(arena_id: str) -> str:

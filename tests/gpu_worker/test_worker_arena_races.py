@@ -22,11 +22,12 @@ from cache_svc.server import create_cache_server
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.server import WorkerServer, create_worker_server
+from kvstash.cache_sdk.arena_calls import _to_the_end
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common.rpc_connections import insecure_channel
 from kvstash.common.units import MIB
-from kvstash.v1 import worker_pb2, worker_pb2_grpc
-from tests.gpu_worker.worker_factories import make_runner
+from kvstash.v1 import cache_pb2, worker_pb2, worker_pb2_grpc
+from tests.gpu_worker.worker_factories import MemoryCache, make_runner
 
 
 @dataclass
@@ -120,3 +121,54 @@ async def test_a_cache_gone_mid_arena_copy_fails_unavailable(tmp_path: Path, cop
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     finally:
         await s.stop()
+
+
+class ThreadCopyCache(MemoryCache):
+    """get_into as CacheClient's arena path makes it: the bytes copied on a
+    thread (`_to_the_end` lets it finish), here once the test says go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go, self.copied = threading.Event(), threading.Event()
+
+    async def get_into(self, snapshot_id: str, out: memoryview, start_chunk: int = 0,
+                       consume: bool = False,
+                       timeout_s: float | None = None) -> cache_pb2.SnapshotHeader:
+        header, _ = self.snapshots[snapshot_id]
+
+        def copy() -> None:
+            self.go.wait(10)
+            out[:] = b"\xab" * out.nbytes
+            self.copied.set()
+
+        await _to_the_end(asyncio.to_thread(copy))
+        return header
+
+
+async def test_a_restore_keeps_its_buffer_until_the_cache_copy_into_it_ends() -> None:
+    """The restore's deadline passes mid-copy: its timeout cancels the get,
+    then gRPC cancels the handler for the same deadline. Under `wait_for`
+    that second cancel stopped the wait for the get, the buffer went back to
+    the pool, and the copy went on writing into what the pool lent next."""
+    runner, cache = make_runner(num_blocks=8), ThreadCopyCache()
+    worker = await create_worker_server(WorkerConfig(block_size=4, num_blocks=8),
+                                        "127.0.0.1:0", runner, cache)
+    try:
+        async with insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await stub.Offload(worker_pb2.OffloadRequest(
+                request_id="r", snapshot_id="s", block_ids=[0], num_tokens=4))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Restore(worker_pb2.RestoreRequest(
+                    request_id="r", snapshot_id="s", block_ids=[1]), timeout=0.3)
+            await asyncio.sleep(0.3)
+            assert not cache.copied.is_set() and runner.host_pool.num_lent == 1
+            cache.go.set()
+            async with asyncio.timeout(10):
+                while runner.host_pool.num_lent:
+                    await asyncio.sleep(0.01)
+            assert cache.copied.is_set()
+    finally:
+        cache.go.set()
+        await worker.server.stop(None)
+        await worker.servicer.close()

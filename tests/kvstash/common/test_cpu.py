@@ -4,6 +4,8 @@ lays them out, under tmp_path."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,16 @@ def test_threads_per_worker_refuses_bad_counts() -> None:
         threads_per_worker(UsableCpus(4, "test"), 0)
     with pytest.raises(ValueError, match="num_reserved must be >= 0, got -1"):
         threads_per_worker(UsableCpus(4, "test"), 1, -1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs an affinity mask of 2+ CPUs to narrow")
+def test_the_arena_copy_threads_follow_the_cpus_this_process_may_use() -> None:
+    """They were sized by the node's CPUs: 8 hashing threads beside torch's
+    2 in a 2-CPU pod on a big node."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from kvstash.cache_sdk import shared_arena; "
+            "print(shared_arena._hashers._max_workers)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=Path(__file__).resolve().parents[3])
+    assert int(out.stdout) == 1
