@@ -96,11 +96,12 @@ class PrefillSide:
         then relays that instance's tokens. The core hears of the copy
         whatever happens, as for an offload."""
         started = time.monotonic()
-        handed_off = await self._copies.put(cmd, "handoff", self._core.pd.finish_handoff)
         request_id = cmd.request_id
         record = self._requests.get(request_id)
-        if record is None or record.handoff is None:
-            return  # aborted, or failed with its worker: let go of already
+        handed_off = await self._copies.put(cmd, "handoff", self._core.pd.finish_handoff)
+        # Aborted meanwhile (its id maybe reused already), or failed with its worker.
+        if record is None or record.handoff is None or self._requests.get(request_id) is not record:
+            return
         if not handed_off:  # the copy failed
             self._decode_here(request_id, record)
             return

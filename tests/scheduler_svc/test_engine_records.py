@@ -23,7 +23,7 @@ from kvstash.common.sampling import SamplingParams
 from kvstash.errors import IntegrityError
 from scheduler_svc import handoff
 from scheduler_svc.core.config import Role
-from scheduler_svc.core.outputs import SchedulerOutput
+from scheduler_svc.core.outputs import OffloadCommand, SchedulerOutput
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import (
@@ -37,6 +37,7 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.inflight import InFlightRequests
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.streams import RequestStream
+from scheduler_svc.worker_link import CopyOutcome
 from tests.scheduler_svc.factories import make_scheduler
 from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink, sample
 
@@ -114,9 +115,10 @@ async def mixed() -> AsyncIterator[Engine]:
 
 
 def prefill_engine(peers: FakePeers, core: Scheduler | None = None,
-                   metrics: SchedulerMetrics | None = None) -> Engine:
+                   metrics: SchedulerMetrics | None = None,
+                   link: FakeWorkerLink | None = None) -> Engine:
     return Engine(core or make_scheduler(role=Role.PREFILL),  # type: ignore[arg-type]
-                  FakeWorkerLink(), None, decode_peers=peers,  # type: ignore[arg-type]
+                  link or FakeWorkerLink(), None, decode_peers=peers,  # type: ignore[arg-type]
                   metrics=metrics)
 
 
@@ -225,6 +227,45 @@ async def test_an_abort_while_relaying_cancels_the_relay_and_leaves_no_record() 
         await until(lambda: peers.closed == ["a"])  # the Decode call is closed: aborted there
         engine.check_integrity()
         assert peers.released == []
+    finally:
+        await engine.close()
+
+
+class GatedLink(FakeWorkerLink):
+    """Copies out that each wait for their own gate, in call order."""
+
+    def __init__(self) -> None:
+        self.gates: list[asyncio.Event] = []
+
+    async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        return CopyOutcome(100 * len(cmd.block_ids))
+
+
+async def test_an_id_reused_while_the_old_handoff_copy_is_in_flight_still_decodes() -> None:
+    """"a" is aborted during its hand-off copy and admitted again: the old
+    copy landing leaves the new request's hand-off alone."""
+    usage = RequestUsage(4, 3, 0, 0, 0, None)
+    peers = FakePeers([[RemoteFinished([8, 9], RequestStatus.FINISHED_LENGTH, usage)]])
+    link = GatedLink()
+    engine = prefill_engine(peers, link=link)
+    await engine.start()
+    try:
+        old = await engine.admit("a", PROMPT, sampling(3))
+        await until(lambda: len(link.gates) == 1)
+        engine.abort("a")
+        assert (await events_of(old))[1] is RequestStatus.FINISHED_ABORTED
+        new = await engine.admit("a", PROMPT, sampling(3))
+        await until(lambda: len(link.gates) == 2)
+        link.gates[0].set()
+        await until(lambda: len(engine.core.life.copies) == 1)  # the old copy landed
+        link.gates[1].set()
+        assert await asyncio.wait_for(events_of(new), 3) == (
+            [7, 8, 9], RequestStatus.FINISHED_LENGTH)
+        await until(lambda: engine.core.is_idle)
+        engine.check_integrity()
     finally:
         await engine.close()
 
