@@ -7,7 +7,10 @@
                per round up to `max_backoff_s`) and tries again, until
                `wait_s` is spent: then None, and the prefill instance takes
                the request back from the cache and decodes it itself. A
-               request is never dropped for want of a decode instance.
+               request is never dropped for want of a decode instance. A
+               call given up on (timed out, cancelled) is released there, and
+               that instance not asked again for the request until the
+               release is answered.
     decode()   Decode on the instance that reserved: its stream as domain
                events (RemoteTokens, then RemoteFinished or RemoteAborted);
                a failed call raises its kvstash.errors class
@@ -105,7 +108,8 @@ class DecodePeers:
         self._max_backoff_s = max_backoff_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._turn = itertools.count()
-        self._releases: set[asyncio.Task[None]] = set()
+        # Releases in flight, by (address, request id).
+        self._releases: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -130,6 +134,8 @@ class DecodePeers:
             hint = 0.0
             for i in range(len(peers)):
                 peer = peers[(start + i) % len(peers)]
+                if (peer.address, request_id) in self._releases:
+                    continue  # a grant now could be ended by that release arriving after it
                 answer = await self._ask(peer, request)
                 if answer is None:
                     continue
@@ -165,9 +171,10 @@ class DecodePeers:
             raise
 
     def _release_later(self, peer: DecodePeer, request_id: str) -> None:
+        key = (peer.address, request_id)
         task = asyncio.get_running_loop().create_task(self.release(peer, request_id))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._releases[key] = task
+        task.add_done_callback(lambda _: self._releases.pop(key, None))
 
     async def release(self, peer: DecodePeer, request_id: str) -> None:
         """Lets go of request_id's reservation (or decode) on `peer`, if any."""

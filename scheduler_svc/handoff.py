@@ -8,11 +8,12 @@ each built by the engine for its role only (a mixed instance has neither).
                  blocks for it and its events are relayed into the request's
                  stream. A failed put decodes here; a decode instance lost
                  before its first token (reservation expired, gone) is
-                 replaced by another reservation; one lost later, or no
-                 reservation in time, gives the request back to the core
-                 (take_back: resumed from the snapshot): never lost. `let_go`
-                 when the request will not (or no longer) decode there: the
-                 relay is cancelled (which aborts it there, or stops asking).
+                 released, then replaced by another reservation; one lost
+                 later, or no reservation in time, gives the request back to
+                 the core (take_back: resumed from the snapshot): never lost.
+                 `let_go` when the request will not (or no longer) decode
+                 there: the relay is cancelled (which aborts it there, or
+                 stops asking).
 
                  Reserving only once the KV is in the cache (not when the
                  request arrives) keeps decode blocks for KV about to arrive:
@@ -83,8 +84,6 @@ class PrefillSide:
         """The request will not (or no longer) decode on a decode instance."""
         if handoff.relay is not None:
             handoff.relay.cancel()
-        elif handoff.decoder is not None:
-            self._tasks.spawn(self._peers.release(handoff.decoder, request_id))
 
     def _decode_here(self, request_id: str, record: InFlight) -> None:
         if (handoff := record.handoff) is not None:
@@ -121,7 +120,6 @@ class PrefillSide:
                     log.warning("request %s: no decode instance reserved blocks in time",
                                 request_id)
                     break
-                handoff.decoder = decoder
                 reason = await self._relay(decoder, cmd, first_token_id, started)
                 if reason is None:
                     return  # finished there, or taken back after its tokens began
@@ -130,6 +128,9 @@ class PrefillSide:
                 log.warning("request %s: decode instance %s lost before its first token (%s)%s",
                             request_id, decoder.address, reason,
                             "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
+                # Its blocks go back before the next reservation, which this
+                # release (an Abort by request id) would end if it came later.
+                await self._peers.release(decoder, request_id)
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
         except errors.IntegrityError:

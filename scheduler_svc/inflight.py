@@ -2,8 +2,8 @@
 
     InFlight     a request the core holds, as the edge sees it: the stream its
                  call reads and, on a P/D prefill instance, its hand-off (the
-                 decode instance that reserved blocks for it, and the task
-                 relaying that instance's tokens once handed off)
+                 task finding a decode instance and relaying its tokens, once
+                 handed off)
     InFlightRequests  request id -> InFlight: `open` is the one place a record
                  is made, `close` the one place it is dropped; and the requests
                  being admitted (`admitting`: awaiting the prefix tier or a
@@ -31,7 +31,6 @@ from opentelemetry import context as otel_context
 from kvstash.errors import AlreadyExists, IntegrityError
 from scheduler_svc import tracing
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.decode_peers import DecodePeer
 from scheduler_svc.streams import RequestStream
 
 log = logging.getLogger(__name__)
@@ -41,8 +40,6 @@ log = logging.getLogger(__name__)
 class Handoff:
     """Where a prefill instance's request decodes (P/D)."""
 
-    # The decode instance holding its reservation, once one took it.
-    decoder: DecodePeer | None = None
     # The task finding a decode instance and relaying its tokens, once the
     # request is handed off; cancelling it aborts the request there.
     relay: asyncio.Task[None] | None = None

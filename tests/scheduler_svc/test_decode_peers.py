@@ -192,6 +192,45 @@ async def test_a_reservation_timed_out_in_flight_is_released(
     assert slow.asked == ["r"] and slow.aborted == ["r"]
 
 
+@dataclass(slots=True)
+class SlowToLetGo(ScriptedDecode):
+    """Answers its first ReserveBlocks after `delay_s`, every Abort after
+    `abort_delay_s`; `done` lists what it did, in order."""
+
+    abort_delay_s: float = 0.0
+    done: list[str] = field(default_factory=list)
+
+    async def ReserveBlocks(self, request: scheduler_pb2.ReserveBlocksRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> scheduler_pb2.ReserveBlocksResponse:
+        self.asked.append(request.request_id)
+        if len(self.asked) == 1:
+            await asyncio.sleep(self.delay_s)
+        self.done.append("reserved")
+        return self.answer(request)
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        await asyncio.sleep(self.abort_delay_s)
+        self.done.append("aborted")
+        return scheduler_pb2.AbortResponse()
+
+
+async def test_an_instance_is_asked_again_only_once_its_release_is_answered(
+        serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant made before the release of a timed-out call arrived would be
+    ended by it."""
+    monkeypatch.setattr(decode_peers, "_RESERVE_TIMEOUT_S", 0.1)
+    slow = SlowToLetGo(accept, delay_s=0.3, abort_delay_s=0.05)
+    peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=5)
+    try:
+        assert await peers.reserve("r", [1], SAMPLING) is not None
+    finally:
+        await peers.close()
+    # The first call ended at its deadline there too.
+    assert slow.done == ["aborted", "reserved"]
+
+
 def test_no_address_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one decode instance"):
         DecodePeers([], LAYOUT)

@@ -306,6 +306,23 @@ async def test_a_decode_instance_lost_before_its_first_token_is_replaced_by_anot
         await engine.close()
 
 
+async def test_a_decode_instance_that_failed_before_decoding_is_released() -> None:
+    """Its Decode failed before any token: what it may still hold for the
+    request is let go before another instance is asked."""
+    usage = RequestUsage(4, 4, 0, 0, 0, None)
+    peers = FakePeers([[errors.Unavailable("decode instance: connection reset")],
+                       [RemoteFinished([8, 9, 8], RequestStatus.FINISHED_LENGTH, usage)]],
+                      reservations=2)
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(4))
+        assert await events_of(stream) == ([7, 8, 9, 8], RequestStatus.FINISHED_LENGTH)
+        assert (peers.reserved, peers.released) == (["a", "a"], ["a"])
+    finally:
+        await engine.close()
+
+
 async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> None:
     peers = FakePeers([[RemoteTokens([8]), errors.Unavailable("decode instance: gone")]])
     engine = prefill_engine(peers)
