@@ -7,13 +7,13 @@ each built by the engine for its role only (a mixed instance has neither).
                  its KV is put in the cache, then a decode instance reserves
                  blocks for it and its events are relayed into the request's
                  stream. A failed put decodes here; a decode instance lost
-                 before its first token (reservation expired, gone) is
-                 released, then replaced by another reservation; one lost
-                 later, or no reservation in time, gives the request back to
-                 the core (take_back: resumed from the snapshot): never lost.
-                 `let_go` when the request will not (or no longer) decode
-                 there: the relay is cancelled (which aborts it there, or
-                 stops asking).
+                 before its first token (reservation expired, gone, aborted
+                 there) is released, then replaced by another reservation;
+                 one lost later, or no reservation in time, gives the request
+                 back to the core (take_back: resumed from the snapshot):
+                 never lost. `let_go` when the request will not (or no
+                 longer) decode there: the relay is cancelled (which aborts
+                 it there, or stops asking).
 
                  Reserving only once the KV is in the cache (not when the
                  request arrives) keeps decode blocks for KV about to arrive:
@@ -160,15 +160,13 @@ class PrefillSide:
                     decoder, request_id, cmd.snapshot_id, cmd.num_tokens,
                     first_token_id)) as events:
                 async for event in events:
-                    # Timed to the decode instance's first token: an abort
-                    # there delivered none.
-                    if first and self._metrics is not None and not isinstance(
-                            event, RemoteAborted):
-                        self._metrics.handoff_s.observe(time.monotonic() - started)
-                    first = False
                     if isinstance(event, RemoteAborted):
                         reason = "aborted there"
                         break
+                    # Timed to the decode instance's first token.
+                    if first and self._metrics is not None:
+                        self._metrics.handoff_s.observe(time.monotonic() - started)
+                    first = False
                     if isinstance(event, RemoteFinished):
                         update = core.pd.finish_remote(
                             request_id, event.token_ids,

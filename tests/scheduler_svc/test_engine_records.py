@@ -287,11 +287,15 @@ async def test_a_decode_instance_lost_before_its_first_token_finishes_here(
         await engine.close()
 
 
-async def test_a_decode_instance_lost_before_its_first_token_is_replaced_by_another() -> None:
-    """Its reservation expired, or it went away: the snapshot is still in the
-    cache, so another decode instance reserves and decodes it."""
+@pytest.mark.parametrize("lost", [
+    errors.NotFound("reservation expired"), RemoteAborted()], ids=["expired", "aborted"])
+async def test_a_decode_instance_lost_before_its_first_token_is_replaced_by_another(
+        lost: RemoteEvent | Exception) -> None:
+    """Its reservation expired, it went away or it aborted the request (its
+    worker lost): the snapshot is still in the cache, so another decode
+    instance reserves and decodes it."""
     usage = RequestUsage(4, 4, 0, 0, 0, None)
-    peers = FakePeers([[errors.NotFound("reservation expired")],
+    peers = FakePeers([[lost],
                        [RemoteFinished([8, 9, 8], RequestStatus.FINISHED_LENGTH, usage)]],
                       reservations=2)
     engine = prefill_engine(peers)
@@ -343,7 +347,8 @@ async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> 
 async def test_a_hand_off_is_timed_only_to_a_token_from_its_decode_instance(
         script: list[RemoteEvent | Exception | str], num_timed: int) -> None:
     """handoff_seconds runs to the decode instance's first token: one
-    aborted there before any token sent none (the request finishes here)."""
+    aborted there before any token sent none (no other instance reserves:
+    the request finishes here)."""
     core = make_scheduler(role=Role.PREFILL)
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
     engine = prefill_engine(FakePeers([script]), core, metrics)
