@@ -155,10 +155,8 @@ class PdManager:
         req = self._handed_off(request_id)
         if req is None:
             return None
-        self._check_remote_tokens(req, token_ids)
-        req.output_token_ids.extend(token_ids)  # counted where they were sampled
-        return RequestUpdate(request_id, list(token_ids),
-                             num_cached_tokens=req.num_cached_tokens)
+        self._check_remote_tokens(req, token_ids, final=False)
+        return self._add_remote_tokens(req, token_ids)
 
     def finish_remote(
         self, request_id: str, token_ids: Sequence[int], stopped: bool, remote: RequestUsage
@@ -170,16 +168,15 @@ class PdManager:
         req = self._handed_off(request_id)
         if req is None:
             return None
+        self._check_remote_tokens(req, token_ids, final=True)
         output = [*req.output_token_ids, *token_ids]
         at_length = len(output) >= req.sampling.max_tokens  # a length end (Scheduler._finish)
-        if stopped == at_length or len(output) > req.sampling.max_tokens or (
-                stopped and output[-1] not in req.stop_ids):
+        if stopped == at_length or (stopped and output[-1] not in req.stop_ids):
             raise InvalidArgument(
                 f"request {request_id}: a remote {'stop' if stopped else 'length'} finish "
                 f"after {len(output)} tokens ending in {output[-1]} (max_tokens "
                 f"{req.sampling.max_tokens})")
-        update = self.remote_tokens(request_id, token_ids)
-        assert update is not None
+        update = self._add_remote_tokens(req, token_ids)
         req.num_preemptions += remote.num_preemptions
         req.num_recomputed_tokens += remote.num_recomputed_tokens
         req.bytes_offloaded += remote.bytes_offloaded
@@ -188,22 +185,31 @@ class PdManager:
         update.usage = req.usage()
         return update
 
-    def _check_remote_tokens(self, req: Request, token_ids: Sequence[int]) -> None:
+    def _check_remote_tokens(self, req: Request, token_ids: Sequence[int], final: bool) -> None:
         """What a decode instance sends must be possible: InvalidArgument (and
-        nothing recorded) for tokens outside the vocabulary, beyond max_tokens
-        or after a stop token."""
+        nothing recorded) for tokens outside the vocabulary, or for a token
+        that ends the request (a stop token, max_tokens reached) anywhere but
+        last in the finish (`final`), which carries it."""
         vocab_size = self.config.vocab_size
-        num_output = len(req.output_token_ids)
+        # Tokens that must not end the request: all but a finish's last.
+        num_going_on = len(token_ids) - 1 if final else len(token_ids)
         for i, token_id in enumerate(token_ids):
             if not 0 <= token_id < vocab_size:
                 raise InvalidArgument(f"request {req.request_id}: remote token {token_id} is "
                                       f"outside the vocabulary [0, {vocab_size})")
-            if i < len(token_ids) - 1 and token_id in req.stop_ids:
-                raise InvalidArgument(f"request {req.request_id}: remote tokens go on after "
-                                      f"stop token {token_id}")
-        if num_output + len(token_ids) > req.sampling.max_tokens:
-            raise InvalidArgument(f"request {req.request_id}: {num_output} + {len(token_ids)} "
-                                  f"remote tokens exceed max_tokens {req.sampling.max_tokens}")
+            if i < num_going_on and token_id in req.stop_ids:
+                raise InvalidArgument(f"request {req.request_id}: remote stop token {token_id} "
+                                      f"is not the last of a finish")
+        num_output = len(req.output_token_ids) + num_going_on
+        if num_output >= req.sampling.max_tokens:
+            raise InvalidArgument(f"request {req.request_id}: remote tokens reach max_tokens "
+                                  f"{req.sampling.max_tokens} before the finish")
+
+    @staticmethod
+    def _add_remote_tokens(req: Request, token_ids: Sequence[int]) -> RequestUpdate:
+        req.output_token_ids.extend(token_ids)  # counted where they were sampled
+        return RequestUpdate(req.request_id, list(token_ids),
+                             num_cached_tokens=req.num_cached_tokens)
 
     def take_back(self, request_id: str) -> None:
         """Prefill instance: the decode instance was lost; the request finishes

@@ -1506,7 +1506,9 @@ def test_random_decode_instance_histories_keep_every_invariant(
 @pytest.mark.parametrize(("tokens", "finish"), [
     ([VOCAB], None),            # outside the vocabulary
     ([STOP, 5], None),          # goes on after a stop token
-    ([1, 2, 3, 4, 5], None),    # beyond max_tokens 5 (one came from the prefill)
+    ([1, STOP], None),          # a stop token without a finish: more may follow
+    ([1, 2, 3, 4], None),       # max_tokens 5 reached (one came from the prefill), no finish
+    ([1, 2, 3, 4, 5], None),    # beyond max_tokens 5
     ([1, 2], "stop"),           # a stop finish without a stop token
     ([1, 2], "length"),         # a length finish short of max_tokens
     ([1, 2, 3, STOP], "stop"),  # a stop finish at max_tokens (there a length end)
