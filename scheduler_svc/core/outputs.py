@@ -173,7 +173,7 @@ class Counters:
     num_finished: int = counter("finished_requests",
                                 "Requests finished here, any reason (P/D: a handed-off "
                                 "request where it was decoded)")
-    # Once per request.
+    # Once per request (P/D: on the prefill instance).
     num_prompt_tokens: int = counter("prompt_tokens",
                                      "Prompt tokens of requests whose prefill completed")
     num_generation_tokens: int = counter("generation_tokens", "Output tokens sampled here")

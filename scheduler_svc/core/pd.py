@@ -275,4 +275,6 @@ class PdManager:
         if not 0 <= first_token_id < self.config.vocab_size or first_token_id in req.stop_ids:
             raise InvalidArgument(f"request {request_id}: first token {first_token_id} is "
                                   "outside the vocabulary or ends the request")
+        # Its prompt counted where it was prefilled: a prefill here is a recompute.
+        req.first_token_time = self._clock()
         return self.life.start_remote_decode(req, snapshot_id, first_token_id)

@@ -512,7 +512,8 @@ def test_eos_may_come_first_when_the_request_ignores_it() -> None:
 @pytest.mark.parametrize("committed", [True, False])
 def test_a_remote_decode_whose_restore_fails_is_recomputed_here(committed: bool) -> None:
     """committed: the restore lands; else it fails and the request, its
-    first token kept, is prefilled again on the decode instance."""
+    first token kept, is prefilled again on the decode instance: recomputed,
+    its prompt counted by the prefill instance only."""
     side = Side(pd_config())
     core = side.core
     prompt = prompt_of(6, 4)
@@ -534,7 +535,9 @@ def test_a_remote_decode_whose_restore_fails_is_recomputed_here(committed: bool)
                 assert update.usage.num_recomputed_tokens == (0 if committed else 6)
     assert outputs == expected(prompt, greedy(5))
     stats = core.stats()
-    assert stats.num_restore_failures == (0 if committed else 1)
+    assert (stats.num_restore_failures, stats.num_recomputed_tokens) == (
+        (0, 0) if committed else (1, 6))
+    assert stats.num_prompt_tokens == 0
     assert pool_is_clean(core) and core.is_idle
 
 
