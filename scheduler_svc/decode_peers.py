@@ -202,7 +202,8 @@ class DecodePeers:
             call.cancel()
 
     async def _resolve(self) -> list[DecodePeer]:
-        """Every address of every configured name, in configuration order."""
+        """Every address of every configured name, in configuration order.
+        The channels to addresses no longer among them are dropped."""
         loop = asyncio.get_running_loop()
         peers: list[DecodePeer] = []
         for address in self._addresses:
@@ -219,6 +220,11 @@ class DecodePeers:
                     continue
                 hosts = list(dict.fromkeys(str(info[4][0]) for info in infos))
             peers.extend(self._peer(h, port, host) for h in hosts)
+        # A headless Service's pods come back at new addresses. Closing a channel
+        # would cancel its calls: grpc closes it once no DecodePeer holds it.
+        resolved = {peer.address for peer in peers}
+        for target in [t for t in self._channels if t not in resolved]:
+            del self._channels[target]
         return peers
 
     def _peer(self, ip: str, port: str, name: str) -> DecodePeer:

@@ -6,8 +6,11 @@ becomes (domain events, domain errors)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -259,6 +262,35 @@ async def decoded(serve: Serve, instance: DecodingInstance) -> list[RemoteEvent]
         peer = await peers.reserve("r", [1, 2, 3], SAMPLING)
         assert peer is not None
         return [event async for event in peers.decode(peer, "r", "s", 3, 7)]
+    finally:
+        await peers.close()
+
+
+async def test_a_channel_to_an_address_no_longer_resolved_closes_once_unused(
+        serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod of a headless Service restarted at another address: its old
+    channel leaves at the next lookup, still serving the calls of a peer
+    held, and is closed once none is."""
+    instance = DecodingInstance(accept, responses=[scheduler_pb2.GenerateResponse(token_ids=[8])])
+    port = await serve(instance)
+    addresses = ["127.0.0.1"]
+
+    async def getaddrinfo(host: str, port: int, **kwargs: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in addresses]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    peers = DecodePeers([f"decode.svc:{port}"], LAYOUT, wait_s=0.05)
+    try:
+        peer = await peers.reserve("r", [1], SAMPLING)
+        assert peer is not None
+        old = weakref.ref(peers._channels[peer.address])
+        addresses[:] = ["127.0.0.2"]  # nothing listens there
+        assert await peers.reserve("s", [1], SAMPLING) is None
+        assert list(peers._channels) == [f"127.0.0.2:{port}"]
+        assert [e async for e in peers.decode(peer, "r", "s", 1, 7)] == [RemoteTokens([8])]
+        del peer
+        gc.collect()
+        assert old() is None  # grpc.aio.Channel.__del__ closed it
     finally:
         await peers.close()
 
