@@ -6,14 +6,15 @@ each built by the engine for its role only (a mixed instance has neither).
                  token sampled and sent), the core hands it off (`hand_off`):
                  its KV is put in the cache, then a decode instance reserves
                  blocks for it and its events are relayed into the request's
-                 stream. A failed put decodes here; a decode instance lost
-                 before its first token (reservation expired, gone, aborted
-                 there) is released, then replaced by another reservation;
-                 one lost later, or no reservation in time, gives the request
-                 back to the core (take_back: resumed from the snapshot):
-                 never lost. `let_go` when the request will not (or no
-                 longer) decode there: the relay is cancelled (which aborts
-                 it there, or stops asking).
+                 stream. A failed put decodes here (recomputed if its seat
+                 was taken meanwhile); a decode instance lost before its
+                 first token (reservation expired, gone, aborted there) is
+                 released, then replaced by another reservation; one lost
+                 later, or no reservation in time, gives the request back to
+                 the core (take_back: resumed from the snapshot): never lost.
+                 `let_go` when the request will not (or no longer) decode
+                 there: the relay is cancelled (which aborts it there, or
+                 stops asking).
 
                  Reserving only once the KV is in the cache (not when the
                  request arrives) keeps decode blocks for KV about to arrive:

@@ -84,7 +84,7 @@ _NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
     OFFLOADED: frozenset({RESUMING, FINISHED_ABORTED}),
     RESUMING: frozenset({WAITING, RUNNING_DECODE, FINISHED_ABORTED}),
     RESERVED: frozenset({RESUMING, FINISHED_ABORTED}),
-    HANDING_OFF: frozenset({HANDED_OFF, RUNNING_DECODE, FINISHED_ABORTED}),
+    HANDING_OFF: frozenset({HANDED_OFF, RUNNING_DECODE, WAITING, FINISHED_ABORTED}),
     HANDED_OFF: frozenset({OFFLOADED, WAITING, *_DONE}),
 }
 
@@ -306,7 +306,8 @@ class Lifecycle:
     def finish_handoff(self, cmd: OffloadCommand, num_bytes: int | None) -> Request:
         """Prefill instance: the snapshot for the decode instance is committed
         (num_bytes): HANDED_OFF; or the copy failed (None): RUNNING_DECODE
-        again, here, its blocks kept."""
+        again, here, its blocks kept, or WAITING to recompute once its seat
+        (freed when the copy began) went to another request."""
         req = self._take_copy(cmd.snapshot_id, HANDING_OFF)
         snapshot = req.snapshot
         assert snapshot is not None
@@ -318,7 +319,10 @@ class Lifecycle:
         elif num_bytes is None:
             self.counters.num_handoff_failures += 1
             req.snapshot = None
-            self.move(req, RUNNING_DECODE)
+            if self.num_running < self.config.max_num_seqs:
+                self.move(req, RUNNING_DECODE)
+            else:
+                self.recompute(req)
         else:
             self.kv.free(req)
             snapshot.num_bytes = num_bytes
@@ -386,7 +390,8 @@ class Lifecycle:
 
     @property
     def num_running(self) -> int:
-        """Requests that count against max_num_seqs."""
+        """Requests that count against max_num_seqs (a HANDING_OFF one no
+        longer needs the worker)."""
         return (len(self.prefilling) + len(self.decoding) + len(self.resuming)
                 + len(self.loading) + len(self.reserved))
 

@@ -21,6 +21,9 @@ The paths the P/D statuses add (Lifecycle.move checks them against its table):
                        (its first token sampled)      │ copy failed             │ decoded there
                             ▲                         ▼                         ▼
                             └──────────────── RUNNING_DECODE          FINISHED_STOPPED/LENGTH
+                                              (WAITING to recompute if
+                                              its seat, freed at the
+                                              handoff, was taken)
                        HANDED_OFF ──decode instance lost──▶ OFFLOADED (no token came back),
                                                             WAITING (recompute) otherwise
     decode instance:   RESERVED ──its snapshot arrives──▶ RESUMING ──▶ RUNNING_DECODE ...

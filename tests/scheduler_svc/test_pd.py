@@ -754,7 +754,27 @@ def test_a_handoff_frees_its_seat_at_once() -> None:
     assert (status(core, "a"), status(core, "b")) == (S.HANDING_OFF, S.RUNNING_DECODE)
 
 
-def test_a_chunked_prefill_is_handed_off_after_its_last_chunk() -> None:
+def test_a_failed_handoff_whose_seat_was_taken_waits_for_one_and_keeps_its_tokens() -> None:
+    """Its seat went to "b" when its copy began: the copy failed, "a" is
+    recomputed once a seat is free, as after a recompute preemption."""
+    side = Side(prefill_config(max_num_seqs=1))
+    core = side.core
+    add_handoff(side, "a", prompt_of(6), greedy(5))
+    add_handoff(side, "b", prompt_of(5, 1), greedy(5), handoff=False)
+    side.step()
+    output, _ = side.step()
+    [cmd] = output.handoffs
+    assert status(core, "b") is S.RUNNING_DECODE
+    assert core.pd.finish_handoff(cmd, None) is False
+    core.check_integrity()
+    req = core.get_request("a")
+    assert req is not None and req.status is S.WAITING and req.block_ids == []
+    side.run_to_end()  # integrity checked at every step: one request runs at a time
+    assert side.truth["a"][6:] == expected(prompt_of(6), greedy(5))
+    assert core.stats().num_handoff_failures == 1 and pool_is_clean(core)
+
+
+
     side = Side(prefill_config(max_num_batched_tokens=16))
     core = side.core
     add_handoff(side, "a", prompt_of(40), greedy(5))
