@@ -252,7 +252,7 @@ class Engine:
             return None
         if record.handoff is not None:
             assert self._prefill is not None
-            self._prefill.let_go(request_id, record.handoff)
+            self._prefill.let_go(record.handoff)
         return record.stream
 
     @property

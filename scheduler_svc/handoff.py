@@ -81,15 +81,15 @@ class PrefillSide:
                                stored_segments=stored_segments, block_hashes=block_hashes)
         return self._requests.open(request_id, Handoff())
 
-    def let_go(self, request_id: str, handoff: Handoff) -> None:
+    def let_go(self, handoff: Handoff) -> None:
         """The request will not (or no longer) decode on a decode instance."""
         if handoff.relay is not None:
             handoff.relay.cancel()
 
-    def _decode_here(self, request_id: str, record: InFlight) -> None:
+    def _decode_here(self, record: InFlight) -> None:
         if (handoff := record.handoff) is not None:
             record.handoff = None
-            self.let_go(request_id, handoff)
+            self.let_go(handoff)
 
     async def hand_off(self, cmd: OffloadCommand) -> None:
         """Puts a prefilled request's KV in the cache for its decode instance,
@@ -103,7 +103,7 @@ class PrefillSide:
         if record is None or record.handoff is None or self._requests.get(request_id) is not record:
             return
         if not handed_off:  # the copy failed
-            self._decode_here(request_id, record)
+            self._decode_here(record)
             return
         req = self._core.get_request(request_id)
         assert req is not None
