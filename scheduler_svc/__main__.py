@@ -121,7 +121,8 @@ async def serve(args: argparse.Namespace, secured: security.Security,
             engine, tokenizer, metrics, info.model_name,
             tokenizer_files(info.tokenizer_json.decode(), info.tokenizer_config_json.decode(),
                             info.eos_token_ids), kv_events,
-            model_type=info.model_type, architectures=tuple(info.architectures)))
+            model_type=info.model_type, architectures=tuple(info.architectures),
+            kv_layout=layout))
         await engine.start()
         cleanup.push_async_callback(engine.close)
         try:

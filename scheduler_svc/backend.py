@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from kvstash import errors
+from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.tokenizer import Tokenizer
 from scheduler_svc.core.config import Role, SchedulerConfig
@@ -49,6 +50,9 @@ class Backend:
     # ("llama") and architecture class names; empty where unknown.
     model_type: str = ""
     architectures: tuple[str, ...] = ()
+    # The worker's KV layout, which a decode instance's hand-ins must have
+    # (None: checked by block size and bytes only).
+    kv_layout: Layout | None = None
 
     @property
     def role(self) -> Role:

@@ -124,7 +124,8 @@ class DecodePeers:
         request = scheduler_pb2.ReserveBlocksRequest(
             request_id=request_id, prompt=scheduler_pb2.TokenIds(ids=prompt),
             sampling=wire.sampling_to_proto(sampling), block_size=self._layout.block_size,
-            bytes_per_block=self._layout.bytes_per_block)
+            bytes_per_block=self._layout.bytes_per_block,
+            layout=wire.layout_to_proto(self._layout))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_s
         backoff = 0.0

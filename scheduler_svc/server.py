@@ -28,7 +28,7 @@ from kvstash.common.ids import check_request_id, check_snapshot_id
 from kvstash.common.sampling import Room
 from kvstash.common.stats import values
 from kvstash.common.tokenizer import Tokenizer, encode_text
-from kvstash.common.wire import sampling_from_proto
+from kvstash.common.wire import layout_from_proto, sampling_from_proto
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend, Timing
 from scheduler_svc.core.config import Role
@@ -143,7 +143,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         backend = self._decode_instance()
         check_request_id(request.request_id)
         config = backend.config
-        if (request.block_size, request.bytes_per_block) != (
+        if request.HasField("layout") and backend.kv_layout is not None:
+            theirs = layout_from_proto(request.layout)
+            if theirs != backend.kv_layout:
+                raise errors.FailedPrecondition(
+                    f"KV layout differs: the prefill instance has {theirs}, this decode "
+                    f"instance {backend.kv_layout}")
+        elif (request.block_size, request.bytes_per_block) != (
                 config.block_size, config.bytes_per_block):
             raise errors.FailedPrecondition(
                 f"KV layout differs: the prefill instance has blocks of {request.block_size} "

@@ -225,14 +225,20 @@ class ReserveBlocksRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     block_size: _builtins.int
-    """The prefill instance's KV layout: its snapshots fit only the same one."""
+    """The prefill instance's KV layout: its snapshots fit only the same one.
+    `layout` says it whole (two dtypes of one size differ only there);
+    an instance that does not send it is checked by the two sizes.
+    """
     bytes_per_block: _builtins.int
     @_builtins.property
     def prompt(self) -> Global___TokenIds: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def layout(self) -> _common_pb2.KvLayout: ...
     def __init__(
         self,
         *,
@@ -241,10 +247,11 @@ class ReserveBlocksRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         block_size: _builtins.int = ...,
         bytes_per_block: _builtins.int = ...,
+        layout: _common_pb2.KvLayout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "layout", b"layout", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,7 @@ invariant anywhere exits that scheduler, which each scenario's end checks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from kvstash.client import Client
 from kvstash.common.layout import Layout
+from kvstash.common import wire
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service
 from kvstash.launch.stack import Stack, StackConfig, running_stack
@@ -104,12 +106,17 @@ async def kv_layout(stack: Stack) -> Layout:
 
 
 def reserve_request(request_id: str, prompt: list[int], layout: Layout, max_tokens: int = 8,
-                    block_size: int | None = None) -> scheduler_pb2.ReserveBlocksRequest:
-    """What a prefill instance with `layout` (or another block_size) sends."""
+                    block_size: int | None = None, sent: common_pb2.KvLayout | None = None
+                    ) -> scheduler_pb2.ReserveBlocksRequest:
+    """What a prefill instance with `layout` sends, saying it whole (or
+    `sent`), or, with another `block_size`, by its sizes only (as an older
+    instance does)."""
+    whole = sent or (wire.layout_to_proto(layout) if block_size is None else None)
     return scheduler_pb2.ReserveBlocksRequest(
         request_id=request_id, prompt=scheduler_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        block_size=block_size or layout.block_size, bytes_per_block=layout.bytes_per_block)
+        block_size=block_size or layout.block_size, bytes_per_block=layout.bytes_per_block,
+        layout=whole)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +202,15 @@ async def test_reservations_expire_and_are_validated(pd_stack: Stack) -> None:
                           grpc.StatusCode.INVALID_ARGUMENT),
             "layout": (reserve_request("r2", prompt, layout, block_size=32),
                        grpc.StatusCode.FAILED_PRECONDITION),
+            # Blocks of the same bytes in another shape (as bf16 and fp16 are)
+            # were taken, and every hand-in's restore then failed.
+            "same bytes": (reserve_request("r2", prompt, layout, sent=wire.layout_to_proto(
+                dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * 2,
+                                    head_dim=layout.head_dim // 2))),
+                           grpc.StatusCode.FAILED_PRECONDITION),
+            "dtype": (reserve_request("r2", prompt, layout, sent=common_pb2.KvLayout(
+                num_layers=1, block_size=layout.block_size, num_kv_heads=1, head_dim=1,
+                dtype="int4")), grpc.StatusCode.INVALID_ARGUMENT),
             "id": (reserve_request("bad id!", prompt, layout), grpc.StatusCode.INVALID_ARGUMENT),
             "vocabulary": (reserve_request("r3", [10**6], layout),
                            grpc.StatusCode.INVALID_ARGUMENT),
