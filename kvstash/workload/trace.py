@@ -104,8 +104,13 @@ def read_trace(path: Path, start: int = 0, count: int | None = None,
     requests: list[TraceRequest] = []
     index = 0
     last = 0.0
-    with path.open(encoding="utf-8") as lines:
-        for number, text in enumerate(lines, 1):
+    with path.open("rb") as lines:  # decoded a line at a time, so a bad byte names its line
+        for number, raw in enumerate(lines, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{path.name}:{number}: not UTF-8 (byte "
+                                 f"{raw[exc.start]:#04x} at column {exc.start + 1})") from None
             if not text.strip():
                 continue
             request = parse_line(text, f"{path.name}:{number}", block_tokens)

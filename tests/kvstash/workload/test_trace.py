@@ -235,3 +235,12 @@ def test_a_fitted_slice_written_reads_back_as_it_was_with_its_block(tmp_path: Pa
         read_trace(tmp_path / "w.jsonl")  # the x2 slice, at 512 tokens an id
     with pytest.raises(ValueError, match="block_tokens > 0"):
         read_trace(tmp_path / "w.jsonl", block_tokens=0)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    """By file and line, like any other bad line, not by its position in the
+    decoder's buffer."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(f"{line(0)}\n{line(1)}\n".encode() + line(2).encode()[:-1] + b"\xff}\n")
+    with pytest.raises(TraceError, match=r"t\.jsonl:3: not UTF-8 \(byte 0xff at column"):
+        read_trace(path)
