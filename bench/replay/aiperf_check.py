@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     config = StackConfig(gateway=True)
     try:
         raw = read_trace(args.trace, args.start, args.count)

@@ -1,4 +1,4 @@
-"""bench.replay.aiperf_check's reading of aiperf's results, with a fake aiperf."""
+"""bench.replay.aiperf_check's flags, and its reading of aiperf's results with a fake aiperf."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ def test_a_failed_aiperf_round_is_not_read_from_the_last_rounds_results(
     with pytest.raises(subprocess.CalledProcessError):
         aiperf_check.theirs(StackConfig(gateway=True), str(failing), tmp_path,
                             tmp_path / "slice.jsonl", 32)
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_aiperf_check_refuses_zero_rounds(capsys: pytest.CaptureFixture[str],
+                                          rounds: str) -> None:
+    """Before any stack starts, not an IndexError after the set-up."""
+    with pytest.raises(SystemExit) as done:
+        aiperf_check.main(["--aiperf", "/nonexistent", "--rounds", rounds])
+    assert done.value.code == 2
+    assert f"--rounds must be >= 1, got {rounds}" in capsys.readouterr().err
