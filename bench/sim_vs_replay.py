@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
+from bench.replay.report import strict
 from bench.replay.runs import POLICIES, RunResult, run_policy
 from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
@@ -238,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                              [paired(args, profile, policy, slo, r) for r in reals]))
                 print(f"{policy} @ {trace.rate:.3g}/s done", file=sys.stderr, flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(
+        args.json.write_text(json.dumps(strict(
             [{"policy": policy, "rate": rate, "figures": FIGURES, "real": real, "sim": sim,
-              "paired": pairs} for policy, rate, real, sim, pairs in rows], indent=1))
+              "paired": pairs} for policy, rate, real, sim, pairs in rows]), indent=1,
+            allow_nan=False))
     print(f"{'policy':<12} {'rate':>5} {'figure':<14} {'real':>9} {'real min-max':>19} "
           f"{'sim':>9} {'sim min-max':>19} {'error':>7} {'paired':>9} {'paired err':>10}")
     for policy, rate, real_runs, sim_runs, pairs in rows:

@@ -1,10 +1,11 @@
 """A replay's results: the oracle (same greedy outputs in every run), the
-terminal table, and the JSON."""
+terminal table, and the JSON (strict: a figure that has no value is null)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,18 @@ def summary_json(summary: Summary) -> dict[str, Any]:
     return dataclasses.asdict(summary)
 
 
+def strict(value: Any) -> Any:
+    """`value` with each float that is not finite as None (null): JSON has no
+    NaN (a percentile of no values) or inf (the rate of arrivals all at once)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
 def write_json(path: Path, runs: Sequence[RunResult], slo: Slo,
                setup: dict[str, Any]) -> None:
     body = {
@@ -96,4 +109,4 @@ def write_json(path: Path, runs: Sequence[RunResult], slo: Slo,
                          for r in run.records],
         } for run in runs],
     }
-    path.write_text(json.dumps(body, indent=1, allow_nan=True), encoding="utf-8")
+    path.write_text(json.dumps(strict(body), indent=1, allow_nan=False), encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,21 @@ def test_table_json_and_plots(tmp_path: Path) -> None:
     plots.occupancy(plotted[:2], tmp_path / "occ.png", "t")
     for name in ("cdf.png", "goodput.png", "occ.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_json_is_strict_json(tmp_path: Path) -> None:
+    """A figure with no value is null, not NaN or Infinity, which JSON has
+    not: here one-token outputs (no TPOT) arriving all at once (no rate)."""
+    report.write_json(tmp_path / "r.json", [run("recompute", {0: [1], 1: [2]}, rate=math.inf)],
+                      Slo(1.0, 0.1), {})
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    body = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert body["runs"][0]["rate"] is None
+    assert body["runs"][0]["summary"]["tpot_s"] == {"p50": None, "p90": None, "p99": None}
+    assert body["runs"][0]["summary"]["ttft_s"]["p50"] == pytest.approx(0.1)
 
 
 def test_the_oracle_fails_where_it_compared_nothing() -> None:
