@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay.runs import RunResult
-from kvstash.workload.metrics import Slo, Summary, summarize
+from kvstash.workload.metrics import RequestRecord, Slo, Summary, summarize
 
 MIB = 1 << 20
 
@@ -21,30 +21,42 @@ def label(run: RunResult) -> str:
 
 
 def output_mismatches(runs: Sequence[RunResult]) -> list[str]:
-    """Requests whose completed output differs from the first run's that
-    completed them: greedy outputs must not depend on the policy or the load.
-    A run that completed nothing, or runs that completed no request in
-    common, are problems too: the oracle would pass without a comparison."""
-    first: dict[int, tuple[str, list[int] | str]] = {}
+    """Every request of the slice must complete in every run with the same
+    output: greedy outputs depend on neither the policy nor the load. A
+    request some run did not complete is a problem too (its output there
+    went unchecked), as is one no run completed."""
     problems = []
-    num_compared = 0
-    for run in runs:
-        if not any(record.ok for record in run.records):
-            problems.append(f"{label(run)}: no request completed, its outputs went unchecked")
-        for record in run.records:
-            if not record.ok:
-                continue
-            if record.index in first:
-                num_compared += 1
-            name, output = first.setdefault(record.index, (label(run), record.output))
-            if record.output != output:
-                at = next((i for i, (a, b) in enumerate(zip(record.output, output, strict=False))
-                           if a != b), min(len(record.output), len(output)))
-                problems.append(f"request {record.index}: {label(run)} differs from {name} "
+    run_to_records = [{r.index: r for r in run.records} for run in runs]
+    for index in sorted(set().union(*run_to_records)):
+        done: list[tuple[str, list[int] | str]] = []
+        missed = []
+        for run, records in zip(runs, run_to_records, strict=True):
+            record = records.get(index)
+            if record is not None and record.ok:
+                done.append((label(run), record.output))
+            else:
+                missed.append(f"{label(run)} ({failure(record)})")
+        if not done:
+            problems.append(f"request {index}: completed in no run, its output went unchecked")
+            continue
+        if missed:
+            problems.append(f"request {index}: not completed in {', '.join(missed)}, so not "
+                            f"compared with {done[0][0]}")
+        first, output = done[0]
+        for name, other in done[1:]:
+            if other != output:
+                at = next((i for i, (a, b) in enumerate(zip(other, output, strict=False))
+                           if a != b), min(len(other), len(output)))
+                problems.append(f"request {index}: {name} differs from {first} "
                                 f"from output position {at}")
-    if len(runs) > 1 and not num_compared and not problems:
-        problems.append("no request completed in two runs: no output was compared")
     return problems
+
+
+def failure(record: RequestRecord | None) -> str:
+    """Why a request did not complete."""
+    if record is None:
+        return "not sent"
+    return record.error or "UNFINISHED"  # the stream ended without a finish
 
 
 def prefix_hit_rate(counters: dict[str, int]) -> float:
