@@ -59,6 +59,18 @@ def failure(record: RequestRecord | None) -> str:
     return record.error or "UNFINISHED"  # the stream ended without a finish
 
 
+def failures(runs: Sequence[RunResult], num_shown: int = 3) -> list[str]:
+    """A line for each run with failed requests: how many, the first few.
+    A request never fails for lack of memory, so any failure is a bug."""
+    lines = []
+    for run in runs:
+        if failed := [r for r in run.records if not r.ok]:
+            first = ", ".join(f"request {r.index} {failure(r)}" for r in failed[:num_shown])
+            lines.append(f"{label(run)}: {len(failed)} of {len(run.records)} requests failed "
+                         f"({first}{', ...' if len(failed) > num_shown else ''})")
+    return lines
+
+
 def prefix_hit_rate(counters: dict[str, int]) -> float:
     """Of the tokens that needed KV at each admission (a recompute's again),
     the share a cached prefix supplied."""

@@ -1,0 +1,64 @@
+"""bench.replay's command line with the replays faked: what it exits with
+and says."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+import bench.replay.__main__ as replay_main
+from bench.replay.runs import COUNTERS, RunResult
+from kvstash.launch.stack import StackConfig
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.trace import Trace
+
+
+def write_trace(path: Path, *lengths: tuple[int, int]) -> Path:
+    """A request a second of (prompt, output) tokens, an id per 16 prompt tokens."""
+    lines, next_id = [], 0
+    for n, (inputs, outputs) in enumerate(lengths):
+        ids = list(range(next_id, next_id - (-inputs // 16)))
+        next_id += len(ids)
+        lines.append(json.dumps({"timestamp": 1000 * n, "input_length": inputs,
+                                 "output_length": outputs, "hash_ids": ids}) + "\n")
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def make_run(policy: str, outputs: dict[int, list[int]], failed: dict[int, str] | None = None
+             ) -> RunResult:
+    records = [RequestRecord(i, 0.0, [0.1, 0.2], len(out), out, 0.2)
+               for i, out in outputs.items()]
+    records += [RequestRecord(i, 0.0, error=error) for i, error in (failed or {}).items()]
+    records.sort(key=lambda r: r.index)
+    return RunResult(policy, 1.0, records, dict.fromkeys(COUNTERS, 0), [])
+
+
+def replay(tmp_path: Path, trace: Path, *flags: str) -> int:
+    return replay_main.main(["--trace", str(trace), "--block-tokens", "16",
+                             "--policies", "recompute,offload", "--out", str(tmp_path / "o"),
+                             *flags])
+
+
+def test_replay_exits_nonzero_when_requests_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A request never fails for lack of memory: any failure is a bug, said
+    on stderr with its run and the first errors, not only a table column."""
+    trace = write_trace(tmp_path / "t.jsonl", (40, 4), (40, 4), (40, 4), (40, 4), (40, 4))
+
+    def replay_all(args: argparse.Namespace, base: StackConfig,
+                   fitted: list[tuple[Trace, int]]) -> list[RunResult]:
+        return [make_run("recompute", {0: [1], 1: [2], 2: [3], 3: [4], 4: [5]}),
+                make_run("offload", {0: [1]},
+                         {1: "Unavailable", 2: "Unavailable", 3: "Internal", 4: "Internal"})]
+
+    monkeypatch.setattr(replay_main, "replay_all", replay_all)
+    assert replay(tmp_path, trace) == 1
+    said = [line for line in capsys.readouterr().err.splitlines()
+            if line.startswith("REQUESTS FAILED")]
+    assert said == ["REQUESTS FAILED: offload @ 1/s: 4 of 5 requests failed (request 1 "
+                    "Unavailable, request 2 Unavailable, request 3 Internal, ...)"]
