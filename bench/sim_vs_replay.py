@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
-        fitted = flags.fit_slices(args, raw, MAX_MODEL_LEN[args.model])
+        fitted = flags.fit_slices(args, raw, flags.max_context(
+            args, MAX_MODEL_LEN[args.model], args.num_blocks * StackConfig().block_size))
         profile = read_profile(args.profile)
     except (ValueError, OSError) as exc:  # TraceError and ProfileError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)

@@ -92,7 +92,6 @@ def commit() -> str:
 def replay_all(args: argparse.Namespace, base: StackConfig,
                fitted: list[tuple[Trace, int]]) -> list[RunResult]:
     runs = []
-    max_context = args.max_context or MAX_MODEL_LEN.get(args.model)
     for trace, dropped in fitted:
         prompts = build_prompts(trace, args.seed)
         if args.write_trace is not None:
@@ -100,9 +99,9 @@ def replay_all(args: argparse.Namespace, base: StackConfig,
             print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "
                   f"{trace.block_tokens})", flush=True)
         inputs = sum(r.input_length for r in trace.requests)
-        print(f"{len(trace.requests)} requests ({dropped} longer than {max_context} dropped), "
-              f"{trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} prompt "
-              f"tokens", flush=True)
+        print(f"{len(trace.requests)} requests ({dropped} longer than {args.max_context} "
+              f"dropped), {trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} "
+              f"prompt tokens", flush=True)
         for policy in (["external"] if args.address else args.policies):
             with tqdm(total=len(prompts), desc=f"{policy} @ {trace.rate:.3g}/s",
                       unit="req", file=sys.stderr) as bar:
@@ -123,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
-        fitted = flags.fit_slices(args, raw, MAX_MODEL_LEN.get(args.model))
+        # A running stack's pool is not --num-blocks'.
+        pool = None if args.address else args.num_blocks * StackConfig().block_size
+        args.max_context = flags.max_context(args, MAX_MODEL_LEN.get(args.model), pool)
+        fitted = flags.fit_slices(args, raw, args.max_context)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

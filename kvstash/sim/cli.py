@@ -249,8 +249,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.core = compiled.running()
     print(f"core: {args.core}" + ("" if args.core == "compiled" else
                                   " (--core compiled: mypyc, 1.2-1.6x faster)"))
+    # --find num-blocks tries pools of every size: none bounds the slice.
+    pool = None if args.find == "num-blocks" else args.num_blocks * args.block_size
     try:  # every rate, before any run
-        fitted = flags.fit_slices(args, raw, args.max_model_len)
+        fitted = flags.fit_slices(args, raw, flags.max_context(args, args.max_model_len, pool))
     except (ValueError, TraceError) as exc:
         print(f"kvstash sim: {exc}", file=sys.stderr)
         return 2

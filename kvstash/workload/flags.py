@@ -35,7 +35,9 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
                    help="gaps between arrivals times this (without --rates)")
     p.add_argument("--rates", help="comma-separated mean request rates to run the slice at")
     p.add_argument("--max-context", type=int,
-                   help="drop requests longer than this (default: the model's max_model_len)")
+                   help="drop requests (prompt + output) longer than this (default: the "
+                        "longest an instance serves: max_model_len, or the tokens its KV pool "
+                        "holds where fewer)")
     p.add_argument("--seed", type=int, default=0)
     return source
 
@@ -68,11 +70,28 @@ def load_slice(args: argparse.Namespace) -> Trace:
                      args.synthetic_output, args.synthetic_shared_blocks, args.seed)
 
 
-def fit_slices(args: argparse.Namespace, raw: Trace, max_model_len: int | None
+def max_context(args: argparse.Namespace, max_model_len: int | None,
+                pool_tokens: int | None) -> int | None:
+    """The longest request (prompt + output) a slice keeps: --max-context, by
+    default the longest an instance serves: `max_model_len`, or fewer where
+    its KV pool holds fewer (`pool_tokens`; None where either is not known).
+    The scheduler refuses a longer request at admission, so it would only
+    fail: a --max-context beyond what an instance serves is a ValueError."""
+    known = [n for n in (max_model_len, pool_tokens) if n is not None]
+    longest = min(known) if known else None
+    if args.max_context is None:
+        return longest
+    if longest is not None and args.max_context > longest:
+        raise ValueError(f"--max-context {args.max_context} is more than an instance serves: "
+                         f"{longest} tokens (max_model_len {max_model_len}, a KV pool of "
+                         f"{pool_tokens} tokens); longer requests would be refused")
+    return args.max_context
+
+
+def fit_slices(args: argparse.Namespace, raw: Trace, max_context: int | None
                ) -> list[tuple[Trace, int]]:
     """The slice fitted for each of --rates, and how many requests each
-    dropped: those longer than --max-context, else than `max_model_len`
-    (ValueError, TraceError where it cannot be fitted)."""
-    max_context = args.max_context or max_model_len
+    dropped as longer than `max_context` (ValueError, TraceError where it
+    cannot be fitted)."""
     return [fit(raw, args.length_scale, args.time_scale, rate, max_context, args.output_scale)
             for rate in args.rates]

@@ -62,3 +62,28 @@ def test_replay_exits_nonzero_when_requests_failed(
             if line.startswith("REQUESTS FAILED")]
     assert said == ["REQUESTS FAILED: offload @ 1/s: 4 of 5 requests failed (request 1 "
                     "Unavailable, request 2 Unavailable, request 3 Internal, ...)"]
+
+
+def test_default_max_context_drops_what_the_pool_cannot_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The scheduler refuses a request longer than its pool holds, however
+    long the model's context: by default the slice drops it rather than
+    keeping it to fail (4 blocks of 16 = 64 tokens here, tiny's 1024). A
+    --max-context beyond the pool is refused before any stack starts."""
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4), (90, 10), (60, 4))
+    kept: list[int] = []
+
+    def replay_all(args: argparse.Namespace, base: StackConfig,
+                   fitted: list[tuple[Trace, int]]) -> list[RunResult]:
+        (slice_, dropped), = fitted
+        kept.extend(r.input_length + r.output_length for r in slice_.requests)
+        assert (args.max_context, dropped) == (64, 1)
+        return [make_run(policy, {0: [1], 1: [2]}) for policy in ("recompute", "offload")]
+
+    monkeypatch.setattr(replay_main, "replay_all", replay_all)
+    assert replay(tmp_path, trace, "--num-blocks", "4") == 0
+    assert kept == [34, 64]
+    assert replay(tmp_path, trace, "--num-blocks", "4", "--max-context", "65") == 2
+    assert "--max-context 65 is more than an instance serves: 64 tokens" in \
+        capsys.readouterr().err

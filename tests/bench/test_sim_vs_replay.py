@@ -54,6 +54,14 @@ def test_a_bad_trace_is_a_clear_error_before_any_stack_starts(
     assert says in capsys.readouterr().err
 
 
+def test_a_max_context_beyond_the_pool_is_refused_before_any_stack_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--synthetic", "4", "--model", "tiny", "--num-blocks", "4",
+                 "--max-context", "65"]) == 2
+    assert "--max-context 65 is more than an instance serves: 64 tokens" in \
+        capsys.readouterr().err
+
+
 def test_a_run_as_served_arrives_when_its_scheduler_added_each_request() -> None:
     """The record's adds, by prompt, in their order; the warm-up (added before
     the slice started, its prompt the first one's first tokens, here all of

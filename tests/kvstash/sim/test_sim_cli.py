@@ -58,6 +58,22 @@ def test_sim_says_how_many_requests_it_dropped_as_too_long(
     assert 0 < int(dropped[1]) < 30
 
 
+def test_sim_drops_by_default_what_the_pool_cannot_hold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A core refuses a request longer than its pool (42 blocks of 16: 672
+    tokens), so by default the slice drops it rather than simulating its
+    failure; a --max-context beyond the pool is refused."""
+    out = tmp_path / "sim.json"
+    assert main(["sim", *SMALL, "--num-blocks", "42", "--policies", "recompute",
+                 "--json", str(out)]) == 0
+    run, = json.loads(out.read_text())["runs"]
+    assert run["dropped"] > 0
+    assert run["summary"]["num_completed"] == run["summary"]["num_requests"] == 30 - run["dropped"]
+    assert main(["sim", *SMALL, "--num-blocks", "42", "--max-context", "673"]) == 2
+    assert "--max-context 673 is more than an instance serves: 672 tokens" in \
+        capsys.readouterr().err
+
+
 def test_sim_refuses_an_unknown_policy() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["sim", *SMALL, "--policies", "offload,telepathy"])
