@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     setup |= {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "commit": commit(), "cpus": os.cpu_count()}
     report.write_json(args.out / "replay.json", runs, slo, setup)
-    title = f"{args.model}, {len(raw.requests)} requests, lengths x{args.length_scale:g}"
+    title = (f"{args.model}, {len(fitted[0][0].requests)} requests, "
+             f"lengths x{args.length_scale:g}")
     plotted = [run.plotted() for run in runs]
     last = [run for run in plotted if run.rate == runs[-1].rate]
     plots.latency_cdfs(last, slo,

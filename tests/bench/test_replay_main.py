@@ -87,3 +87,16 @@ def test_default_max_context_drops_what_the_pool_cannot_hold(
     assert replay(tmp_path, trace, "--num-blocks", "4", "--max-context", "65") == 2
     assert "--max-context 65 is more than an instance serves: 64 tokens" in \
         capsys.readouterr().err
+
+
+def test_plot_titles_count_the_requests_kept(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the slice before the too-long were dropped."""
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4), (90, 10), (60, 4))
+    titles: list[str] = []
+    monkeypatch.setattr(replay_main, "replay_all", lambda args, base, fitted: [
+        make_run(policy, {0: [1], 1: [2]}) for policy in ("recompute", "offload")])
+    monkeypatch.setattr(replay_main.plots, "latency_cdfs",
+                        lambda runs, slo, path, title: titles.append(title))
+    assert replay(tmp_path, trace, "--num-blocks", "4") == 0
+    assert titles == ["tiny, 2 requests, lengths x1, 1 req/s"]
