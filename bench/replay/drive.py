@@ -87,7 +87,9 @@ async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
                  ) -> list[RequestRecord]:
     """Every request sent at its arrival time (from now), all awaited. Its
     latencies count from that arrival, not from when it went out: a replay
-    behind schedule (a busy event loop) must not hide the wait as queueing."""
+    behind schedule (a busy event loop) must not hide the wait as queueing.
+    With EOS ignored a request must return exactly the tokens it asked for:
+    one that finished with any other number failed (WRONG_LENGTH)."""
     if len(prompts) != len(trace.requests):
         raise ValueError(f"{len(prompts)} prompts for {len(trace.requests)} requests")
     start = time.perf_counter()
@@ -98,6 +100,8 @@ async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         record = RequestRecord(index, due, output=[])
         await send(record, prompts[index], request.output_length)
+        if record.ok and record.num_tokens != request.output_length:
+            record.error = "WRONG_LENGTH"
         on_done(record)
         return record
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.replay import drive
 from bench.replay.drive import replay
-from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.metrics import RequestRecord, Slo
 from kvstash.workload.trace import Trace, TraceRequest
 
 
@@ -30,6 +30,24 @@ def test_latencies_count_from_the_arrival_even_when_sent_late() -> None:
     records = asyncio.run(replay(trace, [[1] * 4, [2] * 4], send))
     assert records[1].sent_s == pytest.approx(records[0].sent_s, abs=0.05)
     assert records[1].ttft_s is not None and records[1].ttft_s >= 0.2
+
+
+def test_a_request_that_finished_short_of_its_length_failed() -> None:
+    """Sent with EOS ignored for its trace length, a request finished by
+    "length" with fewer tokens (or more) than that did not complete: not
+    counted as good, nor its output left unchecked by the oracle."""
+    trace = Trace(tuple(TraceRequest(0.0, 4, 3, (i,)) for i in range(3)), 4)
+
+    async def send(record: RequestRecord, prompt: list[int], max_tokens: int) -> None:
+        for _ in range(max_tokens - 1 + record.index):  # 2, 3 and 4 tokens
+            record.chunk_times.append(time.perf_counter())
+            record.num_tokens += 1
+        record.ended_s = time.perf_counter()
+
+    records = asyncio.run(replay(trace, [[1] * 4] * 3, send))
+    assert [(r.ok, r.error) for r in records] == [(False, "WRONG_LENGTH"), (True, None),
+                                                   (False, "WRONG_LENGTH")]
+    assert not Slo(1e9, 1e9).met(records[0])
 
 
 @pytest.mark.parametrize(("finish", "error"), [("length", None), ("abort", "FINISH_ABORT"),
