@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvstash.client import Client
-from kvstash.common.layout import Layout
 from kvstash.common import wire
+from kvstash.common.layout import Layout
 from kvstash.common.wire import layout_from_proto
 from kvstash.launch.processes import Service
 from kvstash.launch.stack import Stack, StackConfig, running_stack
