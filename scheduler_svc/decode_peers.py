@@ -18,7 +18,9 @@
                used (it would expire anyway)
 
 An instance that is down, or answers an error, is skipped for that round;
-one with another KV layout is logged and skipped.
+one that refuses the request itself (another KV layout, a request it cannot
+serve: FAILED_PRECONDITION, INVALID_ARGUMENT) is logged and not asked again
+for it: when no other instance is left, the request decodes here at once.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
 
 # One ReserveBlocks call; a decode instance answers it without I/O.
 _RESERVE_TIMEOUT_S = 5.0
+# Answers that refuse the request itself, not the moment: asking again
+# would get the same.
+_FOR_GOOD = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                       grpc.StatusCode.UNIMPLEMENTED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,20 +135,27 @@ class DecodePeers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_s
         backoff = 0.0
+        refused: set[str] = set()  # addresses that refused the request itself
         while True:
             peers = await self._resolve()
             start = next(self._turn)
             hint = 0.0
             for i in range(len(peers)):
                 peer = peers[(start + i) % len(peers)]
-                if (peer.address, request_id) in self._releases:
+                if peer.address in refused or (peer.address, request_id) in self._releases:
                     continue  # a grant now could be ended by that release arriving after it
                 answer = await self._ask(peer, request)
-                if answer is None:
+                if isinstance(answer, grpc.StatusCode):
+                    if answer in _FOR_GOOD:
+                        refused.add(peer.address)
                     continue
                 if answer.accepted:
                     return peer
                 hint = max(hint, answer.retry_after_s)
+            if peers and refused.issuperset(peer.address for peer in peers):
+                log.info("request %s: every decode instance refused it; decoding it here",
+                         request_id)
+                return None
             backoff = min(max(hint, 2 * backoff, 0.01), self._max_backoff_s)
             if loop.time() + backoff > deadline:
                 log.info("request %s: no decode instance reserved blocks within %.1f s; "
@@ -152,21 +165,21 @@ class DecodePeers:
 
     async def _ask(
         self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest
-    ) -> scheduler_pb2.ReserveBlocksResponse | None:
-        """One ReserveBlocks; None when the instance could not answer. A
-        reservation the instance may have granted to a call cancelled or
-        timed out here is released."""
+    ) -> scheduler_pb2.ReserveBlocksResponse | grpc.StatusCode:
+        """One ReserveBlocks: its answer, or the code of the error it failed
+        with. A reservation the instance may have granted to a call
+        cancelled or timed out here is released."""
         call = peer.stub.ReserveBlocks(request, timeout=_RESERVE_TIMEOUT_S)
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            level = logging.ERROR if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else (
-                logging.DEBUG)
-            log.log(level, "decode instance %s: ReserveBlocks failed (%s: %s)", peer.address,
-                    exc.code().name, exc.details())
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            code = exc.code()
+            log.log(logging.ERROR if code in _FOR_GOOD else logging.DEBUG,
+                    "decode instance %s: ReserveBlocks failed (%s: %s)", peer.address,
+                    code.name, exc.details())
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._release_later(peer, request.request_id)
-            return None
+            return code
         except asyncio.CancelledError:
             self._release_later(peer, request.request_id)
             raise

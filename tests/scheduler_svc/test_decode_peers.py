@@ -156,6 +156,28 @@ async def test_a_layout_mismatch_is_logged_and_skipped(
     assert other.asked == ["r"] and "KV layout differs" in caplog.text
 
 
+async def test_an_instance_that_refuses_the_request_itself_is_not_asked_again(
+        serve: Serve) -> None:
+    """Before, a layout mismatch or a request too long for the decode
+    instances was asked again round after round for the whole wait (10 s
+    by default) before the request decoded here."""
+    other, full = Mismatched(accept), ScriptedDecode(refuse)
+    peers = DecodePeers([f"127.0.0.1:{await serve(other)}", f"127.0.0.1:{await serve(full)}"],
+                        LAYOUT, wait_s=0.6, max_backoff_s=0.1)
+    try:
+        assert await peers.reserve("r", [1], SAMPLING) is None
+        assert other.asked == ["r"] and len(full.asked) >= 3
+        started = time.monotonic()
+        alone = DecodePeers([f"127.0.0.1:{await serve(other)}"], LAYOUT, wait_s=30)
+        try:
+            assert await alone.reserve("s", [1], SAMPLING) is None
+        finally:
+            await alone.close()
+        assert time.monotonic() - started < 5 and other.asked == ["r", "s"]
+    finally:
+        await peers.close()
+
+
 async def released(decode: ScriptedDecode) -> None:
     """Waits up to 2 s for the release the decode instance hears as an Abort."""
     for _ in range(100):
