@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_svc.disk import MIN_FILE_BYTES
+from cache_svc.model import pages
 from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.units import GIB, MIB
@@ -122,12 +124,14 @@ class CacheConfig:
             raise ValueError(
                 f"disk_budget_bytes is {self.disk_budget_bytes} but no disk_dir is set"
             )
-        if self.disk_dir is not None and self.disk_budget_bytes == 0:
-            # A tier that holds nothing would also evict, at start, every
+        if self.disk_dir is not None and self.disk_budget_bytes < pages(MIN_FILE_BYTES):
+            # A tier that holds no snapshot would also evict, at start, every
             # snapshot a previous run left in disk_dir.
             raise ValueError(
-                f"disk_dir is {self.disk_dir} but disk_budget_bytes is 0: give the disk "
-                "tier a budget (--disk-budget), or no disk_dir for none"
+                f"disk_dir is {self.disk_dir} but disk_budget_bytes is "
+                f"{self.disk_budget_bytes}, less than the smallest snapshot file "
+                f"({pages(MIN_FILE_BYTES)} bytes): give the disk tier a budget "
+                "(--disk-budget), or no disk_dir for none"
             )
         if not 0 < self.unpinned_share <= 1:
             raise ValueError(f"unpinned_share is {self.unpinned_share}, must be in (0, 1]")

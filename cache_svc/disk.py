@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVSNAP02"
 DATA_OFFSET = 4096  # page-aligned payload; the metadata is far smaller
 CHECKSUM_BYTES = 8  # per chunk, in the trailer
+MIN_FILE_BYTES = DATA_OFFSET + 1 + CHECKSUM_BYTES  # a snapshot of one byte
 SUFFIX = ".kvsnap"
 TMP_PREFIX = ".tmp~"
 _WRITE_SLICE = 8 * MIB  # bytes per write call: bounds throttle granularity

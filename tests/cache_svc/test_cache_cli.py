@@ -10,7 +10,11 @@ import pytest
 
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
+from cache_svc.disk import MIN_FILE_BYTES
+from cache_svc.model import pages
 from kvstash.common.units import GIB, MIB
+
+SMALLEST_FILE = pages(MIN_FILE_BYTES)  # 8 KiB with 4 KiB pages
 
 
 def test_no_flags_give_the_config_defaults() -> None:
@@ -48,6 +52,14 @@ def test_a_disk_dir_without_a_budget_is_refused(tmp_path: Path) -> None:
     snapshot a previous run left there."""
     args = build_parser().parse_args(["--disk-dir", str(tmp_path)])
     with pytest.raises(ValueError, match=re.escape(
-            f"disk_dir is {tmp_path} but disk_budget_bytes is 0: give the disk tier a budget "
+            f"disk_dir is {tmp_path} but disk_budget_bytes is 0, less than the smallest "
+            f"snapshot file ({SMALLEST_FILE} bytes): give the disk tier a budget "
             "(--disk-budget), or no disk_dir for none")):
         config_from_args(args)
+
+
+def test_a_disk_budget_that_holds_no_snapshot_is_refused(tmp_path: Path) -> None:
+    """Any budget below the smallest file is a tier of 0 bytes too."""
+    with pytest.raises(ValueError, match=f"disk_budget_bytes is {SMALLEST_FILE - 1}, less"):
+        CacheConfig(disk_dir=tmp_path, disk_budget_bytes=SMALLEST_FILE - 1)
+    CacheConfig(disk_dir=tmp_path, disk_budget_bytes=SMALLEST_FILE)
