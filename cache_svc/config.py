@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,8 +142,10 @@ class CacheConfig:
             raise ValueError(f"max_snapshots is {self.max_snapshots}, must be >= 1")
         if self.default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s is {self.default_ttl_s}, must be > 0")
-        if self.sweep_interval_s <= 0:
-            raise ValueError(f"sweep_interval_s is {self.sweep_interval_s}, must be > 0")
+        # Durations: `not 0 < x < inf` refuses a NaN too (it fails every comparison).
+        if not 0 < self.sweep_interval_s < math.inf:
+            raise ValueError(
+                f"sweep_interval_s is {self.sweep_interval_s}, must be > 0 and finite")
         if self.max_inflight_bytes < PUT_SHARE_CHUNKS * MAX_CHUNK_BYTES:
             raise ValueError(
                 f"max_inflight_bytes is {self.max_inflight_bytes}, must be at least "
@@ -150,8 +153,8 @@ class CacheConfig:
             )
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs is {self.max_concurrent_rpcs}, must be >= 1")
-        if self.reserve_wait_s < 0:
-            raise ValueError(f"reserve_wait_s is {self.reserve_wait_s}, must be >= 0")
+        if not 0 <= self.reserve_wait_s < math.inf:
+            raise ValueError(f"reserve_wait_s is {self.reserve_wait_s}, must be >= 0 and finite")
         if self.io_threads < 1:
             raise ValueError(f"io_threads is {self.io_threads}, must be >= 1")
         if self.bandwidth_limit_bytes_per_s < 0:
@@ -166,8 +169,8 @@ class CacheConfig:
         if self.buffer_pool_bytes < 0:
             raise ValueError(f"buffer_pool_bytes is {self.buffer_pool_bytes}, must be >= 0")
         for name in ("buffer_pool_idle_s", "shared_lease_s", "put_idle_s", "get_idle_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0 and finite")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")

@@ -2,8 +2,8 @@
 parse time with its flag named ("argument --memory-budget: ..."), before
 anything starts.
 
-    duration        "90", "90s", "30m", "1h" -> seconds
-    positive_duration  the same, > 0 and finite
+    duration        "90", "90s", "30m", "1h" -> seconds, finite
+    positive_duration  the same, > 0
     byte_size       "8GiB", "512MiB", "4096" -> bytes
     byte_size_text  the same checked, kept as written (passed on to a service)
     port            0-65535
@@ -14,7 +14,6 @@ anything starts.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -38,7 +37,7 @@ def duration(text: str) -> float:
 
 def positive_duration(text: str) -> float:
     seconds = duration(text)
-    if not 0 < seconds < math.inf:
+    if seconds <= 0:
         raise argparse.ArgumentTypeError(f"not a duration > 0: {text!r}")
     return seconds
 

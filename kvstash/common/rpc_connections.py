@@ -11,6 +11,7 @@ close idle connections and cap the calls one connection keeps open
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +61,8 @@ class Connections:
 
     def __post_init__(self) -> None:
         for name in ("keepalive_s", "keepalive_timeout_s", "idle_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0")
+            if not 0 < getattr(self, name) < math.inf:  # NaN fails it too
+                raise ValueError(f"{name} is {getattr(self, name)}, must be > 0 and finite")
         if self.max_streams < 0:
             raise ValueError(f"max_streams is {self.max_streams}, must be >= 0")
 

@@ -5,6 +5,8 @@ Imports neither grpc nor torch, so configs, CLIs and wire codecs can all use it.
 
 from __future__ import annotations
 
+import math
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -27,13 +29,17 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_duration(text: str) -> float:
-    """"90", "90s", "30m", "1h", "1d" -> seconds. Raises ValueError naming the input."""
+    """"90", "90s", "30m", "1h", "1d" -> seconds. Raises ValueError naming the
+    input, also for nan and inf: a NaN passes checks such as `seconds <= 0`."""
     s = text.strip().lower()
     unit = s[-1] if s and s[-1] in _SECONDS_PER_UNIT else "s"
     try:
-        return float(s.rstrip("smhd")) * _SECONDS_PER_UNIT[unit]
+        seconds = float(s.rstrip("smhd")) * _SECONDS_PER_UNIT[unit]
     except ValueError:
         raise ValueError(f"not a duration: {text!r} (try 90s, 30m, 1h)") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a finite duration: {text!r} (try 90s, 30m, 1h)")
+    return seconds
 
 
 def parse_counts(text: str) -> tuple[int, ...]:

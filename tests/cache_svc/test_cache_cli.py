@@ -3,6 +3,7 @@ durations are read with their units."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def test_flags_with_units_reach_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--memory-budget", "lots"], "not a byte size: 'lots'"),
     (["--default-ttl", "soon"], "not a duration: 'soon'"),
+    (["--sweep-interval", "nan"], "not a finite duration: 'nan'"),  # or the sweeper spins
+    (["--reserve-wait", "inf"], "not a finite duration: 'inf'"),
     (["--log-level", "verbose"], "invalid choice: 'verbose'"),  # not a traceback at start
 ])
 def test_bad_values_name_the_flag_and_value(
@@ -45,6 +48,16 @@ def test_bad_values_name_the_flag_and_value(
         build_parser().parse_args(flags)
     err = capsys.readouterr().err
     assert flags[0] in err and message in err
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("field", ["reserve_wait_s", "sweep_interval_s", "shared_lease_s",
+                                   "put_idle_s", "get_idle_s", "buffer_pool_idle_s"])
+def test_durations_must_be_finite(field: str, value: float) -> None:
+    """NaN passes any comparison check: a NaN sweep interval made the sweeper
+    spin, a NaN reserve_wait_s a put that never times out."""
+    with pytest.raises(ValueError, match=f"{field} is {value}, must be .* and finite"):
+        CacheConfig(**{field: value})
 
 
 def test_a_disk_dir_without_a_budget_is_refused(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,6 +34,13 @@ def test_flags_reach_the_server_options() -> None:
     assert "grpc.max_concurrent_streams" not in dict(parse().server_options())
     with pytest.raises(ValueError, match=r"idle_s is 0\.0, must be > 0"):
         parse("--idle-timeout", "0")
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf])
+def test_durations_must_be_finite(seconds: float) -> None:
+    """A NaN passed `<= 0`, and an infinity overflowed the server's options."""
+    with pytest.raises(ValueError, match=f"keepalive_s is {seconds}, must be > 0 and finite"):
+        rpc_connections.Connections(keepalive_s=seconds)
 
 
 async def test_an_idle_connection_is_closed_and_reopened() -> None:

@@ -44,6 +44,12 @@ def test_parse_duration_names_bad_input() -> None:
         units.parse_duration("soon")
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "infs", "1e400"])
+def test_parse_duration_refuses_what_is_no_finite_number_of_seconds(text: str) -> None:
+    with pytest.raises(ValueError, match=f"not a finite duration: {text!r}"):
+        units.parse_duration(text)
+
+
 def test_units_import_neither_grpc_nor_torch() -> None:
     code = ("import sys, kvstash.common.units; "
             "sys.exit(sorted({'grpc', 'torch'} & sys.modules.keys()) or None)")
