@@ -175,6 +175,10 @@ class CacheConfig:
             raise ValueError(f"metrics_port is {self.metrics_port}, must be in [0, 65535]")
         listen_host(self.metrics_host, "metrics_host")
 
+    def unpinned_bytes(self) -> int:
+        """The memory unpinned snapshots may hold (`unpinned_share`)."""
+        return int(self.unpinned_share * self.memory_budget_bytes)
+
     def overhead_bytes(self, num_streams: int | None = None) -> int:
         """Resident memory beyond the idle process and the memory budget that
         `num_streams` open put streams (default: as many as may be open) may

@@ -74,12 +74,20 @@ class SnapshotStore:
         snapshot_id = meta.snapshot_id
         if self._tiers.is_listed(snapshot_id) or snapshot_id in self._pending:
             raise AlreadyExists(f"snapshot {preview(snapshot_id)} already exists or is being put")
-        budget = self.config.memory_budget_bytes
+        config = self.config
+        budget = config.memory_budget_bytes
         if pages(meta.total_bytes) > budget:
             self._counters.num_refused += 1
             raise ResourceExhausted(
                 f"snapshot {preview(snapshot_id)} has {meta.total_bytes} bytes, more than the "
                 f"memory budget {budget} (in whole pages of {PAGE_BYTES})"
+            )
+        if not meta.pinned and pages(meta.total_bytes) > config.unpinned_bytes():
+            self._counters.num_refused += 1
+            raise ResourceExhausted(
+                f"snapshot {preview(snapshot_id)} is unpinned and has {meta.total_bytes} bytes, "
+                f"more than unpinned snapshots' share of the memory budget, "
+                f"{config.unpinned_share:g} of {budget} (in whole pages of {PAGE_BYTES})"
             )
         if not self._tiers.make_slot(len(self._pending)):
             self._counters.num_refused += 1

@@ -259,8 +259,7 @@ class Tiers:
         held = self.unpinned_reserved + sum(
             e.memory_bytes for e in self._lru.values()
             if not e.meta.pinned and e.residence is Residence.MEMORY)
-        cap = int(self.config.unpinned_share * self.config.memory_budget_bytes)
-        return held + size - cap
+        return held + size - self.config.unpinned_bytes()
 
     def _makes_room(self, size: int) -> Room:
         """The room for `size` bytes, counting the spills in progress."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import pytest
@@ -198,3 +199,21 @@ async def test_unpinned_snapshots_stay_within_their_share(start_cache) -> None:
     await put(running, "p2")
     assert await tiers(running, "p1", "p2", "u3", "u4") == [MEMORY] * 4
     running.cache.store.check_integrity()
+
+
+async def test_an_unpinned_put_beyond_its_share_is_refused_at_once(start_cache) -> None:
+    """It could never fit, so it does not wait out reserve_wait_s while a get
+    (or anything else) is running."""
+    running = await start_cache(memory_budget_bytes=8 * MIB, unpinned_share=0.25,
+                                reserve_wait_s=10.0)
+    await put(running, "a")
+    store = running.cache.store
+    reader = await store.reads.open_reader("a")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(errors.ResourceExhausted, match=r"share of the memory budget, 0\.25"):
+        await put(running, "segment", pinned=False)  # 4 MiB, of 8 MiB (4 free)
+    assert loop.time() - started < 5
+    store.reads.close_reader(reader)
+    assert (await running.client.stats()).num_refused == 1
+    store.check_integrity()
