@@ -271,12 +271,15 @@ class Tiers:
 
     def _may_change(self) -> bool:
         """Whether waiting could help: a spill, a get or another put is
-        running, or an extent's quarantine."""
+        running, or an extent's quarantine. A get of a snapshot no longer
+        listed counts too: its memory copy is freed when it ends."""
+        listed = self._lru.values()
         return (
             self.background.busy
             or self.memory.reserved > 0
             or self.memory.quarantined > 0
-            or any(e.num_readers for e in self._lru.values())
+            or any(e.num_readers for e in listed)
+            or self.memory.used > sum(e.memory_bytes for e in listed if e.buffer is not None)
         )
 
     def _start_spill(self, entry: Entry) -> None:

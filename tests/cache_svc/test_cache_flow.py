@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-from cache_helpers import MIB, make_layout, make_payload
+from cache_helpers import MIB, make_layout, make_payload, wait_until
 
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
@@ -89,6 +89,27 @@ async def test_slow_disk_makes_writers_wait(start_cache) -> None:
     for i, p in enumerate(payloads):
         assert (await running.client.get(f"s{i}"))[1] == p.tobytes()
     assert (await running.client.stats()).num_spills >= 4
+
+
+async def test_a_put_waits_for_the_memory_a_deleted_snapshots_reader_holds(start_cache) -> None:
+    """That memory is freed when the reader closes: the put waits for it, as
+    for a spill, rather than being refused at once."""
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_dir=None,
+                                disk_budget_bytes=0, reserve_wait_s=10)
+    payloads = [make_payload(LAYOUT, 128, seed=i) for i in range(3)]  # 4 MiB each
+    for name, payload in zip("ab", payloads, strict=False):
+        await running.client.put(name, LAYOUT, 128, 0, payload)
+    store = running.cache.store
+    reader = await store.reads.open_reader("a")
+    await running.client.delete("a")  # unlisted; its buffer stays for the reader
+    putting = asyncio.ensure_future(running.client.put("c", LAYOUT, 128, 0, payloads[2]))
+    await wait_until(lambda: "c" in store._pending or putting.done(), "the put reaches the cache")
+    await asyncio.sleep(0.1)
+    assert not putting.done()
+    store.reads.close_reader(reader, finished=True)
+    await putting
+    assert (await running.client.get("c"))[1] == payloads[2].tobytes()
+    store.check_integrity()
 
 
 async def test_concurrent_puts_and_gets_in_process(start_cache) -> None:
