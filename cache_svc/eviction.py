@@ -2,7 +2,8 @@
 
 Walking memory snapshots from least to most recently used, each is either
   - spilled to disk, if the disk has room, after evicting least recently used
-    unpinned disk snapshots where that makes enough room; or
+    unpinned disk snapshots where that makes enough room (neither while
+    spills rest after one failed); or
   - evicted, if it is unpinned and the disk cannot take it; or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
 Busy snapshots (being read or already spilling) are never chosen, nor, for an
@@ -84,10 +85,11 @@ class CappedRoom:
 
 
 def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
-              unpinned_only: bool = False) -> Plan | None:
+              unpinned_only: bool = False, spill: bool = True) -> Plan | None:
     """`lru_entries`: every listed entry, least recently used first. Victims
     (unpinned ones only, with `unpinned_only`) are added to `room` in LRU
-    order until it has enough; None if they never make it."""
+    order until it has enough; None if they never make it. Without `spill`,
+    nothing is spilled (nor evicted from disk to make room for a spill)."""
     entries = list(lru_entries)
     disk_victims = [
         e for e in entries
@@ -101,7 +103,7 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
         if (entry.residence is not Residence.MEMORY or entry.num_readers
                 or (unpinned_only and entry.meta.pinned)):
             continue
-        if disk_free + disk_evictable >= entry.disk_bytes:
+        if spill and disk_free + disk_evictable >= entry.disk_bytes:
             while disk_free < entry.disk_bytes:
                 victim = disk_victims.pop(0)
                 plan.evict_disk.append(victim)

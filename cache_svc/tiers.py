@@ -35,9 +35,10 @@ from kvstash.errors import NotFound, ResourceExhausted, preview
 
 log = logging.getLogger(__name__)
 
-# After a spill fails, no snapshot is spilled for this long: a full or failing
-# disk would otherwise be written to again at once, a whole snapshot at a
-# time, for as long as a put waits for room.
+# After a spill fails, no snapshot is spilled for this long (nor one on disk
+# evicted to make room for a spill): a full or failing disk would otherwise be
+# written to again at once, a whole snapshot at a time, for as long as a put
+# waits for room.
 SPILL_BACKOFF_S = 5.0
 
 
@@ -218,11 +219,10 @@ class Tiers:
                 memory.pool.release(pooled_needed)
             changed = self.background.changed
             room = self._makes_room(size)
-            spill_room = (0 if loop.time() < self._spills_paused_until
-                          else self.disk_free(overdrawn=True))
-            plan = plan_room(self._lru.values(), spill_room,
+            plan = plan_room(self._lru.values(), self.disk_free(overdrawn=True),
                              room if excess <= 0 else CappedRoom(room, excess),
-                             unpinned_only=not pinned)
+                             unpinned_only=not pinned,
+                             spill=loop.time() >= self._spills_paused_until)
             if plan is not None and (plan.spill or plan.evict_memory):
                 self._evict(plan.evict_disk + plan.evict_memory)
                 for entry in plan.spill:

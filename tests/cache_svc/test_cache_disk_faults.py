@@ -158,6 +158,30 @@ async def test_a_failing_disk_is_not_written_again_and_again(start_cache, monkey
     assert (await running.client.get("a"))[1] == PAYLOADS["a"]
 
 
+async def test_in_a_failing_disks_rest_no_snapshot_on_it_is_evicted_to_spill(
+        start_cache, monkeypatch) -> None:
+    """The rest holds with unpinned snapshots on the disk too: none is evicted
+    to make room there for a spill that would write to it again."""
+    running = await start_cache(memory_budget_bytes=8 * MIB, unpinned_share=1.0)  # 64 MiB disk
+    client = running.client
+    await client.put("u", LAYOUT, NUM_BLOCKS, 0, PAYLOADS["c"], pinned=False)
+    for name in "ab":  # b spills u
+        await client.put(name, LAYOUT, NUM_BLOCKS, 0, PAYLOADS[name])
+    assert (await client.stat("u")).tier == cache_pb2.TIER_DISK
+    writes = []
+
+    def failing_disk(self: DiskFiles, meta: SnapshotMeta, *args: object) -> None:
+        writes.append(meta.snapshot_id)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(DiskFiles, "write", failing_disk)
+    with pytest.raises(errors.ResourceExhausted):
+        await client.put("p", LAYOUT, NUM_BLOCKS, 0, PAYLOADS["c"])
+    assert writes == ["a"]
+    assert (await client.stat("u")).tier == cache_pb2.TIER_DISK
+    running.cache.store.check_integrity()
+
+
 async def test_get_racing_a_delete_is_unavailable(start_cache, monkeypatch) -> None:
     running = await put_two_spilled(start_cache)
     opening, go_on = threading.Event(), threading.Event()
