@@ -4,7 +4,8 @@ Walking memory snapshots from least to most recently used, each is either
   - spilled to disk, if the disk has room, after evicting least recently used
     unpinned disk snapshots where that makes enough room (neither while
     spills rest after one failed); or
-  - evicted, if it is unpinned and the disk cannot take it; or
+  - evicted, if it is unpinned and the disk cannot take it, or only by
+    evicting a snapshot used more recently (unpinned ones go LRU); or
   - skipped (pinned and no disk room: pinned snapshots are never dropped).
 Busy snapshots (being read or already spilling) are never chosen, nor, for an
 unpinned put (a prefix-tier segment), pinned ones: those take precedence, and
@@ -91,25 +92,25 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
     order until it has enough; None if they never make it. Without `spill`,
     nothing is spilled (nor evicted from disk to make room for a spill)."""
     entries = list(lru_entries)
+    # Unpinned disk snapshots nobody reads, and their places in the LRU order.
     disk_victims = [
-        e for e in entries
+        (place, e) for place, e in enumerate(entries)
         if e.residence is Residence.DISK and not e.meta.pinned and e.num_readers == 0
     ]
-    disk_evictable = sum(e.disk_bytes for e in disk_victims)
     plan = Plan()
-    for entry in entries:
+    for place, entry in enumerate(entries):
         if room.enough():
             break
         if (entry.residence is not Residence.MEMORY or entry.num_readers
                 or (unpinned_only and entry.meta.pinned)):
             continue
-        if spill and disk_free + disk_evictable >= entry.disk_bytes:
-            while disk_free < entry.disk_bytes:
-                victim = disk_victims.pop(0)
-                plan.evict_disk.append(victim)
-                disk_free += victim.disk_bytes
-                disk_evictable -= victim.disk_bytes
-            disk_free -= entry.disk_bytes
+        num = _num_to_evict(disk_victims, disk_free, entry.disk_bytes) if spill else None
+        if num and not entry.meta.pinned and disk_victims[num - 1][0] > place:
+            num = None  # it goes itself, not a snapshot used more recently
+        if num is not None:
+            evicted, disk_victims = disk_victims[:num], disk_victims[num:]
+            plan.evict_disk += [victim for _, victim in evicted]
+            disk_free += sum(victim.disk_bytes for _, victim in evicted) - entry.disk_bytes
             plan.spill.append(entry)
         elif not entry.meta.pinned:
             plan.evict_memory.append(entry)
@@ -117,6 +118,19 @@ def plan_room(lru_entries: Iterable[Entry], disk_free: int, room: Room,
             continue
         room.add(entry)
     return plan if room.enough() else None
+
+
+def _num_to_evict(disk_victims: list[tuple[int, Entry]], disk_free: int,
+                  size: int) -> int | None:
+    """How many of `disk_victims`, first ones first, must go for `size` bytes
+    to fit on the disk; None if not even all of them make room."""
+    num = 0
+    while disk_free < size:
+        if num == len(disk_victims):
+            return None
+        disk_free += disk_victims[num][1].disk_bytes
+        num += 1
+    return num
 
 
 def over_limits(lru_entries: Iterable[Entry], disk_used: int, disk_budget: int,

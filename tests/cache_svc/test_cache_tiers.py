@@ -57,6 +57,22 @@ async def test_unpinned_evicted_lru_when_both_tiers_full(start_cache) -> None:
     assert stats.num_evictions == 1 and len(running.disk_files()) == 2
 
 
+async def test_an_unpinned_snapshot_is_evicted_rather_than_one_used_more_recently(
+        start_cache) -> None:
+    """Spilling the least recently used unpinned snapshot in memory would
+    evict one read since from the full disk: it is evicted itself instead."""
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=on_disk(1),
+                                unpinned_share=1.0)
+    for name in ("u1", "u2", "u3"):  # u3 spills u1 and fills the disk
+        await put(running, name, pinned=False)
+    await running.client.get("u1")  # LRU order now u2, u3, u1
+    await put(running, "u4", pinned=False)
+    absent = cache_pb2.TIER_UNSPECIFIED
+    assert await running.client.find(["u1", "u2", "u3", "u4"]) == [DISK, absent, MEMORY, MEMORY]
+    assert (await running.client.stats()).num_evictions == 1
+    running.cache.store.check_integrity()
+
+
 async def test_pinned_snapshots_survive_pressure(start_cache) -> None:
     running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=on_disk(2))
     payloads = {"u1": await put(running, "u1", pinned=False)}
