@@ -32,6 +32,7 @@ import os
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,9 +74,11 @@ class DiskFiles:
         check_snapshot_id(snapshot_id)
         return self.directory / f"{snapshot_id}~{token}{SUFFIX}"
 
-    def write(self, meta: SnapshotMeta, payload: memoryview, checksums: tuple[int, ...]) -> Path:
+    def write(self, meta: SnapshotMeta, payload: memoryview, checksums: tuple[int, ...],
+              wanted: Callable[[], bool] = lambda: True) -> Path | None:
         """Writes the snapshot and its chunk checksums atomically; returns its
-        final path."""
+        final path, or None if `wanted()`, asked once they are written, says
+        no (nothing of them is left then)."""
         if len(checksums) != meta.num_chunks:
             raise ValueError(f"snapshot {meta.snapshot_id} has {meta.num_chunks} chunks, "
                              f"got {len(checksums)} checksums")
@@ -97,6 +100,9 @@ class DiskFiles:
             os.unlink(tmp)
             raise
         os.close(fd)
+        if not wanted():
+            os.unlink(tmp)
+            return None
         try:
             os.rename(tmp, final)
         except BaseException:

@@ -292,8 +292,13 @@ class Tiers:
         assert self.disk is not None and entry.buffer is not None
         background = self.background
         try:
+            # Asked on the I/O thread: a snapshot dropped while being written
+            # is never put in place, where after a crash it would be the
+            # newest file of its id (disk.scan), over one put since. One
+            # dropped just after the check was written before any such one.
             path = await background.run_io(self.disk.write, entry.meta,
-                                           memoryview(entry.buffer), entry.checksums)
+                                           memoryview(entry.buffer), entry.checksums,
+                                           lambda: self.lists(entry))
         except Exception:
             log.exception("spilling %s failed; it stays in memory, and no snapshot is spilled "
                           "for %g s", entry.meta.snapshot_id, SPILL_BACKOFF_S)
@@ -306,11 +311,13 @@ class Tiers:
             return
         self.disk_reserved -= entry.disk_bytes
         entry.residence = Residence.DISK
-        if self.lists(entry):
+        if path is None:  # deleted or expired while being written
+            _done(entry.unlinked)
+        elif self.lists(entry):
             entry.path = path
             self.disk_used += entry.disk_bytes
             self.num_spills += 1
-        else:  # deleted or expired while being written
+        else:  # deleted or expired just before its file was put in place
             unlink = background.spawn(background.run_unlink(self.disk.remove, path))
             unlink.add_done_callback(lambda _: _done(entry.unlinked))
         self.settle(entry)

@@ -163,6 +163,7 @@ def disk_copies(layout: Layout, repeat: int, directory: Path) -> list[tuple[int,
         for _ in range(repeat + 1):
             started = time.perf_counter()
             path = files.write(meta, payload, (0,) * meta.num_chunks)
+            assert path is not None  # wanted, as nothing says otherwise
             fd = files.open(path)
             try:
                 files.read(fd, 0, size)

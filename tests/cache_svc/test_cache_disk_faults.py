@@ -10,12 +10,14 @@ import shutil
 import threading
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from cache_helpers import MIB, make_layout, make_payload, wait_until
 
 from cache_svc.disk import DATA_OFFSET, DiskFiles
+from cache_svc.model import Residence
 from cache_svc.snapshot import SnapshotMeta
 from kvstash import errors
 from kvstash.common.layout import Layout
@@ -345,20 +347,27 @@ async def test_a_deleted_snapshot_stays_deleted_through_a_crash(start_cache, tmp
 
 
 async def test_a_snapshot_deleted_while_spilling_stays_deleted_through_a_crash(
-        start_cache, tmp_path) -> None:
+        start_cache, tmp_path, monkeypatch) -> None:
     """Deleted while its file is being written, it has no file yet: the delete
     answers only once the spill has ended and unlinked what it wrote (it
-    answered at once, and a crash before that unlink brought it back)."""
+    answered at once, and a crash before that unlink brought it back). Here
+    the delete comes just after the spill's last check that the snapshot is
+    still wanted, so its file is put in place."""
     running = await start_cache(memory_budget_bytes=4 * MIB, io_threads=1,
                                 disk_write_bytes_per_s=2 * MIB)  # a spill takes 0.5 s
     tiers = running.cache.store._tiers
     release = threading.Event()
-    remove = tiers.disk.remove
+    write, remove = DiskFiles.write, tiers.disk.remove
+
+    def unchecked_write(self: DiskFiles, meta: SnapshotMeta, payload: memoryview,
+                        checksums: tuple[int, ...], wanted: object) -> Path | None:
+        return write(self, meta, payload, checksums)
 
     def held_remove(path: Path) -> None:  # the unlink waits for the test
         release.wait(10)
         remove(path)
 
+    monkeypatch.setattr(DiskFiles, "write", unchecked_write)
     tiers.disk.remove = held_remove
     one_mib = 32  # blocks of LAYOUT
 
@@ -382,3 +391,55 @@ async def test_a_snapshot_deleted_while_spilling_stays_deleted_through_a_crash(
     restarted = await start_cache(memory_budget_bytes=4 * MIB, disk_dir=crashed)
     with pytest.raises(errors.NotFound):
         await restarted.client.stat("a0")
+
+
+async def test_a_snapshot_deleted_while_spilling_never_replaces_its_successor_after_a_crash(
+        start_cache, tmp_path, monkeypatch) -> None:
+    """Its file is not put in place once written: a crash before that file
+    was unlinked again brought it back, as the newest file of its id, instead
+    of the snapshot put under the id since, and spilled first."""
+    config = {"memory_budget_bytes": 16 * MIB, "unpinned_share": 0.25, "io_threads": 2}
+    running = await start_cache(**config)
+    tiers = running.cache.store._tiers
+    v1_goes_on, unlinks_go_on = threading.Event(), threading.Event()
+    write, remove = DiskFiles.write, tiers.disk.remove
+    writes: list[str] = []
+
+    def held_write(self: DiskFiles, meta: SnapshotMeta, *args: Any) -> Path | None:
+        writes.append(meta.snapshot_id)
+        if writes.count("a") == 1 and meta.snapshot_id == "a":
+            v1_goes_on.wait(30)  # v1's spill, until v2 is on disk
+        return write(self, meta, *args)
+
+    def held_remove(path: Path) -> None:  # the crash comes first
+        if path.name.startswith("a~"):
+            unlinks_go_on.wait(30)
+        remove(path)
+
+    monkeypatch.setattr(DiskFiles, "write", held_write)
+    tiers.disk.remove = held_remove
+
+    async def put(name: str, data: bytes) -> None:
+        await running.client.put(name, LAYOUT, NUM_BLOCKS, 0, data, pinned=False)
+
+    v1, v2 = PAYLOADS["a"], PAYLOADS["b"]
+    try:
+        await put("a", v1)
+        await put("u1", PAYLOADS["c"])  # over the share: v1 spills
+        entry = tiers.lookup("a")
+        deleting = asyncio.ensure_future(running.client.delete("a"))
+        await wait_until(lambda: not tiers.is_listed("a"), "v1 deleted while spilling")
+        await put("a", v2)  # u1 spills, on the other thread
+        await put("u2", PAYLOADS["c"])  # v2 spills
+        await wait_until(lambda: tiers.lookup("a").residence is Residence.DISK, "v2 on disk")
+        v1_goes_on.set()
+        await wait_until(lambda: entry.residence is not Residence.SPILLING, "v1's spill ended")
+        crashed = tmp_path / "after_crash"
+        shutil.copytree(running.disk_dir, crashed)  # what a crash now leaves on disk
+    finally:
+        v1_goes_on.set()
+        unlinks_go_on.set()
+    await deleting
+    assert len([n for n in running.disk_files() if "a~" in n]) == 1  # v2's; none of v1
+    restarted = await start_cache(**config, disk_dir=crashed)
+    assert (await restarted.client.get("a"))[1] == v2
