@@ -22,13 +22,16 @@ MAX_STOP_TOKEN_IDS = 256
 # What a request that leaves temperature unset samples at, on both APIs:
 # OpenAI's and vLLM's default (an OpenAI client through a gateway sends none).
 DEFAULT_TEMPERATURE = 1.0
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): dividing
+# logits by a subnormal one overflows them to inf, and the draw to token 0.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     # Most output tokens to generate (>= 1).
     max_tokens: int
-    # 0 = greedy.
+    # 0 = greedy; so is anything below SAMPLING_EPS, stored as 0.
     temperature: float = 0.0
     # Nucleus mass in (0, 1]; 1.0 = off.
     top_p: float = 1.0
@@ -46,6 +49,8 @@ class SamplingParams:
             raise InvalidArgument(f"max_tokens must be positive, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

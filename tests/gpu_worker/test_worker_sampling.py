@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.runner import SeqWork
 from gpu_worker.sampling import (
     GREEDY,
     SamplingBatch,
@@ -113,6 +114,20 @@ def test_seeded_generation_survives_recompute_and_chunking() -> None:
 def test_bad_params_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         SamplingParams(max_tokens=8, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_tiny_temperature_never_samples_a_token_the_head_blocks() -> None:
+    """Below SAMPLING_EPS a temperature is greedy, as in vLLM: a subnormal one
+    overflowed the logits to inf and drew token 0, which the tiny head blocks."""
+    runner = make_runner()
+    ids = prompt("Hello there")
+    [greedy] = runner.execute([SeqWork("a", ids, 0, [0, 1, 2, 3], True)])
+    for i, temperature in enumerate([1e-310, 5e-324, 1e-6]):
+        tiny = params(temperature=temperature, seed=1)
+        assert tiny.greedy and tiny.temperature == 0.0
+        blocks = [4 * i + 4 + b for b in range(4)]
+        assert runner.execute([SeqWork("b", ids, 0, blocks, True, tiny)]) == [greedy]
+    assert not params(temperature=1e-5).greedy
 
 
 def test_seeded_uniform_is_53_exact_bits_of_splitmix() -> None:
