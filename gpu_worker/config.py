@@ -6,6 +6,7 @@ Nothing here imports torch, so the CLI can parse and reject flags before the
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -88,8 +89,9 @@ class WorkerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cache_address and ":" not in self.cache_address:
             raise ValueError(f"cache_address must be host:port, got {self.cache_address!r}")
-        if self.cache_timeout_s <= 0:
-            raise ValueError(f"cache_timeout_s must be > 0, got {self.cache_timeout_s}")
+        # NaN passes `<= 0`, and a transfer bounded by NaN or inf never times out.
+        if not (math.isfinite(self.cache_timeout_s) and self.cache_timeout_s > 0):
+            raise ValueError(f"cache_timeout_s must be finite and > 0, got {self.cache_timeout_s}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.row_tile is not None and not 1 <= self.row_tile <= 4096:

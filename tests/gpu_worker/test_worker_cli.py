@@ -27,7 +27,10 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"block_size": 0}, r"block_size must be in \[1, 1024\], got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
         ({"cache_address": "localhost"}, "host:port, got 'localhost'"),
-        ({"cache_timeout_s": 0}, "cache_timeout_s must be > 0, got 0"),
+        ({"cache_timeout_s": 0}, "cache_timeout_s must be finite and > 0, got 0"),
+        # Neither bounds an offload or restore: it would hang for good.
+        ({"cache_timeout_s": float("nan")}, "cache_timeout_s must be finite and > 0, got nan"),
+        ({"cache_timeout_s": float("inf")}, "cache_timeout_s must be finite and > 0, got inf"),
         ({"metrics_port": 70000}, r"metrics_port must be in \[0, 65535\], got 70000"),
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
         ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),
