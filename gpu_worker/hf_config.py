@@ -13,6 +13,7 @@ No torch here: it parses JSON only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gpu_worker.config import Llama3RopeScaling, ModelConfig
@@ -25,10 +26,37 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Checkpoint dtypes `--dtype auto` takes as they are.
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
+_REQUIRED = object()
+_EXPECTED = {int: "a positive integer", float: "a finite number", bool: "true or false",
+             list: "a list"}
 
 
 def _refuse(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"config.json {field}={value!r} is not supported: {why}")
+
+
+def _is(value: Any, kind: type) -> bool:
+    """As JSON reads: a bool is no number, an integer is also a float."""
+    if kind is float:
+        return type(value) in (int, float) and math.isfinite(value)
+    if kind is int:
+        return type(value) is int and value >= 1
+    return type(value) is kind
+
+
+def _get(raw: dict[str, Any], field: str, kind: type, default: Any = _REQUIRED,
+         prefix: str = "") -> Any:
+    """raw[field], a ValueError naming it unless it is a `kind` (see _EXPECTED);
+    `default` when absent. null is taken only where the default is None (a
+    value derived from others, as head_dim is)."""
+    value = raw.get(field, default)
+    if value is _REQUIRED:
+        raise ValueError(f"config.json lacks {prefix + field!r}")
+    if value is None and default is None:
+        return None
+    if not _is(value, kind):
+        raise ValueError(f"config.json {prefix}{field}={value!r}: expected {_EXPECTED[kind]}")
+    return value
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
@@ -44,10 +72,10 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     out = dict(params)
     out["rope_type"] = params.get("rope_type", params.get("type", "default"))
     # Theta may sit at the top level or in either dict, whichever layout wrote it.
-    theta = params.get("rope_theta", raw.get("rope_theta"))
-    if theta is None and isinstance(raw.get("rope_parameters"), dict):
-        theta = raw["rope_parameters"].get("rope_theta")
-    out["rope_theta"] = float(_DEFAULT_ROPE_THETA if theta is None else theta)
+    new_layout = raw.get("rope_parameters")
+    holders = [params, raw, new_layout if isinstance(new_layout, dict) else {}]
+    holder = next((h for h in holders if h.get("rope_theta") is not None), {})
+    out["rope_theta"] = float(_get(holder, "rope_theta", float, _DEFAULT_ROPE_THETA))
     return out
 
 
@@ -56,17 +84,18 @@ def _rope_scaling(params: dict[str, Any], max_position_embeddings: int
     kind = params["rope_type"]
     if kind not in SUPPORTED_ROPE_TYPES:
         raise _refuse("rope_type", kind, f"only {', '.join(SUPPORTED_ROPE_TYPES)} are implemented")
-    factor = params.get("partial_rotary_factor", 1.0)
-    if float(factor) != 1.0:
+    where = "rope_parameters."
+    factor = _get(params, "partial_rotary_factor", float, 1.0, where)
+    if factor != 1.0:
         raise _refuse("partial_rotary_factor", factor, "RoPE is applied to the whole head")
     if kind == "default":
         return None
     return Llama3RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", max_position_embeddings)),
+        factor=float(_get(params, "factor", float, prefix=where)),
+        low_freq_factor=float(_get(params, "low_freq_factor", float, prefix=where)),
+        high_freq_factor=float(_get(params, "high_freq_factor", float, prefix=where)),
+        original_max_position_embeddings=_get(params, "original_max_position_embeddings",
+                                              int, max_position_embeddings, where),
     )
 
 
@@ -93,7 +122,8 @@ def check_supported(raw: dict[str, Any]) -> None:
     if raw.get("use_sliding_window"):
         raise _refuse("use_sliding_window", raw["use_sliding_window"],
                       "attention is full causal (sliding windows are not implemented)")
-    windowed = [t for t in raw.get("layer_types") or () if t != "full_attention"]
+    windowed = [t for t in _get(raw, "layer_types", list, None) or ()
+                if t != "full_attention"]
     if windowed:
         raise _refuse("layer_types", windowed[0], "every layer must be full_attention")
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
@@ -107,9 +137,10 @@ def eos_token_ids(*raws: Any) -> tuple[int, ...]:
     that only generation_config.json lists."""
     ids: list[int] = []
     for raw in raws:
-        for token in ([] if raw is None else [raw] if isinstance(raw, int) else raw):
-            if int(token) not in ids:
-                ids.append(int(token))
+        tokens = [] if raw is None else [raw] if type(raw) is int else raw
+        if type(tokens) is not list or any(type(t) is not int for t in tokens):
+            raise ValueError(f"eos_token_id={raw!r}: expected a token id or a list of them")
+        ids += [t for t in dict.fromkeys(tokens) if t not in ids]
     return tuple(ids)
 
 
@@ -132,33 +163,29 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
     """A Hugging Face `config.json` (as a dict) -> ModelConfig; `generation` is
     `generation_config.json`, whose eos ids are added to config.json's."""
     check_supported(raw)
-    try:
-        num_heads = int(raw["num_attention_heads"])
-        hidden_size = int(raw["hidden_size"])
-        if num_heads < 1:
-            raise ValueError(f"num_attention_heads must be >= 1, got {num_heads}")
-        if not raw.get("head_dim") and hidden_size % num_heads:
-            raise _refuse("hidden_size", hidden_size, f"not a multiple of num_attention_heads "
-                                                      f"{num_heads}, and no head_dim given")
-        max_len = int(raw.get("max_position_embeddings", 2048))
-        rope = _rope_parameters(raw)
-        return ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-            rope_theta=rope["rope_theta"],
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_model_len=max_len,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=raw["model_type"] == "qwen2",
-            eos_token_ids=eos_token_ids(raw.get("eos_token_id"),
-                                        (generation or {}).get("eos_token_id")),
-            rope_scaling=_rope_scaling(rope, max_len),
-            model_type=raw["model_type"],
-        )
-    except KeyError as exc:
-        raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+    num_heads = _get(raw, "num_attention_heads", int)
+    hidden_size = _get(raw, "hidden_size", int)
+    head_dim = _get(raw, "head_dim", int, None)
+    if head_dim is None and hidden_size % num_heads:
+        raise _refuse("hidden_size", hidden_size, f"not a multiple of num_attention_heads "
+                                                  f"{num_heads}, and no head_dim given")
+    max_len = _get(raw, "max_position_embeddings", int, 2048)
+    rope = _rope_parameters(raw)
+    return ModelConfig(
+        vocab_size=_get(raw, "vocab_size", int),
+        hidden_size=hidden_size,
+        intermediate_size=_get(raw, "intermediate_size", int),
+        num_layers=_get(raw, "num_hidden_layers", int),
+        num_heads=num_heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", int, None) or num_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        rope_theta=rope["rope_theta"],
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", float, 1e-6)),
+        max_model_len=max_len,
+        tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, False),
+        attention_bias=raw["model_type"] == "qwen2",
+        eos_token_ids=eos_token_ids(raw.get("eos_token_id"),
+                                    (generation or {}).get("eos_token_id")),
+        rope_scaling=_rope_scaling(rope, max_len),
+        model_type=raw["model_type"],
+    )

@@ -182,6 +182,34 @@ def test_unsupported_math_is_refused_by_name(edit: dict[str, Any], message: str)
         parse_model_config({**LLAMA, **edit})
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"num_attention_heads": None}, "num_attention_heads=None: expected a positive integer"),
+        ({"vocab_size": None}, "vocab_size=None: expected a positive integer"),
+        ({"max_position_embeddings": None}, "max_position_embeddings=None: expected a positive"),
+        ({"hidden_size": 64.0}, "hidden_size=64.0: expected a positive integer"),
+        ({"num_hidden_layers": True}, "num_hidden_layers=True: expected a positive integer"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads=0: expected a positive integer"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5': expected a finite number"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false': expected true or false"),
+        ({"eos_token_id": 1.0}, r"eos_token_id=1.0: expected a token id or a list of them"),
+        ({"eos_token_id": [1, "2"]}, r"eos_token_id=\[1, '2'\]: expected a token id"),
+        ({"layer_types": 3}, "layer_types=3: expected a list"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": None, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0}},
+         "rope_parameters.factor=None: expected a finite number"),
+        ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0}}, "lacks 'rope_parameters.factor'"),
+        ({"rope_theta": [5e5]}, r"rope_theta=\[500000.0\]: expected a finite number"),
+    ],
+)
+def test_malformed_config_values_are_value_errors(edit: dict[str, Any], message: str) -> None:
+    """Not a TypeError: the CLI reports a ValueError as a message and exit 2."""
+    with pytest.raises(ValueError, match=message):
+        parse_model_config({**LLAMA, **edit})
+
+
 def test_both_rope_layouts_and_defaults() -> None:
     new_layout = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "rope_scaling")}
     new_layout["rope_parameters"] = {**LLAMA["rope_scaling"], "rope_theta": 500000.0}
