@@ -12,12 +12,14 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, WorkerConfig, tiny_model_config
 from gpu_worker.hf_config import checkpoint_dtype, parse_model_config
@@ -97,6 +99,16 @@ class _Stored(NamedTuple):
     dtype: str  # safetensors' name: "BF16", "I8", "F8_E4M3", ...
 
 
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """safe_open, a truncated or corrupt file (an interrupted download) a ValueError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
 def _tensor_index(directory: Path) -> dict[str, _Stored]:
     """Every tensor name in the directory's safetensors files -> where and how stored."""
     files = sorted(directory.glob("*.safetensors"))
@@ -104,7 +116,7 @@ def _tensor_index(directory: Path) -> dict[str, _Stored]:
         raise ValueError(f"no *.safetensors files in {directory}")
     index: dict[str, _Stored] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name in index:
                     raise ValueError(f"tensor {name} is in both {index[name].path} and {path}")
@@ -145,7 +157,7 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     for name in params:
         by_file.setdefault(index[name].path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             for name in names:
                 params[name].copy_(f.get_tensor(name))
 

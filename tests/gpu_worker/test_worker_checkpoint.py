@@ -129,6 +129,14 @@ def test_mismatched_tensors_are_named(tmp_path: Path, edit: dict[str, torch.Tens
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
 
 
+def test_truncated_safetensors_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA, shards=1)
+    shard = next(tmp_path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])  # an interrupted download
+    with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
 def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:
     # A stored (here: all-zero) rotary table is neither refused as an unknown
     # tensor nor used: RoPE comes from the config, as without the table.

@@ -7,6 +7,7 @@ import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from gpu_worker.config import WorkerConfig
 from kvstash.common.cpu import usable_cpus
 from kvstash.common.rpc_connections import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
 from tests.gpu_worker.worker_factories import REPO, worker_process
 
 
@@ -127,6 +129,19 @@ def test_a_max_model_len_past_the_models_exits_with_message() -> None:
     assert out.returncode == 2, out.stderr
     assert "max_model_len 4096 is more than the model's own 1024" in out.stderr
     assert "KVSTASH_READY" not in out.stdout
+
+
+def test_cli_reports_a_corrupt_checkpoint_without_a_traceback(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, LLAMA, shards=1)
+    shard = next(tmp_path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--model", str(tmp_path),
+         "--device", "cpu", "--num-blocks", "8"],
+        cwd=REPO, capture_output=True, text=True, timeout=90, check=False)
+    assert out.returncode == 2, out.stderr[-800:]
+    assert f"{shard.name} is not a readable safetensors file" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 async def test_serves_announces_and_stops_on_sigterm() -> None:
