@@ -2,8 +2,10 @@
 
 A checkpoint directory holds `config.json`, one or more `*.safetensors` files
 with Hugging Face tensor names, and `tokenizer.json`. Nothing is downloaded.
-Tensor names and shapes are checked against the model before any is copied,
-so a wrong checkpoint fails with every problem named instead of half-loading.
+Tensor names, shapes and dtypes, as the files' headers give them, are checked
+against config.json before the model is allocated, so a wrong checkpoint fails
+with every problem named instead of half-loading (or, where config.json is far
+larger than its weights, failing to allocate).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, WorkerConfig, tiny_model_config
+from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, ModelConfig, WorkerConfig, tiny_model_config
 from gpu_worker.hf_config import checkpoint_dtype, parse_model_config
-from gpu_worker.model import CausalLM, build_tiny_model
+from gpu_worker.model import CausalLM, build_tiny_model, parameter_shapes
 
 # Older Llama exports store the rotary table; it is recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -139,20 +141,29 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
         raise ValueError("checkpoint does not match config.json: " + "; ".join(problems))
 
 
-@torch.no_grad()
-def load_weights(model: CausalLM, directory: Path) -> None:
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    index = _tensor_index(directory)
-    optional = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    check_tensors({n: tuple(p.shape) for n, p in params.items()},
-                  {n: stored.shape for n, stored in index.items()}, optional)
+def check_checkpoint(cfg: ModelConfig, index: dict[str, _Stored]) -> None:
+    """Raises ValueError naming every tensor of `index` that a model of `cfg` would not take."""
+    # Counted first: parameter_shapes lists each layer config.json names, however many.
+    layers = {n.split(".")[2] for n in index if n.startswith("model.layers.")}
+    if len(layers) != cfg.num_layers:
+        raise ValueError(f"checkpoint does not match config.json: num_hidden_layers is "
+                         f"{cfg.num_layers}, the checkpoint has {len(layers)} layers")
+    expected = parameter_shapes(cfg)  # a tied lm_head appears once, as the embedding
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    check_tensors(expected, {n: stored.shape for n, stored in index.items()}, optional)
     # copy_ would cast integer or float8 codes to floats without a word: the
     # weights of a quantized export whose config.json names no quantization.
-    not_float = [f"{n} is {index[n].dtype}" for n in params
+    not_float = [f"{n} is {index[n].dtype}" for n in expected
                  if index[n].dtype not in _SAFETENSORS_DTYPES]
     if not_float:
         raise ValueError(f"checkpoint tensors must be one of {sorted(_SAFETENSORS_DTYPES)} "
                          f"(quantized weights are not supported): {'; '.join(not_float[:8])}")
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, index: dict[str, _Stored]) -> None:
+    """Copies the tensors of an index that check_checkpoint passed into `model`."""
+    params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name in params:
         by_file.setdefault(index[name].path, []).append(name)
@@ -191,14 +202,15 @@ def load_checkpoint(directory: Path, dtype: torch.dtype | None,
     generation = _read_json(generation_path) if generation_path.is_file() else None
     raw = _read_json(config_path)
     cfg = parse_model_config(raw, generation)
+    index = _tensor_index(directory)
     if dtype is None:
         declared = checkpoint_dtype(raw)
-        dtype = (torch_dtype(declared) if declared is not None
-                 else _stored_dtype(_tensor_index(directory)))
+        dtype = torch_dtype(declared) if declared is not None else _stored_dtype(index)
     tokenizer = tokenizer_path.read_text(encoding="utf-8")
     config = tokenizer_config(directory)  # a bad one fails before the weights load
+    check_checkpoint(cfg, index)
     model = CausalLM(cfg, dtype, device)
-    load_weights(model, directory)
+    load_weights(model, index)
     name = os.path.basename(os.path.normpath(directory))
     return LoadedModel(name, model.eval(), weights_id(directory), tokenizer, config)
 

@@ -32,6 +32,11 @@ DEFAULT_CUDA_GRAPH_ROWS = 2048
 # Each row count keeps its own buffers, so their memory sums over the counts
 # captured: at this bound 64 counts, ~4 GiB at the 1B shape.
 MAX_CUDA_GRAPH_ROWS = 8192
+# Most positions a worker serves (max_model_len): the rotary table holds a row
+# for each (at 2**24, head_dim 128 and bfloat16 cos and sin take 8 GiB).
+# Well past the longest contexts Llama and Qwen2 checkpoints declare (1M-4M):
+# a larger number is a mistake, which would only fail to allocate.
+MAX_MODEL_LEN = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +90,9 @@ class WorkerConfig:
                              f"got {self.num_threads}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be in [1, {MAX_MODEL_LEN}], "
+                             f"got {self.max_model_len}")
         if self.cache_address and ":" not in self.cache_address:
             raise ValueError(f"cache_address must be host:port, got {self.cache_address!r}")
         # NaN passes `<= 0`, and a transfer bounded by NaN or inf never times out.

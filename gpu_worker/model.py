@@ -230,6 +230,27 @@ class CausalLM(nn.Module):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """CausalLM(cfg)'s named_parameters() as name -> shape, without allocating
+    any: a checkpoint is checked against its config.json first."""
+    h, d, mlp = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (mlp, h), "mlp.up_proj.weight": (mlp, h),
+             "mlp.down_proj.weight": (h, mlp)}
+    if cfg.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                  "self_attn.v_proj.bias": (kv,)}
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
 @torch.no_grad()
 def fill_random(model: CausalLM, seed: int, std: float = 0.05) -> None:
     """Fixed-seed weights: identical on every device and dtype (drawn in float32

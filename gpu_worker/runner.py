@@ -19,6 +19,8 @@ The host block pool (`host_pool`) is the exception: it is thread-safe.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ import torch
 from gpu_worker import step_checks
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.checkpoint import load_model
-from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, ModelConfig, WorkerConfig
+from gpu_worker.config import DEFAULT_HOST_POOL_BYTES, MAX_MODEL_LEN, ModelConfig, WorkerConfig
 from gpu_worker.host_buffers import HostBlockPool
 from gpu_worker.host_pinning import Key, cuda_regions
 from gpu_worker.invariance import choose_forward
@@ -38,6 +40,7 @@ from gpu_worker.step_inputs import StepStaging, pack_step
 from kvstash.common.cpu import usable_cpus
 from kvstash.common.layout import Layout
 from kvstash.common.malloc_tuning import keep_large_tensors
+from kvstash.common.units import GIB
 from kvstash.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,12 @@ class ModelRunner:
             # quietly, a user would be told nothing of the shorter context.
             raise ValueError(f"max_model_len {max_model_len} is more than the model's own "
                              f"{cfg.max_model_len} (its max_position_embeddings)")
+        if (max_model_len or cfg.max_model_len) > MAX_MODEL_LEN:
+            raise ValueError(f"the model's max_position_embeddings {cfg.max_model_len} is more "
+                             f"than the {MAX_MODEL_LEN} positions a worker serves: pass "
+                             "--max-model-len")
+        kv_shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        _check_fits(kv_shape, model.dtype, model.device)
         self.model = model
         self.name, self.weights_id = name, weights_id  # checkpoint.LoadedModel's
         self.tokenizer_json = tokenizer_json  # "" = byte-level tokenizer
@@ -92,10 +101,7 @@ class ModelRunner:
                                           self.max_model_len)
         self.device = model.device
         self.dtype = model.dtype
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=model.dtype, device=model.device,
-        )
+        self.kv_cache = torch.zeros(kv_shape, dtype=model.dtype, device=model.device)
         self._process_gen = torch.Generator().manual_seed(seed)
         self.batched = choose_forward(model, block_size, self.max_model_len, batch_invariant,
                                       row_tile, attention)
@@ -218,6 +224,19 @@ class ModelRunner:
         index = self._index(block_ids, "scatter")
         self._check_host(host, len(block_ids), "scatter")
         self.kv_cache.index_copy_(2, index, host.to(self.device))
+
+
+def _check_fits(kv_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A KV cache larger than all of the device's memory (on the CPU: of the
+    host's RAM) is a mistaken num_blocks, said as one rather than as an
+    allocation error. What is free is not checked: that changes."""
+    need = math.prod(kv_shape) * dtype.itemsize
+    have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > have:
+        raise ValueError(f"num_blocks {kv_shape[2]} of {kv_shape[3]} tokens need a KV cache of "
+                         f"{need / GIB:.1f} GiB, more than the {have / GIB:.1f} GiB of the "
+                         f"{device.type} device")
 
 
 def set_torch_threads(num_threads: int) -> int:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from gpu_worker.checkpoint import load_checkpoint, tokenizer_config
 from gpu_worker.config import WorkerConfig
 from gpu_worker.hf_config import parse_model_config
-from gpu_worker.model import CausalLM, fill_random
+from gpu_worker.model import CausalLM, fill_random, parameter_shapes
 from gpu_worker.runner import SeqWork, build_runner
 from gpu_worker.server import info_proto
 from kvstash.common.tokenizer import load_tokenizer
@@ -135,6 +135,43 @@ def test_truncated_safetensors_is_a_value_error_naming_the_file(tmp_path: Path) 
     shard.write_bytes(shard.read_bytes()[:-100])  # an interrupted download
     with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # config.json of another (bigger) model beside these weights
+        ({"vocab_size": 2**60}, r"model.embed_tokens.weight has shape \[40, 64\], "
+                                r"want \[1152921504606846976, 64\]"),
+        ({"num_hidden_layers": 2**40}, "num_hidden_layers is 1099511627776, the checkpoint "
+                                       "has 2 layers"),
+    ],
+)
+def test_config_larger_than_its_checkpoint_is_named_before_allocating(
+        tmp_path: Path, edit: dict[str, int], message: str) -> None:
+    write_checkpoint(tmp_path, LLAMA, shards=1)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **edit}))
+    with pytest.raises(ValueError, match=f"does not match config.json: .*{message}"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("raw", [QWEN2, LLAMA, {**LLAMA, "tie_word_embeddings": True}],
+                         ids=["qwen2", "llama", "tied"])
+def test_parameter_shapes_are_those_of_the_model(raw: dict[str, Any]) -> None:
+    cfg = parse_model_config(raw)
+    model = CausalLM(cfg, torch.float32, torch.device("meta"))
+    assert parameter_shapes(cfg) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_absurd_max_position_embeddings_is_a_clear_error(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, {**LLAMA, "max_position_embeddings": 2**62}, shards=1)
+    config = WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8, device="cpu")
+    with pytest.raises(ValueError, match=r"max_position_embeddings 4611686018427387904 is more "
+                                         r"than the 16777216 positions .* --max-model-len"):
+        build_runner(config)
+    config = WorkerConfig(model=str(tmp_path), block_size=4, num_blocks=8, device="cpu",
+                          max_model_len=64)
+    assert build_runner(config).max_model_len == 64
 
 
 def test_stale_rotary_tables_are_ignored(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         # Neither bounds an offload or restore: it would hang for good.
         ({"cache_timeout_s": float("nan")}, "cache_timeout_s must be finite and > 0, got nan"),
         ({"cache_timeout_s": float("inf")}, "cache_timeout_s must be finite and > 0, got inf"),
+        ({"max_model_len": 2**24 + 1}, r"max_model_len must be in \[1, 16777216\], got 16777217"),
         ({"metrics_port": 70000}, r"metrics_port must be in \[0, 65535\], got 70000"),
         ({"metrics_host": ""}, "metrics_host '' is not an IP address or host name"),
         ({"row_tile": 0}, r"row_tile must be in \[1, 4096\], got 0"),

@@ -86,6 +86,12 @@ def test_max_model_len_past_the_models_own_is_refused() -> None:
         ModelRunner(tiny_model(), block_size=4, num_blocks=8, max_model_len=1025)
 
 
+def test_a_kv_cache_larger_than_the_device_is_refused_naming_num_blocks() -> None:
+    with pytest.raises(ValueError, match=r"num_blocks 1099511627776 of 4 tokens need a KV "
+                                         r"cache of .* GiB, more than the .* GiB of the cpu"):
+        make_runner(num_blocks=2**40, block_size=4)
+
+
 def test_cuda_graphs_are_for_whole_invariant_steps_on_cuda_only() -> None:
     """On the CPU the setting is moot: no graphs, asked for or not."""
     runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, cuda_graph_rows=512)
