@@ -182,7 +182,8 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         rope_theta=rope["rope_theta"],
         rms_norm_eps=float(_get(raw, "rms_norm_eps", float, 1e-6)),
         max_model_len=max_len,
-        tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, False),
+        # null, as transformers reads it: not tied
+        tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", bool, None)),
         attention_bias=raw["model_type"] == "qwen2",
         eos_token_ids=eos_token_ids(raw.get("eos_token_id"),
                                     (generation or {}).get("eos_token_id")),

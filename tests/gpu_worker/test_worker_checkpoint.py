@@ -227,6 +227,10 @@ def test_unsupported_math_is_refused_by_name(edit: dict[str, Any], message: str)
         parse_model_config({**LLAMA, **edit})
 
 
+def test_a_null_tie_word_embeddings_is_untied_as_transformers_reads_it() -> None:
+    assert not parse_model_config({**LLAMA, "tie_word_embeddings": None}).tie_word_embeddings
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
