@@ -60,6 +60,7 @@ class DiskSnapshot:
     meta: SnapshotMeta
     path: Path
     checksums: tuple[int, ...]  # one per chunk, from the trailer
+    idle_s: float  # since the file was last written or opened to be read (its mtime)
 
 
 class DiskFiles:
@@ -116,7 +117,12 @@ class DiskFiles:
         return final
 
     def open(self, path: Path) -> int:
-        return os.open(path, os.O_RDONLY)
+        """An fd to read the file; its mtime is set to now, so that a scan
+        after a restart knows when it was last read (`DiskSnapshot.idle_s`)."""
+        fd = os.open(path, os.O_RDONLY)
+        with contextlib.suppress(OSError):  # a mark only: never fails a read
+            os.utime(fd)
+        return fd
 
     def read(self, fd: int, start: int, end: int) -> bytes:
         """Payload bytes [start, end) of an open snapshot file; DataLoss if the
@@ -136,6 +142,7 @@ class DiskFiles:
         files, and returns the complete snapshots, oldest first (newest file wins
         per id)."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        now = time.time()
         found: dict[str, tuple[float, DiskSnapshot]] = {}
         for path in self.directory.iterdir():
             if path.name.startswith(TMP_PREFIX):
@@ -144,11 +151,14 @@ class DiskFiles:
                 continue
             if not path.name.endswith(SUFFIX) or not path.is_file():
                 continue
-            snap = self._load(path)
+            try:
+                mtime = path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            snap = self._load(path, max(0.0, now - mtime))
             if snap is None:
                 self.remove(path)
                 continue
-            mtime = path.stat().st_mtime
             previous = found.get(snap.meta.snapshot_id)
             if previous is None or previous[0] < mtime:
                 if previous is not None:
@@ -158,7 +168,7 @@ class DiskFiles:
                 self.remove(path)
         return [snap for _, snap in sorted(found.values(), key=lambda pair: pair[0])]
 
-    def _load(self, path: Path) -> DiskSnapshot | None:
+    def _load(self, path: Path, idle_s: float) -> DiskSnapshot | None:
         try:
             with open(path, "rb") as f:
                 head = f.read(DATA_OFFSET)
@@ -177,7 +187,7 @@ class DiskFiles:
         if not path.name.startswith(meta.snapshot_id + "~"):
             log.warning("removing %s: it holds snapshot %r", path.name, meta.snapshot_id)
             return None
-        return DiskSnapshot(meta, path, checksums)
+        return DiskSnapshot(meta, path, checksums, idle_s)
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)

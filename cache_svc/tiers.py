@@ -67,7 +67,10 @@ class Tiers:
         found = await self.background.run_io(self.disk.scan)
         now = self.clock()
         for snap in found:  # oldest first, so LRU order survives a restart
-            entry = Entry(snap.meta, Residence.DISK, now, snap.checksums, path=snap.path)
+            # Idle since its file was last written or read: a TTL does not
+            # start again at each restart (a crash loop kept orphans forever).
+            entry = Entry(snap.meta, Residence.DISK, now - snap.idle_s, snap.checksums,
+                          path=snap.path)
             self._lru[snap.meta.snapshot_id] = entry
             self.disk_used += entry.disk_bytes
         if found:

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import threading
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -443,3 +444,25 @@ async def test_a_snapshot_deleted_while_spilling_never_replaces_its_successor_af
     assert len([n for n in running.disk_files() if "a~" in n]) == 1  # v2's; none of v1
     restarted = await start_cache(**config, disk_dir=crashed)
     assert (await restarted.client.get("a"))[1] == v2
+
+
+async def test_a_recovered_snapshot_is_idle_since_its_file_was_last_written_or_read(
+        start_cache) -> None:
+    """Its TTL used to start again at every restart: in a crash loop an
+    orphan on disk never expired. Reading it from disk marks the file."""
+    running = await put_two_spilled(start_cache)
+    a, b = file_of(running, "a"), file_of(running, "b")
+    hour_ago = time.time() - 3600
+    os.utime(b, (hour_ago, hour_ago))
+    await running.client.get("b")  # read from disk: marked as read now
+    assert time.time() - b.stat().st_mtime < 60
+    ttl_s = (await running.client.stat("a")).header.ttl_s
+    await running.cache.stop(0)
+    long_ago = time.time() - ttl_s - 60
+    os.utime(a, (long_ago, long_ago))
+
+    running = await start_cache(memory_budget_bytes=4 * MIB)
+    assert running.cache.store.sweep_expired() == 1
+    with pytest.raises(errors.NotFound):
+        await running.client.stat("a")
+    assert (await running.client.get("b"))[1] == PAYLOADS["b"]
