@@ -142,7 +142,10 @@ def _sample_tile(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
     ids = torch.arange(probs.shape[-1], device=probs.device)
     last_kept = torch.where(probs > 0, ids, 0).amax(dim=-1)
     drawn = torch.minimum(index, last_kept)
-    return torch.where(s.temperature > 0, drawn, greedy)
+    # Logits not all finite (an overflow: +inf, NaN) leave no distribution
+    # (its cdf is NaN, and every draw came out token 0, even one whose logit
+    # is -inf): such a row takes the greedy token, an +inf logit's limit.
+    return torch.where((s.temperature > 0) & cdf[:, -1].isfinite(), drawn, greedy)
 
 
 def sample_rows(logits: torch.Tensor, s: DeviceSampling, tile: int | None) -> torch.Tensor:

@@ -78,6 +78,8 @@ class _Sequence:
     sampling: SamplingParams
     stops: Sequence[str]
     tokenizer: Tokenizer
+    # The text stop strings are matched in keeps special tokens' text (vLLM's rule).
+    keep_special_text: bool = False
     stream: RequestStream | None = None  # once submitted
     output: list[int] = field(default_factory=list)
     # The tokens sent for its latest update; once it finished, those of the
@@ -88,7 +90,8 @@ class _Sequence:
 
     def __post_init__(self) -> None:
         if self.stops:
-            self._watch = StopStrings(self.stops, self.tokenizer.stream())
+            self._watch = StopStrings(self.stops, self.tokenizer.stream(
+                skip_special_tokens=not self.keep_special_text))
 
     def take(self, event: RequestUpdate, backend: Backend) -> list[int]:
         """The event's tokens to send: those up to a stop string, none after
@@ -173,7 +176,8 @@ class VllmEngineServicer(VllmInfo):
                                           Room(len(prompt), backend.config.max_servable_len))
             stops = stop_strings(request.sampling_params)
             sequences = [
-                _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer)
+                _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer,
+                          keep_special_text=not request.sampling_params.skip_special_tokens)
                 for child_id, child in children(request_id, request.sampling_params.n, sampling)]
             family.ids = [s.request_id for s in sequences]
             await self._admit(backend, prompt, sequences, family)

@@ -21,7 +21,9 @@ from kvstash.common.tokenizer import TextStream
 
 # SamplingParams fields kvstash has no counterpart for, with their neutral value.
 # (include_stop_str_in_output, skip_special_tokens and
-# spaces_between_special_tokens shape the text, which the gateway makes.)
+# spaces_between_special_tokens shape the text, which the gateway makes;
+# skip_special_tokens also says whether stop strings may match a special
+# token's text, as in vLLM: vllm_engine.)
 _UNSUPPORTED_SAMPLING = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_tokens": 0,
     "grammar_from_first_token": False,

@@ -70,7 +70,9 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def stream(self) -> TextStream: ...
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """Text as tokens come; special tokens' own text too unless skipped."""
+        ...
 
 
 # Texts longer than this are encoded on a thread (encode_text): a tokenizer
@@ -86,13 +88,19 @@ async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     return await asyncio.to_thread(tokenizer.encode, text)
 
 
+_BYTE_SPECIAL_TEXT = {BYTE_BOS_ID: BYTE_BOS_TOKEN, BYTE_EOS_ID: BYTE_EOS_TOKEN}
+
+
 class _ByteStream:
-    def __init__(self) -> None:
+    def __init__(self, skip_special_tokens: bool) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip_special_tokens = skip_special_tokens
 
     def push(self, token_id: int) -> str:
-        if token_id >= 256:  # special tokens have no text
-            return ""
+        if token_id >= 256:
+            if self._skip_special_tokens:
+                return ""
+            return self._utf8.decode(b"", final=True) + _BYTE_SPECIAL_TEXT.get(token_id, "")
         return self._utf8.decode(bytes([token_id]))
 
 
@@ -108,8 +116,8 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
-    def stream(self) -> TextStream:
-        return _ByteStream()
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
+        return _ByteStream(skip_special_tokens)
 
 
 def _byte_level_chars() -> list[str]:
@@ -164,9 +172,9 @@ def byte_tokenizer_config(model_max_length: int | None = None) -> dict[str, str 
 class _HFStream:
     # DecodeStream waits while the text so far ends in U+FFFD, taking it for an
     # unfinished character: a real U+FFFD or invalid byte last is never emitted.
-    def __init__(self, tokenizer: HFTokenizer) -> None:
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""
@@ -188,8 +196,8 @@ class HFTokenizerAdapter:
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def stream(self) -> TextStream:
-        return _HFStream(self._tokenizer)
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
+        return _HFStream(self._tokenizer, skip_special_tokens)
 
 
 def load_tokenizer(

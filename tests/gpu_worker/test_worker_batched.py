@@ -19,6 +19,7 @@ from gpu_worker.attention import AttentionBackend, varlen_options
 from gpu_worker.invariance import rows_match_alone
 from gpu_worker.runner import ModelRunner, SeqWork
 from gpu_worker.sampling import GREEDY
+from kvstash.common.sampling import SamplingParams
 from tests.gpu_worker.oracle import execute_per_sequence, reference_forward
 from tests.gpu_worker.worker_factories import BLOCK_SIZE, make_runner, prompt, tiny_model
 
@@ -168,6 +169,7 @@ class Request:
     table: list[int]
     output: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose KV is in `table`
+    sampling: SamplingParams = GREEDY
 
 
 class Blocks:
@@ -185,8 +187,9 @@ def step_work(req: Request, chunk: int) -> SeqWork:
     if req.computed < len(history) - 1 or not req.output:
         end = min(req.computed + chunk, len(history) if not req.output else len(history) - 1)
         samples = end == len(history) and not req.output
-        return SeqWork(req.rid, history[req.computed:end], req.computed, req.table, samples)
-    return SeqWork(req.rid, [req.output[-1]], req.computed, req.table, True)
+        return SeqWork(req.rid, history[req.computed:end], req.computed, req.table, samples,
+                       req.sampling)
+    return SeqWork(req.rid, [req.output[-1]], req.computed, req.table, True, req.sampling)
 
 
 def run(runner: ModelRunner, requests: list[Request], max_tokens: int, chunk: int,
@@ -242,6 +245,33 @@ def test_greedy_outputs_survive_offload_and_recompute(dtype: torch.dtype,
         assert together[rid][0] == output, rid
         assert torch.equal(together[rid][1], logits), rid
     assert len({tuple(output) for output, _ in alone.values()}) > 3
+
+
+SEEDED = [SamplingParams(64, temperature=1.3, seed=11),
+          SamplingParams(64, temperature=0.8, top_k=5, seed=12),
+          SamplingParams(64, temperature=1.0, top_p=0.7, seed=13), GREEDY,
+          SamplingParams(64, temperature=2.0, top_k=40, top_p=0.9, seed=14),
+          SamplingParams(64, temperature=1.1, seed=15)]
+
+
+def test_seeded_samples_survive_offload_and_recompute() -> None:
+    """The oracle for random sampling: a seeded draw depends on its seed,
+    position and logits only, so neighbours with filters, preemption and
+    recompute in other chunks leave every token as the request alone draws it."""
+    def requests(rids: list[str]) -> list[Request]:
+        return [Request(rid, PROMPTS[rid], [], sampling=SEEDED[int(rid[1:])]) for rid in rids]
+
+    alone = {rid: run(make_runner(torch.float32, num_blocks=256), requests([rid]), 12,
+                      chunk=8)[rid]
+             for rid in PROMPTS}
+    preempt = {6: ("r1", "offload"), 8: ("r2", "recompute"), 10: ("r4", "recompute"),
+               12: ("r5", "offload"), 13: ("r1", "recompute")}
+    done: list[str] = []
+    together = run(make_runner(torch.float32, num_blocks=256), requests(list(PROMPTS)), 12,
+                   chunk=5, preempt=preempt, done=done)
+    assert done == [f"{rid} {mode}" for rid, mode in preempt.values()]
+    assert {rid: output for rid, (output, _) in together.items()} == {
+        rid: output for rid, (output, _) in alone.items()}
 
 
 def test_step_without_sampling_rows_returns_nones() -> None:

@@ -195,3 +195,16 @@ def test_a_neighbours_filter_leaves_an_unfiltered_rows_probabilities_bit_for_bit
     assert torch.equal(filtered[:2], plain[:2])
     assert int((filtered[2] > 0).sum()) < 300 and int((filtered[3] > 0).sum()) == 7
     torch.testing.assert_close(filtered[2:].sum(-1), torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("overflow", [float("inf"), float("nan")])
+def test_a_row_whose_logits_overflowed_takes_the_greedy_token(overflow: float) -> None:
+    """Its softmax is NaN everywhere: every draw came out token 0, whose
+    logit here is -inf (probability exactly 0)."""
+    logits = torch.tensor([[float("-inf"), 1.0, overflow, 2.0]], dtype=torch.float32)
+    greedy = int(torch.argmax(logits))
+    for seed in range(8):
+        for params in (SamplingParams(8, temperature=1.0, seed=seed),
+                       SamplingParams(8, temperature=0.7, top_p=0.9, top_k=3, seed=seed)):
+            batch = SamplingBatch.build([params], [7], torch.Generator())
+            assert int(sample_rows(logits, to_device(batch, logits.device), None)[0]) == greedy

@@ -11,8 +11,19 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvstash.common.sampling import Room, SamplingParams
-from kvstash.common.tokenizer import ByteTokenizer, tokenizer_files
+from kvstash.common.tokenizer import (
+    BYTE_BOS_ID,
+    BYTE_EOS_ID,
+    ByteTokenizer,
+    Tokenizer,
+    byte_tokenizer_json,
+    load_tokenizer,
+    tokenizer_files,
+)
 from kvstash.errors import InvalidArgument
+from scheduler_svc.backend import Timing
+from scheduler_svc.core.outputs import RequestUpdate
+from scheduler_svc.vllm_engine import _Sequence
 from scheduler_svc.vllm_info import tokenizer_zip
 from scheduler_svc.vllm_sampling import StopStrings, children, sampling_from_vllm, stop_strings
 
@@ -94,6 +105,41 @@ def test_a_stop_string_cuts_after_the_token_that_completes_it() -> None:
     assert cut(["never"], ["neve", "r-", "mind"]) == (list(b"never"), "never")  # "-" not sent
     assert cut(["abc"], ["ab", "xc", "abc"]) == (list(b"abxcabc"), "abc")
     assert cut(["q"], ["no match here"]) == (list(b"no match here"), None)
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), load_tokenizer(
+    byte_tokenizer_json(), 258, (BYTE_EOS_ID,))], ids=["bytes", "tokenizer.json"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_stop_string_matches_a_special_tokens_text_unless_it_is_skipped(
+        tokenizer: Tokenizer, skip: bool) -> None:
+    """As vLLM matches stop strings in the text it detokenizes with the
+    request's skip_special_tokens: "<s>" (BOS) stops a sequence only where
+    its text is kept. Before, it was skipped whatever the request said."""
+    watch = StopStrings(["<s>"], tokenizer.stream(skip_special_tokens=skip))
+    got = watch.cut([104, BYTE_BOS_ID, 105])  # "h", "<s>", "i"
+    assert got == (([104, BYTE_BOS_ID, 105], None) if skip else ([104, BYTE_BOS_ID], "<s>"))
+
+
+class Released:
+    """What a sequence's `take` asks of the backend at a stop string."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str, reported_as: object = None) -> None:
+        self.aborted.append(request_id)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_sequence_matches_stop_strings_as_its_request_says_of_special_tokens(
+        keep: bool) -> None:
+    params = pb.SamplingParams(stop=["<s>"], skip_special_tokens=not keep, max_tokens=8)
+    seq = _Sequence("r", Timing(0.0), mapped(stop=["<s>"], max_tokens=8), stop_strings(params),
+                    ByteTokenizer(), keep_special_text=keep)
+    backend = Released()
+    sent = seq.take(RequestUpdate("r", [104, BYTE_BOS_ID, 105]), backend)  # type: ignore[arg-type]
+    assert (sent, seq.matched, backend.aborted) == (
+        ([104, BYTE_BOS_ID], "<s>", ["r"]) if keep else ([104, BYTE_BOS_ID, 105], None, []))
 
 
 @pytest.mark.parametrize(("stop", "message"), [
