@@ -61,6 +61,8 @@ class Copies:
         self._cache = cache
         self._requests = requests
         self._tasks = tasks
+        # Snapshot deletes, apart: the engine's close lets them finish.
+        self.deletes = Tasks(tasks.on_failure)
         self._wake = wake
         self._timeout_s = transfer_timeout_s
         self._prefix_timeout_s = prefix_copy_timeout_s
@@ -174,4 +176,4 @@ class Copies:
 
     def delete_snapshots(self, snapshot_ids: list[str]) -> None:
         if self._cache is not None and snapshot_ids:
-            self._tasks.spawn(self._cache.delete(snapshot_ids))
+            self.deletes.spawn(self._cache.delete(snapshot_ids))

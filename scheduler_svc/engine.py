@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 # How a scheduler run with EngineConfig.check_integrity exits on a broken invariant.
 INTEGRITY_EXIT_CODE = 70
+# At close, how long the last snapshot deletes may take (the cache's TTL
+# takes what they leave).
+CLOSE_DELETES_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,13 @@ class Engine:
             self._tasks.spawn(self._cache.watch(self._core.set_cache_available))
 
     async def close(self) -> None:
+        """Stops the step loop and every copy; then sends the snapshot deletes
+        queued by then (the requests a shutdown aborted, the copies it cut
+        off), within CLOSE_DELETES_S: those snapshots leave the cache now,
+        not after their TTL."""
         await self._tasks.close()
+        self._copies.delete_snapshots(self._core.take_snapshots_to_delete())
+        await self._copies.deletes.close(grace_s=CLOSE_DELETES_S)
 
     # -- requests -------------------------------------------------------------
 
@@ -242,6 +251,8 @@ class Engine:
         if (stream := self._end(request_id)) is not None:
             stream.end(RequestUpdate(request_id, [], reported_as, usage,
                                      usage.num_cached_tokens))
+        # Now, not at the step loop's next turn: it waits while the worker is away.
+        self._copies.delete_snapshots(self._core.take_snapshots_to_delete())
         self._wake.set()
 
     def _end(self, request_id: str) -> RequestStream | None:

@@ -149,7 +149,7 @@ class Tasks:
         one that raises is a bug: a copy the core never heard of keeps its
         blocks pinned for good."""
         self._tasks: set[asyncio.Task[None]] = set()
-        self._on_failure = on_failure
+        self.on_failure = on_failure
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -160,10 +160,14 @@ class Tasks:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("task %s failed", task.get_name(), exc_info=exc)
-            self._on_failure(exc)
+            self.on_failure(exc)
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Cancels every task, after up to `grace_s` for them to end on their
+        own, and waits for them."""
         tasks = list(self._tasks)
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -51,6 +51,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Serves with the backend `attached()` returns (Unavailable until the
         scheduler has one)."""
         self.attached = attached
+        # Generate calls whose prompt is being tokenized (a long text, on a
+        # thread) -> whether an Abort named them meanwhile: the core does
+        # not know them yet.
+        self._tokenizing: dict[str, bool] = {}
 
     @staticmethod
     async def _prompt_ids(request: scheduler_pb2.GenerateRequest,
@@ -73,10 +77,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         span = trace.get_current_span()  # the Generate span, when tracing
         if span.is_recording():
             span.set_attribute("kvstash.request_id", request_id)
-        prompt = await self._prompt_ids(request, backend.tokenizer)
+        if request_id in self._tokenizing:
+            raise errors.AlreadyExists(f"request {request_id} already exists")
+        self._tokenizing[request_id] = False
+        try:
+            prompt = await self._prompt_ids(request, backend.tokenizer)
+        finally:
+            aborted = self._tokenizing.pop(request_id)
         sampling = sampling_from_proto(
             request.sampling, Room(len(prompt), backend.config.max_servable_len))
-        stream = await backend.admit(request_id, prompt, sampling)
+        stream = (RequestStream.aborted_unadmitted(request_id, len(prompt)) if aborted
+                  else await backend.admit(request_id, prompt, sampling))
         async for response in self._responses(request_id, stream, timing, backend):
             yield response
 
@@ -133,7 +144,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.AbortResponse:
         check_request_id(request.request_id)
-        self.attached().abort(request.request_id)
+        backend = self.attached()
+        if request.request_id in self._tokenizing:
+            self._tokenizing[request.request_id] = True
+        else:
+            backend.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 
     @rpc_errors.maps_errors

@@ -228,3 +228,49 @@ def test_a_copy_timeout_that_is_no_time_is_refused_at_start(flag: str, name: str
     """Else every offload and restore (or prefix-tier copy) would time out."""
     with pytest.raises(SystemExit, match=f"{name} must be a finite number of seconds > 0"):
         scheduler_main([flag, bad])
+
+
+def snapshot_of(core: Scheduler, request_id: str) -> str:
+    req = core.get_request(request_id)
+    assert req is not None and req.snapshot is not None
+    return req.snapshot.snapshot_id
+
+
+async def test_an_abort_while_the_worker_is_away_deletes_the_snapshot_at_once(
+    own_services: tuple[Service, Service]
+) -> None:
+    """The delete waited for the step loop's next turn, which waits for a
+    worker: up to --worker-reconnect (30 s) with the snapshot pinned."""
+    cache_service, worker = own_services
+    async with running_engine(cache_service, worker) as h:
+        submit_all(h.engine)
+        victim = await wait_for_state(h.core, RequestStatus.OFFLOADED)
+        snapshot_id = snapshot_of(h.core, victim)
+        worker.kill()
+        async with asyncio.timeout(30):
+            while h.engine.worker_up:
+                await asyncio.sleep(0.02)
+        h.engine.abort(victim)
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    await h.cache.stat(snapshot_id)
+                except errors.NotFound:
+                    break
+                await asyncio.sleep(0.02)
+
+
+async def test_a_shutdown_deletes_the_snapshots_of_the_requests_it_ends(
+    own_services: tuple[Service, Service]
+) -> None:
+    """A stopping scheduler aborts its calls' requests, then closes the
+    engine: their deletes were cancelled with its tasks, and the snapshots
+    stayed pinned until the cache's TTL (an hour)."""
+    async with running_engine(*own_services) as h:
+        submit_all(h.engine)
+        victim = await wait_for_state(h.core, RequestStatus.OFFLOADED)
+        snapshot_id = snapshot_of(h.core, victim)
+        h.engine.abort(victim)
+        await h.engine.close()
+        with pytest.raises(errors.NotFound):
+            await h.cache.stat(snapshot_id)

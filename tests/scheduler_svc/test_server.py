@@ -296,6 +296,32 @@ async def test_an_abort_while_a_long_prompt_is_tokenized_ends_the_call(
     assert core.get_request("long") is None and core.stats().num_waiting == 0
 
 
+async def test_the_kvstash_api_ends_a_call_aborted_while_its_long_prompt_is_tokenized(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
+) -> None:
+    """Its Abort answered NOT_FOUND (the core knew nothing of it yet), and
+    the request ran to its end once tokenized."""
+    tokenizer = HeldTokenizer()
+    core = make_scheduler(vocab_size=258, max_model_len=20_000, num_blocks=5_000)
+    attach(server, nowhere, core, tokenizer=tokenizer)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    call = stub.Generate(scheduler_pb2.GenerateRequest(
+        request_id="long", text="a" * (INLINE_ENCODE_CHARS + 1),
+        sampling=common_pb2.SamplingParams(max_tokens=4)))
+    try:
+        assert await asyncio.to_thread(tokenizer.started.wait, 10)
+        again = stub.Generate(generate_request("long"))  # one call per id, tokenizing or not
+        async with asyncio.timeout(10):  # before: admitted, to run for ever here
+            assert (await rpc_error(again)).code() == grpc.StatusCode.ALREADY_EXISTS
+        await stub.Abort(scheduler_pb2.AbortRequest(request_id="long"))
+    finally:
+        tokenizer.release.set()
+    async with asyncio.timeout(10):
+        responses = [r async for r in call]
+    assert responses[-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+    assert core.get_request("long") is None and core.stats().num_waiting == 0
+
+
 async def test_an_abort_naming_a_bad_id_aborts_none(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
