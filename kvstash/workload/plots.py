@@ -32,7 +32,8 @@ class Run:
 def _finish(fig: Figure, axes: tuple[Axes, ...], title: str, path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # none where nothing completed
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
