@@ -216,14 +216,17 @@ def helm(*args: str, values: dict[str, Any] | None = None,
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
 
 
-def template_args(kube_version: str = KUBE_VERSIONS[-1]) -> list[str]:
-    return ["template", "rel", str(CHART), "--namespace", "kv", "--kube-version", kube_version]
+def template_args(kube_version: str = KUBE_VERSIONS[-1], release: str = "rel",
+                  namespace: str = "kv") -> list[str]:
+    return ["template", release, str(CHART), "--namespace", namespace,
+            "--kube-version", kube_version]
 
 
-def render(values: dict[str, Any], tmp_path: Path,
-           kube_version: str = KUBE_VERSIONS[-1]) -> list[dict[str, Any]]:
+def render(values: dict[str, Any], tmp_path: Path, kube_version: str = KUBE_VERSIONS[-1],
+           release: str = "rel", namespace: str = "kv") -> list[dict[str, Any]]:
     """Every manifest `helm template` renders (helm test pods included)."""
-    done = helm(*template_args(kube_version), values=values, tmp_path=tmp_path)
+    done = helm(*template_args(kube_version, release, namespace), values=values,
+                tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.load_all(done.stdout, Loader=_UniqueKeyLoader) if doc]
 

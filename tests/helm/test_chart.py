@@ -25,6 +25,7 @@ from chart_helpers import (
     one,
     pod_labels,
     pod_specs,
+    render,
     rendered,
     volumes,
 )
@@ -145,6 +146,28 @@ def test_worker_maps_the_arena_the_cache_allocates(value_set: str) -> None:
     # Same user in both: the arena file is 0600.
     assert pod["securityContext"]["runAsUser"] == cache["securityContext"]["runAsUser"] == (
         worker["securityContext"]["runAsUser"])
+
+
+def test_releases_on_one_node_never_share_an_arena_directory(tmp_path: Path) -> None:
+    """cache.mode daemonset: every pod of every release runs as runAsUser, so
+    releases sharing the node directory could read and overwrite each
+    other's KV. Each gets its own (names that would run together included),
+    unless cache.daemonset.hostPath names one."""
+
+    def host_dirs(release: str, namespace: str, daemonset: dict[str, Any]) -> set[str]:
+        docs = render({"cache": {"mode": "daemonset", "daemonset": daemonset}}, tmp_path,
+                      release=release, namespace=namespace)
+        pods = [one(docs, "DaemonSet")["spec"]["template"]["spec"],
+                instances(docs)["spec"]["template"]["spec"]]
+        return {volumes(pod)["arena"]["hostPath"]["path"] for pod in pods}
+
+    releases = [("a", "team-a"), ("b", "team-b"), ("a", "team-b"), ("a-x", "team"),
+                ("x", "team-a")]
+    dirs = [host_dirs(release, namespace, {}) for release, namespace in releases]
+    assert all(len(d) == 1 for d in dirs), dirs  # the cache's and the instances' alike
+    assert len(set.union(*dirs)) == len(releases), dirs
+    assert dirs[0] == {"/dev/shm/kvstash_team-a_a"}
+    assert host_dirs("a", "team-a", {"hostPath": "/mnt/kv"}) == {"/mnt/kv"}
 
 
 def test_no_arena_streams_and_no_cache_recomputes() -> None:

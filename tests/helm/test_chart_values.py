@@ -20,6 +20,8 @@ SCHEMA_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"cache": {"prefixTier": {"segmentTokens": -16}}}, "cache.prefixTier.segmentTokens"),
     ({"cache": {"prefixTier": {"write": "around"}}}, "cache.prefixTier.write"),
     ({"cache": {"mode": "per-node"}}, "cache.mode: cache.mode must be one of the following"),
+    ({"cache": {"daemonset": {"hostPath": "dev/shm/kv"}}},
+     "cache.daemonset.hostPath: Does not match pattern"),
     ({"worker": {"gpu": {"count": -1}}}, "worker.gpu.count: Must be greater than or equal to 0"),
     ({"instances": {"role": "decode"}}, "instances.role: instances.role must be one of"),
     ({"scheduler": {"flags": {"--max-num-seqs": 8}}}, "Does not match pattern"),

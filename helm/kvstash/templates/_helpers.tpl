@@ -285,6 +285,17 @@ no co-located workers, whatever cache.arena.enabled says.
 {{- if and $c.enabled $c.arena.enabled (ne $c.mode "shared") -}}true{{- end -}}
 {{- end -}}
 
+{{/*
+The node directory of a per-node cache's arena (cache.mode daemonset): one
+per namespace and release unless cache.daemonset.hostPath names one. Every
+pod runs as runAsUser, so releases sharing a directory could read and
+overwrite each other's KV. "_" is in no namespace or release name: no two
+releases get the same path.
+*/}}
+{{- define "kvstash.arenaHostPath" -}}
+{{- .Values.cache.daemonset.hostPath | default (printf "/dev/shm/kvstash_%s_%s" .Release.Namespace .Release.Name) -}}
+{{- end -}}
+
 {{/* The mounted auth Secret's tokens: --auth-token-file, and prefill's --token-file. */}}
 {{- define "kvstash.authTokenFile" -}}
 {{- printf "%s/tokens" .Values.auth.mountPath -}}
