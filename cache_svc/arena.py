@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from kvstash.cache_sdk.shared_arena import (
@@ -49,13 +50,22 @@ ALIGN = mmap.PAGESIZE
 
 
 def remove_stale(directory: Path) -> int:
-    """Removes arena files whose cache is gone (nobody holds their lock);
-    returns how many."""
+    """Removes this user's arena files whose cache is gone (nobody holds
+    their lock); returns how many. Other users' files are left alone: in a
+    shared directory like /dev/shm anyone may leave one under that name."""
     removed = 0
     for path in directory.glob(f"{ARENA_FILE_PREFIX}*{ARENA_FILE_SUFFIX}"):
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone meanwhile, or another user's
+            status = path.lstat()
+        except FileNotFoundError:
+            continue
+        if status.st_uid != os.geteuid() or not stat.S_ISREG(status.st_mode):
+            log.info("left %s alone: not a file of this user (uid %d, %s)", path,
+                     status.st_uid, stat.filemode(status.st_mode))
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone meanwhile
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -63,10 +73,15 @@ def remove_stale(directory: Path) -> int:
             continue  # a live cache owns it
         finally:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             path.unlink()
-            log.info("removed stale arena %s", path.name)
-            removed += 1
+        except FileNotFoundError:
+            continue
+        except PermissionError as exc:
+            log.warning("cannot remove stale arena %s: %s", path, exc.strerror)
+            continue
+        log.info("removed stale arena %s", path.name)
+        removed += 1
     return removed
 
 
