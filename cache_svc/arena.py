@@ -85,6 +85,20 @@ def remove_stale(directory: Path) -> int:
     return removed
 
 
+def check_directory(directory: Path) -> None:
+    """PermissionError unless `directory` is this user's or root's: its
+    owner may rename or remove any file in it, sticky or not, and so could
+    swap the arena for a file of their own. Others' write access is not
+    refused: /dev/shm is sticky, and a Kubernetes emptyDir (0777) is seen
+    only by its pod. A worker maps only a 0600 file of its own user
+    (SharedArena), so others cannot plant one there either."""
+    owner = directory.stat().st_uid
+    if owner not in (os.geteuid(), 0):
+        raise PermissionError(
+            f"arena directory {directory} belongs to uid {owner}, who could swap the arena "
+            f"file for one of their own: give --arena-dir a directory of uid {os.geteuid()}")
+
+
 class Arena:
     def __init__(self, directory: Path, size: int) -> None:
         """Creates, allocates and maps a new arena of `size` bytes (rounded
@@ -93,6 +107,7 @@ class Arena:
         if size <= 0:
             raise ValueError(f"arena size must be at least {ALIGN} bytes")
         directory.mkdir(parents=True, exist_ok=True)
+        check_directory(directory)
         remove_stale(directory)
         self.arena_id = secrets.token_hex(8)
         self.path = directory / arena_file_name(self.arena_id)

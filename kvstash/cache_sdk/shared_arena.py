@@ -13,7 +13,8 @@ The whole arena is mapped, populated, once per arena id (about 0.15 s per
 GiB): a client on the cache's host, running as its user, can read and write
 every extent, which is why readers verify and why the arena file is 0600.
 It maps only a file named as the cache names an arena (`arena_file_name`),
-so a cache cannot have it write into any other file.
+so a cache cannot have it write into any other file, and only a 0600 file
+of its own user, so nobody else can hand it one to fill with KV.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def buffer_address(buffer: object) -> int:
 class SharedArena:
     def __init__(self, info: cache_pb2.ArenaInfo) -> None:
         """Maps the arena `info` names; OSError or ValueError when this process
-        cannot (another host, another user, a file that is not that arena)."""
+        cannot (another host, another user, a file that is not that arena:
+        misnamed, not regular, another user's, or open to others)."""
         self.arena_id = info.arena_id
         path = Path(info.path)
         if path.name != arena_file_name(info.arena_id):
@@ -125,6 +127,13 @@ class SharedArena:
             status = os.fstat(fd)
             if not stat.S_ISREG(status.st_mode):
                 raise ValueError(f"{info.path} is not a regular file")
+            # Others can swap a file into a directory they own: the cache's is
+            # 0600 and of this user (root maps a cache's of any user).
+            euid = os.geteuid()
+            if status.st_mode & 0o077 or euid not in (0, status.st_uid):
+                raise ValueError(
+                    f"{info.path} is not a cache arena file: {stat.filemode(status.st_mode)}, "
+                    f"uid {status.st_uid} (an arena is 0600, of this process's uid {euid})")
             size = status.st_size
             if size != info.size_bytes:
                 raise ValueError(f"{info.path} has {size} bytes, the cache's arena "

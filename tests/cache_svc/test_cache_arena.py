@@ -287,6 +287,7 @@ async def test_client_maps_only_a_cache_arena_file(fake_cache, tmp_path, named) 
             "arena-named link": tmp_path / arena_file_name("x")}[named]
     if named == "arena file":
         path.write_bytes(bytes(ALIGN))
+        path.chmod(0o600)  # as the cache makes it
     elif named == "arena-named link":
         path.symlink_to(victim)
     address = await fake_cache(_serve_arena(

@@ -139,6 +139,7 @@ async def test_a_shared_reply_that_does_not_fit_the_snapshot_is_data_loss(
         fake_cache, tmp_path) -> None:
     arena = tmp_path / arena_file_name("x")
     arena.write_bytes(bytes(2 * TOTAL))
+    arena.chmod(0o600)  # as the cache makes it
     info = cache_pb2.ArenaInfo(path=str(arena), size_bytes=2 * TOTAL, arena_id="x")
     long = cache_pb2.Extent(arena_id="x", offset=0, length=TOTAL + 1)
     cases = [
