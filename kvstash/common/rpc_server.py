@@ -81,7 +81,7 @@ async def create_server(
     # The port is this server's alone, whatever `options` say (see binding).
     merged = (dict(CHANNEL_OPTIONS) | dict(options) | dict(connections.server_options())
               | dict([NO_REUSEPORT]))
-    auth = [TokenAuth(security.tokens)] if security.tokens else []
+    auth = [TokenAuth(security.tokens, security.token_file)] if security.tokens else []
     server = grpc.aio.server(
         options=list(merged.items()),
         interceptors=[*auth, *interceptors, DecodeErrorInterceptor()],

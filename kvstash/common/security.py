@@ -12,7 +12,9 @@ only peers whose certificate that CA signed; as a client it verifies the
 server against the CA and presents its own certificate. The scheduler's
 public port takes clients without certificates; `--auth-token-file` makes it
 demand a bearer token on every call but the health service (Kubernetes
-probes carry none). Tokens are compared in constant time and never logged.
+probes carry none), and is read again when it changes (TokenAuth), so a
+token removed from it is refused without a restart. Tokens are compared in
+constant time and never logged.
 
 Without TLS a service serves plaintext only on loopback, or where told so
 with `--plaintext`: `check_listen` refuses anything else at start-up. A
@@ -25,15 +27,22 @@ from __future__ import annotations
 import argparse
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTHORIZATION = "authorization"
+# How often a call may look whether --auth-token-file changed.
+TOKEN_FILE_CHECK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +51,7 @@ class Tls:
 
     ca: bytes  # trusted CA bundle
     cert: bytes | None = None  # this process's chain; servers need one
-    key: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)
     require_client_cert: bool = True  # as a server: mutual TLS
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -62,8 +71,11 @@ class Security:
     tls: Tls | None = None
     # Allowed without TLS beyond loopback: to serve, and to send the token.
     plaintext: bool = False
-    tokens: frozenset[str] = frozenset()  # as a server: bearer tokens accepted (empty = none asked)
-    token: str | None = None  # as a client: the bearer token sent
+    # As a server: bearer tokens accepted (empty = none asked), and the file
+    # they came from, read again when it changes.
+    tokens: frozenset[str] = field(default=frozenset(), repr=False)
+    token_file: Path | None = None
+    token: str | None = field(default=None, repr=False)  # as a client: the bearer token sent
 
 
 PLAINTEXT = Security()
@@ -111,12 +123,13 @@ def from_args(args: argparse.Namespace, require_client_cert: bool = True) -> Sec
     elif args.tls_cert is not None or args.tls_key is not None:
         raise ValueError("--tls-cert/--tls-key need --tls-ca (the CA that peers chain to)")
     tokens: frozenset[str] = frozenset()
-    if getattr(args, "auth_token_file", None) is not None:
-        tokens = frozenset(_tokens(args.auth_token_file, "--auth-token-file"))
+    token_file = getattr(args, "auth_token_file", None)
+    if token_file is not None:
+        tokens = frozenset(_tokens(token_file, "--auth-token-file"))
     token = None
     if getattr(args, "token_file", None) is not None:
         token = _tokens(args.token_file, "--token-file")[0]
-    return Security(tls, getattr(args, "plaintext", False), tokens, token)
+    return Security(tls, getattr(args, "plaintext", False), tokens, token_file, token)
 
 
 def _read(path: Path, flag: str) -> bytes:
@@ -222,10 +235,17 @@ _TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
 
 class TokenAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for any call but health checks without an accepted
-    bearer token."""
+    bearer token. With `token_file` the tokens are read from it again once
+    it changes (its inode, size or mtime; a call looks at most once every
+    TOKEN_FILE_CHECK_S), as the kubelet re-projects a Secret: a token removed
+    from it is refused from then on. A read that fails or finds no token
+    keeps the tokens in force and logs an error."""
 
-    def __init__(self, tokens: frozenset[str]) -> None:
-        self._tokens = [t.encode() for t in tokens]
+    def __init__(self, tokens: frozenset[str], token_file: Path | None = None) -> None:
+        self._tokens = _encoded(tokens)
+        self._token_file = token_file
+        self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
+        self._look_after = 0.0
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any
@@ -235,6 +255,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return _refusal(await continuation(details))
 
     def _accepts(self, metadata: Any) -> bool:
+        self._reread_if_changed()
         values = [v for k, v in metadata or () if k == AUTHORIZATION]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
@@ -243,6 +264,35 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         # Every token is compared, so the time taken says nothing about which.
         matches = [hmac.compare_digest(given, t) for t in self._tokens]
         return scheme.lower() == "bearer" and any(matches)
+
+    def _reread_if_changed(self) -> None:
+        now = time.monotonic()
+        if self._token_file is None or now < self._look_after:
+            return
+        self._look_after = now + TOKEN_FILE_CHECK_S
+        try:
+            status = os.stat(self._token_file)
+            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
+                                     status.st_mtime_ns)
+        except OSError:
+            seen = ()
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            tokens = _tokens(self._token_file, "--auth-token-file")
+        except ValueError as exc:
+            log.error("%s; keeping the %d tokens read before", exc, len(self._tokens))
+            return
+        encoded = _encoded(tokens)
+        if encoded != self._tokens:
+            self._tokens = encoded  # one assignment: a call sees the old set or the new
+            log.info("--auth-token-file %s changed: %d tokens accepted now", self._token_file,
+                     len(encoded))
+
+
+def _encoded(tokens: Iterable[str]) -> tuple[bytes, ...]:
+    return tuple(sorted({t.encode() for t in tokens}))
 
 
 def _refusal(handler: Any) -> Any:

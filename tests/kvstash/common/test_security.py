@@ -4,6 +4,7 @@ in-process servers, with throwaway CAs from trustme."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -108,6 +109,15 @@ def test_flags_are_checked_and_files_read(tmp_path: Path, ca: trustme.CA) -> Non
         security.from_args(parse("--auth-token-file", str(tmp_path / "empty")))
 
 
+def test_settings_show_no_token_or_private_key(ca: trustme.CA) -> None:
+    """Settings get logged and land in tracebacks: their repr holds no secret."""
+    tls = tls_of(ca, "scheduler")
+    assert tls.key is not None
+    shown = repr(Security(tls, tokens=frozenset({TOKEN}), token="sent-token"))
+    assert TOKEN not in shown and "sent-token" not in shown
+    assert "PRIVATE KEY" not in shown and repr(tls.key) not in shown
+
+
 # -- mutual TLS: the cache takes only certificates its CA signed ---------------------
 
 
@@ -184,6 +194,48 @@ async def test_calls_need_an_accepted_token(public_scheduler: str, ca: trustme.C
         assert info.value.code() == code
         if code == grpc.StatusCode.UNAUTHENTICATED:
             assert TOKEN not in (info.value.details() or "")  # never echoed
+
+
+async def test_a_token_removed_from_the_file_is_refused_without_a_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--auth-token-file is read again once it changes (the kubelet
+    re-projects an edited Secret): a revoked token is refused within a
+    couple of seconds and a new one accepted. A file emptied or gone keeps
+    the tokens in force."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("leaked\nkept\n")
+    scheduler = await create_scheduler_server(
+        "127.0.0.1:0", security.from_args(parse("--auth-token-file", str(tokens))))
+    address = f"127.0.0.1:{scheduler.port}"
+    let_in, refused = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED
+    try:
+        assert await _call_with(address, "leaked") == let_in
+        tokens.write_text("kept\nnew\n")
+        await asyncio.sleep(security.TOKEN_FILE_CHECK_S + 0.2)
+        assert await _call_with(address, "leaked") == refused
+        assert await _call_with(address, "new") == let_in
+        for broken in ("# nobody\n", None):
+            if broken is None:
+                tokens.unlink()
+            else:
+                tokens.write_text(broken)
+            await asyncio.sleep(security.TOKEN_FILE_CHECK_S + 0.2)
+            assert await _call_with(address, "kept") == let_in
+            assert await _call_with(address, "leaked") == refused
+        assert "no token in it; keeping the 2 tokens read before" in caplog.text
+        assert "No such file or directory; keeping the 2 tokens" in caplog.text
+    finally:
+        await scheduler.server.stop(None)
+
+
+async def _call_with(address: str, token: str) -> grpc.StatusCode:
+    from kvstash.v1 import common_pb2, scheduler_pb2_grpc
+
+    async with rpc_connections.channel(address, Security(token=token)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                common_pb2.GetStatsRequest(), timeout=5)
+    return info.value.code()
 
 
 async def test_health_checks_need_no_token(public_scheduler: str, ca: trustme.CA) -> None:
