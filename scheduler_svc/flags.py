@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None,
                         "code 70 on a broken one (for tests: O(pool + requests) each time)")
     p.add_argument("--record-decisions", type=Path, default=None,
                    help="write every call into the scheduler core, with its clock, to this "
-                        "JSONL file, for `kvstash sim --replay`")
+                        "JSONL file (created 0600: it holds prompts and outputs), for "
+                        "`kvstash sim --replay`")
     p.add_argument("--worker-wait", type=float, default=120.0,
                    help="seconds to wait for the worker at start")
     p.add_argument("--step-timeout", type=float, default=_ENGINE.step_timeout_s,

@@ -23,7 +23,7 @@ and, in a P/D role, the edge's calls into its PdManager (`Scheduler.pd`):
 Replayed in the same order with the same clock readings, a fresh core must
 decide the same things: the record is every input the core has. Lines are
 written as calls happen (line-buffered), so a killed process leaves a record
-up to its last call.
+up to its last call. The file is 0600: it holds every prompt and output.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -83,7 +84,9 @@ class RecordingScheduler(Scheduler):
             raise ValueError("recording decisions needs the prefix tier off "
                              "(--prefix-segment-tokens 0): replay does not model it yet")
         super().__init__(config, clock=clock)
-        self._file = path.open("w", buffering=1, encoding="utf-8")
+        # Created 0600: the record holds every prompt and output.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._file = open(fd, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - close()
         self._write("config", config=plain(dataclasses.asdict(config)))
         self._recording_pd = None if config.role is Role.MIXED else _RecordingPd(
             super().pd, self._write)
