@@ -28,6 +28,11 @@ HEAP_SLACK_BYTES = 32 * MIB
 ENTRY_BYTES = 2 * 1024
 
 
+# What the cache process holds idle (measured: interpreter, grpc, protobuf,
+# prometheus); a deployment's memory limit adds it to budget and overhead.
+IDLE_PROCESS_BYTES = 45 * MIB
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Budgets and limits of one cache server.
@@ -36,7 +41,8 @@ class CacheConfig:
     the preallocated buffers of puts in progress, and freed buffers pooled for
     reuse, which are unmapped as soon as a put needs their room) plus an
     overhead that no client behaviour raises (`overhead_bytes`):
-      - the idle process: ~45 MiB (interpreter, grpc, protobuf, prometheus);
+      - the idle process: ~45 MiB (interpreter, grpc, protobuf, prometheus:
+        IDLE_PROCESS_BYTES, measured);
       - chunk payload between the network and the snapshot buffers: 4 times
         `max_inflight_bytes`. An admitted put holds three chunks of it from
         admission to its end (cache_svc.put_stream says which), a get one per
@@ -56,7 +62,7 @@ class CacheConfig:
     many small snapshots cannot hold more than their charge either.
     Measured with 32 puts of 64 MiB against a 256 MiB budget, their clients
     sending every chunk before admission: peak 90-120 MiB over idle + budget,
-    of the 224 MiB this allows (tests/cache_svc/test_cache_memory.py).
+    of the 288 MiB this allows (tests/cache_svc/test_cache_memory.py).
     """
 
     memory_budget_bytes: int = 1 * GIB

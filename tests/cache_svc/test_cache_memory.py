@@ -51,7 +51,7 @@ async def test_puts_that_do_not_wait_for_admission_stay_within_the_bound(
 ) -> None:
     # 32 puts of 64 MiB (2 GiB) against a 256 MiB budget, all at once, as in
     # the report this reproduces (peak 2.1 GiB, 1.6 GiB after 80 s idle; 584
-    # MiB without the buffer pool; the documented bound allows 224 MiB over
+    # MiB without the buffer pool; the documented bound allows 288 MiB over
     # idle + budget). ~2-4 s each here.
     process = start_cache_process(
         "--memory-budget", "256MiB", "--reserve-wait", "60",

@@ -30,6 +30,9 @@ from chart_helpers import (
     volumes,
 )
 
+from cache_svc.config import IDLE_PROCESS_BYTES, CacheConfig
+from kvstash.common.units import MIB
+
 try:
     import kubernetes_validate
 except ModuleNotFoundError:  # fails the validation test below, naming the fix
@@ -116,6 +119,14 @@ def test_service_monitors_cover_every_metrics_endpoint() -> None:
     assert not of_kind(rendered("defaults"), "ServiceMonitor")
 
 
+def test_the_default_cache_overhead_covers_the_caches_own_bound() -> None:
+    """The chart's memory limit is memoryBudget + overhead: an overhead under
+    what the cache may hold beyond its budget (at the flags the chart passes,
+    the cache's defaults) lets the kernel kill a cache at its bound."""
+    bound = IDLE_PROCESS_BYTES + CacheConfig().overhead_bytes()
+    assert mib(DEFAULTS["cache"]["overhead"]) * MIB >= bound
+
+
 @pytest.mark.parametrize("value_set", ["defaults", "daemonset"])
 def test_worker_maps_the_arena_the_cache_allocates(value_set: str) -> None:
     docs = rendered(value_set)
@@ -128,7 +139,8 @@ def test_worker_maps_the_arena_the_cache_allocates(value_set: str) -> None:
     budget = VALUE_SETS[value_set].get("cache", {}).get("memoryBudget", DEFAULTS["cache"]
                                                         ["memoryBudget"])
     assert env(cache)["KVSTASH_CACHE_MEMORY_BUDGET"] == f"{mib(budget)}MiB"
-    assert mib(cache["resources"]["limits"]["memory"]) >= mib(budget) + mib("512Mi")
+    assert mib(cache["resources"]["limits"]["memory"]) >= mib(budget) + mib(
+        DEFAULTS["cache"]["overhead"])
     pod = instances(docs)["spec"]["template"]["spec"]
     if value_set == "defaults":
         arena = volumes(pod)["arena"]["emptyDir"]

@@ -80,16 +80,16 @@ def test_segments_of_a_block_size_of_ones_own(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("request_", "expected"), [
-    ({}, "1536Mi"),
-    ({"memory": ""}, "1536Mi"),  # rendered memory twice, "" and the limit
+    ({}, "1568Mi"),
+    ({"memory": ""}, "1568Mi"),  # rendered memory twice, "" and the limit
     ({"memory": "1Gi", "cpu": "2"}, "1Gi"),
-    ({"memory": "1536Mi"}, "1536Mi"),
+    ({"memory": "1568Mi"}, "1568Mi"),
 ])
 def test_cache_memory_request_within_its_limit(request_: dict[str, str], expected: str,
                                                tmp_path: Path) -> None:
     docs = render({"cache": {"resources": {"requests": request_}}}, tmp_path)
     resources = container(instances(docs)["spec"]["template"]["spec"], "cache")["resources"]
-    assert resources["limits"]["memory"] == "1536Mi"  # 1Gi budget + 512Mi overhead
+    assert resources["limits"]["memory"] == "1568Mi"  # 1Gi budget + 544Mi overhead
     assert resources["requests"] == {**DEFAULTS["cache"]["resources"]["requests"], **request_,
                                      "memory": expected}
 

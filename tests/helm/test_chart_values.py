@@ -96,7 +96,7 @@ def test_schema_refuses(values: dict[str, Any], message: str, tmp_path: Path) ->
 
 VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"cache": {"memoryBudget": "4Gi", "resources": {"limits": {"memory": "4Gi"}}}},
-     "cache.memoryBudget (4096Mi) + cache.overhead (512Mi) = 4608Mi exceeds "
+     "cache.memoryBudget (4096Mi) + cache.overhead (544Mi) = 4640Mi exceeds "
      "cache.resources.limits.memory (4096Mi)"),
     ({"cache": {"memoryBudget": "2Gi", "arena": {"sizeLimit": "1Gi"}}},
      "cache.memoryBudget (2048Mi) exceeds cache.arena.sizeLimit (1024Mi)"),
@@ -214,7 +214,7 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      'model, "tiny"; serve a checkpoint with model.source pvc, hostPath or image'),
     # A memory request above the cache's limit (Kubernetes refuses the pod).
     ({"cache": {"resources": {"requests": {"memory": "4Gi"}}}},
-     "cache.resources.requests.memory (4096Mi) exceeds the cache's memory limit (1536Mi, "
+     "cache.resources.requests.memory (4096Mi) exceeds the cache's memory limit (1568Mi, "
      "derived from cache.memoryBudget + cache.overhead)"),
     ({"cache": {"mode": "shared", "resources": {"requests": {"memory": "2Gi"},
                                                 "limits": {"memory": "1600Mi"}}}},
