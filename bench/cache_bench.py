@@ -64,9 +64,10 @@ def _raw_server(listener: socket.socket) -> None:
                 conn.sendall(b"k")
             else:
                 left = length
+                view = memoryview(payload)  # a bytes slice would copy each chunk first
                 while left:
                     n = min(left, chunk)
-                    conn.sendall(payload[:n])
+                    conn.sendall(view[:n])
                     left -= n
 
 

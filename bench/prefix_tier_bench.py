@@ -318,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             if any(o != outputs[0] for o in outputs):
                 print("OUTPUT MISMATCH between the settings", file=sys.stderr)
                 failed.append("trace")
+            for name, (records, _) in runs.items():
+                if errors := [r.error for r in records if r.error]:
+                    print(f"REQUESTS FAILED with tier {name}: {len(errors)} of "
+                          f"{len(records)} ({', '.join(sorted(set(errors))[:3])})",
+                          file=sys.stderr)
+                    failed.append(f"trace, tier {name}")
             args.out.mkdir(parents=True, exist_ok=True)
             plots.latency_cdfs(
                 [plots.Run(f"tier {name}", trace.rate, records)

@@ -182,13 +182,16 @@ def dense_forward(model: CausalLM, ids: list[list[int]]) -> None:
         x = model.model.embed_tokens(tokens.view(-1))
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)
-            attn, h = layer.self_attn, layer.input_layernorm(x)
-            q = heads(attn.q_proj(h), cfg.num_heads, True)
-            k = heads(attn.k_proj(h), cfg.num_kv_heads, True)
-            v = heads(attn.v_proj(h), cfg.num_kv_heads, False)
+            attn, mlp, h = layer.self_attn, layer.mlp, layer.input_layernorm(x)
+            # One product each for q, k, v and for gate, up, as the worker's step.
+            q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, k, v = attn.qkv(h).split((q_size, kv_size, kv_size), dim=-1)
+            q, k = heads(q, cfg.num_heads, True), heads(k, cfg.num_kv_heads, True)
+            v = heads(v, cfg.num_kv_heads, False)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            gate, up = mlp.gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+            x = x + mlp.down_proj(F.silu(gate) * up)
         model.lm_head(model.model.norm(x.view(batch, length, -1)[:, -1]))
 
 

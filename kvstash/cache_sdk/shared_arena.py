@@ -40,7 +40,10 @@ ARENA_ID_KEY = "kvstash-arena-id"
 ARENA_FILE_PREFIX = "kvstash-arena-"
 ARENA_FILE_SUFFIX = ".shm"
 
-_hashers = ThreadPoolExecutor(min(8, usable_cpus().num_cpus), thread_name_prefix="kv-hash")
+# Threads that copy and hash a shared call's chunks (bench.arena_bench's floor
+# copies on as many).
+COPY_THREADS = min(8, usable_cpus().num_cpus)
+_hashers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kv-hash")
 
 
 def arena_file_name(arena_id: str) -> str:

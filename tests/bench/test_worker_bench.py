@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from bench.worker_bench import main
+import pytest
+import torch
+
+from bench.worker_bench import dense_forward, main
+from gpu_worker import model as model_module
+from gpu_worker.config import tiny_model_config
+from gpu_worker.model import build_tiny_model
 
 
 def test_the_bench_reports_each_modes_steps_kernels_and_top_ops(tmp_path: Path) -> None:
@@ -27,3 +34,27 @@ def test_the_bench_reports_each_modes_steps_kernels_and_top_ops(tmp_path: Path) 
         ops = found["host"]  # no device on the CPU
         assert set(found) == {"host"} and 0 < len(ops) <= 3
         assert all(name.startswith("aten::") and us > 0 for name, us in ops)
+
+
+def test_the_dense_ceiling_multiplies_the_stacked_weights_as_the_step_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v in one product and gate, up in one, as the worker's step: seven
+    separate products a layer made the ceiling lower than it is."""
+    calls = {"fused": 0, "linear": 0}
+    real_linear, real_fused = model_module.Linear.forward, model_module.Fused.__call__
+
+    def linear(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["linear"] += 1
+        return real_linear(self, *args, **kwargs)
+
+    def fused(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["fused"] += 1
+        return real_fused(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.Linear, "forward", linear)
+    monkeypatch.setattr(model_module.Fused, "__call__", fused)
+    cfg = tiny_model_config()
+    model = build_tiny_model(cfg, 0, torch.float32, torch.device("cpu"))
+    dense_forward(model, [[1] * 8, [2] * 8])
+    # qkv and gate_up; o_proj and down_proj, then the head
+    assert calls == {"fused": 2 * cfg.num_layers, "linear": 2 * cfg.num_layers + 1}
