@@ -36,7 +36,7 @@ from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.common.ids import check_request_id, check_snapshot_id
 from kvstash.common.metrics import MetricsServer
-from kvstash.common.rpc_connections import MAX_WORKER_INFO_BYTES
+from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES, MAX_WORKER_INFO_BYTES
 from kvstash.common.rpc_errors import maps_errors
 from kvstash.common.rpc_server import create_server, set_serving
 from kvstash.common.sampling import GREEDY
@@ -260,7 +260,8 @@ async def create_worker_server(config: WorkerConfig, address: str,
             address, [lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s)],
             [SERVICE_NAME], serving=runner is not None, security=config.security,
             connections=config.connections,
-            options=[("grpc.max_send_message_length", MAX_WORKER_INFO_BYTES)],
+            options=[("grpc.max_send_message_length", MAX_WORKER_INFO_BYTES),
+                     ("grpc.max_receive_message_length", MAX_STEP_PLAN_BYTES)],
         )
     except BaseException:
         if metrics_server is not None:

@@ -14,6 +14,8 @@ from pathlib import Path
 from kvstash.common import flag_types, rpc_connections, rpc_server, security, settings
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
+from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES
+from kvstash.common.units import MIB
 from kvstash.v1 import worker_pb2
 from scheduler_svc.core.config import (
     PreemptionMode,
@@ -24,6 +26,7 @@ from scheduler_svc.core.config import (
 )
 from scheduler_svc.core.pd import HANDOFF_WAIT_S
 from scheduler_svc.engine import EngineConfig
+from scheduler_svc.worker_link import largest_plan_bytes
 
 # Defaults come from the config dataclasses, never restated here.
 _CORE = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)
@@ -163,7 +166,7 @@ def build_config(
                          f"got {args.num_blocks}")
     segment_blocks, salt = prefix_tier(args, info, layout)
     try:
-        return SchedulerConfig(
+        config = SchedulerConfig(
             num_blocks=args.num_blocks or info.num_blocks,
             block_size=layout.block_size,
             max_model_len=info.max_model_len,
@@ -191,6 +194,13 @@ def build_config(
         )
     except ValueError as exc:  # SchedulerConfig names its fields: say which flag
         raise ValueError(_FIELD.sub(lambda found: _FLAG_OF[found[0]], str(exc))) from None
+    if (plan := largest_plan_bytes(config)) > MAX_STEP_PLAN_BYTES:
+        raise ValueError(
+            f"--max-num-seqs {config.max_num_seqs} at the worker's max_model_len "
+            f"{config.max_model_len} (blocks of {config.block_size}) makes step plans of up "
+            f"to {plan / MIB:.0f} MiB (each sequence's whole block table), more than the "
+            f"{MAX_STEP_PLAN_BYTES // MIB} MiB a worker takes: lower --max-num-seqs")
+    return config
 
 
 def build_engine_config(args: argparse.Namespace, tracing: bool = False) -> EngineConfig:

@@ -25,16 +25,21 @@ import grpc
 
 from kvstash import errors
 from kvstash.common import wire
-from kvstash.common.rpc_connections import MAX_WORKER_INFO_BYTES
-from kvstash.v1 import worker_pb2, worker_pb2_grpc
+from kvstash.common.ids import MAX_REQUEST_ID_CHARS
+from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES, MAX_WORKER_INFO_BYTES
+from kvstash.common.sampling import MAX_STOP_TOKEN_IDS
+from kvstash.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# The scheduler's channel to its worker: reconnect fast after a restart, and
-# take a GetInfo as large as the worker may send (the tokenizer rides in it).
+# The scheduler's channel to its worker: reconnect fast after a restart, take
+# a GetInfo as large as the worker may send (the tokenizer rides in it), and
+# send a step plan as large as it may take.
 WORKER_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000),
-                          ("grpc.max_receive_message_length", MAX_WORKER_INFO_BYTES)]
+                          ("grpc.max_receive_message_length", MAX_WORKER_INFO_BYTES),
+                          ("grpc.max_send_message_length", MAX_STEP_PLAN_BYTES)]
 # One step's default bound, plan out to tokens back: far past any step a
 # worker takes (seconds for a long prefill on a CPU), well short of forever.
 STEP_TIMEOUT_S = 600.0
@@ -75,6 +80,23 @@ def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
         )
         for seq in output.seqs
     ])
+
+
+def largest_plan_bytes(config: SchedulerConfig) -> int:
+    """At most how large one of this scheduler's step plans encodes: every
+    seat taken by a sequence with the longest id, sampling settings and
+    block table there are, and the step's tokens besides."""
+    sampling = common_pb2.SamplingParams(
+        max_tokens=config.max_model_len, temperature=0.5, top_p=0.5, top_k=2**32 - 1,
+        seed=2**64 - 1, stop_token_ids=[config.vocab_size - 1] * MAX_STOP_TOKEN_IDS,
+        ignore_eos=True)
+    seq = worker_pb2.SeqWork(
+        request_id="r" * MAX_REQUEST_ID_CHARS, start_pos=config.max_model_len,
+        block_ids=[config.num_blocks - 1] * -(-config.max_model_len // config.block_size),
+        sample=True, sampling=sampling)
+    tokens = worker_pb2.SeqWork(token_ids=[config.vocab_size - 1] * config.max_num_batched_tokens)
+    # + a field tag and a length per sequence, and the step id
+    return config.max_num_seqs * (seq.ByteSize() + 6) + tokens.ByteSize() + 16
 
 
 def changed_fields(before: worker_pb2.WorkerInfo, after: worker_pb2.WorkerInfo) -> list[str]:

@@ -27,6 +27,11 @@ MAX_MESSAGE_BYTES = 8 * MIB
 # A worker's GetInfo carries the model's tokenizer.json (Llama 3's is ~9 MB):
 # the worker may send, and its scheduler receive, this much.
 MAX_WORKER_INFO_BYTES = 64 * MIB
+# A step plan carries every sequence's whole block table (512 sequences of
+# 128k-token contexts in blocks of 16: ~13 MiB): the scheduler may send, and
+# its worker receive, this much; a scheduler whose largest plan could be
+# more refuses to start (scheduler_svc.worker_link.largest_plan_bytes).
+MAX_STEP_PLAN_BYTES = 64 * MIB
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -124,6 +124,26 @@ async def test_a_tokenizer_larger_than_a_message_reaches_the_scheduler() -> None
         await worker.server.stop(None)
 
 
+async def test_a_step_plan_larger_than_a_message_reaches_the_worker() -> None:
+    """A plan carries every sequence's whole block table: 512 sequences of
+    128k-token contexts in blocks of 16 are ~13 MiB, past the 8 MiB limit
+    both ends kept (every step failed, as a lost worker). Here one table
+    that long, of which the step's one position uses its first block."""
+    runner = make_runner(num_blocks=256)
+    worker = await create_worker_server(WorkerConfig(), "127.0.0.1:0", runner, MemoryCache())
+    try:
+        async with rpc_connections.channel(f"127.0.0.1:{worker.port}",
+                                           options=WORKER_CHANNEL_OPTIONS) as channel:
+            table = [0] + [255] * (MAX_MESSAGE_BYTES // 2)  # 2 bytes each on the wire
+            seq = SeqWork("long", [5], 0, table, True)
+            assert seq_proto(seq).ByteSize() > MAX_MESSAGE_BYTES
+            [[(request_id, token)]] = await run_steps(worker_pb2_grpc.WorkerStub(channel), [[seq]])
+        assert request_id == "long" and token == make_runner().execute([
+            SeqWork("long", [5], 0, [0], True)])[0]
+    finally:
+        await worker.server.stop(None)
+
+
 async def test_execute_matches_runner_and_streams_in_order(harness: Harness) -> None:
     a, b = prompt("Hello there"), prompt("General Kenobi!")
     ta, tb = blocks_for(32, 0), blocks_for(32, 10)

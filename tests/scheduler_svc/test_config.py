@@ -145,6 +145,11 @@ class _Worker(worker_pb2_grpc.WorkerServicer):
     (["--num-blocks", "64"], "--num-blocks must be at most the worker's 32, got 64"),
     (["--prefix-segment-tokens", "10", "--cache-address", "127.0.0.1:1"],
      "--prefix-segment-tokens must be a multiple of the worker's block size 16, got 10"),
+    # Seats whose plans a worker would refuse: every step would fail as a lost worker.
+    (["--max-num-seqs", "200000", "--max-num-batched-tokens", "200000"],
+     "--max-num-seqs 200000 at the worker's max_model_len 256 (blocks of 16) makes step "
+     "plans of up to 111 MiB (each sequence's whole block table), more than the 64 MiB a "
+     "worker takes: lower --max-num-seqs"),
 ])
 async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
     argv: list[str], message: str,
