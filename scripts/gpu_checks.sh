@@ -2,17 +2,17 @@
 # The GPU checks, one step or all, with the python given (the .venv's here,
 # a CUDA machine's own python3 there: see scripts/device_run.sh):
 #
-#   scripts/gpu_checks.sh PYTHON [versions|tests|gemm|profile|worker|transfer|pd|all] ...
+#   scripts/gpu_checks.sh PYTHON [versions|tests|gemm|profile|worker|transfer|pd|offload|all] ...
 #
 # Each step runs even when an earlier one failed (a device lease is short),
 # within STEP_TIMEOUT seconds when that is set; the exit status says whether
 # any failed. Figures (JSON) land in RESULTS (default bench-results/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${1:?usage: $0 PYTHON [versions|tests|gemm|profile|worker|transfer|pd|all] ...}
+python=${1:?usage: $0 PYTHON [versions|tests|gemm|profile|worker|transfer|pd|offload|all] ...}
 shift
 steps=("${@:-all}")
-[[ ${steps[0]} == all ]] && steps=(versions tests gemm worker profile pd transfer)
+[[ ${steps[0]} == all ]] && steps=(versions tests gemm worker profile pd transfer offload)
 results=${RESULTS:-bench-results}
 mkdir -p "$results"
 limit=(); [[ -n ${STEP_TIMEOUT:-} ]] && limit=(timeout "$STEP_TIMEOUT")
@@ -50,6 +50,14 @@ import triton; print("triton", triton.__version__)' ;;
                        --model "$dir/llama-1b" --device cuda --prefill-chunks 64,256,512,2048,8192 \
                        --name "Llama-3.2-1B shape, bf16, $("$python" -c \
                            'import torch; print(torch.cuda.get_device_name())')"; rc=$? \
+                ; rm -rf "$dir"; (exit $rc) ;;
+        # Offload + restore against recompute of one request's KV on this GPU,
+        # by context length: the offload-vs-recompute table's GPU figures.
+        offload) dir=$(mktemp -d) \
+                && "$python" -m bench.worker_bench --write-checkpoint "$dir/llama-1b" \
+                       --model llama-1b --dtype bfloat16 \
+                && "${limit[@]}" "$python" -m bench.offload_vs_recompute --model "$dir/llama-1b" \
+                       --device cuda --lengths 256,1024,4096,16384 --repeat 3; rc=$? \
                 ; rm -rf "$dir"; (exit $rc) ;;
         *) echo "unknown step $step" >&2; false ;;
     esac || failed+=("$step")
