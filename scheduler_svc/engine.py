@@ -300,8 +300,8 @@ class Engine:
                 stream.add_done_callback(self._wake.set)
                 await self._watch.set_up(True)
                 await self._steps(stream)
-            except (errors.Unavailable, errors.InvalidArgument) as exc:
-                reason = str(exc)  # InvalidArgument: the worker's answer made no sense
+            except errors.Unavailable as exc:
+                reason = str(exc)
             finally:
                 if stream is not None:
                     stream.cancel()
@@ -393,7 +393,11 @@ class Engine:
             started = time.monotonic()
             sampled = await stream.step(output)
             core.observe_step(output, time.monotonic() - started)
-            for update in core.update(output, sampled):
+            try:
+                updates = core.update(output, sampled)
+            except errors.InvalidArgument as exc:  # refused before any state changed
+                raise errors.Unavailable(f"the worker's answer made no sense: {exc}") from exc
+            for update in updates:
                 if update.finish_status is not None:
                     request_stream = self._end(update.request_id)  # no handoff now
                 else:

@@ -243,6 +243,11 @@ class Scheduler:
             if seq.sample and req.request_id not in sampled_token_ids and (
                     req.status is RUNNING_PREFILL and req.num_computed_tokens == seq.start_pos):
                 raise InvalidArgument(f"no sampled token for request {req.request_id}")
+        vocab_size = self.config.vocab_size
+        for request_id, token_id in sampled_token_ids.items():
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(f"sampled token {token_id} for request {request_id} "
+                                      f"is outside the vocabulary of {vocab_size}")
         self._updated_step_id = output.step_id
         block_size = self.config.block_size
         cache_full_blocks = self.kv.cache_full_blocks

@@ -144,21 +144,24 @@ async def test_no_wait_fails_them_with_the_worker(
         assert isinstance((await events_of(stream))[1], errors.Unavailable)
 
 
+@pytest.mark.parametrize("bug", [KeyError("a bug"), errors.InvalidArgument("a bug")])
 async def test_a_bug_in_the_step_loop_ends_every_request_and_the_engine_for_good(
-        link: LosableLink, closing: list[Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+        link: LosableLink, closing: list[Engine], monkeypatch: pytest.MonkeyPatch,
+        bug: Exception) -> None:
     """Not taken for a lost worker: reconnecting would only meet the bug
-    again, failing requests and flapping the health every retry."""
+    again, failing requests and flapping the health every retry. (The
+    core's own InvalidArgument was taken for a worker's bad answer.)"""
     engine, running, waiting = await started(link, EngineConfig(worker_reconnect_s=30))
     closing.append(engine)
     opened = []
     monkeypatch.setattr(link, "open", lambda: opened.append(1) or LosableStream())
 
-    def bug(self: Scheduler) -> None:
-        raise KeyError("a bug")
+    def schedule(self: Scheduler) -> None:
+        raise bug
 
-    monkeypatch.setattr(Scheduler, "schedule", bug)
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
     failure = await asyncio.wait_for(engine.wait_failed(), 10)
-    assert isinstance(failure, KeyError)
+    assert failure is bug
     for stream in [running, *waiting]:
         _, end = await events_of(stream)
         assert isinstance(end, errors.Unavailable) and "a bug" in str(end)
@@ -167,6 +170,29 @@ async def test_a_bug_in_the_step_loop_ends_every_request_and_the_engine_for_good
         await engine.admit("late", PROMPT, SamplingParams(max_tokens=3))
     await asyncio.sleep(0.1)
     assert opened == []  # no new stream: the step loop ended
+
+
+async def test_a_worker_answering_a_token_outside_the_vocabulary_is_lost_not_believed(
+        link: LosableLink, closing: list[Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requests it held fail, the others wait, and a new stream goes on."""
+    engine, running, waiting = await started(link, EngineConfig(worker_reconnect_s=30))
+    closing.append(engine)
+
+    answer = LosableStream.step
+    answered: list[int] = []
+
+    async def once_nonsense(self: LosableStream, output: SchedulerOutput) -> dict[str, int]:
+        if answered:
+            return await answer(self, output)
+        answered.append(1)
+        return {seq.request_id: 10**6 for seq in output.seqs if seq.sample}
+
+    monkeypatch.setattr(LosableStream, "step", once_nonsense)
+    _, end = await events_of(running)
+    assert isinstance(end, errors.Unavailable) and "outside the vocabulary" in str(end)
+    assert engine.failure is None
+    for stream in waiting:
+        assert await events_of(stream) == ([7, 7, 7], RequestStatus.FINISHED_LENGTH)
 
 
 async def test_a_task_beside_the_step_loop_that_raises_ends_the_engine_for_good() -> None:

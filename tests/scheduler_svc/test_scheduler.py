@@ -227,6 +227,18 @@ def test_an_update_missing_one_token_changes_nothing() -> None:
     scheduler.check_integrity()
 
 
+def test_a_sampled_token_outside_the_vocabulary_is_refused_changing_nothing() -> None:
+    scheduler = make_scheduler(vocab_size=100)
+    add(scheduler, "a")
+    output = scheduler.schedule()
+    for token in (100, -1):
+        with pytest.raises(InvalidArgument, match=f"sampled token {token} for request a"):
+            scheduler.update(output, {"a": token})
+    req = scheduler.get_request("a")
+    assert req is not None and req.output_token_ids == [] and req.num_computed_tokens == 0
+    assert [u.new_token_ids for u in scheduler.update(output, {"a": 99})] == [[99]]
+
+
 def test_abort_unknown_or_finished_is_not_found() -> None:
     scheduler = make_scheduler()
     with pytest.raises(NotFound, match="request x is unknown or already finished"):
