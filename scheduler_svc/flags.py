@@ -196,10 +196,10 @@ def build_config(
         raise ValueError(_FIELD.sub(lambda found: _FLAG_OF[found[0]], str(exc))) from None
     if (plan := largest_plan_bytes(config)) > MAX_STEP_PLAN_BYTES:
         raise ValueError(
-            f"--max-num-seqs {config.max_num_seqs} at the worker's max_model_len "
-            f"{config.max_model_len} (blocks of {config.block_size}) makes step plans of up "
-            f"to {plan / MIB:.0f} MiB (each sequence's whole block table), more than the "
-            f"{MAX_STEP_PLAN_BYTES // MIB} MiB a worker takes: lower --max-num-seqs")
+            f"--max-num-seqs {config.max_num_seqs} at the longest sequence served, "
+            f"{config.max_servable_len} tokens (blocks of {config.block_size}), makes step "
+            f"plans of up to {plan / MIB:.0f} MiB (each sequence's whole block table), more "
+            f"than the {MAX_STEP_PLAN_BYTES // MIB} MiB a worker takes: lower --max-num-seqs")
     return config
 
 

@@ -145,9 +145,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.AbortResponse:
         check_request_id(request.request_id)
         backend = self.attached()
-        if request.request_id in self._tokenizing:
-            self._tokenizing[request.request_id] = True
-        else:
+        if request.request_id not in self._tokenizing:
+            backend.abort(request.request_id)
+            return scheduler_pb2.AbortResponse()
+        self._tokenizing[request.request_id] = True
+        with contextlib.suppress(errors.NotFound):  # and one the core holds under its id
             backend.abort(request.request_id)
         return scheduler_pb2.AbortResponse()
 

@@ -92,7 +92,7 @@ def largest_plan_bytes(config: SchedulerConfig) -> int:
         ignore_eos=True)
     seq = worker_pb2.SeqWork(
         request_id="r" * MAX_REQUEST_ID_CHARS, start_pos=config.max_model_len,
-        block_ids=[config.num_blocks - 1] * -(-config.max_model_len // config.block_size),
+        block_ids=[config.num_blocks - 1] * -(-config.max_servable_len // config.block_size),
         sample=True, sampling=sampling)
     tokens = worker_pb2.SeqWork(token_ids=[config.vocab_size - 1] * config.max_num_batched_tokens)
     # + a field tag and a length per sequence, and the step id

@@ -10,12 +10,15 @@ import pytest
 
 from kvstash.common import security
 from kvstash.common.layout import Layout
+from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES
+from kvstash.common.units import MIB
 from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_svc.__main__ import main as scheduler_main
 from scheduler_svc.__main__ import serve
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
-from scheduler_svc.flags import check_flags, check_role, parse_args
+from scheduler_svc.flags import build_config, check_flags, check_role, parse_args
+from scheduler_svc.worker_link import largest_plan_bytes
 from tests.scheduler_svc.factories import make_config
 
 
@@ -147,9 +150,9 @@ class _Worker(worker_pb2_grpc.WorkerServicer):
      "--prefix-segment-tokens must be a multiple of the worker's block size 16, got 10"),
     # Seats whose plans a worker would refuse: every step would fail as a lost worker.
     (["--max-num-seqs", "200000", "--max-num-batched-tokens", "200000"],
-     "--max-num-seqs 200000 at the worker's max_model_len 256 (blocks of 16) makes step "
-     "plans of up to 111 MiB (each sequence's whole block table), more than the 64 MiB a "
-     "worker takes: lower --max-num-seqs"),
+     "--max-num-seqs 200000 at the longest sequence served, 256 tokens (blocks of 16), "
+     "makes step plans of up to 111 MiB (each sequence's whole block table), more than "
+     "the 64 MiB a worker takes: lower --max-num-seqs"),
 ])
 async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
     argv: list[str], message: str,
@@ -164,6 +167,19 @@ async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
         assert await serve(args, security.from_args(args)) == message
     finally:
         await server.stop(None)
+
+
+def test_step_plans_are_bounded_by_the_longest_sequence_the_pool_serves() -> None:
+    """A 1M-token context on a 320k-token pool: no block table passes the
+    pool, so 512 seats fit (the bound taken at max_model_len refused them)."""
+    layout = Layout(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32")
+    info = worker_pb2.WorkerInfo(model_name="m", vocab_size=152_064, max_model_len=1_048_576,
+                                 num_blocks=20_000, kv_layout=layout_to_proto(layout))
+    args = parse_args(["--worker-address", "127.0.0.1:1", "--max-num-seqs", "512",
+                       "--max-num-batched-tokens", "8192"])
+    config = build_config(args, info, layout)
+    assert config.max_servable_len == 320_000
+    assert 16 * MIB < largest_plan_bytes(config) <= MAX_STEP_PLAN_BYTES
 
 
 async def test_no_worker_in_time_is_one_line_naming_its_address() -> None:

@@ -774,7 +774,7 @@ def test_a_failed_handoff_whose_seat_was_taken_waits_for_one_and_keeps_its_token
     assert core.stats().num_handoff_failures == 1 and pool_is_clean(core)
 
 
-
+def test_a_chunked_prefill_is_handed_off_after_its_last_chunk() -> None:
     side = Side(prefill_config(max_num_batched_tokens=16))
     core = side.core
     add_handoff(side, "a", prompt_of(40), greedy(5))

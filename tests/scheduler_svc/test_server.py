@@ -322,6 +322,34 @@ async def test_the_kvstash_api_ends_a_call_aborted_while_its_long_prompt_is_toke
     assert core.get_request("long") is None and core.stats().num_waiting == 0
 
 
+async def test_an_abort_also_reaches_the_live_request_whose_id_a_second_call_tokenizes(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
+) -> None:
+    """A second Generate under a live request's id (a gateway's retry), its
+    long prompt tokenized: an Abort marked only that call, and the live
+    request ran on."""
+    tokenizer = HeldTokenizer()
+    core = make_scheduler(vocab_size=258, max_model_len=20_000, num_blocks=5_000)
+    attach(server, nowhere, core, tokenizer=tokenizer)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    live = stub.Generate(generate_request("dup"))
+    async with asyncio.timeout(10):
+        while core.get_request("dup") is None:
+            await asyncio.sleep(0.01)
+    again = stub.Generate(scheduler_pb2.GenerateRequest(
+        request_id="dup", text="a" * (INLINE_ENCODE_CHARS + 1),
+        sampling=common_pb2.SamplingParams(max_tokens=4)))
+    try:
+        assert await asyncio.to_thread(tokenizer.started.wait, 10)
+        await stub.Abort(scheduler_pb2.AbortRequest(request_id="dup"))
+    finally:
+        tokenizer.release.set()
+    async with asyncio.timeout(10):
+        assert [r async for r in live][-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+        assert [r async for r in again][-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+    assert core.get_request("dup") is None
+
+
 async def test_an_abort_naming_a_bad_id_aborts_none(
     attached: SchedulerServer, channel: grpc.aio.Channel
 ) -> None:
