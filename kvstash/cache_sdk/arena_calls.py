@@ -16,6 +16,9 @@ still touches it (`_to_the_end`); a put given up then says so (`abandon`),
 and the cache frees the extent at once (`_let_go`). A put's call ended
 otherwise (cancelled, its channel closed, its process gone) leaves its
 extent quarantined for a lease (cache_svc.arena_calls).
+
+Why one file (a little over 300 lines): put and get share the arena's
+attachment, the lease and the stream helpers below, which nothing else uses.
 """
 
 from __future__ import annotations

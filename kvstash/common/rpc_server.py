@@ -24,10 +24,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstash.common.bearer import TokenAuth
 from kvstash.common.binding import NO_REUSEPORT, BindError, check_free, split_address
 from kvstash.common.rpc_connections import CHANNEL_OPTIONS, DEFAULT_CONNECTIONS, Connections
 from kvstash.common.rpc_errors import DecodeErrorInterceptor
-from kvstash.common.security import PLAINTEXT, Security, TokenAuth, check_listen
+from kvstash.common.security import PLAINTEXT, Security, check_listen
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ only peers whose certificate that CA signed; as a client it verifies the
 server against the CA and presents its own certificate. The scheduler's
 public port takes clients without certificates; `--auth-token-file` makes it
 demand a bearer token on every call but the health service (Kubernetes
-probes carry none), and is read again when it changes (TokenAuth), so a
-token removed from it is refused without a restart. Tokens are compared in
-constant time and never logged.
+probes carry none), and is read again when it changes, so a token removed
+from it is refused without a restart (kvstash.common.bearer: both ends of
+the token, compared in constant time and never logged).
 
 Without TLS a service serves plaintext only on loopback, or where told so
 with `--plaintext`: `check_listen` refuses anything else at start-up. A
@@ -25,24 +25,14 @@ only to loopback, or with `--plaintext`.
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
-import logging
-import os
-import time
-from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-log = logging.getLogger(__name__)
-
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
-AUTHORIZATION = "authorization"
-# How often a call may look whether --auth-token-file changed.
-TOKEN_FILE_CHECK_S = 1.0
+from kvstash.common.bearer import read_tokens, token_interceptors
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +115,10 @@ def from_args(args: argparse.Namespace, require_client_cert: bool = True) -> Sec
     tokens: frozenset[str] = frozenset()
     token_file = getattr(args, "auth_token_file", None)
     if token_file is not None:
-        tokens = frozenset(_tokens(token_file, "--auth-token-file"))
+        tokens = frozenset(read_tokens(token_file, "--auth-token-file"))
     token = None
     if getattr(args, "token_file", None) is not None:
-        token = _tokens(args.token_file, "--token-file")[0]
+        token = read_tokens(args.token_file, "--token-file")[0]
     return Security(tls, getattr(args, "plaintext", False), tokens, token_file, token)
 
 
@@ -137,14 +127,6 @@ def _read(path: Path, flag: str) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
-
-
-def _tokens(path: Path, flag: str) -> list[str]:
-    lines = _read(path, flag).decode("utf-8", "replace").splitlines()
-    tokens = [t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#")]
-    if not tokens:
-        raise ValueError(f"{flag} {path}: no token in it")
-    return tokens
 
 
 def check_listen(address: str, security: Security) -> None:
@@ -188,128 +170,6 @@ def channel_args(security: Security) -> dict[str, Any]:
     interceptors that send the token."""
     interceptors: list[Any] = []
     if security.token is not None:
-        header = (AUTHORIZATION, f"Bearer {security.token}")
-        # grpc.aio files an interceptor under the first call kind it serves:
-        # one instance per kind.
-        interceptors = [kind(header) for kind in _TOKEN_INTERCEPTORS]
+        interceptors = token_interceptors(security.token)
     return {"credentials": None if security.tls is None else security.tls.channel_credentials(),
             "interceptors": interceptors}
-
-
-class _SendsToken:
-    def __init__(self, header: tuple[str, str]) -> None:
-        self._header = header
-
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout,
-            grpc.aio.Metadata(*(details.metadata or ()), self._header),
-            details.credentials, details.wait_for_ready)
-
-
-class _UnaryUnaryToken(_SendsToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _UnaryStreamToken(_SendsToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _StreamUnaryToken(_SendsToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any,
-                                     requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
-
-
-class _StreamStreamToken(_SendsToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any,
-                                      requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
-
-
-_TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
-                       _StreamStreamToken)
-
-
-class TokenAuth(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for any call but health checks without an accepted
-    bearer token. With `token_file` the tokens are read from it again once
-    it changes (its inode, size or mtime; a call looks at most once every
-    TOKEN_FILE_CHECK_S), as the kubelet re-projects a Secret: a token removed
-    from it is refused from then on. A read that fails or finds no token
-    keeps the tokens in force and logs an error."""
-
-    def __init__(self, tokens: frozenset[str], token_file: Path | None = None) -> None:
-        self._tokens = _encoded(tokens)
-        self._token_file = token_file
-        self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
-        self._look_after = 0.0
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
-    ) -> Any:
-        if details.method.startswith(_HEALTH_PREFIX) or self._accepts(details.invocation_metadata):
-            return await continuation(details)
-        return _refusal(await continuation(details))
-
-    def _accepts(self, metadata: Any) -> bool:
-        self._reread_if_changed()
-        values = [v for k, v in metadata or () if k == AUTHORIZATION]
-        if len(values) != 1 or not isinstance(values[0], str):
-            return False
-        scheme, _, token = values[0].partition(" ")
-        given = token.strip().encode()
-        # Every token is compared, so the time taken says nothing about which.
-        matches = [hmac.compare_digest(given, t) for t in self._tokens]
-        return scheme.lower() == "bearer" and any(matches)
-
-    def _reread_if_changed(self) -> None:
-        now = time.monotonic()
-        if self._token_file is None or now < self._look_after:
-            return
-        self._look_after = now + TOKEN_FILE_CHECK_S
-        try:
-            status = os.stat(self._token_file)
-            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
-                                     status.st_mtime_ns)
-        except OSError:
-            seen = ()
-        if seen == self._seen:
-            return
-        self._seen = seen
-        try:
-            tokens = _tokens(self._token_file, "--auth-token-file")
-        except ValueError as exc:
-            log.error("%s; keeping the %d tokens read before", exc, len(self._tokens))
-            return
-        encoded = _encoded(tokens)
-        if encoded != self._tokens:
-            self._tokens = encoded  # one assignment: a call sees the old set or the new
-            log.info("--auth-token-file %s changed: %d tokens accepted now", self._token_file,
-                     len(encoded))
-
-
-def _encoded(tokens: Iterable[str]) -> tuple[bytes, ...]:
-    return tuple(sorted({t.encode() for t in tokens}))
-
-
-def _refusal(handler: Any) -> Any:
-    """A handler of the same shape that ends the call UNAUTHENTICATED."""
-    if handler is None:
-        return None
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or unknown bearer token (header 'authorization: Bearer …')")
-
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await refuse(request, context)
-        yield  # pragma: no cover - abort raises
-
-    kinds = {"unary_unary": refuse, "stream_unary": refuse, "unary_stream": refuse_stream,
-             "stream_stream": refuse_stream}
-    changes = {kind: behaviour for kind, behaviour in kinds.items()
-               if getattr(handler, kind) is not None}
-    return handler._replace(**changes)

@@ -18,7 +18,7 @@ from cache_svc.server import create_cache_server
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.client import Client
-from kvstash.common import rpc_connections, security
+from kvstash.common import bearer, rpc_connections, security
 from kvstash.common.security import Security, Tls
 from kvstash.common.units import MIB
 from scheduler_svc.serving import create_scheduler_server
@@ -211,7 +211,7 @@ async def test_a_token_removed_from_the_file_is_refused_without_a_restart(
     try:
         assert await _call_with(address, "leaked") == let_in
         tokens.write_text("kept\nnew\n")
-        await asyncio.sleep(security.TOKEN_FILE_CHECK_S + 0.2)
+        await asyncio.sleep(bearer.TOKEN_FILE_CHECK_S + 0.2)
         assert await _call_with(address, "leaked") == refused
         assert await _call_with(address, "new") == let_in
         for broken in ("# nobody\n", None):
@@ -219,7 +219,7 @@ async def test_a_token_removed_from_the_file_is_refused_without_a_restart(
                 tokens.unlink()
             else:
                 tokens.write_text(broken)
-            await asyncio.sleep(security.TOKEN_FILE_CHECK_S + 0.2)
+            await asyncio.sleep(bearer.TOKEN_FILE_CHECK_S + 0.2)
             assert await _call_with(address, "kept") == let_in
             assert await _call_with(address, "leaked") == refused
         assert "no token in it; keeping the 2 tokens read before" in caplog.text

@@ -1,0 +1,164 @@
+"""Bearer tokens, both ends: the interceptors that send one on every call
+of a client channel (`token_interceptors`), and the server's check of every
+call but health checks (`TokenAuth`). Tokens are read from files of one per
+line (`read_tokens`: blank lines and # comments skipped), compared in
+constant time and never logged."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+AUTHORIZATION = "authorization"
+# How often a call may look whether --auth-token-file changed.
+TOKEN_FILE_CHECK_S = 1.0
+
+
+def read_tokens(path: Path, flag: str) -> list[str]:
+    """The tokens of the file `flag` names; ValueError naming both where it
+    cannot be read or holds none."""
+    try:
+        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    tokens = [t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#")]
+    if not tokens:
+        raise ValueError(f"{flag} {path}: no token in it")
+    return tokens
+
+
+def token_interceptors(token: str) -> list[Any]:
+    """A client channel's interceptors that send `token` on every call."""
+    header = (AUTHORIZATION, f"Bearer {token}")
+    # grpc.aio files an interceptor under the first call kind it serves: one
+    # instance per kind.
+    return [kind(header) for kind in _TOKEN_INTERCEPTORS]
+
+
+class _SendsToken:
+    def __init__(self, header: tuple[str, str]) -> None:
+        self._header = header
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout,
+            grpc.aio.Metadata(*(details.metadata or ()), self._header),
+            details.credentials, details.wait_for_ready)
+
+
+class _UnaryUnaryToken(_SendsToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _UnaryStreamToken(_SendsToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+
+class _StreamUnaryToken(_SendsToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any,
+                                     requests: Any) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+class _StreamStreamToken(_SendsToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any,
+                                      requests: Any) -> Any:
+        return await continuation(self._with_token(details), requests)
+
+
+_TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
+                       _StreamStreamToken)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for any call but health checks without an accepted
+    bearer token. With `token_file` the tokens are read from it again once
+    it changes (its inode, size or mtime; a call looks at most once every
+    TOKEN_FILE_CHECK_S), as the kubelet re-projects a Secret: a token removed
+    from it is refused from then on. A read that fails or finds no token
+    keeps the tokens in force and logs an error."""
+
+    def __init__(self, tokens: frozenset[str], token_file: Path | None = None) -> None:
+        self._tokens = _encoded(tokens)
+        self._token_file = token_file
+        self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
+        self._look_after = 0.0
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        if details.method.startswith(_HEALTH_PREFIX) or self._accepts(details.invocation_metadata):
+            return await continuation(details)
+        return _refusal(await continuation(details))
+
+    def _accepts(self, metadata: Any) -> bool:
+        self._reread_if_changed()
+        values = [v for k, v in metadata or () if k == AUTHORIZATION]
+        if len(values) != 1 or not isinstance(values[0], str):
+            return False
+        scheme, _, token = values[0].partition(" ")
+        given = token.strip().encode()
+        # Every token is compared, so the time taken says nothing about which.
+        matches = [hmac.compare_digest(given, t) for t in self._tokens]
+        return scheme.lower() == "bearer" and any(matches)
+
+    def _reread_if_changed(self) -> None:
+        now = time.monotonic()
+        if self._token_file is None or now < self._look_after:
+            return
+        self._look_after = now + TOKEN_FILE_CHECK_S
+        try:
+            status = os.stat(self._token_file)
+            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
+                                     status.st_mtime_ns)
+        except OSError:
+            seen = ()
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            tokens = read_tokens(self._token_file, "--auth-token-file")
+        except ValueError as exc:
+            log.error("%s; keeping the %d tokens read before", exc, len(self._tokens))
+            return
+        encoded = _encoded(tokens)
+        if encoded != self._tokens:
+            self._tokens = encoded  # one assignment: a call sees the old set or the new
+            log.info("--auth-token-file %s changed: %d tokens accepted now", self._token_file,
+                     len(encoded))
+
+
+def _encoded(tokens: Iterable[str]) -> tuple[bytes, ...]:
+    return tuple(sorted({t.encode() for t in tokens}))
+
+
+def _refusal(handler: Any) -> Any:
+    """A handler of the same shape that ends the call UNAUTHENTICATED."""
+    if handler is None:
+        return None
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or unknown bearer token (header 'authorization: Bearer …')")
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await refuse(request, context)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {"unary_unary": refuse, "stream_unary": refuse, "unary_stream": refuse_stream,
+             "stream_stream": refuse_stream}
+    changes = {kind: behaviour for kind, behaviour in kinds.items()
+               if getattr(handler, kind) is not None}
+    return handler._replace(**changes)
