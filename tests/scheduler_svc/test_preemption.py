@@ -189,23 +189,9 @@ def test_auto_put_refused_by_the_cache_falls_back_to_recompute() -> None:
     assert scheduler.stats().num_recomputed_tokens > 0
 
 
-def test_blocks_being_offloaded_count_as_soon_free() -> None:
-    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD)
-    for i, name in enumerate("abc"):
-        add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
-    for _ in range(3):
-        step(scheduler)
-    output, _ = step(scheduler)
-    assert ids(output.offloads) == ["a"] and ids(output.seqs) == []
-    output, _ = step(scheduler)  # still in flight: wait for it, preempt nobody else
-    assert output.offloads == [] and status(scheduler, "b") is S.RUNNING_DECODE
-    finish_offload(scheduler, "a", 1)
-    output, _ = step(scheduler)
-    assert ids(output.seqs) == ["b", "c"]
-
-
-def test_blocks_an_aborted_requests_copy_frees_count_as_soon_free() -> None:
-    """An aborted victim leaves OFFLOADING, but its copy still frees its
+@pytest.mark.parametrize("aborted", [False, True], ids=["offloading", "aborted"])
+def test_blocks_being_offloaded_count_as_soon_free(aborted: bool) -> None:
+    """Aborted, a victim leaves OFFLOADING, but its copy still frees its
     blocks when it lands: before, a second decode was preempted for them."""
     scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD)
     for i, name in enumerate("abc"):
@@ -213,10 +199,12 @@ def test_blocks_an_aborted_requests_copy_frees_count_as_soon_free() -> None:
     for _ in range(3):
         step(scheduler)
     output, _ = step(scheduler)
-    assert ids(output.offloads) == ["a"]
-    scheduler.abort("a")
-    output, _ = step(scheduler)
+    assert ids(output.offloads) == ["a"] and ids(output.seqs) == []
+    if aborted:
+        scheduler.abort("a")
+    output, _ = step(scheduler)  # still in flight: wait for it, preempt nobody else
     assert output.offloads == [] and output.preempted == []
+    assert status(scheduler, "b") is S.RUNNING_DECODE
     finish_offload(scheduler, "a", 1)
     output, _ = step(scheduler)
     assert ids(output.seqs) == ["b", "c"]
