@@ -3,7 +3,7 @@ against the raw copy of the same blocks (D2H + H2D through pinned memory on
 CUDA, two memcpys on CPU), side by side.
 
     python -m bench.kv_transfer_bench [--shapes tiny,1b,8b] [--tokens 1024,8192]
-                                      [--device auto] [--rounds 3]
+                                      [--device auto] [--rounds 3] [--json PATH]
 
 Each round, per shape and context length, moves the blocks of `tokens`
 tokens three ways and checks every copy landed:
@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -101,11 +103,14 @@ async def one_round(runner: ModelRunner, transfers: dict[str, KvTransfer],
     return seconds
 
 
-async def run(address: str, args: argparse.Namespace, device: torch.device) -> None:
+async def run(address: str, args: argparse.Namespace,
+              device: torch.device) -> list[dict[str, object]]:
+    """Prints a row per shape and length; returns them (seconds) for --json."""
     print(f"{device.type}, median of {args.rounds} rounds; ratio = raw copy time / path time "
           "in the same round (1.0 = as fast as the raw copy)")
     print(f"{'shape':<6}{'tokens':>7}{'MiB':>8}" + "".join(f"{p + ' ms':>10}" for p in PATHS)
           + f"{'arena ratio':>13}{'grpc ratio':>12}")
+    figures: list[dict[str, object]] = []
     clients = {"arena": CacheClient(address, timeout_s=600),
                "grpc": CacheClient(address, timeout_s=600, use_arena=False)}
     try:
@@ -124,10 +129,14 @@ async def run(address: str, args: argparse.Namespace, device: torch.device) -> N
                     print(f"{shape:<6}{tokens:>7}{mib:>8.0f}"
                           + "".join(f"{med[p] * 1e3:>10.1f}" for p in PATHS)
                           + f"{ratio['arena']:>13.2f}{ratio['grpc']:>12.2f}", flush=True)
+                    figures.append({"device": device.type, "shape": shape, "tokens": tokens,
+                                    "mib": mib, **{f"{p}_s": med[p] for p in PATHS},
+                                    **{f"{p}_ratio": ratio[p] for p in ratio}})
             del runner, transfers
     finally:
         for client in clients.values():
             await client.close()
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                         type=lambda t: [int(x) for x in t.split(",")])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the figures here (seconds; ratio = raw / path)")
     args = parser.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
@@ -149,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                                      for s in args.shapes)  # K and V, up to 2 bytes each
     proc, address = start_cache(largest + 64 * MIB, ["--arena-dir", SHARED_MEMORY_DIR])
     try:
-        asyncio.run(run(address, args, device))
+        figures = asyncio.run(run(address, args, device))
     finally:
         proc.terminate()
         proc.wait(30)
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
 

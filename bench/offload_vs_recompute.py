@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import statistics
 import tempfile
 import time
@@ -161,12 +162,17 @@ class Bench:
         row.restore_s.append(restore_s)
 
 
-async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> None:
+async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> dict[str, object]:
+    """Measures every length; returns the figures --json writes."""
     channel = rpc_connections.insecure_channel(worker.address)
     try:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(),
                                                                  timeout=60)
         layout = layout_from_proto(info.kv_layout)
+        setup = {"model": info.model_name, "device": info.device, "dtype": layout.dtype,
+                 "block_size": layout.block_size, "chunk": args.chunk,
+                 "decodes": args.decodes, "decode_context": args.decode_context,
+                 "arena": args.arena, "repeat": args.repeat}
         kept = sorted(n for n in lengths if n <= info.max_model_len)
         skipped = [n for n in lengths if n > info.max_model_len]
         if not kept:
@@ -197,13 +203,15 @@ async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> 
             stream.cancel()
     finally:
         await channel.close()
-    report(rows, costs)
+    return {**setup, "rows": report(rows, costs)}
 
 
-def report(rows: list[Row], costs: CostModel) -> None:
+def report(rows: list[Row], costs: CostModel) -> list[dict[str, object]]:
+    """Prints the table; returns its rows (seconds)."""
     print(f"{'tokens':>7} {'blocks':>6} {'offload ms':>10} {'restore ms':>10} "
           f"{'off+res ms':>10} {'recompute ms':>12} {'recomp/copy':>11} {'faster':>9} "
           f"{'model off+res':>13} {'model recomp':>12} {'AUTO picks':>10} {'right':>5}")
+    figures: list[dict[str, object]] = []
     for r in rows:
         faster = "offload" if r.copy_s < r.prefill_s else "recompute"
         predicted_copy = costs.offload_restore_s(r.num_blocks)
@@ -219,6 +227,12 @@ def report(rows: list[Row], costs: CostModel) -> None:
               f"{r.copy_s * 1e3:>10.1f} "
               f"{r.prefill_s * 1e3:>12.1f} {r.prefill_s / r.copy_s:>11.2f} {faster:>9} "
               f"{model[0]:>13} {model[1]:>12} {pick:>10} {'yes' if pick == faster else 'NO':>5}")
+        figures.append({
+            "tokens": r.num_tokens, "blocks": r.num_blocks,
+            "offload_s": statistics.median(r.offload_s),
+            "restore_s": statistics.median(r.restore_s), "copy_s": r.copy_s,
+            "recompute_s": r.prefill_s, "faster": faster, "predicted_copy_s": predicted_copy,
+            "predicted_recompute_s": predicted_recompute, "auto_picks": pick})
     print(f"measured crossover: {measured_crossover(rows)}")
     e = costs.estimates()
     crossover = ("unknown" if e.crossover_tokens is None
@@ -227,6 +241,7 @@ def report(rows: list[Row], costs: CostModel) -> None:
           f"/block, restore {fmt_ms(e.restore_s_fixed)} + {fmt_ms(e.restore_s_per_block)}/block, "
           f"prefill {fmt_ms(e.prefill_s_per_token)}/token + {fmt_ms(e.prefill_s_per_token_squared)}"
           f"/token^2; offload predicted cheaper above {crossover}")
+    return figures
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -263,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena", action=argparse.BooleanOptionalAction, default=True,
                         help="the cache keeps its memory tier in /dev/shm, which the worker "
                              "maps (the co-located path); --no-arena streams over gRPC")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the figures here (seconds)")
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (3 if args.quick else 5)
     lengths = [int(n) for n in (args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
@@ -286,11 +303,13 @@ def main(argv: list[str] | None = None) -> None:
                 "--listen", "127.0.0.1:0", "--model", model, "--device", args.device,
                 "--num-blocks", str(num_blocks), "--cache-address", cache.address], logs)
             try:
-                asyncio.run(run(worker, args, lengths))
+                figures = asyncio.run(run(worker, args, lengths))
             finally:
                 worker.stop()
         finally:
             cache.stop()
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import triton; print("triton", triton.__version__)' ;;
                 --batches 1,16,64 --modes batched,batched-eager,batched-fast --prompt-len 1024 \
                 --repeat 2 \
                 --count-ops --top-ops 12 --json "$results/gpu-worker.json" ;;
-        transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda ;;
+        transfer) "${limit[@]}" "$python" -m bench.kv_transfer_bench --device cuda \
+                --json "$results/gpu-transfer.json" ;;
         # 4096 blocks of 16 tokens per worker: the 32 requests' prompts and
         # outputs fit, so the run measures P/D, not preemption.
         pd) "${limit[@]}" "$python" -m bench.pd_bench --model llama-1b --device cuda \
@@ -57,7 +58,8 @@ import triton; print("triton", triton.__version__)' ;;
                 && "$python" -m bench.worker_bench --write-checkpoint "$dir/llama-1b" \
                        --model llama-1b --dtype bfloat16 \
                 && "${limit[@]}" "$python" -m bench.offload_vs_recompute --model "$dir/llama-1b" \
-                       --device cuda --lengths 256,1024,4096,16384 --repeat 3; rc=$? \
+                       --device cuda --lengths 256,1024,4096,16384 --repeat 3 \
+                       --json "$results/gpu-offload.json"; rc=$? \
                 ; rm -rf "$dir"; (exit $rc) ;;
         *) echo "unknown step $step" >&2; false ;;
     esac || failed+=("$step")
