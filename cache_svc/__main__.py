@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshots listed at most, both tiers: each costs ~2 KiB of "
                         "bookkeeping whatever its size; beyond, a put evicts the least "
                         "recently used unpinned one or is refused")
-    p.add_argument("--default-ttl", type=flag_types.duration, default=d.default_ttl_s,
+    p.add_argument("--default-ttl", type=flag_types.positive_duration, default=d.default_ttl_s,
                    help="expiry after the last access for puts that send ttl_s=0, e.g. 1h")
     p.add_argument("--sweep-interval", type=flag_types.duration, default=d.sweep_interval_s,
                    help="how often expired snapshots are looked for")

@@ -31,6 +31,8 @@ ENTRY_BYTES = 2 * 1024
 # What the cache process holds idle (measured: interpreter, grpc, protobuf,
 # prometheus); a deployment's memory limit adds it to budget and overhead.
 IDLE_PROCESS_BYTES = 45 * MIB
+# The longest TTL the wire carries (SnapshotHeader.ttl_s is a uint32).
+MAX_TTL_S = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +148,11 @@ class CacheConfig:
             raise ValueError(f"disk_budget_bytes is {self.disk_budget_bytes}, must be >= 0")
         if self.max_snapshots < 1:
             raise ValueError(f"max_snapshots is {self.max_snapshots}, must be >= 1")
-        if self.default_ttl_s <= 0:
-            raise ValueError(f"default_ttl_s is {self.default_ttl_s}, must be > 0")
+        if not 0 < self.default_ttl_s <= MAX_TTL_S:
+            # Beyond it no header could carry the TTL: every put would commit,
+            # then answer INTERNAL, as would each stat and get of it.
+            raise ValueError(
+                f"default_ttl_s is {self.default_ttl_s}, must be in [1, {MAX_TTL_S}]")
         # Durations: `not 0 < x < inf` refuses a NaN too (it fails every comparison).
         if not 0 < self.sweep_interval_s < math.inf:
             raise ValueError(

@@ -37,6 +37,9 @@ def test_flags_with_units_reach_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--memory-budget", "lots"], "not a byte size: 'lots'"),
     (["--default-ttl", "soon"], "not a duration: 'soon'"),
+    # Was taken as 1 s: every snapshot expired at the next sweep.
+    (["--default-ttl", "-5"], "not a duration > 0: '-5'"),
+    (["--default-ttl", "0"], "not a duration > 0: '0'"),
     (["--sweep-interval", "nan"], "not a finite duration: 'nan'"),  # or the sweeper spins
     (["--reserve-wait", "inf"], "not a finite duration: 'inf'"),
     (["--log-level", "verbose"], "invalid choice: 'verbose'"),  # not a traceback at start
@@ -58,6 +61,16 @@ def test_durations_must_be_finite(field: str, value: float) -> None:
     spin, a NaN reserve_wait_s a put that never times out."""
     with pytest.raises(ValueError, match=f"{field} is {value}, must be .* and finite"):
         CacheConfig(**{field: value})
+
+
+def test_a_default_ttl_no_header_can_carry_is_refused() -> None:
+    """SnapshotHeader.ttl_s is a uint32: beyond it, every put that took the
+    default committed and then answered INTERNAL, as did each stat and get."""
+    args = build_parser().parse_args(["--default-ttl", "50000d"])
+    with pytest.raises(ValueError, match=re.escape(
+            "default_ttl_s is 4320000000, must be in [1, 4294967295]")):
+        config_from_args(args)
+    assert CacheConfig(default_ttl_s=2**32 - 1).default_ttl_s == 2**32 - 1
 
 
 def test_a_disk_dir_without_a_budget_is_refused(tmp_path: Path) -> None:
