@@ -194,8 +194,10 @@ class SnapshotStore:
         return SnapshotInfo(entry.meta, entry.tier)
 
     def find(self, snapshot_ids: list[str]) -> list[TierName | None]:
-        """Where each of `snapshot_ids` is stored (None: it is not), touching
-        none of them; InvalidArgument for a bad id or too many."""
+        """Where each of `snapshot_ids` is stored (None: it is not); InvalidArgument
+        for a bad id or too many. A snapshot found counts as used (LRU and TTL):
+        a prefix segment an instance holds locally too is found at each
+        admission and never read, and must not go before segments nobody asks for."""
         if not 0 < len(snapshot_ids) <= MAX_FIND_IDS:
             raise InvalidArgument(f"find takes 1-{MAX_FIND_IDS} snapshot ids, "
                                   f"got {len(snapshot_ids)}")
@@ -203,6 +205,8 @@ class SnapshotStore:
         found = []
         for snapshot_id in snapshot_ids:
             entry = tiers.get(check_snapshot_id(snapshot_id))
+            if entry is not None:
+                tiers.touch(entry)
             found.append(None if entry is None else entry.tier)
         return found
 

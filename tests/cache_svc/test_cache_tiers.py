@@ -161,16 +161,26 @@ async def test_sweeper_expires_on_its_own(start_cache) -> None:
         await running.client.stat("idle")
 
 
-async def test_find_answers_where_each_snapshot_is_without_touching_it(start_cache) -> None:
-    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=16 * MIB)
+async def test_find_answers_where_each_snapshot_is_and_counts_as_a_use(start_cache) -> None:
+    """A prefix segment an instance also holds locally is found at each
+    admission and never read: it was the first to go, before segments
+    nobody asked for, and expired an idle TTL after its put."""
+    clock = FakeClock()
+    running = await start_cache(clock=clock, memory_budget_bytes=8 * MIB,
+                                disk_budget_bytes=16 * MIB, default_ttl_s=10,
+                                sweep_interval_s=3600)
     await put(running, "a")
     await put(running, "b")
     await put(running, "c")  # a spills
-    found = await running.client.find(["c", "nope", "a", "b"])
-    assert found == [MEMORY, cache_pb2.TIER_UNSPECIFIED, DISK, MEMORY]
-    # Finding b did not make it recent: it is the next to spill.
+    clock.advance(9)
+    found = await running.client.find(["b", "nope", "a"])
+    assert found == [MEMORY, cache_pb2.TIER_UNSPECIFIED, DISK]
+    # Finding b made it more recent than c: c is the next to spill.
     await put(running, "d")
-    assert await running.client.find(["b", "c", "d"]) == [DISK, MEMORY, MEMORY]
+    assert await tiers(running, "b", "c", "d") == [MEMORY, DISK, MEMORY]
+    clock.advance(1)  # c idle for its TTL; a and b found 1 s ago
+    assert running.cache.store.sweep_expired() == 1
+    assert await tiers(running, "a", "b", "d") == [DISK, MEMORY, MEMORY]
 
 
 @pytest.mark.parametrize("ids", [[], ["ok", "../etc"], ["x"] * 4097])
