@@ -93,8 +93,8 @@ class BandwidthLimiter:
         self._booked_until = 0.0  # event-loop time at which the last booking ends
 
     async def take(self, num_bytes: int) -> None:
-        if not self.bytes_per_s:
-            return
+        if not self.bytes_per_s or num_bytes <= 0:
+            return  # nothing to pace: not made to wait behind others' bookings
         now = asyncio.get_running_loop().time()
         start = max(now, self._booked_until)
         end = start + num_bytes / self.bytes_per_s

@@ -28,7 +28,7 @@ from cache_svc.model import SnapshotInfo
 from cache_svc.put_stream import DRAIN_SHARE_BYTES, PutStream, put_share_bytes
 from cache_svc.store import SnapshotStore
 from kvstash import errors
-from kvstash.cache_sdk.chunk_codec import MAX_CHUNK_BYTES, RawChunk, encode_chunk
+from kvstash.cache_sdk.chunk_codec import RawChunk, encode_chunk
 from kvstash.common import rpc_errors
 from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
@@ -136,8 +136,14 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
                 await stream.hold(DRAIN_SHARE_BYTES)
                 while not stream.ended:
                     if not stream.reading:
-                        await stream.read_ahead(MAX_CHUNK_BYTES)
-                    await stream.take()
+                        # Paced below by what arrives: booking the largest
+                        # message up front cost every refusal (the client
+                        # then sends nothing) MAX_CHUNK_BYTES of link time.
+                        await stream.read_ahead(0)
+                    request = await stream.take()
+                    num_bytes = request.data.nbytes if isinstance(request, RawChunk) else 0
+                    del request  # not kept while the next one is asked for
+                    await self._bandwidth.take(num_bytes)
 
     # An async generator, the handler shape grpc's interceptors (tracing's
     # among them) support. grpc awaits each send before asking for the next

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from cache_helpers import MIB, make_layout, make_payload, start_cache_process
 
+from cache_svc import stream_calls
 from cache_svc.__main__ import build_parser, config_from_args
 from cache_svc.config import CacheConfig
 from cache_svc.limiter import BandwidthLimiter, ByteLimiter
+from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
 
 LAYOUT = make_layout()  # 32 KiB blocks
@@ -91,6 +93,38 @@ async def test_bandwidth_limiter_books_in_order_and_refunds_cancelled_tail() -> 
     started = loop.time()
     await pace.take(MIB)
     assert loop.time() - started >= 0.09  # lower bounds only: load only adds time
+
+
+async def test_taking_no_bytes_waits_for_no_booking() -> None:
+    """A put's read of its end of stream paces 0 bytes: it waited behind
+    every other stream's booking before it could commit."""
+    pace = BandwidthLimiter(1)
+    booked = asyncio.ensure_future(pace.take(1000))  # the link is booked 1000 s ahead
+    await asyncio.sleep(0)
+    nothing = pace.take(0)
+    with pytest.raises(StopIteration):  # returned without suspending
+        nothing.send(None)
+    booked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await booked
+
+
+async def test_a_refused_put_books_no_link_time(start_cache, monkeypatch) -> None:
+    """A refusal read the client's end of stream only after booking a whole
+    MAX_CHUNK_BYTES of the link (32 s at this limit; the drain's own 5 s limit
+    is lifted here so that shows): each duplicate save was answered that late,
+    and every other stream waited behind it."""
+    monkeypatch.setattr(stream_calls, "DRAIN_LIMIT_S", 60.0)
+    running = await start_cache(bandwidth_limit_bytes_per_s=128 * 1024)
+    data = make_payload(LAYOUT, 1)  # 32 KiB: 0.25 s at the limit
+    await running.client.put("once", LAYOUT, 1, 0, data)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(errors.AlreadyExists):
+        await running.client.put("once", LAYOUT, 1, 0, data)
+    refused_s = loop.time() - started
+    assert refused_s < 16, f"a refusal that sent no payload took {refused_s:.1f} s"
+    assert (await running.client.get("once"))[1] == data.tobytes()
 
 
 async def test_a_waiter_cancelled_as_bytes_come_free_leaks_nothing() -> None:
