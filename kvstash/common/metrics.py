@@ -3,7 +3,9 @@
 Counters and gauges are read from a service's own stats snapshot at scrape
 time, so they can never drift from what its GetStats RPC reports and cost
 nothing between scrapes. The HTTP server runs on its own thread; the stats
-are taken on the service's event loop, which owns them.
+are taken on the service's event loop, which owns them. A scrape while that
+loop is blocked answers without them (histograms still) and logs a warning,
+rather than failing as a whole.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -22,6 +25,13 @@ from prometheus_client.registry import Collector
 from kvstash.common.binding import BindError, in_use
 from kvstash.common.stats import Kind, Stat
 from kvstash.errors import preview
+
+log = logging.getLogger(__name__)
+
+# How long a scrape waits for the service's event loop to take a snapshot.
+# The scheduler reads two, and both must fit in Prometheus's default 10 s
+# scrape timeout with the rest of the scrape.
+_LOOP_WAIT_S = 2.0
 
 
 class StatsCollector(Collector):
@@ -38,7 +48,17 @@ class StatsCollector(Collector):
         async def read() -> Any:
             return self._read()
 
-        snapshot = asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
+        future = asyncio.run_coroutine_threadsafe(read(), self._loop)
+        try:
+            snapshot = future.result(timeout=_LOOP_WAIT_S)
+        except TimeoutError:
+            # The rest of the scrape (histograms, labelled counters) needs no
+            # loop: serve it; these figures are missing until the loop answers.
+            future.cancel()
+            log.warning("/metrics: the event loop did not answer within %g s; %s and the "
+                        "other figures read there are left out of this scrape",
+                        _LOOP_WAIT_S, self._exported[0][0])
+            return
         for name, stat in self._exported:
             family = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
             yield family(name, stat.doc, value=getattr(snapshot, stat.name))

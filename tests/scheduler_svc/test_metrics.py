@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,35 @@ async def test_metric_names_spell_their_units_as_prometheus_does() -> None:
     names |= {f.name for f in TransferMetrics().registry.collect()}
     assert P + "cost_offload_seconds_per_block" in names
     assert [n for n in names if re.search(r"_s(_|$)", n)] == []
+
+
+async def test_a_scrape_while_the_event_loop_is_blocked_still_answers() -> None:
+    """The figures read on the event loop wait for it a bounded time; a loop
+    blocked past that left the whole scrape an HTTP 500 (and a traceback in
+    the log) at every scrape. Now the scrape answers with what needs no loop
+    (the histograms and labelled counters), without the loop's figures,
+    soon enough for a 10 s scrape timeout; the next scrape has them all."""
+    metrics = SchedulerMetrics(make_scheduler(), asyncio.get_running_loop())
+    server = metrics.serve(0, "127.0.0.1")
+    try:
+        scraped: dict[str, object] = {}
+
+        def scrape_once() -> None:
+            started = time.monotonic()
+            try:
+                scraped["samples"] = scrape(server.port)
+            except Exception as exc:
+                scraped["samples"] = exc
+            scraped["seconds"] = time.monotonic() - started
+
+        scraper = threading.Thread(target=scrape_once)
+        scraper.start()
+        scraper.join(60)  # on the event loop: blocks it until the scrape ends
+        samples, seconds = scraped["samples"], scraped["seconds"]
+        assert isinstance(samples, dict), samples
+        assert samples[P + "ttft_seconds_count"] == 0
+        assert P + "num_free_blocks" not in samples and P + "cost_crossover_tokens" not in samples
+        assert isinstance(seconds, float) and seconds < 9
+        assert P + "num_free_blocks" in await asyncio.to_thread(scrape, server.port)
+    finally:
+        server.stop()
