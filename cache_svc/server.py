@@ -182,6 +182,11 @@ async def create_cache_server(
     )
     metrics = None
     if config.metrics_port:
-        metrics = serve_metrics(store, transfers, config.metrics_port, config.metrics_host)
+        try:
+            metrics = serve_metrics(store, transfers, config.metrics_port, config.metrics_host)
+        except BaseException:  # its port is taken: nothing started may outlive this
+            await server.stop(None)
+            await store.close()
+            raise
     sweeper = asyncio.ensure_future(store.run_sweeper())
     return server, port, CacheServer(server, port, store, metrics, sweeper)

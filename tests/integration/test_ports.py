@@ -49,12 +49,21 @@ def test_a_service_on_a_taken_port_exits_with_one_line(taken: Service, module: s
     assert still_serves(taken.address)
 
 
-def test_a_service_on_a_taken_metrics_port_exits_with_one_line(taken: Service) -> None:
+@pytest.mark.parametrize("module", ["cache_svc", "gpu_worker"])
+def test_a_service_on_a_taken_metrics_port_exits_with_one_line(
+    taken: Service, module: str, tmp_path: Path,
+) -> None:
+    """The cache binds /metrics once its store (and arena) and gRPC server
+    are up: they are closed again, so no arena file stays behind and no
+    traceback of a server left running follows the line."""
     port = taken.address.rsplit(":", 1)[1]
-    done = run("gpu_worker", "--listen", "127.0.0.1:0", "--metrics-port", port)
+    arena = ("--arena-dir", str(tmp_path), "--memory-budget", "64MiB")
+    done = run(module, "--listen", "127.0.0.1:0", "--metrics-port", port,
+               *(arena if module == "cache_svc" else ()))
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        f"gpu_worker: cannot listen on {taken.address} (/metrics): {IN_USE}"]
+        f"{module}: cannot listen on {taken.address} (/metrics): {IN_USE}"]
+    assert list(tmp_path.iterdir()) == []
     assert still_serves(taken.address)
 
 
