@@ -125,6 +125,13 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"tracing": {"enabled": True}}, "tracing.enabled: set tracing.endpoint"),
     ({"metrics": {"serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled needs metrics.enabled"),
+    # The Prometheus Operator drops such a ServiceMonitor: nothing is scraped.
+    ({"metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "interval": "5s"}}},
+     "metrics.serviceMonitor.scrapeTimeout 10s is longer than metrics.serviceMonitor.interval "
+     "5s"),
+    ({"metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "interval": "1m",
+                                                       "scrapeTimeout": "90000ms"}}},
+     "metrics.serviceMonitor.scrapeTimeout 90000ms is longer than"),
     ({"metrics": {"grafanaDashboard": {"enabled": True}}},
      "metrics.grafanaDashboard.enabled needs metrics.enabled"),
     ({"metrics": {"prometheusRule": {"enabled": True}}},

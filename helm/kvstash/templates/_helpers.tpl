@@ -154,6 +154,13 @@ app.kubernetes.io/component: cache
 {{- end -}}
 {{- end -}}
 
+{{/* A Prometheus duration as values.schema.json takes it ("30s", "500ms", "1m", "2h") -> milliseconds. */}}
+{{- define "kvstash.durationMs" -}}
+{{- $d := toString . -}}
+{{- $unit := regexFind "[a-z]+$" $d -}}
+{{- mul (trimSuffix $unit $d | atoi) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit) -}}
+{{- end -}}
+
 {{/* A CPU quantity ("2", 1.5, "500m") -> whole CPUs, rounded up, at least 1. */}}
 {{- define "kvstash.cpuCeil" -}}
 {{- $q := toString . -}}

@@ -165,6 +165,10 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors (printf "metrics.%s.enabled needs metrics.enabled (no port to scrape)" $key) -}}
 {{- end -}}
 {{- end -}}
+{{- $sm := $v.metrics.serviceMonitor -}}
+{{- if and $sm.enabled (gt (include "kvstash.durationMs" $sm.scrapeTimeout | atoi) (include "kvstash.durationMs" $sm.interval | atoi)) -}}
+{{- $errors = append $errors (printf "metrics.serviceMonitor.scrapeTimeout %s is longer than metrics.serviceMonitor.interval %s: the Prometheus Operator rejects such a ServiceMonitor, and nothing would be scraped; lower scrapeTimeout to at most the interval" $sm.scrapeTimeout $sm.interval) -}}
+{{- end -}}
 
 {{- /* The gateway: schedulers to route to, over channels smg can speak. */ -}}
 {{- $g := $v.gateway -}}
