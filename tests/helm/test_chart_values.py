@@ -123,6 +123,9 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"tls": {"enabled": True}}, "tls.enabled: set tls.secretName"),
     ({"auth": {"enabled": True}}, "auth.enabled: set auth.secretName"),
     ({"tracing": {"enabled": True}}, "tracing.enabled: set tracing.endpoint"),
+    # The SDK traces every request instead, with a warning in each log.
+    *[({"tracing": {"enabled": True, "endpoint": "http://otel:4317", "samplerArg": arg}},
+       f'tracing.samplerArg "{arg}" is no ratio from 0 to 1') for arg in ("10%", "2", "0,1")],
     ({"metrics": {"serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled needs metrics.enabled"),
     # The Prometheus Operator drops such a ServiceMonitor: nothing is scraped.

@@ -160,6 +160,11 @@ message naming the keys involved and what to change.
 {{- if and $v.tracing.enabled (not $v.tracing.endpoint) -}}
 {{- $errors = append $errors "tracing.enabled: set tracing.endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)" -}}
 {{- end -}}
+{{- $t := $v.tracing -}}
+{{- if and $t.enabled (hasSuffix "traceidratio" $t.sampler) (not (regexMatch "^(0(\\.[0-9]*)?|1(\\.0*)?|\\.[0-9]+)$" (toString $t.samplerArg))) -}}
+{{- /* OpenTelemetry's SDK samples at 1.0 (every request) where the ratio does not parse or is out of range. */ -}}
+{{- $errors = append $errors (printf "tracing.samplerArg %q is no ratio from 0 to 1 (e.g. \"0.1\" for one request in ten): tracing.sampler %s would trace every request instead" (toString $t.samplerArg) $t.sampler) -}}
+{{- end -}}
 {{- range $key := list "serviceMonitor" "grafanaDashboard" "prometheusRule" -}}
 {{- if and (index $v.metrics $key).enabled (not $v.metrics.enabled) -}}
 {{- $errors = append $errors (printf "metrics.%s.enabled needs metrics.enabled (no port to scrape)" $key) -}}
