@@ -378,6 +378,9 @@ class Engine:
                     self._tasks.spawn(self._prefill.hand_off(handoff))
             self._copies.delete_snapshots(core.take_snapshots_to_delete())
             if not output.seqs:
+                # What changed with no step to follow (a load's or restore's
+                # evictions, a copy that landed) is told now, not at the next step.
+                self._publish_kv_events()
                 if self._config.check_integrity:
                     self._check_integrity()
                 # Nothing to compute until a request arrives, a copy lands or

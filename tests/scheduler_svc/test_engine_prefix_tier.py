@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvstash.cache_sdk.cache_client import CacheClient
@@ -19,6 +19,7 @@ from kvstash.launch.processes import Service
 from kvstash.v1 import cache_pb2
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.kv_events import BlockRemoved, BlockStored, KvEvent
 from scheduler_svc.core.outputs import OffloadCommand
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
@@ -38,9 +39,11 @@ TIERED_ENGINE = EngineConfig(transfer_timeout_s=10)
 
 @contextlib.asynccontextmanager
 async def tiered_engine(cache_service: Service, worker: Service, segment_blocks: int = 2,
-                        config: EngineConfig = TIERED_ENGINE,
-                        quick_probe: bool = False) -> AsyncIterator[Harness]:
-    """`quick_probe`: a cache that stops answering is seen down within a second."""
+                        config: EngineConfig = TIERED_ENGINE, quick_probe: bool = False,
+                        kv_events: Callable[[list[KvEvent]], None] | None = None,
+                        ) -> AsyncIterator[Harness]:
+    """`quick_probe`: a cache that stops answering is seen down within a
+    second. `kv_events`: told the prefix cache's events (Engine)."""
     core = Scheduler(SchedulerConfig(
         num_blocks=NUM_BLOCKS, block_size=16, max_model_len=1024, vocab_size=258,
         eos_token_ids=(257,), prefix_segment_blocks=segment_blocks,
@@ -49,7 +52,8 @@ async def tiered_engine(cache_service: Service, worker: Service, segment_blocks:
     cache = CacheClient(cache_service.address)
     link = CacheLink(cache, probe_s=0.1, timeout_s=0.5) if quick_probe else CacheLink(cache)
     metrics = SchedulerMetrics(core, asyncio.get_running_loop())
-    engine = Engine(core, WorkerLink(channel, retry_s=0.1), link, config, metrics=metrics)
+    engine = Engine(core, WorkerLink(channel, retry_s=0.1), link, config, metrics=metrics,
+                    kv_events=kv_events)
     await engine.start()
     try:
         yield Harness(engine, core, cache, metrics)
@@ -143,6 +147,35 @@ async def test_an_abort_while_loading_lets_go_once_the_load_lands(services) -> N
         await idle(h)
         pool = h.core.kv.pool
         assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
+
+
+async def test_blocks_a_load_evicted_are_announced_removed_though_no_step_follows(
+        services) -> None:
+    """A load's admission evicts cached blocks in a step that computes
+    nothing; its request is aborted while loading, so no step follows: the
+    removals still reach the KV events (a router would send their prefix here)."""
+    big = [(23 * j + 7) % 256 for j in range(200)]  # 13 blocks: 6 segments, stored by no other
+    small = [(29 * j + 11) % 256 for j in range(70)]  # 4 cached blocks
+    events: list[KvEvent] = []
+    async with tiered_engine(*services, kv_events=events.extend) as h:
+        await serve_and_forget(h, "big", tiers=[MEMORY] * 6, prompt=big)
+        tokens, _ = await collect(await h.engine.admit("small", small, SAMPLING))
+        assert tokens == reference_greedy(small, 8)
+        await idle(h)
+        cached = set(h.core.prompt_block_hashes(small))
+        assert cached <= {e.block_hash for e in events if isinstance(e, BlockStored)}
+        stream = await h.engine.admit("again", big, SAMPLING)  # 13 blocks: 12 free, 1 evicted
+        req = h.core.get_request("again")
+        assert req is not None
+        await until(lambda: req.status is RequestStatus.LOADING, "loading")
+        h.engine.abort("again")
+        await collect(stream)
+        await idle(h)
+        evicted = {b for b in cached if not h.core.kv.pool.cached_run([b])}
+        assert evicted
+        await until(lambda: evicted <= {e.block_hash for e in events
+                                        if isinstance(e, BlockRemoved)},
+                    "the evictions announced", timeout_s=5)
 
 
 async def test_a_cache_that_is_down_leaves_every_prompt_to_prefill(own_services) -> None:
