@@ -2,7 +2,7 @@
 parse time with its flag named ("argument --memory-budget: ..."), before
 anything starts.
 
-    duration        "90", "90s", "30m", "1h" -> seconds, finite
+    duration        "90", "90s", "500ms", "30m", "1h" -> seconds, finite
     positive_duration  the same, > 0
     byte_size       "8GiB", "512MiB", "4096" -> bytes
     byte_size_text  the same checked, kept as written (passed on to a service)

@@ -12,7 +12,8 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 _BYTES_PER_UNIT = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB, "t": 1 << 40}
-_SECONDS_PER_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# "ms" first: "500ms" is half a second, not 500 s ("m" and "s" are suffixes of it).
+_SECONDS_PER_UNIT = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_bytes(text: str) -> int:
@@ -29,12 +30,13 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_duration(text: str) -> float:
-    """"90", "90s", "30m", "1h", "1d" -> seconds. Raises ValueError naming the
-    input, also for nan and inf: a NaN passes checks such as `seconds <= 0`."""
+    """"90", "90s", "500ms", "30m", "1h", "1d" -> seconds. Raises ValueError
+    naming the input, also for nan and inf: a NaN passes checks such as
+    `seconds <= 0`; and for more than one unit ("1hm")."""
     s = text.strip().lower()
-    unit = s[-1] if s and s[-1] in _SECONDS_PER_UNIT else "s"
+    unit = next((u for u in _SECONDS_PER_UNIT if s.endswith(u)), "")
     try:
-        seconds = float(s.rstrip("smhd")) * _SECONDS_PER_UNIT[unit]
+        seconds = float(s.removesuffix(unit)) * _SECONDS_PER_UNIT.get(unit, 1)
     except ValueError:
         raise ValueError(f"not a duration: {text!r} (try 90s, 30m, 1h)") from None
     if not math.isfinite(seconds):

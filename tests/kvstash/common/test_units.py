@@ -44,6 +44,15 @@ def test_parse_duration_names_bad_input() -> None:
         units.parse_duration("soon")
 
 
+def test_milliseconds_are_not_read_as_seconds() -> None:
+    """"500ms" was 500 s: every trailing unit letter was stripped, the last read."""
+    assert units.parse_duration("500ms") == pytest.approx(0.5)
+    assert units.parse_duration("250 MS") == pytest.approx(0.25)
+    for stacked in ("1hm", "5sm", "2dh"):
+        with pytest.raises(ValueError, match=f"not a duration: {stacked!r}"):
+            units.parse_duration(stacked)
+
+
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf", "infs", "1e400"])
 def test_parse_duration_refuses_what_is_no_finite_number_of_seconds(text: str) -> None:
     with pytest.raises(ValueError, match=f"not a finite duration: {text!r}"):
