@@ -24,6 +24,8 @@ def parse_bytes(text: str) -> int:
         value = float(num) * _BYTES_PER_UNIT[unit]
     except ValueError:
         raise ValueError(f"not a byte size: {text!r} (try 512MiB, 8GiB)") from None
+    if not math.isfinite(value):  # "inf", "nan", "1e400": int() would raise its own error
+        raise ValueError(f"not a finite byte size: {text!r} (try 512MiB, 8GiB)")
     if value < 0:
         raise ValueError(f"byte size must not be negative: {text!r}")
     return int(value)

@@ -31,6 +31,23 @@ def test_parse_bytes_names_bad_input(text: str, message: str) -> None:
         units.parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["inf", "nan", "-inf", "1e400", "infGiB"])
+def test_parse_bytes_refuses_what_is_no_finite_size(text: str) -> None:
+    """An infinity raised OverflowError, which argparse does not catch: a
+    traceback for `--memory-budget inf`; a NaN's message named no input."""
+    with pytest.raises(ValueError, match=f"not a finite byte size: {text!r}"):
+        units.parse_bytes(text)
+
+
+def test_a_service_refuses_an_infinite_byte_size_as_its_flag() -> None:
+    done = subprocess.run([sys.executable, "-m", "cache_svc", "--memory-budget", "inf"],
+                          check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "argument --memory-budget: not a finite byte size: 'inf'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("90", 90.0), ("90s", 90.0), ("30m", 1800.0), ("1h", 3600.0), ("2d", 172800.0),
     ("0.5s", 0.5),
