@@ -8,6 +8,7 @@ anything starts.
     byte_size_text  the same checked, kept as written (passed on to a service)
     port            0-65535
     positive_int    a whole number > 0
+    non_negative_int  a whole number >= 0
     host_port       "host:port", the port 0-65535
 """
 
@@ -64,6 +65,16 @@ def positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"not a whole number > 0: {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 0: {text!r}")
     return value
 
 

@@ -91,14 +91,17 @@ DEFAULT_CONNECTIONS = Connections()
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     d = DEFAULT_CONNECTIONS
     group = parser.add_argument_group("connections")
-    group.add_argument("--keepalive", type=flag_types.duration, default=d.keepalive_s,
+    # Refused as they are parsed, naming the flag: Connections' own check names
+    # its field, and comes once a service has started.
+    group.add_argument("--keepalive", type=flag_types.positive_duration, default=d.keepalive_s,
                        help="ping a client silent this long (e.g. 60s)")
-    group.add_argument("--keepalive-timeout", type=flag_types.duration,
+    group.add_argument("--keepalive-timeout", type=flag_types.positive_duration,
                        default=d.keepalive_timeout_s,
                        help="drop a client that does not answer a ping within this")
-    group.add_argument("--idle-timeout", type=flag_types.duration, default=d.idle_s,
+    group.add_argument("--idle-timeout", type=flag_types.positive_duration, default=d.idle_s,
                        help="close a connection without calls this long (e.g. 10m)")
-    group.add_argument("--max-streams-per-connection", type=int, default=d.max_streams,
+    group.add_argument("--max-streams-per-connection", type=flag_types.non_negative_int,
+                       default=d.max_streams,
                        help="calls open at once on one connection; more wait on the client's "
                             "side; 0 = this service's default")
 

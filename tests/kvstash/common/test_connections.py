@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +19,8 @@ from cache_svc.server import create_cache_server
 from kvstash.common import rpc_connections
 from kvstash.common.units import MIB
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def parse(*argv: str) -> rpc_connections.Connections:
@@ -32,8 +37,25 @@ def test_flags_reach_the_server_options() -> None:
             options["grpc.max_connection_idle_ms"], options["grpc.max_concurrent_streams"]) == (
         5000, 2000, 60_000, 7)
     assert "grpc.max_concurrent_streams" not in dict(parse().server_options())
-    with pytest.raises(ValueError, match=r"idle_s is 0\.0, must be > 0"):
-        parse("--idle-timeout", "0")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--idle-timeout", "0"), "argument --idle-timeout: not a duration > 0: '0'"),
+    (("--keepalive=-5s",), "argument --keepalive: not a duration > 0: '-5s'"),
+    (("--max-streams-per-connection", "-1"),
+     "argument --max-streams-per-connection: not a whole number >= 0: '-1'"),
+])
+@pytest.mark.parametrize("service", ["scheduler_svc", "cache_svc"])
+def test_a_bad_connection_flag_is_refused_as_it_is_parsed_naming_it(
+    service: str, argv: tuple[str, ...], message: str,
+) -> None:
+    """Exit 2 with the flag named; the scheduler printed a traceback (Connections'
+    ValueError, raised as it started serving), the cache named the field."""
+    done = subprocess.run([sys.executable, "-m", service, "--listen", "127.0.0.1:0", *argv],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("seconds", [math.nan, math.inf])
