@@ -73,12 +73,12 @@ class Connections:
 
     def server_options(self) -> list[tuple[str, Any]]:
         options = [
-            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_time_ms", _option_ms(self.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", _option_ms(self.keepalive_timeout_s)),
             ("grpc.keepalive_permit_without_calls", 1),
             # Clients ping every 60 s (KEEPALIVE_OPTIONS); faster is abuse.
             ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
-            ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
+            ("grpc.max_connection_idle_ms", _option_ms(self.idle_s)),
         ]
         if self.max_streams:
             options.append(("grpc.max_concurrent_streams", self.max_streams))
@@ -86,6 +86,13 @@ class Connections:
 
 
 DEFAULT_CONNECTIONS = Connections()
+
+
+def _option_ms(seconds: float) -> int:
+    """`seconds` as a gRPC option in ms: a C int, so at most 2**31 - 1 (24.8
+    days; more raised OverflowError as the server was built), which gRPC's
+    defaults for these options use for "never"."""
+    return min(int(seconds * 1000), 2**31 - 1)
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:

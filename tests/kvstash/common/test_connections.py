@@ -65,6 +65,18 @@ def test_durations_must_be_finite(seconds: float) -> None:
         rpc_connections.Connections(keepalive_s=seconds)
 
 
+async def test_a_month_long_setting_is_grpcs_never_not_an_overflow() -> None:
+    """30 days in ms is past a C int: building the server raised OverflowError."""
+    month = rpc_connections.Connections(keepalive_s=30 * 86400, idle_s=30 * 86400)
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0", connections=month)
+    try:
+        async with rpc_connections.channel(f"127.0.0.1:{port}") as channel:
+            await cache_pb2_grpc.KVCacheStub(channel).GetStats(common_pb2.GetStatsRequest())
+    finally:
+        await cache.stop(None)
+
+
 async def test_an_idle_connection_is_closed_and_reopened() -> None:
     _, port, cache = await create_cache_server(
         CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0",
