@@ -24,13 +24,17 @@ Replayed in the same order with the same clock readings, a fresh core must
 decide the same things: the record is every input the core has. Lines are
 written as calls happen (line-buffered), so a killed process leaves a record
 up to its last call. The file is 0600: it holds every prompt and output.
+A write that fails (a full disk) ends the record there, logged; the
+scheduler serves on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +52,8 @@ from scheduler_svc.core.outputs import (
 from scheduler_svc.core.pd import PdManager
 from scheduler_svc.core.request import Request, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 def plain(value: Any) -> Any:
@@ -86,6 +92,7 @@ class RecordingScheduler(Scheduler):
         super().__init__(config, clock=clock)
         # Created 0600: the record holds every prompt and output.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._path = path
         self._file = open(fd, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - close()
         self._write("config", config=plain(dataclasses.asdict(config)))
         self._recording_pd = None if config.role is Role.MIXED else _RecordingPd(
@@ -97,7 +104,15 @@ class RecordingScheduler(Scheduler):
         return self._recording_pd or super().pd  # type: ignore[return-value]
 
     def _write(self, op: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"op": op, "t": self._clock(), **fields}) + "\n")
+        if self._file.closed:
+            return
+        try:
+            self._file.write(json.dumps({"op": op, "t": self._clock(), **fields}) + "\n")
+        except OSError as exc:  # raised out of the core's call, it would end the step loop
+            log.error("--record-decisions %s: %s; the record ends here, serving on",
+                      self._path, exc)
+            with contextlib.suppress(OSError):  # flushing the failed line fails again
+                self._file.close()
 
     def close(self) -> None:
         self._file.close()
