@@ -110,7 +110,10 @@ async def serve(args: argparse.Namespace, secured: security.Security,
         if args.record_decisions is None:
             core = Scheduler(config)
         else:
-            core = RecordingScheduler(config, args.record_decisions)
+            try:
+                core = RecordingScheduler(config, args.record_decisions)
+            except OSError as exc:  # no such directory, not writable, a directory
+                return f"--record-decisions {args.record_decisions}: {exc.strerror or exc}"
             cleanup.callback(core.close)
         metrics = SchedulerMetrics(core, asyncio.get_running_loop())
         kv_events = KvEventHub(config.block_size)

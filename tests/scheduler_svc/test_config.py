@@ -169,6 +169,25 @@ async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
         await server.stop(None)
 
 
+async def test_a_record_file_that_cannot_be_written_is_one_line_naming_its_flag(
+    tmp_path: Path,
+) -> None:
+    """It was an OSError traceback once the worker had answered."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        for path, reason in ((tmp_path / "no" / "r.jsonl", "No such file or directory"),
+                             (tmp_path, "Is a directory")):
+            args = parse_args(["--listen", "127.0.0.1:0", "--worker-address",
+                               f"127.0.0.1:{port}", "--record-decisions", str(path)])
+            assert await serve(args, security.from_args(args)) == (
+                f"--record-decisions {path}: {reason}")
+    finally:
+        await server.stop(None)
+
+
 def test_step_plans_are_bounded_by_the_longest_sequence_the_pool_serves() -> None:
     """A 1M-token context on a 320k-token pool: no block table passes the
     pool, so 512 seats fit (the bound taken at max_model_len refused them)."""
