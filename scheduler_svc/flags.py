@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -158,6 +159,9 @@ def build_config(
     args: argparse.Namespace, info: worker_pb2.WorkerInfo, layout: Layout
 ) -> SchedulerConfig:
     """The core's config: the flags, and the worker's model and KV `layout`."""
+    if not 0 < args.worker_wait < math.inf:  # else GetInfo's deadline had passed at once
+        raise ValueError(f"--worker-wait must be a finite number of seconds > 0, "
+                         f"got {args.worker_wait}")
     if args.num_blocks < 0:
         raise ValueError(f"--num-blocks must be >= 0 (0: all the worker's), "
                          f"got {args.num_blocks}")
@@ -245,8 +249,9 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
             if not host or not port.isdigit():
                 raise ValueError(f"--decode-address {address!r} is not host:port")
             security.check_send(address, secured)
-        if args.handoff_wait < 0:
-            raise ValueError(f"--handoff-wait must be >= 0, got {args.handoff_wait}")
+        if not 0 <= args.handoff_wait < math.inf:  # a NaN retried refusing peers forever
+            raise ValueError(f"--handoff-wait must be a finite number of seconds >= 0, "
+                             f"got {args.handoff_wait}")
     elif addresses:
         raise ValueError(f"--decode-address is for --role prefill, not {args.role}")
     if args.role != "mixed" and not args.cache_address:

@@ -123,6 +123,24 @@ def test_a_bad_setting_is_one_line_naming_its_flag_before_any_worker_is_asked(
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    # A worker that answered at once was "no worker answered within --worker-wait nan s".
+    (["--worker-wait", "nan"], "--worker-wait must be a finite number of seconds > 0, got nan"),
+    (["--worker-wait", "inf"], "--worker-wait must be a finite number of seconds > 0, got inf"),
+    (["--worker-wait=-1"], "--worker-wait must be a finite number of seconds > 0, got -1.0"),
+    # A NaN deadline never passed: a hand-off retried busy decode instances forever.
+    (["--role", "prefill", "--cache-address", "127.0.0.1:1", "--decode-address",
+      "127.0.0.1:2", "--handoff-wait", "nan"],
+     "--handoff-wait must be a finite number of seconds >= 0, got nan"),
+])
+def test_a_wait_that_is_no_finite_number_of_seconds_is_refused_at_start(
+    argv: list[str], message: str,
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        scheduler_main(["--worker-address", "127.0.0.1:1", *argv])
+    assert done.value.code == f"scheduler_svc: {message}"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
     (["--metrics-port", "99999"], "argument --metrics-port: not a port (0-65535): '99999'"),
     (["--log-level", "verbose"], "argument --log-level: invalid choice: 'verbose'"),
 ])
