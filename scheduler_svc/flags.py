@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from kvstash.common import flag_types, rpc_connections, rpc_server, security, settings
+from kvstash.common.binding import MAX_PORT
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES
@@ -237,9 +238,11 @@ def prefix_tier(
 
 
 def check_role(args: argparse.Namespace, secured: security.Security) -> None:
-    """P/D flags that contradict each other, or a token for decode instances
-    that would go in plaintext (security.check_send), fail at start, not at
-    the first request."""
+    """P/D flags that contradict each other, a token for decode instances
+    that would go in plaintext (security.check_send), or a peer's port that
+    gRPC would wrap around, fail at start, not at the first request."""
+    _check_port("--worker-address", args.worker_address)
+    _check_port("--cache-address", args.cache_address)
     addresses = [a for a in args.decode_address.split(",") if a]
     if args.role == "prefill":
         if not addresses:
@@ -248,6 +251,7 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--decode-address {address!r} is not host:port")
+            _check_port("--decode-address", address)
             security.check_send(address, secured)
         if not 0 <= args.handoff_wait < math.inf:  # a NaN retried refusing peers forever
             raise ValueError(f"--handoff-wait must be a finite number of seconds >= 0, "
@@ -259,3 +263,11 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
                          "through the cache service")
 
 
+
+
+def _check_port(flag: str, address: str) -> None:
+    """gRPC's client reads a port past 65535 modulo 65536: "host:99999" would
+    reach whatever listens on 34463 there."""
+    port = address.rpartition(":")[2]
+    if port.isdigit() and int(port) > MAX_PORT:
+        raise ValueError(f"{flag} {address!r}: port {port} is past {MAX_PORT}")

@@ -123,6 +123,24 @@ def test_a_bad_setting_is_one_line_naming_its_flag_before_any_worker_is_asked(
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--worker-address", "127.0.0.1:99999"],
+     "--worker-address '127.0.0.1:99999': port 99999 is past 65535"),
+    (["--cache-address", "cache.svc:70000"],
+     "--cache-address 'cache.svc:70000': port 70000 is past 65535"),
+    (["--role", "prefill", "--cache-address", "127.0.0.1:1",
+      "--decode-address", "127.0.0.1:2,decode.svc:65537"],
+     "--decode-address 'decode.svc:65537': port 65537 is past 65535"),
+])
+def test_a_peer_port_past_65535_is_refused_not_wrapped_around(
+    argv: list[str], message: str,
+) -> None:
+    """gRPC's client reached port 99999 - 65536 = 34463: whatever listens there."""
+    with pytest.raises(SystemExit) as done:
+        scheduler_main(["--worker-address", "127.0.0.1:1", "--worker-wait", "1", *argv])
+    assert done.value.code == f"scheduler_svc: {message}"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
     # A worker that answered at once was "no worker answered within --worker-wait nan s".
     (["--worker-wait", "nan"], "--worker-wait must be a finite number of seconds > 0, got nan"),
     (["--worker-wait", "inf"], "--worker-wait must be a finite number of seconds > 0, got inf"),
