@@ -51,8 +51,8 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     longest = len(forward.cos) - 1  # the decode after it must fit too
-    lengths = [min(n, longest) for n in (CHECK_LENGTHS if model.device.type == "cpu"
-                                         else GPU_CHECK_LENGTHS)]
+    lengths = [max(1, min(n, longest))
+               for n in (CHECK_LENGTHS if model.device.type == "cpu" else GPU_CHECK_LENGTHS)]
     per_seq = -(-(max(lengths) + 1) // block_size)
     shape = (1, 2, per_seq * len(lengths), block_size, cfg.num_kv_heads, cfg.head_dim)
     together, alone = (torch.zeros(shape, dtype=model.dtype, device=model.device)
@@ -70,7 +70,7 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
                for i, n in enumerate(lengths)]
     decode = [_Seq([int(seq.token_ids[0])], len(seq.token_ids), seq.block_ids)
               for seq in prefill]
-    for step in (prefill, decode):
+    for step in (prefill, decode) if longest else (prefill,):  # max_model_len 1: no decodes
         rows = run(step, together)
         start = 0
         for seq in step:
@@ -78,6 +78,8 @@ def rows_match_alone(forward: BatchedForward, block_size: int, seed: int = 0) ->
             if not torch.equal(rows[start:start + n], run([seq], alone)):
                 return False
             start += n
+    if not longest:
+        return True
     # `rows` now holds the decodes' logits; each prefill again, one token longer.
     for i, (seq, token) in enumerate(zip(prefill, decode, strict=True)):
         again = _Seq([*seq.token_ids, *token.token_ids], 0, seq.block_ids)

@@ -79,6 +79,17 @@ def test_max_model_len_cap() -> None:
         runner.execute([SeqWork("r", [1, 2, 3], 8, [0, 1, 2])])
 
 
+def test_a_one_position_context_starts_and_serves_one_token_prompts() -> None:
+    """--max-model-len 1 is accepted: the start-up check of whole steps has
+    no decode to try there (it once failed with an IndexError)."""
+    runner = ModelRunner(tiny_model(), block_size=4, num_blocks=8, max_model_len=1)
+    assert runner.batched.whole
+    out = runner.execute([SeqWork("a", [5], 0, [0], True), SeqWork("b", [6], 0, [1], True)])
+    assert all(isinstance(t, int) for t in out)
+    with pytest.raises(InvalidArgument, match=r"positions 1\.\.1 exceed max_model_len 1"):
+        runner.execute([SeqWork("a", [out[0]], 1, [0], True)])
+
+
 def test_max_model_len_past_the_models_own_is_refused() -> None:
     assert ModelRunner(tiny_model(), block_size=4, num_blocks=8,
                        max_model_len=1024).max_model_len == 1024
