@@ -90,8 +90,11 @@ def _rope_scaling(params: dict[str, Any], max_position_embeddings: int
         raise _refuse("partial_rotary_factor", factor, "RoPE is applied to the whole head")
     if kind == "default":
         return None
+    scale = float(_get(params, "factor", float, prefix=where))
+    if scale <= 0:  # low rotary speeds are divided by it: infinite angles, NaN logits
+        raise _refuse("rope_parameters.factor", scale, "a Llama 3 factor must be > 0")
     return Llama3RopeScaling(
-        factor=float(_get(params, "factor", float, prefix=where)),
+        factor=scale,
         low_freq_factor=float(_get(params, "low_freq_factor", float, prefix=where)),
         high_freq_factor=float(_get(params, "high_freq_factor", float, prefix=where)),
         original_max_position_embeddings=_get(params, "original_max_position_embeddings",

@@ -251,6 +251,10 @@ def test_a_null_tie_word_embeddings_is_untied_as_transformers_reads_it() -> None
         ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0}}, "lacks 'rope_parameters.factor'"),
         ({"rope_theta": [5e5]}, r"rope_theta=\[500000.0\]: expected a finite number"),
+        # transformers warns and runs; here it divided rotary speeds by 0: NaN logits
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0}},
+         r"rope_parameters.factor=0.0 is not supported: a Llama 3 factor must be > 0"),
     ],
 )
 def test_malformed_config_values_are_value_errors(edit: dict[str, Any], message: str) -> None:
