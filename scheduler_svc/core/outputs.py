@@ -100,7 +100,8 @@ class Preempted:
     num_tokens: int
     # Blocks holding them: what an offload copies and a restore fills.
     num_blocks: int
-    # Predicted seconds of offload + restore, and of recompute (in every mode);
+    # Predicted seconds of offload + restore, and of recompute (in every mode:
+    # the positions after its leading blocks other requests keep cached);
     # None until measured (core/costs.py).
     offload_restore_s: float | None
     recompute_s: float | None

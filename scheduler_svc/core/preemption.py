@@ -9,7 +9,10 @@
     how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
               AUTO: recompute while the cache service is down; else offload
               unless recomputing is predicted cheaper than offload + restore
-              (costs.py; offload until both are measured). Every
+              (costs.py; offload until both are measured). Recomputing
+              skips the victim's leading cached blocks something else holds
+              too (another request, a prefix-tier save): they outlive its
+              preemption, and its readmission finds them. Every
               REMEASURE_EVERY-th victim in a row it would recompute so is
               offloaded instead: copy estimates are updated only by copies,
               and the first of a process (which allocate pinned buffers) can
@@ -87,7 +90,8 @@ class Preemption:
             if victim.num_computed_tokens >= len(victim.block_ids) * block_size:
                 num_needed -= 1
             victim.num_preemptions += 1
-            choice = self.choose(victim.request_id, victim.num_computed_tokens)
+            choice = self.choose(victim.request_id, victim.num_computed_tokens,
+                                 self._num_kept_tokens(victim))
             victims.append(choice)
             if choice.mode is PreemptionMode.OFFLOAD:
                 offloads.append(life.start_offload(victim))
@@ -107,11 +111,24 @@ class Preemption:
             if req.status is RequestStatus.FINISHED_ABORTED:
                 yield req
 
-    def choose(self, request_id: str, num_tokens: int) -> Preempted:
-        """Offload or recompute a victim holding KV of `num_tokens` positions."""
+    def _num_kept_tokens(self, req: Request) -> int:
+        """Positions of req's KV its preemption leaves in the prefix cache for
+        sure: its leading cached blocks that something else holds too."""
+        pool = self.life.kv.pool
+        num_kept = 0
+        for block_id in req.block_ids:
+            if pool.ref_cnt(block_id) < 2 or pool.block_hash(block_id) is None:
+                break
+            num_kept += 1
+        # Less one: a prediction of 0 s would read as none (costs._positive).
+        return min(num_kept * self.config.block_size, req.num_computed_tokens - 1)
+
+    def choose(self, request_id: str, num_tokens: int, num_kept_tokens: int = 0) -> Preempted:
+        """Offload or recompute a victim holding KV of `num_tokens` positions,
+        the first `num_kept_tokens` of which a recompute finds cached."""
         num_blocks = self.life.kv.num_blocks_for(num_tokens)
         offload_restore_s = self.costs.offload_restore_s(num_blocks)
-        recompute_s = self.costs.recompute_s(num_tokens)
+        recompute_s = self.costs.prefill_s(num_kept_tokens, num_tokens)
         mode = self.config.preemption_mode
         if mode is not PreemptionMode.AUTO:
             reason = PreemptReason.FORCED

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvstash.common.sampling import SamplingParams
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy
 from scheduler_svc.core.outputs import Preempted, PreemptReason
 from scheduler_svc.core.preemption import REMEASURE_EVERY
@@ -400,3 +401,34 @@ def test_copies_teach_the_cost_model_only_when_they_succeed() -> None:
     scheduler, output = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
     scheduler.finish_offload(output.offloads[0], None, seconds=0.5)
     assert scheduler.preemption.costs.num_offloads == 0
+
+
+def test_auto_counts_the_prefix_other_requests_keep_as_not_recomputed() -> None:
+    """A victim sharing a cached prefix with a request that keeps running
+    gets those blocks back at readmission: recomputing it prefills only the
+    rest. Predicted as the whole context, AUTO offloaded it (every block,
+    the shared ones too) where recomputing its tail was far cheaper."""
+    scheduler = make_scheduler(
+        num_blocks=12, preemption_mode=PreemptionMode.AUTO,
+        reservation_policy=ReservationPolicy.FIXED_BLOCKS, fixed_blocks_per_decode=0)
+    scheduler.set_cache_available(True)
+    teach_costs(scheduler.preemption.costs, OFFLOAD_RATES, RESTORE_RATES, PREFILL_RATES)
+    shared = list(range(50, 90))  # 10 blocks
+    scheduler.add_request("a", shared, SamplingParams(8, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request("v", [*shared, 1, 2], SamplingParams(6, ignore_eos=True))
+    output, _ = step(scheduler)
+    v = scheduler.get_request("v")
+    assert v is not None and v.num_cached_tokens == 40
+    while not output.preempted:
+        output, _ = step(scheduler)
+    [choice] = output.preempted
+    # 44 positions in 11 blocks: the whole context costs more than the copies.
+    a, b = PREFILL_RATES
+    assert (choice.request_id, choice.num_tokens, choice.num_blocks) == ("v", 44, 11)
+    assert a * 44 + b * 44**2 > choice.offload_restore_s  # type: ignore[operator]
+    assert choice.recompute_s == pytest.approx(a * 4 + b * (44**2 - 40**2), rel=1e-6)
+    assert (choice.mode, choice.reason) == (PreemptionMode.RECOMPUTE, PreemptReason.CHEAPER)
+    while v.status is not S.RUNNING_DECODE:
+        step(scheduler)
+    assert v.num_recomputed_tokens == 4  # as predicted: the 40 shared positions were hits
