@@ -2,9 +2,10 @@
 
     victims   when the running decodes need more new blocks than are
               allocatable (counting as soon free the blocks of offloads in
-              flight, and of any copy an aborted request left): shortest
-              output first, then longest prompt; one decode always keeps
-              running. A prefill is never a victim (admission
+              flight, of any copy an aborted request left, and of decodes
+              sampling their last token in the blocks they hold, which are
+              never victims): shortest output first, then longest prompt;
+              one decode always keeps running. A prefill is never a victim (admission
               gave it all its blocks).
     how       OFFLOAD: always offload. RECOMPUTE: always drop the KV.
               AUTO: recompute while the cache service is down; else offload
@@ -77,12 +78,18 @@ class Preemption:
         num_needed = sum(
             1 for r in decoding.values() if r.num_computed_tokens >= len(r.block_ids) * block_size
         )
+        # Decodes sampling their last token (max_tokens) this step in the
+        # blocks they hold free them after it: preempted, one would redo its
+        # whole context to spare the others a step's wait.
+        finishing = [r for r in decoding.values() if r.num_remaining_tokens == 1
+                     and r.num_computed_tokens < len(r.block_ids) * block_size]
         num_soon_free = (0 if num_saving is None else num_saving()) + sum(
-            kv.num_exclusive_blocks(r) for r in self._freed_on_landing())
+            kv.num_exclusive_blocks(r) for r in chain(self._freed_on_landing(), finishing))
         if num_needed <= pool.num_allocatable_blocks + num_soon_free:
             return victims, offloads
         by_progress = sorted(
-            decoding.values(), key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
+            (r for r in decoding.values() if r not in finishing),
+            key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
         )
         for victim in by_progress[:-1]:
             if num_needed <= pool.num_allocatable_blocks + num_soon_free:

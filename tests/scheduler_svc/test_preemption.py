@@ -308,7 +308,7 @@ def preempt_one(num_tokens: int, mode: PreemptionMode, *, taught: bool = True,
         teach_costs(scheduler.preemption.costs, rates.get("offload", OFFLOAD_RATES),
                     rates.get("restore", RESTORE_RATES), rates.get("prefill", PREFILL_RATES))
     add(scheduler, "a", prompt_len=4, max_tokens=2, ignore_eos=True)
-    add(scheduler, "v", prompt_len=num_tokens, max_tokens=2, ignore_eos=True, first_token=50)
+    add(scheduler, "v", prompt_len=num_tokens, max_tokens=3, ignore_eos=True, first_token=50)
     step(scheduler)
     return scheduler
 
@@ -432,3 +432,23 @@ def test_auto_counts_the_prefix_other_requests_keep_as_not_recomputed() -> None:
     while v.status is not S.RUNNING_DECODE:
         step(scheduler)
     assert v.num_recomputed_tokens == 4  # as predicted: the 40 shared positions were hits
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.OFFLOAD])
+def test_a_decode_sampling_its_last_token_is_no_victim(mode: PreemptionMode) -> None:
+    """"b" samples its last token (max_tokens) this step in the blocks it
+    holds, and frees them after: "a" waits that step for a block. It was
+    the victim (the longer prompt), its whole context redone for one token."""
+    scheduler = tight_scheduler(3, mode)
+    add(scheduler, "a", prompt_len=2, max_tokens=4, ignore_eos=True)
+    add(scheduler, "b", prompt_len=3, max_tokens=2, ignore_eos=True, first_token=40)
+    step(scheduler)
+    output, updates = step(scheduler)
+    assert output.preempted == [] and ids(output.seqs) == ["b"]
+    [update] = updates
+    assert update.finish_status is S.FINISHED_LENGTH and update.usage is not None
+    assert update.usage.num_preemptions == 0
+    output, _ = step(scheduler)
+    assert ids(output.seqs) == ["a"]
+    run_to_end(scheduler)
+    assert scheduler.stats().num_preemptions_recompute == 0
