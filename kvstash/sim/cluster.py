@@ -56,6 +56,7 @@ class Instance:
     name: str
     core: Scheduler
     worker: SimWorker
+    block_bytes: int  # KV bytes of one of its blocks (of its block_size, not the profile's)
     stepping: bool = False
     held: set[str] = field(default_factory=set)  # request ids routed here, not ended
     routed: int = 0  # requests routed here
@@ -119,10 +120,10 @@ class Cluster:
         self.now = 0.0
         self.profile = profile
         self.cache = cache
-        self.instances = [
-            Instance(f"i{n}", Scheduler(config, clock=lambda: self.now),
-                     SimWorker(profile, transport))
-            for n, config in enumerate(configs)]
+        self.instances = [Instance(f"i{n}", Scheduler(config, clock=lambda: self.now),
+                                   SimWorker(profile, transport), profile.bytes_per_block
+                                   * config.block_size // profile.block_size)
+                          for n, config in enumerate(configs)]
         for inst in self.instances:
             inst.core.set_cache_available(True)
         self.front = self.instances  # where arrivals are routed
@@ -256,7 +257,7 @@ class Cluster:
         """A snapshot's copy into the cache (an offload or a hand-off): `done`
         hears its bytes and seconds once it lands, or None twice once the cache
         refused it."""
-        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
+        num_bytes = len(cmd.block_ids) * inst.block_bytes
         tier = self.cache.put(cmd.snapshot_id, num_bytes)
         if tier is None:  # refused: the copy fails once the cache answers
             self.at(self.now + self.profile.copy[inst.worker.transport].fixed_s,
@@ -275,7 +276,7 @@ class Cluster:
     def _restore(self, inst: Instance, cmd: RestoreCommand) -> None:
         """Fetched beside the steps, then scattered on the compute thread."""
         tier = self.cache.tier(cmd.snapshot_id)
-        num_bytes = len(cmd.block_ids) * self.profile.bytes_per_block
+        num_bytes = len(cmd.block_ids) * inst.block_bytes
         scatter, fetch = inst.worker.copy_seconds(tier, num_bytes)
         got = None if tier is None else num_bytes
         started = self.now

@@ -144,3 +144,23 @@ def test_a_config_with_the_prefix_tier_is_refused() -> None:
                              vocab_size=1 << 20, prefix_segment_blocks=4, prefix_tier_salt="m")
     with pytest.raises(ValueError, match="no prefix tier"):
         Cluster([config], PROFILE, SimCache(1 << 30, 0))
+
+
+def test_a_profile_measured_at_another_block_size_sizes_copies_by_the_runs_blocks() -> None:
+    """A profile's bytes_per_block is for its own block_size: a run with
+    blocks of 32 tokens on a profile of 16-token blocks copies twice a block's
+    bytes, as the same costs stated at 32-token blocks do. The copies were
+    sized by the profile's block whatever the run's (`kvstash sim --block-size
+    32`: half the bytes, half the copy time, twice what the cache holds)."""
+    configs = [SchedulerConfig(num_blocks=32, block_size=32, max_model_len=1024,
+                               vocab_size=1 << 20, max_num_seqs=16, max_num_batched_tokens=256,
+                               preemption_mode=POLICIES["offload"][0],
+                               reservation_policy=POLICIES["offload"][1])]
+    at_32 = parse_profile({**GOOD, "block_size": 32,
+                           "bytes_per_block": 2 * GOOD["bytes_per_block"]})
+    runs = [Cluster(configs, profile, SimCache(1 << 30, 0)).run(TRACE)
+            for profile in (PROFILE, at_32)]
+    assert runs[0].counters["bytes_offloaded"] > 0
+    assert runs[0].counters == runs[1].counters
+    assert [dataclasses.astuple(r) for r in runs[0].records] == [
+        dataclasses.astuple(r) for r in runs[1].records]
