@@ -28,13 +28,34 @@ def main(argv: list[str] | None = None) -> int:
     sim = cli.add_parser(commands)
     calibrate.add_parser(commands)
     args = parser.parse_args(argv)
+    if (wrong := _unwritable(args)) is not None:
+        print(f"kvstash {args.command}: {wrong}", file=sys.stderr)
+        return 2
     try:
         if args.command == "sim":
             return cli.run(args, sim)
         return calibrate.run(args)
-    except (ValueError, RuntimeError) as exc:  # a bad setting, or a service that failed
+    except (ValueError, RuntimeError, OSError) as exc:  # a bad setting, a service that
+        # failed, or an output that could not be written after all
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _unwritable(args: argparse.Namespace) -> str | None:
+    """What keeps a command from writing its outputs, found before it runs:
+    found after, a simulation's or a calibration's minutes ended in a
+    traceback, and nothing written."""
+    for flag, path in (("--json ", getattr(args, "json", None)), ("", getattr(args, "out", None))):
+        if path is not None and path.is_dir():
+            return f"{flag}{path} is a directory: a file is written there"
+        if path is not None and not path.parent.is_dir():
+            return f"{flag}{path}: no directory {path.parent} to write it in"
+    if (plots := getattr(args, "plots", None)) is not None:
+        try:
+            plots.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, or in its way
+            return f"--plots {plots}: not a directory ({exc.strerror or exc})"
+    return None
 
 
 if __name__ == "__main__":

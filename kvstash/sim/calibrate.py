@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
                             args.name or f"{Path(args.model).name} on {args.device}",
                             args.prefill_chunks)
+    print(json.dumps(profile.to_json(), indent=1))  # first: kept if it cannot be written
     args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
-    print(json.dumps(profile.to_json(), indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -192,3 +192,30 @@ def test_find_with_runs_uses_the_median_run(capsys: pytest.CaptureFixture[str]) 
                  "--target", "0.9"]) == 0
     out = capsys.readouterr().out
     assert "(the median of 3 runs)" in out and out.splitlines()[-1].startswith("least instances")
+
+
+@pytest.mark.parametrize("flag, path, says", [
+    ("--json", "missing/sim.json", "no directory"),
+    ("--json", ".", "is a directory"),
+    ("--plots", "a-file", "not a directory"),
+    ("--plots", "a-file/plots", "not a directory"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_run(
+        tmp_path: Path, flag: str, path: str, says: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found after the runs, it was a traceback at the end of them, the JSON
+    or plots lost."""
+    (tmp_path / "a-file").write_text("")
+    assert main(["sim", *SMALL, "--policies", "recompute", flag, str(tmp_path / path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"kvstash sim: {flag} ") and says in captured.err
+    assert "policy" not in captured.out  # no run began
+
+
+def test_calibrate_refuses_an_output_it_could_not_write_before_it_measures(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It measured for minutes, then failed writing with a traceback; here the
+    model does not exist, so a calibration that began fails on its worker."""
+    out = tmp_path / "missing" / "p.json"
+    assert main(["calibrate", str(out), "--model", str(tmp_path / "no-model")]) == 2
+    assert f"no directory {out.parent}" in capsys.readouterr().err
