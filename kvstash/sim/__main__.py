@@ -5,6 +5,7 @@ code, and these run the scheduler's own (see tests/test_boundaries.py)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from kvstash.sim import compiled
@@ -58,5 +59,20 @@ def _unwritable(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _stop_as_ctrl_c() -> None:
+    """SIGTERM and SIGHUP (a service manager, `timeout`, a closed terminal)
+    stop a run as Ctrl-C does, so calibrate stops the cache and worker it
+    started (killed outright, it left them running); SIGINT explicitly, as a
+    background job (`kvstash calibrate &`) inherits it ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: signal.raise_signal(signal.SIGINT))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _stop_as_ctrl_c()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # what it started is stopped: no traceback
+        print(f"kvstash {' '.join(sys.argv[1:2])}: stopped", file=sys.stderr)
+        sys.exit(130)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +222,53 @@ def test_calibrate_refuses_an_output_it_could_not_write_before_it_measures(
     out = tmp_path / "missing" / "p.json"
     assert main(["calibrate", str(out), "--model", str(tmp_path / "no-model")]) == 2
     assert f"no directory {out.parent}" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie (an orphan's exit may never be reaped here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_calibrate_stopped_by_a_signal_stops_the_services_it_started(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """Killed by SIGTERM (a service manager, `timeout`) or SIGHUP, calibrate
+    left its cache and worker running, orphaned; it stops them as on Ctrl-C."""
+    calibrate = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.sim", "calibrate", str(tmp_path / "p.json"),
+         "--repeat", "1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children := _children(calibrate.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 2, children  # the cache, and the worker starting or up
+        calibrate.send_signal(sig)
+        assert calibrate.wait(60) == 130
+        deadline = time.monotonic() + 30
+        while any(map(_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if _running(pid)]
+        assert calibrate.stderr is not None
+        assert calibrate.stderr.read().strip().splitlines()[-1] == "kvstash calibrate: stopped"
+    finally:
+        for pid in [calibrate.pid, *children]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        calibrate.wait()
