@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -206,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SIM_COMMANDS:
         # The simulator runs the scheduler's own code; the launcher imports none.
-        return subprocess.run([sys.executable, "-m", "kvstash.sim", *argv],
-                              check=False).returncode
+        # Exec'd, not a child: a SIGTERM must reach what stops calibrate's
+        # services (a child outlived it, running on), and Ctrl-C must not
+        # SIGKILL it 0.25 s later (subprocess.run's way), mid-cleanup.
+        os.execv(sys.executable, [sys.executable, "-m", "kvstash.sim", *argv])
     parser = argparse.ArgumentParser(prog="kvstash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = StackConfig()

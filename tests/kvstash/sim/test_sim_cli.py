@@ -272,3 +272,45 @@ def test_calibrate_stopped_by_a_signal_stops_the_services_it_started(
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         calibrate.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    found = _children(pid)
+    return found + [d for child in found for d in _descendants(child)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_the_kvstash_command_stopped_by_sigterm_leaves_nothing_of_calibrate_running(
+        tmp_path: Path) -> None:
+    """`kvstash calibrate` ran `python -m kvstash.sim calibrate` as a child:
+    a SIGTERM to the command killed it alone, and the calibration (its cache
+    and worker with it) ran on, orphaned."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.launch.cli", "calibrate", str(tmp_path / "p.json"),
+         "--repeat", "500"],  # minutes: it must not end of itself meanwhile
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("gpu_worker" in _cmdline(pid) for pid in started) \
+                and time.monotonic() < deadline:
+            started = _descendants(command.pid)
+            time.sleep(0.05)
+        assert any("gpu_worker" in _cmdline(pid) for pid in started), started
+        command.send_signal(signal.SIGTERM)
+        command.wait(60)
+        deadline = time.monotonic() + 30
+        while any(map(_running, started)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [_cmdline(pid) for pid in started if _running(pid)]
+    finally:
+        for pid in [command.pid, *started]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        command.wait()
