@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, RuntimeError) as exc:
             print(f"kvstash sim: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:  # its build's directory cannot be made or written
+            print(f"kvstash sim: --core compiled: cannot build into {compiled.cache_dir()} "
+                  f"({exc.strerror or exc}; KVSTASH_CACHE_DIR names another)", file=sys.stderr)
+            return 2
     from kvstash.sim import calibrate, cli
 
     parser = argparse.ArgumentParser(prog="kvstash")

@@ -82,3 +82,18 @@ def test_a_bad_core_is_refused(tmp_path: Path) -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "--core must be one of auto, compiled, python" in done.stderr
+
+
+def test_a_cache_that_cannot_be_made_is_one_line(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build directory that cannot be made (a read-only home, a file in the
+    way) was a traceback."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KVSTASH_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    done = subprocess.run([sys.executable, "-m", "kvstash.sim", "sim", "--core", "compiled",
+                           *PRESSED], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 2
+    assert done.stderr == (f"kvstash sim: --core compiled: cannot build into "
+                           f"{tmp_path / 'a-file' / 'cache'} (Not a directory; "
+                           f"KVSTASH_CACHE_DIR names another)\n")
