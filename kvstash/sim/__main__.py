@@ -8,6 +8,7 @@ import argparse
 import signal
 import sys
 
+from kvstash.errors import KvstashError
 from kvstash.sim import compiled
 
 
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sim":
             return cli.run(args, sim)
         return calibrate.run(args)
-    except (ValueError, RuntimeError, OSError) as exc:  # a bad setting, a service that
-        # failed, or an output that could not be written after all
+    except (ValueError, RuntimeError, OSError, KvstashError) as exc:  # a bad setting, a
+        # service that failed or refused a call, or an output that could not be written
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)
         return 2
 

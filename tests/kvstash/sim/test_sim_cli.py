@@ -314,3 +314,15 @@ def test_the_kvstash_command_stopped_by_sigterm_leaves_nothing_of_calibrate_runn
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         command.wait()
+
+
+def test_calibrate_with_a_chunk_past_the_models_context_is_one_line(tmp_path: Path) -> None:
+    """The worker refuses the step (the tiny model serves 1,024 tokens): that
+    was a traceback, the services stopped."""
+    done = subprocess.run([sys.executable, "-m", "kvstash.sim", "calibrate",
+                           str(tmp_path / "p.json"), "--repeat", "1", "--prefill-chunks", "4096"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2
+    last, = done.stderr.strip().splitlines()
+    assert last.startswith("kvstash calibrate: ") and "exceed max_model_len 1024" in last
+    assert not (tmp_path / "p.json").exists()
