@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
-from bench.replay.report import strict
 from bench.replay.runs import POLICIES, RunResult, run_policy
 from bench.worker_bench import write_checkpoint
 from kvstash.common.units import parse_bytes
@@ -63,7 +62,7 @@ from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import DEFAULT_PROFILE, CostProfile, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.workload import flags
-from kvstash.workload.metrics import Slo, Summary, summarize
+from kvstash.workload.metrics import Slo, Summary, strict, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, jittered_runs
 

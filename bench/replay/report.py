@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.replay.runs import RunResult
-from kvstash.workload.metrics import RequestRecord, Slo, Summary, summarize
+from kvstash.workload.metrics import RequestRecord, Slo, Summary, strict, summarize
 
 MIB = 1 << 20
 
@@ -104,18 +103,6 @@ def table(runs: Sequence[RunResult], slo: Slo) -> str:
 
 def summary_json(summary: Summary) -> dict[str, Any]:
     return dataclasses.asdict(summary)
-
-
-def strict(value: Any) -> Any:
-    """`value` with each float that is not finite as None (null): JSON has no
-    NaN (a percentile of no values) or inf (the rate of arrivals all at once)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict(v) for v in value]
-    return value
 
 
 def write_json(path: Path, runs: Sequence[RunResult], slo: Slo,

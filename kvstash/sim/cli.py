@@ -31,7 +31,7 @@ from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import COPY_PATHS, DEFAULT_PROFILE, read_profile
 from kvstash.sim.replay import read_record, replay
 from kvstash.sim.routers import ROUTERS
-from kvstash.workload import flags
+from kvstash.workload import flags, metrics
 from kvstash.workload.metrics import Slo, Summary, median_run, spread, spread_text, summarize
 from kvstash.workload.trace import Trace, TraceError, jittered_runs
 from scheduler_svc.core.config import POLICIES
@@ -289,8 +289,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  if k not in ("cost",)}
         setup["profile_json"] = args.cost.to_json()
         setup["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        args.json.write_text(json.dumps({"setup": setup, "slo": asdict(slo), "runs": runs},
-                                        indent=1, default=str))
+        body = metrics.strict({"setup": setup, "slo": asdict(slo), "runs": runs})
+        args.json.write_text(json.dumps(body, indent=1, default=str, allow_nan=False))
         print(f"wrote {args.json}")
     if args.plots is not None:
         pools = (f"{args.prefill_instances} prefill + {args.decode_instances} decode instances"

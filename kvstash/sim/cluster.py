@@ -138,8 +138,7 @@ class Cluster:
         self.samples: list[Sample] = []
 
     def pool_used(self) -> float:
-        """The share of the instances' KV pools held by requests (neither free
-        nor evictable), over all of them."""
+        """The share of all instances' KV pools requests hold (not free, not evictable)."""
         held = total = 0
         for inst in self.instances:
             pool = inst.core.kv.pool

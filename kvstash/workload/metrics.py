@@ -22,6 +22,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 PERCENTILES = (50, 90, 99)
 
@@ -158,3 +159,15 @@ def spread_text(summaries: Sequence[Summary]) -> str:
         parts.append(f"{name} {form.format(middle)} "
                      f"({form.format(values[0])}-{form.format(values[-1])})")
     return ", ".join(parts)
+
+
+def strict(value: Any) -> Any:
+    """`value` with each float that is not finite as None (null): JSON has no
+    NaN (a percentile of no values) or inf (the rate of arrivals all at once)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value

@@ -34,6 +34,24 @@ def test_sim_prints_a_row_per_policy_and_writes_json(
     assert runs[1]["counters"]["num_recomputed_tokens"] == 0
 
 
+def test_sim_json_is_strict_a_figure_without_a_value_is_null(tmp_path: Path) -> None:
+    """One-token outputs have no TPOT: its percentiles are null, not NaN
+    (which jq and every strict JSON reader refuse)."""
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "sim.json"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 64,
+                                         "output_length": 1, "hash_ids": [i]}) + "\n"
+                             for i in range(6)))
+    assert main(["sim", "--trace", str(trace), "--policies", "recompute",
+                 "--json", str(out)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} in {out.name}")
+
+    [run] = json.loads(out.read_text(), parse_constant=refuse)["runs"]
+    assert run["summary"]["num_completed"] == 6
+    assert run["summary"]["tpot_s"]["p50"] is None
+
+
 def test_sim_refuses_a_bad_profile_naming_the_field(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "p.json"
