@@ -73,6 +73,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         timing = Timing(time.monotonic())
         request_id = request.request_id or uuid.uuid4().hex
         check_request_id(request_id)
+        if request.priority:
+            raise errors.InvalidArgument(
+                f"priority {request.priority} is not supported: requests are admitted first "
+                "come, first served; leave it 0")
         backend = self.attached()
         span = trace.get_current_span()  # the Generate span, when tracing
         if span.is_recording():

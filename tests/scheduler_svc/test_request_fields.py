@@ -159,3 +159,18 @@ async def test_multimodal_input_is_invalid_argument(served: Served) -> None:
     error = await rpc_error(call)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "multimodal inputs are not supported" in (error.details() or "")
+
+
+async def test_a_priority_is_refused_not_ignored(served: Served) -> None:
+    """kvstash.v1's priority has no scheduling behind it: one set used to be
+    accepted and served first come, first served, as if it were 0."""
+    call = scheduler_pb2_grpc.SchedulerStub(served.channel).Generate(
+        scheduler_pb2.GenerateRequest(
+            request_id="urgent", token_ids=scheduler_pb2.TokenIds(ids=PROMPT), priority=5,
+            sampling=common_pb2.SamplingParams(max_tokens=4)))
+    async with asyncio.timeout(10):  # before: queued, to run first come, first served
+        error = await rpc_error(call)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "priority 5 is not supported" in (error.details() or "")
+    assert served.core.get_request("urgent") is None
+    assert (await served.admitted("kvstash.v1", "default", max_tokens=4)).max_tokens == 4
