@@ -92,7 +92,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.sampling, Room(len(prompt), backend.config.max_servable_len))
         stream = (RequestStream.aborted_unadmitted(request_id, len(prompt)) if aborted
                   else await backend.admit(request_id, prompt, sampling))
-        async for response in self._responses(request_id, stream, timing, backend):
+        async for response in self._responses(request_id, stream, timing, backend,
+                                               prompt_ids=prompt):
             yield response
 
     @rpc_errors.maps_errors
@@ -113,9 +114,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _responses(
         self, request_id: str, stream: RequestStream, timing: Timing, backend: Backend,
-        observed: bool = True,
+        observed: bool = True, prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        text = backend.tokenizer.stream()
+        """Its responses, their text as it reads after `prompt_ids` (None: the
+        Decode of a prefill instance's request, whose text it never reads)."""
+        text = backend.tokenizer.stream(prompt_ids=prompt_ids or ())
         async with contextlib.aclosing(
                 backend.updates(request_id, stream, timing, observed=observed)) as updates:
             async for event in updates:

@@ -78,8 +78,10 @@ class _Sequence:
     sampling: SamplingParams
     stops: Sequence[str]
     tokenizer: Tokenizer
-    # The text stop strings are matched in keeps special tokens' text (vLLM's rule).
+    # The text stop strings are matched in keeps special tokens' text (vLLM's
+    # rule), and reads after the prompt (a word's leading space).
     keep_special_text: bool = False
+    prompt_ids: Sequence[int] = ()
     stream: RequestStream | None = None  # once submitted
     output: list[int] = field(default_factory=list)
     # The tokens sent for its latest update; once it finished, those of the
@@ -91,7 +93,7 @@ class _Sequence:
     def __post_init__(self) -> None:
         if self.stops:
             self._watch = StopStrings(self.stops, self.tokenizer.stream(
-                skip_special_tokens=not self.keep_special_text))
+                skip_special_tokens=not self.keep_special_text, prompt_ids=self.prompt_ids))
 
     def take(self, event: RequestUpdate, backend: Backend) -> list[int]:
         """The event's tokens to send: those up to a stop string, none after
@@ -177,7 +179,8 @@ class VllmEngineServicer(VllmInfo):
             stops = stop_strings(request.sampling_params)
             sequences = [
                 _Sequence(child_id, Timing(arrival), child, stops, backend.tokenizer,
-                          keep_special_text=not request.sampling_params.skip_special_tokens)
+                          keep_special_text=not request.sampling_params.skip_special_tokens,
+                          prompt_ids=prompt)
                 for child_id, child in children(request_id, request.sampling_params.n, sampling)]
             family.ids = [s.request_id for s in sequences]
             await self._admit(backend, prompt, sequences, family)

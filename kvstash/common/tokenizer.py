@@ -24,7 +24,11 @@ tokenizer is also described in those formats: `byte_tokenizer_json()`,
 `byte_tokenizer_config()` and `TINY_CHAT_TEMPLATE`.
 
 Decoding is incremental: a `TextStream` turns token ids into text as they
-arrive and holds back bytes until they form complete UTF-8 characters.
+arrive and holds back bytes until they form complete UTF-8 characters. It
+reads them after the prompt's last tokens, as vLLM's detokenizer does: a
+token's text can depend on the one before it (the space a word-level or
+sentencepiece tokenizer writes before a word is dropped at the start of a
+text; a character may begin in the prompt).
 """
 
 from __future__ import annotations
@@ -70,14 +74,19 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def stream(self, skip_special_tokens: bool = True) -> TextStream:
-        """Text as tokens come; special tokens' own text too unless skipped."""
+    def stream(self, skip_special_tokens: bool = True,
+               prompt_ids: Sequence[int] = ()) -> TextStream:
+        """Text as tokens come after `prompt_ids`; special tokens' own text
+        too unless skipped."""
         ...
 
 
 # Texts longer than this are encoded on a thread (encode_text): a tokenizer
 # takes ~0.5 s a megabyte, which the event loop must not wait out.
 INLINE_ENCODE_CHARS = 16384
+# The prompt's last tokens a TextStream reads first (their text is not
+# sent): enough for a word's space and for a character's first bytes.
+PROMPT_CONTEXT_TOKENS = 8
 
 
 async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -92,9 +101,10 @@ _BYTE_SPECIAL_TEXT = {BYTE_BOS_ID: BYTE_BOS_TOKEN, BYTE_EOS_ID: BYTE_EOS_TOKEN}
 
 
 class _ByteStream:
-    def __init__(self, skip_special_tokens: bool) -> None:
+    def __init__(self, skip_special_tokens: bool, prompt_ids: Sequence[int]) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._skip_special_tokens = skip_special_tokens
+        self._utf8.decode(bytes(t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if t < 256))
 
     def push(self, token_id: int) -> str:
         if token_id >= 256:
@@ -116,8 +126,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
-    def stream(self, skip_special_tokens: bool = True) -> TextStream:
-        return _ByteStream(skip_special_tokens)
+    def stream(self, skip_special_tokens: bool = True,
+               prompt_ids: Sequence[int] = ()) -> TextStream:
+        return _ByteStream(skip_special_tokens, prompt_ids)
 
 
 def _byte_level_chars() -> list[str]:
@@ -172,9 +183,12 @@ def byte_tokenizer_config(model_max_length: int | None = None) -> dict[str, str 
 class _HFStream:
     # DecodeStream waits while the text so far ends in U+FFFD, taking it for an
     # unfinished character: a real U+FFFD or invalid byte last is never emitted.
-    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool,
+                 prompt_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in prompt_ids[-PROMPT_CONTEXT_TOKENS:]:
+            self._stream.step(tokenizer, token_id)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""
@@ -196,8 +210,9 @@ class HFTokenizerAdapter:
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def stream(self, skip_special_tokens: bool = True) -> TextStream:
-        return _HFStream(self._tokenizer, skip_special_tokens)
+    def stream(self, skip_special_tokens: bool = True,
+               prompt_ids: Sequence[int] = ()) -> TextStream:
+        return _HFStream(self._tokenizer, skip_special_tokens, prompt_ids)
 
 
 def load_tokenizer(

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import grpc
 import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from kvstash import errors
 from kvstash.client import Client
-from kvstash.launch.stack import Stack
+from kvstash.common.tokenizer import load_tokenizer
+from kvstash.launch.stack import Stack, StackConfig, running_stack
+from tests.gpu_worker.test_worker_checkpoint import LLAMA, tokenizer_json, write_checkpoint
 from tests.integration.reference import reference_greedy
 from tests.integration.workload import wait_drained
 
@@ -71,8 +77,6 @@ async def test_bad_input_is_refused_and_service_keeps_serving(
 
 async def test_max_tokens_zero_refused_by_the_server(stack: Stack) -> None:
     # The Python client refuses it locally; a raw gRPC caller reaches the server.
-    import grpc
-
     from kvstash.common import rpc_connections
     from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -118,3 +122,29 @@ async def test_client_disconnect_releases_the_request(stack: Stack) -> None:
     stats = await wait_drained(stack.address, timeout_s=1.5)
     assert stats.num_running_decode == stats.num_running_prefill == stats.num_waiting == 0
     assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_total_blocks
+
+
+async def test_a_checkpoints_text_reads_after_the_prompt(tmp_path: Path) -> None:
+    """A token's text can depend on the one before it: the checkpoint's
+    word-level tokenizer writes the space before each word but a text's
+    first. The first output token was decoded as a text's first, so its
+    space was lost (the reply ran into the prompt: "kv cacheworld world"),
+    and a stop string " world" could not match it."""
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    write_checkpoint(model, LLAMA, shards=1)
+    tokenizer = load_tokenizer(tokenizer_json(), LLAMA["vocab_size"], (1,))
+    prompt = "kv cache"  # greedy: "world" (3), again and again
+    with running_stack(StackConfig(model=str(model), num_blocks=64), tmp_path) as stack:
+        async with Client(stack.address) as client:
+            result = await client.complete(prompt, max_tokens=3, ignore_eos=True)
+        async with grpc.aio.insecure_channel(stack.address) as channel:
+            [stopped] = [r.complete async for r in vllm_engine_pb2_grpc.VllmEngineStub(
+                channel).Generate(pb.GenerateRequest(
+                    request_id="stop-at-a-word", text=prompt, sampling_params=pb.SamplingParams(
+                        temperature=0.0, max_tokens=3, ignore_eos=True, stop=[" world"])))]
+    prompt_ids = tokenizer.encode(prompt)
+    assert result.token_ids == [3, 3, 3]
+    assert result.text == " world world world"
+    assert tokenizer.decode(prompt_ids + result.token_ids) == prompt + result.text
+    assert (list(stopped.output_ids), stopped.matched_stop_str) == ([3], " world")
