@@ -105,6 +105,8 @@ class _ByteStream:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._skip_special_tokens = skip_special_tokens
         self._utf8.decode(bytes(t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if t < 256))
+        if self._utf8.getstate()[0]:  # the prompt ends inside a character: its bytes
+            self._utf8.reset()        # are the prompt's text, not the reply's
 
     def push(self, token_id: int) -> str:
         if token_id >= 256:
@@ -187,8 +189,13 @@ class _HFStream:
                  prompt_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token_id in prompt_ids[-PROMPT_CONTEXT_TOKENS:]:
-            self._stream.step(tokenizer, token_id)
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A prompt ending inside a character would be held, then sent with
+        # the reply's first token: that text is the prompt's.
+        if not tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+                "\ufffd"):
+            for token_id in context:
+                self._stream.step(tokenizer, token_id)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""

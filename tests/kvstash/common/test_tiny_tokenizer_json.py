@@ -114,6 +114,22 @@ def test_adapter_is_interchangeable_with_byte_tokenizer(text: str) -> None:
         assert "".join(hf_pieces) == "".join(byte_pieces) == text
 
 
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), make_adapter()],
+                         ids=["bytes", "tokenizer.json"])
+@pytest.mark.parametrize("reply", [b"ok", "\u20acx".encode()[1:], " world".encode()])
+def test_a_reply_streams_its_own_text_after_any_prompt(
+        tokenizer: ByteTokenizer | HFTokenizerAdapter, reply: bytes) -> None:
+    """The stream reads the prompt's last tokens first (a word's space), but
+    never sends their text: not even a character the prompt leaves unfinished
+    (its bytes decode as the prompt's U+FFFD, the reply's as its own)."""
+    whole = "na\u00efve caf\u00e9".encode()
+    text = "".join(streamed(tokenizer.stream(prompt_ids=list(whole)), [*reply]))
+    assert tokenizer.decode([*whole]) + text == tokenizer.decode([*whole, *reply])
+    unfinished = "na\u00efve caf".encode() + b"\xe2"
+    text = "".join(streamed(tokenizer.stream(prompt_ids=list(unfinished)), [*reply]))
+    assert text == tokenizer.decode([*reply])
+
+
 @pytest.mark.xfail(strict=True, reason="DecodeStream takes a trailing U+FFFD for an "
                    "unfinished character and never emits it")
 def test_adapter_streams_a_trailing_replacement_character() -> None:
