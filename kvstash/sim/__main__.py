@@ -68,10 +68,12 @@ def _stop_as_ctrl_c() -> None:
     """SIGTERM and SIGHUP (a service manager, `timeout`, a closed terminal)
     stop a run as Ctrl-C does, so calibrate stops the cache and worker it
     started (killed outright, it left them running); SIGINT explicitly, as a
-    background job (`kvstash calibrate &`) inherits it ignored."""
+    background job (`kvstash calibrate &`) inherits it ignored. A SIGHUP
+    inherited ignored (`nohup`) stays ignored."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: signal.raise_signal(signal.SIGINT))
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: signal.raise_signal(signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_adapter_is_interchangeable_with_byte_tokenizer(text: str) -> None:
 
 @pytest.mark.parametrize("tokenizer", [ByteTokenizer(), make_adapter()],
                          ids=["bytes", "tokenizer.json"])
-@pytest.mark.parametrize("reply", [b"ok", "\u20acx".encode()[1:], " world".encode()])
+@pytest.mark.parametrize("reply", [b"ok", "\u20acx".encode()[1:], b" world"])
 def test_a_reply_streams_its_own_text_after_any_prompt(
         tokenizer: ByteTokenizer | HFTokenizerAdapter, reply: bytes) -> None:
     """The stream reads the prompt's last tokens first (a word's space), but

@@ -292,6 +292,23 @@ def test_calibrate_stopped_by_a_signal_stops_the_services_it_started(
         calibrate.wait()
 
 
+def test_a_sighup_ignored_as_under_nohup_stays_ignored() -> None:
+    """`nohup kvstash calibrate ... &`, then logging out: it runs on."""
+    probe = ("import signal; from kvstash.sim.__main__ import _stop_as_ctrl_c; "
+             "_stop_as_ctrl_c(); print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "
+             "signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+
+    def run(*ignored: signal.Signals) -> list[str]:
+        def ignore() -> None:
+            for sig in ignored:
+                signal.signal(sig, signal.SIG_IGN)
+        return subprocess.run([sys.executable, "-c", probe], cwd=REPO, preexec_fn=ignore,
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert run(signal.SIGHUP) == ["True", "False"]
+    assert run() == ["False", "False"]
+
+
 def _descendants(pid: int) -> list[int]:
     found = _children(pid)
     return found + [d for child in found for d in _descendants(child)]
