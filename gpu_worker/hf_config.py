@@ -93,13 +93,16 @@ def _rope_scaling(params: dict[str, Any], max_position_embeddings: int
     scale = float(_get(params, "factor", float, prefix=where))
     if scale <= 0:  # low rotary speeds are divided by it: infinite angles, NaN logits
         raise _refuse("rope_parameters.factor", scale, "a Llama 3 factor must be > 0")
+    low = float(_get(params, "low_freq_factor", float, prefix=where))
+    high = float(_get(params, "high_freq_factor", float, prefix=where))
+    # Wavelength bounds divide by each, the blend by their difference.
+    if not 0 < low < high:
+        raise _refuse("rope_parameters.low_freq_factor", low,
+                      f"a Llama 3 scaling needs 0 < low_freq_factor < high_freq_factor ({high})")
     return Llama3RopeScaling(
-        factor=scale,
-        low_freq_factor=float(_get(params, "low_freq_factor", float, prefix=where)),
-        high_freq_factor=float(_get(params, "high_freq_factor", float, prefix=where)),
+        factor=scale, low_freq_factor=low, high_freq_factor=high,
         original_max_position_embeddings=_get(params, "original_max_position_embeddings",
-                                              int, max_position_embeddings, where),
-    )
+                                              int, max_position_embeddings, where))
 
 
 def check_supported(raw: dict[str, Any]) -> None:

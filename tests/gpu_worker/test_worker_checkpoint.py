@@ -255,6 +255,12 @@ def test_a_null_tie_word_embeddings_is_untied_as_transformers_reads_it() -> None
         ({"rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0}},
          r"rope_parameters.factor=0.0 is not supported: a Llama 3 factor must be > 0"),
+        # Each divided by (a ZeroDivisionError at start), or their difference.
+        *[({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low,
+                             "high_freq_factor": high}},
+           f"low_freq_factor={low:.1f} is not supported: a Llama 3 scaling needs 0 < "
+           rf"low_freq_factor < high_freq_factor \({high:.1f}\)")
+          for low, high in ((0, 4), (1, 0), (2, 2), (4, 1), (-1, 4))],
     ],
 )
 def test_malformed_config_values_are_value_errors(edit: dict[str, Any], message: str) -> None:
