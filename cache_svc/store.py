@@ -202,13 +202,13 @@ class SnapshotStore:
             raise InvalidArgument(f"find takes 1-{MAX_FIND_IDS} snapshot ids, "
                                   f"got {len(snapshot_ids)}")
         tiers = self._tiers
-        found = []
-        for snapshot_id in snapshot_ids:
-            entry = tiers.get(check_snapshot_id(snapshot_id))
+        entries = [tiers.get(check_snapshot_id(snapshot_id)) for snapshot_id in snapshot_ids]
+        # Last to first: a prompt's later segments are of no use without its
+        # first, so they are the first to go.
+        for entry in reversed(entries):
             if entry is not None:
                 tiers.touch(entry)
-            found.append(None if entry is None else entry.tier)
-        return found
+        return [None if entry is None else entry.tier for entry in entries]
 
     def sweep_expired(self) -> int:
         """Deletes idle snapshots past their TTL; returns how many."""

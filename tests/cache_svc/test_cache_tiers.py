@@ -183,6 +183,17 @@ async def test_find_answers_where_each_snapshot_is_and_counts_as_a_use(start_cac
     assert await tiers(running, "a", "b", "d") == [DISK, MEMORY, MEMORY]
 
 
+async def test_find_leaves_the_first_of_the_ids_it_finds_the_most_recent(start_cache) -> None:
+    """A prompt's segments are asked for in order, and a later one is of no
+    use without those before it: the later ones go (spill) first."""
+    running = await start_cache(memory_budget_bytes=8 * MIB, disk_budget_bytes=16 * MIB)
+    await put(running, "s0")
+    await put(running, "s1")
+    assert await running.client.find(["s0", "s1"]) == [MEMORY, MEMORY]
+    await put(running, "other")
+    assert await tiers(running, "s0", "s1", "other") == [MEMORY, DISK, MEMORY]
+
+
 @pytest.mark.parametrize("ids", [[], ["ok", "../etc"], ["x"] * 4097])
 async def test_find_refuses_bad_ids_and_too_many(start_cache, ids: list[str]) -> None:
     running = await start_cache()
