@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures here (seconds; ratio = raw / path)")
     args = parser.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: no directory {args.json.parent} to write it in")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
     args.shapes = args.shapes or (list(SHAPES) if device.type == "cuda" else ["tiny", "1b"])

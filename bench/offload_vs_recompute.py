@@ -170,9 +170,8 @@ async def run(worker: Service, args: argparse.Namespace, lengths: list[int]) -> 
                                                                  timeout=60)
         layout = layout_from_proto(info.kv_layout)
         setup = {"model": info.model_name, "device": info.device, "dtype": layout.dtype,
-                 "block_size": layout.block_size, "chunk": args.chunk,
-                 "decodes": args.decodes, "decode_context": args.decode_context,
-                 "arena": args.arena, "repeat": args.repeat}
+                 "block_size": layout.block_size, **{k: getattr(args, k) for k in (
+                     "chunk", "decodes", "decode_context", "arena", "repeat")}}
         kept = sorted(n for n in lengths if n <= info.max_model_len)
         skipped = [n for n in lengths if n > info.max_model_len]
         if not kept:
@@ -214,25 +213,19 @@ def report(rows: list[Row], costs: CostModel) -> list[dict[str, object]]:
     figures: list[dict[str, object]] = []
     for r in rows:
         faster = "offload" if r.copy_s < r.prefill_s else "recompute"
-        predicted_copy = costs.offload_restore_s(r.num_blocks)
-        predicted_recompute = costs.recompute_s(r.num_tokens)
-        if predicted_copy is None or predicted_recompute is None:
-            pick, model = "offload", ("n/a", "n/a")  # no estimate: AUTO offloads
-        else:
-            pick = "offload" if predicted_copy < predicted_recompute else "recompute"
-            model = (f"{predicted_copy * 1e3:.1f}", f"{predicted_recompute * 1e3:.1f}")
-        print(f"{r.num_tokens:>7} {r.num_blocks:>6} "
-              f"{statistics.median(r.offload_s) * 1e3:>10.1f} "
-              f"{statistics.median(r.restore_s) * 1e3:>10.1f} "
-              f"{r.copy_s * 1e3:>10.1f} "
-              f"{r.prefill_s * 1e3:>12.1f} {r.prefill_s / r.copy_s:>11.2f} {faster:>9} "
-              f"{model[0]:>13} {model[1]:>12} {pick:>10} {'yes' if pick == faster else 'NO':>5}")
-        figures.append({
-            "tokens": r.num_tokens, "blocks": r.num_blocks,
-            "offload_s": statistics.median(r.offload_s),
-            "restore_s": statistics.median(r.restore_s), "copy_s": r.copy_s,
-            "recompute_s": r.prefill_s, "faster": faster, "predicted_copy_s": predicted_copy,
-            "predicted_recompute_s": predicted_recompute, "auto_picks": pick})
+        copy_s, recompute_s = costs.offload_restore_s(r.num_blocks), costs.recompute_s(r.num_tokens)
+        # No estimate yet: AUTO offloads.
+        pick = ("recompute" if copy_s is not None and recompute_s is not None
+                and recompute_s <= copy_s else "offload")
+        offload_s, restore_s = statistics.median(r.offload_s), statistics.median(r.restore_s)
+        print(f"{r.num_tokens:>7} {r.num_blocks:>6} {offload_s * 1e3:>10.1f} "
+              f"{restore_s * 1e3:>10.1f} {r.copy_s * 1e3:>10.1f} {r.prefill_s * 1e3:>12.1f} "
+              f"{r.prefill_s / r.copy_s:>11.2f} {faster:>9} {fmt_ms(copy_s, ''):>13} "
+              f"{fmt_ms(recompute_s, ''):>12} {pick:>10} {'yes' if pick == faster else 'NO':>5}")
+        figures.append({"tokens": r.num_tokens, "blocks": r.num_blocks, "offload_s": offload_s,
+                        "restore_s": restore_s, "copy_s": r.copy_s, "recompute_s": r.prefill_s,
+                        "faster": faster, "predicted_copy_s": copy_s,
+                        "predicted_recompute_s": recompute_s, "auto_picks": pick})
     print(f"measured crossover: {measured_crossover(rows)}")
     e = costs.estimates()
     crossover = ("unknown" if e.crossover_tokens is None
@@ -244,8 +237,8 @@ def report(rows: list[Row], costs: CostModel) -> list[dict[str, object]]:
     return figures
 
 
-def fmt_ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1e3:.3g} ms"
+def fmt_ms(seconds: float | None, unit: str = " ms") -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3g}{unit}"
 
 
 def measured_crossover(rows: list[Row]) -> str:
@@ -282,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also write the figures here (seconds)")
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (3 if args.quick else 5)
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: no directory {args.json.parent} to write it in")
     lengths = [int(n) for n in (args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
                .split(",")]
     # KV blocks for the longest length the model takes, twice (the restore
