@@ -58,10 +58,10 @@ load: $(STAMP)
 # oracle and sampling on the device, in bf16, the arena's pinned DMA), then the
 # worker benchmark on a random-weight Llama-3.2-1B-shaped checkpoint and the KV
 # transfer benchmark (offload + restore through the arena vs raw D2H + H2D, for
-# 1B and 8B KV shapes), and mixed vs P/D on the 1B shape: each step runs even
-# if one before it failed (scripts/gpu_checks.sh). Without CUDA the tests
-# skip. On a lent machine without network, with its own python3:
-# scripts/device_wheels.sh here, then scripts/device_run.sh there.
+# 1B and 8B KV shapes), mixed vs P/D and offload vs recompute on the 1B shape:
+# each step runs even if one before it failed (scripts/gpu_checks.sh). Without
+# CUDA the tests skip. On a lent machine without network, with its own
+# python3: scripts/device_wheels.sh here, then scripts/device_run.sh there.
 test-gpu: $(STAMP)
 	scripts/gpu_checks.sh $(BIN)/python versions tests
 

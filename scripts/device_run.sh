@@ -3,7 +3,7 @@
 # the wheels scripts/device_wheels.sh fetched, then runs the GPU checks with
 # that python3, logging to $OUT when set. The device call carries .whl:
 #
-#   bash scripts/device_run.sh [versions|tests|gemm|profile|worker|transfer|pd|all] ...
+#   bash scripts/device_run.sh [versions|tests|gemm|profile|worker|transfer|pd|offload|all] ...
 #
 # Each step gets STEP_TIMEOUT seconds (default 150), so one hung step leaves
 # the lease to the others; the figures (JSON) land in $OUT beside the log.
