@@ -105,9 +105,11 @@ class DecodePeers:
         self, addresses: Sequence[str], layout: Layout, security: Security = PLAINTEXT, *,
         wait_s: float = HANDOFF_WAIT_S, max_backoff_s: float = RESERVATION_MAX_BACKOFF_S,
     ) -> None:
+        # An empty entry ("a:1,") passes --decode-address's check as nothing.
+        addresses = [a.strip() for a in addresses if a.strip()]
         if not addresses:
             raise ValueError("a prefill instance needs at least one decode instance address")
-        self._addresses = list(addresses)
+        self._addresses = addresses
         self._layout = layout
         self._security = security
         self._wait_s = wait_s

@@ -132,6 +132,21 @@ async def test_a_name_counts_as_every_address_it_resolves_to(serve: Serve) -> No
     assert free.asked == ["r"]
 
 
+async def test_an_empty_or_padded_address_in_the_list_is_no_instance(serve: Serve) -> None:
+    """--decode-address "a:1," (or "a:1, b:2") passes the start-up check;
+    the empty entry made every hand-off fail with a ValueError traceback
+    (each request then decoded on the prefill instance), and a padded
+    one never resolved."""
+    a, b = ScriptedDecode(refuse), ScriptedDecode(accept)
+    listed = f"127.0.0.1:{await serve(a)}, 127.0.0.1:{await serve(b)},"
+    peers = DecodePeers(listed.split(","), LAYOUT, wait_s=5)
+    try:
+        peer = await peers.reserve("r", [1], SAMPLING)
+    finally:
+        await peers.close()
+    assert peer is not None and b.asked == ["r"]
+
+
 class Mismatched(ScriptedDecode):
     """A decode instance with another KV layout."""
 
