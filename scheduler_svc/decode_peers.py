@@ -19,8 +19,9 @@
 
 An instance that is down, or answers an error, is skipped for that round;
 one that refuses the request itself (another KV layout, a request it cannot
-serve: FAILED_PRECONDITION, INVALID_ARGUMENT) is logged and not asked again
-for it: when no other instance is left, the request decodes here at once.
+serve: FAILED_PRECONDITION, INVALID_ARGUMENT) or our token (UNAUTHENTICATED)
+is logged and not asked again for it: when no other instance is left, the
+request decodes here at once.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ log = logging.getLogger(__name__)
 
 # One ReserveBlocks call; a decode instance answers it without I/O.
 _RESERVE_TIMEOUT_S = 5.0
-# Answers that refuse the request itself, not the moment: asking again
-# would get the same.
+# Answers that refuse the request itself (or this instance's token), not the
+# moment: asking again would get the same.
 _FOR_GOOD = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
-                       grpc.StatusCode.UNIMPLEMENTED})
+                       grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                       grpc.StatusCode.PERMISSION_DENIED})
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,11 @@ import grpc
 import pytest
 
 from kvstash import errors
+from kvstash.common.bearer import TokenAuth
 from kvstash.common.binding import free_port
 from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
+from kvstash.common.security import Security
 from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import decode_peers
 from scheduler_svc.core.request import RequestStatus, RequestUsage
@@ -191,6 +193,38 @@ async def test_an_instance_that_refuses_the_request_itself_is_not_asked_again(
         assert time.monotonic() - started < 5 and other.asked == ["r", "s"]
     finally:
         await peers.close()
+
+
+async def test_a_decode_instance_refusing_the_token_is_not_asked_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The prefill instance's --token-file token goes with ReserveBlocks and
+    Decode. One the decode instance refuses (UNAUTHENTICATED) was asked
+    again round after round, logged at DEBUG only, so every request waited
+    out --handoff-wait (10 s) before decoding on the prefill instance, and
+    nothing said why."""
+    instance = DecodingInstance(accept, responses=[scheduler_pb2.GenerateResponse(token_ids=[8])])
+    server = grpc.aio.server(interceptors=[TokenAuth(frozenset({"right"}))])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(instance, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        right = DecodePeers([address], LAYOUT, Security(token="right"), wait_s=5)
+        try:
+            peer = await right.reserve("r", [1], SAMPLING)
+            assert peer is not None
+            assert [e async for e in right.decode(peer, "r", "s", 1, 7)] == [RemoteTokens([8])]
+        finally:
+            await right.close()
+        wrong = DecodePeers([address], LAYOUT, Security(token="wrong"), wait_s=60)
+        try:
+            assert await asyncio.wait_for(wrong.reserve("q", [1], SAMPLING), 20) is None
+        finally:
+            await wrong.close()
+    finally:
+        await server.stop(None)
+    assert instance.asked == ["r"]
+    assert any(r.levelno == logging.ERROR and "UNAUTHENTICATED" in r.getMessage()
+               for r in caplog.records)
 
 
 async def released(decode: ScriptedDecode) -> None:
