@@ -160,12 +160,13 @@ class DecodePeers:
                 log.info("request %s: every decode instance refused it; decoding it here",
                          request_id)
                 return None
-            backoff = min(max(hint, 2 * backoff, 0.01), self._max_backoff_s)
-            if loop.time() + backoff > deadline:
+            now = loop.time()
+            if now >= deadline:
                 log.info("request %s: no decode instance reserved blocks within %.1f s; "
                          "decoding it here", request_id, self._wait_s)
                 return None
-            await asyncio.sleep(backoff)
+            backoff = min(max(hint, 2 * backoff, 0.01), self._max_backoff_s)
+            await asyncio.sleep(min(backoff, deadline - now))  # the last round at the deadline
 
     async def _ask(
         self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest

@@ -122,6 +122,41 @@ async def test_every_refusal_until_the_wait_is_spent_means_none(serve: Serve) ->
     assert 2 <= len(a.asked) <= 12 and 2 <= len(b.asked) <= 12
 
 
+@dataclass(slots=True)
+class FreesUp(ScriptedDecode):
+    """Refuses (hinting `hint_s`) until `after_s` past its first ReserveBlocks."""
+
+    hint_s: float = 1.0
+    after_s: float = 1.25
+    first: float | None = None
+
+    async def ReserveBlocks(self, request: scheduler_pb2.ReserveBlocksRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> scheduler_pb2.ReserveBlocksResponse:
+        self.asked.append(request.request_id)
+        now = time.monotonic()
+        self.first = now if self.first is None else self.first
+        if now - self.first >= self.after_s:
+            return accept(request)
+        return scheduler_pb2.ReserveBlocksResponse(accepted=False, retry_after_s=self.hint_s)
+
+
+async def test_the_last_round_is_asked_when_the_wait_is_spent(serve: Serve) -> None:
+    """A back-off that would end past the wait is cut to it, and the
+    instances are asked once more then. Before, the asking stopped as soon
+    as the next back-off would overrun: here after 1 s of a 1.5 s wait (up
+    to --handoff-wait's last second, or a third of a short one, went
+    unused), though the instance freed up within the wait."""
+    instance = FreesUp(accept)
+    peers = DecodePeers([f"127.0.0.1:{await serve(instance)}"], LAYOUT, wait_s=1.5,
+                        max_backoff_s=1.0)
+    try:
+        assert await peers.reserve("r", [1], SAMPLING) is not None
+    finally:
+        await peers.close()
+    assert 2 <= len(instance.asked) <= 3
+
+
 async def test_a_name_counts_as_every_address_it_resolves_to(serve: Serve) -> None:
     free = ScriptedDecode(accept)
     port = await serve(free)
