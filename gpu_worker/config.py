@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from kvstash.common.binding import MAX_PORT
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
@@ -93,8 +94,12 @@ class WorkerConfig:
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"max_model_len must be in [1, {MAX_MODEL_LEN}], "
                              f"got {self.max_model_len}")
-        if self.cache_address and ":" not in self.cache_address:
-            raise ValueError(f"cache_address must be host:port, got {self.cache_address!r}")
+        port = self.cache_address.rpartition(":")[2]
+        # gRPC's client takes a port past 65535 modulo 65536 (99999: 34463).
+        if self.cache_address and (":" not in self.cache_address
+                                   or (port.isdigit() and int(port) > MAX_PORT)):
+            raise ValueError(f"cache_address must be host:port (port 0-{MAX_PORT}), "
+                             f"got {self.cache_address!r}")
         # NaN passes `<= 0`, and a transfer bounded by NaN or inf never times out.
         if not (math.isfinite(self.cache_timeout_s) and self.cache_timeout_s > 0):
             raise ValueError(f"cache_timeout_s must be finite and > 0, got {self.cache_timeout_s}")

@@ -28,7 +28,9 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"device": "tpu"}, "got 'tpu'"),
         ({"block_size": 0}, r"block_size must be in \[1, 1024\], got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
-        ({"cache_address": "localhost"}, "host:port, got 'localhost'"),
+        ({"cache_address": "localhost"}, r"host:port \(port 0-65535\), got 'localhost'"),
+        # gRPC would take the port modulo 65536 and offload to whatever listens on 34463.
+        ({"cache_address": "127.0.0.1:99999"}, r"\(port 0-65535\), got '127.0.0.1:99999'"),
         ({"cache_timeout_s": 0}, "cache_timeout_s must be finite and > 0, got 0"),
         # Neither bounds an offload or restore: it would hang for good.
         ({"cache_timeout_s": float("nan")}, "cache_timeout_s must be finite and > 0, got nan"),
