@@ -21,7 +21,7 @@ from kvstash.common.units import GIB
 AUTO_DTYPE = "auto"  # a checkpoint's own dtype; float64 for the tiny model
 DTYPES = (AUTO_DTYPE, "float32", "float64", "float16", "bfloat16")
 TINY_MODEL = "tiny"
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
 DEFAULT_HOST_POOL_BYTES = 2 * GIB

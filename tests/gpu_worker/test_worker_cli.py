@@ -26,6 +26,8 @@ from tests.gpu_worker.worker_factories import REPO, worker_process
         ({"model": "/no/such/dir"}, "'/no/such/dir' is not"),
         ({"dtype": "int8"}, "dtype must be one of .* got 'int8'"),
         ({"device": "tpu"}, "got 'tpu'"),
+        # Once taken, then a NotImplementedError traceback at load where torch has no MPS.
+        ({"device": "mps"}, "device must be auto, cpu, cuda or cuda:N, got 'mps'"),
         ({"block_size": 0}, r"block_size must be in \[1, 1024\], got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
         ({"cache_address": "localhost"}, r"host:port \(port 0-65535\), got 'localhost'"),
