@@ -118,14 +118,15 @@ class PdCluster(Cluster):
         assert req is not None  # HANDED_OFF: nothing aborts in a simulation
         decoder = self._reserve(request_id, req.prompt_token_ids, req.sampling)
         if decoder is None:
+            if self.now >= deadline:
+                inst.core.pd.take_back(request_id)  # resumes here from the snapshot
+                return inst
+            # As decode_peers: the last round is asked at the deadline.
             backoff = min(max(RESERVATION_RETRY_AFTER_S, 2 * backoff, 0.01),
                           RESERVATION_MAX_BACKOFF_S)
-            if self.now + backoff <= deadline:
-                self.at(self.now + backoff, functools.partial(
-                    self._seek, inst, cmd, deadline, backoff))
-                return None
-            inst.core.pd.take_back(request_id)  # resumes here from the snapshot
-            return inst
+            self.at(min(self.now + backoff, deadline), functools.partial(
+                self._seek, inst, cmd, deadline, backoff))
+            return None
         restore = decoder.core.pd.start_remote_decode(
             request_id, cmd.snapshot_id, cmd.num_tokens, req.output_token_ids[-1])
         self._prefill_of[request_id] = inst

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from kvstash.sim.cache import SimCache
 from kvstash.sim.cluster import SimResult
 from kvstash.sim.pd import PdCluster, pd_configs
@@ -62,6 +64,34 @@ def test_refused_reservations_wait_then_decode_on_the_prefill_instance() -> None
     assert 0 < c["num_reservations_accepted"] < len(TRACE.requests)
     assert c["num_handoffs"] == len(TRACE.requests)  # each copied out before it was asked
     assert c["num_handoff_failures"] == len(TRACE.requests) - c["num_reservations_accepted"]
+
+
+def test_a_refused_request_is_asked_once_more_at_the_deadline() -> None:
+    """As the edge (decode_peers.py): rounds back off from 0.05 s, and the
+    last is cut to the hand-off wait, not skipped because a full back-off
+    would end past it (a wait of 0.07 s: asked at 0, 0.05 and 0.07 s)."""
+    wait = 0.07
+    base = dict(num_blocks=256, block_size=16, max_model_len=1024, max_num_seqs=16,
+                max_num_batched_tokens=256, bytes_per_block=PROFILE.bytes_per_block)
+    prefill, decode = pd_configs("offload", 2, 2, **base)
+    decode = [dataclasses.replace(config, num_blocks=12) for config in decode]
+    cluster = PdCluster(prefill, decode, PROFILE, SimCache(1 << 30, 0), handoff_wait_s=wait)
+    asks: dict[str, list[float]] = {}
+    reserve = cluster._reserve
+
+    def asked(request_id: str, *args: object) -> object:
+        asks.setdefault(request_id, []).append(cluster.now)
+        decoder = reserve(request_id, *args)  # type: ignore[arg-type]
+        if decoder is not None:
+            asks.pop(request_id)  # only those never reserved are looked at
+        return decoder
+
+    cluster._reserve = asked  # type: ignore[method-assign]
+    result = cluster.run(TRACE)
+    assert all(r.ok for r in result.records)
+    assert len(asks) == result.counters["num_handoff_failures"] > 0
+    for times in asks.values():
+        assert [t - times[0] for t in times] == pytest.approx([0, 0.05, wait])
 
 
 def test_a_refusing_decode_pool_delays_the_second_token_not_the_first() -> None:
