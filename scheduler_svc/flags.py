@@ -238,7 +238,7 @@ def prefix_tier(
 
 
 def check_role(args: argparse.Namespace, secured: security.Security) -> None:
-    """P/D flags that contradict each other, a token for decode instances
+    """P/D or offload flags that contradict each other, a token for decode instances
     that would go in plaintext (security.check_send), or a peer's port that
     gRPC would wrap around, fail at start, not at the first request."""
     _check_port("--worker-address", args.worker_address)
@@ -261,6 +261,10 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
     if args.role != "mixed" and not args.cache_address:
         raise ValueError(f"--role {args.role} needs --cache-address: the KV handoff goes "
                          "through the cache service")
+    if args.preemption_mode == PreemptionMode.OFFLOAD.value and not args.cache_address:
+        raise ValueError("--preemption-mode offload needs --cache-address: without one there "
+                         "is no offload (auto and recompute recompute), and no snapshot "
+                         "would ever be deleted")
 
 
 

@@ -140,6 +140,21 @@ def test_a_peer_port_past_65535_is_refused_not_wrapped_around(
     assert done.value.code == f"scheduler_svc: {message}"
 
 
+def test_forced_offload_without_a_cache_address_is_refused_at_start() -> None:
+    """The help says an empty --cache-address means no offload, yet offload
+    mode offloaded through the worker's cache, and with no cache to call the
+    scheduler never deleted a snapshot (an aborted request's stayed pinned
+    until its TTL)."""
+    with pytest.raises(SystemExit) as done:
+        scheduler_main(["--worker-address", "127.0.0.1:1", "--worker-wait", "1",
+                        "--preemption-mode", "offload"])
+    assert str(done.value.code).startswith(
+        "scheduler_svc: --preemption-mode offload needs --cache-address")
+    check_role(parse_args(["--preemption-mode", "offload", "--cache-address", "127.0.0.1:1"]),
+               security.PLAINTEXT)
+    check_role(parse_args([]), security.PLAINTEXT)  # auto recomputes without a cache
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     # A worker that answered at once was "no worker answered within --worker-wait nan s".
     (["--worker-wait", "nan"], "--worker-wait must be a finite number of seconds > 0, got nan"),
