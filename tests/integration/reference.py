@@ -26,6 +26,18 @@ def _runner() -> ModelRunner:
 
 @cache
 def _greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    # One thread: the tiny model needs no more, and torch's pool (one per core)
+    # spin-waits at every op for threads a loaded machine has descheduled
+    # (a 2-core machine with services beside it took minutes, past the timeout).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _greedy_alone(prompt, max_tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _greedy_alone(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     runner = _runner()
     block_ids = list(range(-(-(len(prompt) + max_tokens) // _BLOCK_SIZE)))
     [token] = runner.execute([SeqWork("ref", prompt, 0, block_ids, sample=True)])
