@@ -213,7 +213,9 @@ def test_blocks_being_offloaded_count_as_soon_free(aborted: bool) -> None:
 
 
 def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
-    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD, resume_headroom=0)
+    """"a" waits OFFLOADED for its 2 blocks plus 2 of headroom per decode
+    while "new" (1 block) would fit: it is not admitted in between."""
+    scheduler = tight_scheduler(6, PreemptionMode.OFFLOAD, resume_headroom=2)
     for i, name in enumerate("abc"):
         add(scheduler, name, prompt_len=2, max_tokens=8, ignore_eos=True, first_token=10 + 9 * i)
     for _ in range(3):
@@ -222,13 +224,15 @@ def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
     finish_offload(scheduler, "a", 1)
     add(scheduler, "new", prompt_len=2, max_tokens=2, first_token=80)
     resumed = []
+    num_steps_new_would_fit = 0
     while status(scheduler, "a") is S.OFFLOADED:
+        num_steps_new_would_fit += scheduler.kv.pool.num_allocatable_blocks >= 1
         output, _ = step(scheduler)
         assert "new" not in ids(output.seqs)
         resumed += ids(output.restores)
         for offload in output.offloads:
             finish_offload(scheduler, offload.request_id, 1)
-    assert resumed == ["a"]
+    assert resumed == ["a"] and num_steps_new_would_fit >= 2
 
 
 @pytest.mark.parametrize("state", [S.OFFLOADING, S.OFFLOADED, S.RESUMING])
