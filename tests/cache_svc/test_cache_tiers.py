@@ -219,9 +219,17 @@ async def test_unpinned_snapshots_stay_within_their_share(start_cache) -> None:
                                 unpinned_share=0.5)
 
     async def settle(expected: list[int]) -> None:
-        """Until the tiers are `expected` (a spill ends after the put it made room for)."""
+        """Until the tiers are `expected` (a spill ends after the put it made
+        room for). Read with stat: a find counts as a use, reordering the LRU
+        this test is about."""
         async def done() -> bool:
-            return await running.client.find(["u1", "u2", "u3", "u4"]) == expected
+            found = []
+            for name in ("u1", "u2", "u3", "u4"):
+                try:
+                    found.append((await running.client.stat(name)).tier)
+                except errors.NotFound:
+                    found.append(absent)
+            return found == expected
 
         await wait_until(done, f"tiers {expected}")
 
