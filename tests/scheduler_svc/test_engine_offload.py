@@ -121,15 +121,17 @@ async def test_steps_continue_while_an_offload_is_slow(harness: Harness) -> None
         return sum(len(r.output_token_ids) for rid in others
                    if (r := harness.core.get_request(rid)) is not None)
 
+    victim_req = harness.core.get_request(victim)
+    assert victim_req is not None
     steps_before, tokens_before = harness.core.stats().num_steps, num_tokens_of_others()
-    # Polled, not a fixed sleep: on a loaded machine 5 steps may take longer
-    # than 0.2 s, never as long as the copy through a 1 MiB/s cache.
+    # Polled, not slept on: a loaded machine stretches both the steps and a
+    # fixed sleep, which could outlast the copy.
     async with asyncio.timeout(30):
         while (harness.core.stats().num_steps < steps_before + 5
                or num_tokens_of_others() < tokens_before + 5):
-            victim_req = harness.core.get_request(victim)
-            assert victim_req is not None and victim_req.status is RequestStatus.OFFLOADING
-            await asyncio.sleep(0.005)
+            assert victim_req.status is RequestStatus.OFFLOADING
+            await asyncio.sleep(0.002)
+    assert victim_req.status is RequestStatus.OFFLOADING
     outcomes = await asyncio.gather(*map(collect, streams.values()))
     for rid, (tokens, status) in zip(streams, outcomes, strict=True):
         assert status is RequestStatus.FINISHED_LENGTH
