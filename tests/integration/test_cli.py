@@ -19,6 +19,7 @@ import pytest
 from kvstash.client import Client
 from kvstash.launch.openai_http import request_json
 from kvstash.launch.stack import StackConfig, running_stack
+from tests.process_helpers import child_pids
 
 
 def _alive(pid: int) -> bool:
@@ -237,7 +238,7 @@ def test_demo_stopped_while_running_leaves_nothing_behind(sig: signal.Signals) -
     for line in demo.stdout:  # the stack is up and the requests are going out
         if line.startswith("-- 64 concurrent requests"):
             break
-    children = _children(demo.pid)
+    children = child_pids(demo.pid)
     assert len(children) == 3, children
     cache_args = Path(f"/proc/{children[0]}/cmdline").read_text().split("\0")
     data_dir = Path(cache_args[cache_args.index("--disk-dir") + 1]).parent
@@ -250,16 +251,6 @@ def test_demo_stopped_while_running_leaves_nothing_behind(sig: signal.Signals) -
     assert demo.stderr.read().splitlines() == [f"stopped ({sig.name})"]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_up_stopped_while_starting_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -271,7 +262,7 @@ def test_up_stopped_while_starting_leaves_nothing_behind(tmp_path: Path) -> None
     # The cache is up and the worker starting: a stop now lands in the wait
     # for the worker's ready line.
     deadline = time.monotonic() + 60
-    while len(children := _children(up.pid)) < 2 and time.monotonic() < deadline:
+    while len(children := child_pids(up.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(children) == 2, children
     up.send_signal(signal.SIGTERM)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -195,6 +197,19 @@ class _Worker(worker_pb2_grpc.WorkerServicer):
                                      num_blocks=32, kv_layout=layout_to_proto(layout))
 
 
+@contextlib.asynccontextmanager
+async def fake_worker() -> AsyncIterator[int]:
+    """A real gRPC server answering GetInfo as _Worker does; yields its port."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(None)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--num-blocks", "64"], "--num-blocks must be at most the worker's 32, got 64"),
     (["--prefix-segment-tokens", "10", "--cache-address", "127.0.0.1:1"],
@@ -208,35 +223,23 @@ class _Worker(worker_pb2_grpc.WorkerServicer):
 async def test_a_setting_the_worker_cannot_meet_is_one_line_naming_its_flag(
     argv: list[str], message: str,
 ) -> None:
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with fake_worker() as port:
         args = parse_args(["--listen", "127.0.0.1:0", "--worker-address",
                            f"127.0.0.1:{port}", *argv])
         assert await serve(args, security.from_args(args)) == message
-    finally:
-        await server.stop(None)
 
 
 async def test_a_record_file_that_cannot_be_written_is_one_line_naming_its_flag(
     tmp_path: Path,
 ) -> None:
     """It was an OSError traceback once the worker had answered."""
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with fake_worker() as port:
         for path, reason in ((tmp_path / "no" / "r.jsonl", "No such file or directory"),
                              (tmp_path, "Is a directory")):
             args = parse_args(["--listen", "127.0.0.1:0", "--worker-address",
                                f"127.0.0.1:{port}", "--record-decisions", str(path)])
             assert await serve(args, security.from_args(args)) == (
                 f"--record-decisions {path}: {reason}")
-    finally:
-        await server.stop(None)
 
 
 def test_step_plans_are_bounded_by_the_longest_sequence_the_pool_serves() -> None:

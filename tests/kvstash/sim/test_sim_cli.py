@@ -17,6 +17,7 @@ from kvstash.sim.__main__ import main
 from kvstash.sim.profile import read_profile
 from tests.gpu_worker.worker_factories import REPO
 from tests.kvstash.sim.test_profile import GOOD
+from tests.process_helpers import child_pids, cmdline_of, descendant_pids, is_running
 
 SMALL = ["--synthetic", "30", "--rates", "6", "--synthetic-input", "128",
          "--synthetic-output", "48", "--num-blocks", "64", "--max-num-seqs", "16"]
@@ -242,24 +243,8 @@ def test_calibrate_refuses_an_output_it_could_not_write_before_it_measures(
     assert f"no directory {out.parent}" in capsys.readouterr().err
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
-def _running(pid: int) -> bool:
-    """Neither gone nor a zombie (an orphan's exit may never be reaped here)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -274,20 +259,20 @@ def test_calibrate_stopped_by_a_signal_stops_the_services_it_started(
     children: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while len(children := _children(calibrate.pid)) < 2 and time.monotonic() < deadline:
+        while len(children := child_pids(calibrate.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(children) == 2, children  # the cache, and the worker starting or up
         calibrate.send_signal(sig)
         assert calibrate.wait(60) == 130
         deadline = time.monotonic() + 30
-        while any(map(_running, children)) and time.monotonic() < deadline:
+        while any(map(is_running, children)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [pid for pid in children if _running(pid)]
+        assert not [pid for pid in children if is_running(pid)]
         assert calibrate.stderr is not None
         assert calibrate.stderr.read().strip().splitlines()[-1] == "kvstash calibrate: stopped"
     finally:
         for pid in [calibrate.pid, *children]:
-            if _running(pid):
+            if is_running(pid):
                 os.kill(pid, signal.SIGKILL)
         calibrate.wait()
 
@@ -309,16 +294,8 @@ def test_a_sighup_ignored_as_under_nohup_stays_ignored() -> None:
     assert run() == ["False", "False"]
 
 
-def _descendants(pid: int) -> list[int]:
-    found = _children(pid)
-    return found + [d for child in found for d in _descendants(child)]
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
 
 
 def test_the_kvstash_command_stopped_by_sigterm_leaves_nothing_of_calibrate_running(
@@ -333,20 +310,20 @@ def test_the_kvstash_command_stopped_by_sigterm_leaves_nothing_of_calibrate_runn
     started: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while not any("gpu_worker" in _cmdline(pid) for pid in started) \
+        while not any("gpu_worker" in cmdline_of(pid) for pid in started) \
                 and time.monotonic() < deadline:
-            started = _descendants(command.pid)
+            started = descendant_pids(command.pid)
             time.sleep(0.05)
-        assert any("gpu_worker" in _cmdline(pid) for pid in started), started
+        assert any("gpu_worker" in cmdline_of(pid) for pid in started), started
         command.send_signal(signal.SIGTERM)
         command.wait(60)
         deadline = time.monotonic() + 30
-        while any(map(_running, started)) and time.monotonic() < deadline:
+        while any(map(is_running, started)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [_cmdline(pid) for pid in started if _running(pid)]
+        assert not [cmdline_of(pid) for pid in started if is_running(pid)]
     finally:
         for pid in [command.pid, *started]:
-            if _running(pid):
+            if is_running(pid):
                 os.kill(pid, signal.SIGKILL)
         command.wait()
 
