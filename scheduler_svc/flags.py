@@ -267,8 +267,6 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
                          "would ever be deleted")
 
 
-
-
 def _check_port(flag: str, address: str) -> None:
     """gRPC's client reads a port past 65535 modulo 65536: "host:99999" would
     reach whatever listens on 34463 there."""
