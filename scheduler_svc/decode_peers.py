@@ -49,8 +49,12 @@ from scheduler_svc.v1_wire import FINISH_STATUS, usage_from_proto
 
 log = logging.getLogger(__name__)
 
-# One ReserveBlocks call; a decode instance answers it without I/O.
+# One ReserveBlocks call; a decode instance answers it without I/O. Within
+# --handoff-wait, a call waits at most what is left of it, or _LAST_ASK_S for
+# the last round's: one hung instance (a dead pod's address still in DNS)
+# must not hold every request asking it for the whole bound.
 _RESERVE_TIMEOUT_S = 5.0
+_LAST_ASK_S = 0.5
 # Answers that refuse the request itself (or this instance's token), not the
 # moment: asking again would get the same.
 _FOR_GOOD = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
@@ -148,7 +152,8 @@ class DecodePeers:
                 peer = peers[(start + i) % len(peers)]
                 if peer.address in refused or (peer.address, request_id) in self._releases:
                     continue  # a grant now could be ended by that release arriving after it
-                answer = await self._ask(peer, request)
+                timeout_s = min(_RESERVE_TIMEOUT_S, max(deadline - loop.time(), _LAST_ASK_S))
+                answer = await self._ask(peer, request, timeout_s)
                 if isinstance(answer, grpc.StatusCode):
                     if answer in _FOR_GOOD:
                         refused.add(peer.address)
@@ -169,12 +174,12 @@ class DecodePeers:
             await asyncio.sleep(min(backoff, deadline - now))  # the last round at the deadline
 
     async def _ask(
-        self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest
+        self, peer: DecodePeer, request: scheduler_pb2.ReserveBlocksRequest, timeout_s: float
     ) -> scheduler_pb2.ReserveBlocksResponse | grpc.StatusCode:
         """One ReserveBlocks: its answer, or the code of the error it failed
         with. A reservation the instance may have granted to a call
         cancelled or timed out here is released."""
-        call = peer.stub.ReserveBlocks(request, timeout=_RESERVE_TIMEOUT_S)
+        call = peer.stub.ReserveBlocks(request, timeout=timeout_s)
         try:
             return await call
         except grpc.aio.AioRpcError as exc:

@@ -301,6 +301,22 @@ async def test_a_reservation_timed_out_in_flight_is_released(
     assert slow.asked == ["r"] and slow.aborted == ["r"]
 
 
+async def test_a_hung_instance_holds_a_request_no_longer_than_the_wait(
+        serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ReserveBlocks waits at most what is left of --handoff-wait (or
+    half a second, for the last round's): a hung instance held every request
+    asking it for the call's whole bound (5 s, 30 here) past a 0.3 s wait."""
+    monkeypatch.setattr(decode_peers, "_RESERVE_TIMEOUT_S", 30.0)
+    hung = ScriptedDecode(accept, delay_s=60)
+    peers = DecodePeers([f"127.0.0.1:{await serve(hung)}"], LAYOUT, wait_s=0.3)
+    try:
+        started = time.monotonic()
+        assert await peers.reserve("r", [1], SAMPLING) is None
+        assert time.monotonic() - started < 10  # 0.3 s wait + at most 0.5 s more, loaded
+    finally:
+        await peers.close()
+
+
 @dataclass(slots=True)
 class SlowToLetGo(ScriptedDecode):
     """Answers its first ReserveBlocks after `delay_s`, every Abort after
