@@ -235,6 +235,22 @@ def test_offloaded_requests_resume_before_new_arrivals_in_order() -> None:
     assert resumed == ["a"] and num_steps_new_would_fit >= 2
 
 
+def test_nothing_new_is_admitted_while_a_victim_is_still_being_offloaded() -> None:
+    """Free blocks while "b"'s copy is in flight ("a" aborted) go to no new
+    arrival: "b" takes its blocks back first, once its snapshot landed."""
+    scheduler, _ = two_decodes_then_pressure(PreemptionMode.OFFLOAD)
+    assert status(scheduler, "b") is S.OFFLOADING
+    scheduler.abort("a")
+    add(scheduler, "new", prompt_len=2, max_tokens=2, ignore_eos=True, first_token=80)
+    for _ in range(3):
+        assert scheduler.kv.pool.num_allocatable_blocks >= 1  # "new" would fit
+        output, _ = step(scheduler)
+        assert "new" not in ids(output.seqs) and status(scheduler, "b") is S.OFFLOADING
+    finish_offload(scheduler, "b", 1)
+    output, _ = step(scheduler)  # "b" takes its blocks first; "new" may have the rest
+    assert ids(output.restores) == ["b"]
+
+
 @pytest.mark.parametrize("state", [S.OFFLOADING, S.OFFLOADED, S.RESUMING])
 @pytest.mark.parametrize("copy_ok", [True, False])
 def test_abort_while_preempted_releases_blocks_and_snapshot(state: S, copy_ok: bool) -> None:
