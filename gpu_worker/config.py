@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvstash.common.binding import MAX_PORT
+from kvstash.common.binding import MAX_PORT, port_past_range
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.rpc_connections import DEFAULT_CONNECTIONS, Connections
 from kvstash.common.security import PLAINTEXT, Security
@@ -94,10 +94,8 @@ class WorkerConfig:
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"max_model_len must be in [1, {MAX_MODEL_LEN}], "
                              f"got {self.max_model_len}")
-        port = self.cache_address.rpartition(":")[2]
-        # gRPC's client takes a port past 65535 modulo 65536 (99999: 34463).
         if self.cache_address and (":" not in self.cache_address
-                                   or (port.isdigit() and int(port) > MAX_PORT)):
+                                   or port_past_range(self.cache_address)):
             raise ValueError(f"cache_address must be host:port (port 0-{MAX_PORT}), "
                              f"got {self.cache_address!r}")
         # NaN passes `<= 0`, and a transfer bounded by NaN or inf never times out.

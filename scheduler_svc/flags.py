@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from kvstash.common import flag_types, rpc_connections, rpc_server, security, settings
-from kvstash.common.binding import MAX_PORT
+from kvstash.common.binding import MAX_PORT, port_past_range
 from kvstash.common.layout import Layout
 from kvstash.common.metrics import DEFAULT_METRICS_HOST, listen_host
 from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES
@@ -268,8 +268,6 @@ def check_role(args: argparse.Namespace, secured: security.Security) -> None:
 
 
 def _check_port(flag: str, address: str) -> None:
-    """gRPC's client reads a port past 65535 modulo 65536: "host:99999" would
-    reach whatever listens on 34463 there."""
-    port = address.rpartition(":")[2]
-    if port.isdigit() and int(port) > MAX_PORT:
-        raise ValueError(f"{flag} {address!r}: port {port} is past {MAX_PORT}")
+    if port_past_range(address):
+        raise ValueError(f"{flag} {address!r}: port {address.rpartition(':')[2]} "
+                         f"is past {MAX_PORT}")

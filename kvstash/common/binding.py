@@ -43,6 +43,14 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def port_past_range(address: str) -> bool:
+    """Whether a peer's `address` ends in a port past 65535, which gRPC's
+    client takes modulo 65536 ("host:99999" reaches 34463 there); forms with
+    no port number ("unix:/path") have none to check."""
+    port = address.rpartition(":")[2]
+    return port.isdigit() and int(port) > MAX_PORT
+
+
 def join_address(host: str, port: int) -> str:
     """"host:port", an IPv6 host in brackets ("[::1]:50051"): split_address's inverse."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -243,8 +243,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print("kvstash sim: --plots needs matplotlib: pip install 'kvstash[bench]'",
                   file=sys.stderr)
             return 2
-    # The profile's block bytes, for this block size.
-    args.bytes_per_block = args.cost.bytes_per_block * args.block_size // args.cost.block_size
+    args.bytes_per_block = args.cost.block_bytes(args.block_size)
     print(f"profile: {args.cost.name} ({args.profile})")
     args.core = compiled.running()
     print(f"core: {args.core}" + ("" if args.core == "compiled" else

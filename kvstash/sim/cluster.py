@@ -121,8 +121,8 @@ class Cluster:
         self.profile = profile
         self.cache = cache
         self.instances = [Instance(f"i{n}", Scheduler(config, clock=lambda: self.now),
-                                   SimWorker(profile, transport), profile.bytes_per_block
-                                   * config.block_size // profile.block_size)
+                                   SimWorker(profile, transport),
+                                   profile.block_bytes(config.block_size))
                           for n, config in enumerate(configs)]
         for inst in self.instances:
             inst.core.set_cache_available(True)

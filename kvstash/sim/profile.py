@@ -73,6 +73,10 @@ class CostProfile:
     copy: Mapping[str, CopyCost]  # by path: COPY_PATHS
     source: Mapping[str, str]  # where each number came from
 
+    def block_bytes(self, block_size: int) -> int:
+        """KV bytes of one block of `block_size` tokens (the run's, maybe not the profile's)."""
+        return self.bytes_per_block * block_size // self.block_size
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bytes_per_block": self.bytes_per_block,
                 "block_size": self.block_size, "step": _as_dict(self.step),
