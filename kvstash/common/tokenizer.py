@@ -202,7 +202,9 @@ class _HFStream:
 
 
 class HFTokenizerAdapter:
-    """A Hugging Face `tokenizer.json`, as Llama and Qwen2 checkpoints ship it."""
+    """A Hugging Face `tokenizer.json`, as Llama and Qwen2 checkpoints ship it.
+    A text is encoded as vLLM encodes a text prompt: with what the file's
+    post-processor adds (a Llama checkpoint's BOS; a Qwen2 one adds none)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._tokenizer = HFTokenizer.from_str(tokenizer_json)
@@ -210,9 +212,10 @@ class HFTokenizerAdapter:
         self.eos_token_ids = eos_token_ids
 
     def encode(self, text: str) -> list[int]:
-        # encode() holds the GIL throughout (3 MB: 1.7 s, every other thread
-        # stopped); encode_batch() lets it go.
-        return list(self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+        # With the tokenizer's special tokens (a Llama post-processor's BOS),
+        # as vLLM encodes a text prompt. encode() holds the GIL throughout
+        # (3 MB: 1.7 s, every other thread stopped); encode_batch() lets it go.
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=True)[0].ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import common_pb2 as vllm_common_pb2
 
 from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
-from kvstash.common.tokenizer import INLINE_ENCODE_CHARS, ByteTokenizer
+from kvstash.common.tokenizer import INLINE_ENCODE_CHARS, ByteTokenizer, load_tokenizer
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
 from scheduler_svc.core.config import Role
@@ -34,6 +34,7 @@ from scheduler_svc.server import SERVICE_NAME, stats_to_proto
 from scheduler_svc.serving import SchedulerServer, create_scheduler_server
 from scheduler_svc.vllm_info import package_version
 from scheduler_svc.worker_link import WorkerLink
+from tests.kvstash.common.test_tokenizer_encode import llama_style_tokenizer_json
 from tests.scheduler_svc.factories import make_scheduler
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -417,3 +418,28 @@ def test_a_source_tree_without_package_metadata_still_reports_a_version(
     assert package_version() == importlib.metadata.version("kvstash")
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert package_version() == "(source tree)"
+
+
+@pytest.mark.parametrize("api", ["kvstash", "vllm"])
+async def test_a_text_prompt_is_encoded_with_the_bos_its_tokenizer_adds(
+    server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel, api: str
+) -> None:
+    """As vLLM encodes a text prompt: a Llama tokenizer.json's post-processor
+    puts BOS first. Before, the prompt went without it (other ids than
+    through vLLM, other outputs, one prompt token fewer in usage)."""
+    tokenizer = load_tokenizer(llama_style_tokenizer_json(), 6, (2,))
+    core = make_scheduler(vocab_size=6)
+    attach(server, nowhere, core, tokenizer=tokenizer)
+    sampling = {"max_tokens": 4}
+    call = (scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
+                request_id="text", text="kv cache world",
+                sampling=common_pb2.SamplingParams(**sampling)))
+            if api == "kvstash" else
+            vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
+                vllm_engine_pb2.GenerateRequest(
+                    request_id="text", text="kv cache world",
+                    sampling_params=vllm_engine_pb2.SamplingParams(**sampling))))
+    await queued(core, "text")
+    request = core.get_request("text")
+    assert request is not None and request.prompt_token_ids == (1, 3, 4, 5)
+    call.cancel()
