@@ -262,6 +262,22 @@ VALIDATION_REFUSALS: list[tuple[dict[str, Any], str]] = [
      "own name; the service would ignore KVSTASH_WORKER_NO_BATCH_INVARIANT)"),
     ({"gateway": {"flags": {"no-port": True}}},
      "gateway.flags.no-port negates --port, which is set by the chart"),
+    # One port twice in a pod: Kubernetes takes it, and the second to listen
+    # there crash-loops on "address in use".
+    ({"metrics": {"enabled": True, "ports": {"scheduler": 50051}}},
+     "scheduler.port and metrics.ports.scheduler are both 50051, one port twice in an instance "
+     "pod (its scheduler, worker and, in cache.mode sidecar, cache share one network): "
+     "Kubernetes takes such a pod, and the second to listen there crash-loops on \"address in "
+     "use\"; give each its own port"),
+    ({"worker": {"port": 50051}}, "scheduler.port and worker.port are both 50051"),
+    ({"cache": {"port": 50061}}, "worker.port and cache.port are both 50061"),
+    ({"metrics": {"enabled": True, "ports": {"worker": 9403}}},
+     "metrics.ports.worker and metrics.ports.cache are both 9403"),
+    ({"cache": {"mode": "shared"}, "metrics": {"enabled": True, "ports": {"cache": 50071}}},
+     "cache.port and metrics.ports.cache are both 50071, one port twice in the cache's pod"),
+    # smg serves its metrics port with metrics off too (on 127.0.0.1).
+    ({"gateway": {"enabled": True, "port": 9404}},
+     "gateway.port and metrics.ports.gateway are both 9404, one port twice in the gateway's pod"),
 ]
 
 
@@ -275,6 +291,16 @@ def test_validation_refuses(values: dict[str, Any], message: str, tmp_path: Path
 def test_validation_names_every_problem_at_once(tmp_path: Path) -> None:
     error = render_error({"tls": {"enabled": True}, "auth": {"enabled": True}}, tmp_path)
     assert "tls.secretName" in error and "auth.secretName" in error
+
+
+@pytest.mark.parametrize("values", [
+    {"metrics": {"ports": {"scheduler": 50051, "worker": 50061}}},
+    {"cache": {"mode": "shared", "port": 50061}},
+    {"cache": {"enabled": False, "port": 50051}},
+], ids=["metrics-off", "cache-in-its-own-pod", "no-cache"])
+def test_one_port_in_two_pods_renders(values: dict[str, Any], tmp_path: Path) -> None:
+    # Ports of containers that never share a pod, or that do not listen.
+    assert render(values, tmp_path)
 
 
 def test_pd_keys_wait_for_role_pd(tmp_path: Path) -> None:

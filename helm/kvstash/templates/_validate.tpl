@@ -150,6 +150,38 @@ message naming the keys involved and what to change.
 {{- $errors = append $errors (printf "scheduler.probes.startup allows the scheduler %d s (%d x %d s) but it waits up to %s s for its worker (--worker-wait, from %s), answering NOT_SERVING until then: the kubelet would restart it while the worker still loads; raise scheduler.probes.startup.failureThreshold to at least %d" $schedulerBudget (int $schedulerStartup.failureThreshold) $period (include "kvstash.workerWait" .) $waitFrom (div (add (ceil $wait | int) (sub $period 1)) $period)) -}}
 {{- end -}}
 
+{{- /* Ports within one pod: its containers share one network, so Kubernetes takes two on one port, and the second to listen there crash-loops on "address in use". smg serves its metrics port whether metrics.enabled or not (on 127.0.0.1). */ -}}
+{{- $sidecar := and $c.enabled (eq $c.mode "sidecar") -}}
+{{- $mp := $v.metrics.ports -}}
+{{- $instance := list (list "scheduler.port" $v.scheduler.port) (list "worker.port" $v.worker.port) -}}
+{{- if $v.metrics.enabled -}}
+{{- $instance = concat $instance (list (list "metrics.ports.scheduler" $mp.scheduler) (list "metrics.ports.worker" $mp.worker)) -}}
+{{- end -}}
+{{- if $sidecar -}}
+{{- $instance = append $instance (list "cache.port" $c.port) -}}
+{{- if $v.metrics.enabled -}}
+{{- $instance = append $instance (list "metrics.ports.cache" $mp.cache) -}}
+{{- end -}}
+{{- end -}}
+{{- $pods := list (list "an instance pod (its scheduler, worker and, in cache.mode sidecar, cache share one network)" $instance) -}}
+{{- if and $c.enabled (not $sidecar) -}}
+{{- $pods = append $pods (list "the cache's pod" (concat (list (list "cache.port" $c.port)) (ternary (list (list "metrics.ports.cache" $mp.cache)) list $v.metrics.enabled))) -}}
+{{- end -}}
+{{- if $v.gateway.enabled -}}
+{{- $pods = append $pods (list "the gateway's pod" (list (list "gateway.port" $v.gateway.port) (list "metrics.ports.gateway" $mp.gateway))) -}}
+{{- end -}}
+{{- range $pod := $pods -}}
+{{- $seen := dict -}}
+{{- range $key := index $pod 1 -}}
+{{- $port := toString (int (index $key 1)) -}}
+{{- if hasKey $seen $port -}}
+{{- $errors = append $errors (printf "%s and %s are both %s, one port twice in %s: Kubernetes takes such a pod, and the second to listen there crash-loops on \"address in use\"; give each its own port" (get $seen $port) (index $key 0) $port (index $pod 0)) -}}
+{{- else -}}
+{{- $_ := set $seen $port (index $key 0) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* Switches that need a companion value. */ -}}
 {{- if and $v.tls.enabled (not $v.tls.secretName) -}}
 {{- $errors = append $errors "tls.enabled: set tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
