@@ -109,6 +109,10 @@ class Client:
             check_uints("prompt", prompt)
         sampling = common_pb2.SamplingParams(
             top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        # Checked as sent (a float32): the server reads a top_p of 0, which is
+        # also what 1e-50 becomes, as unset, 1.0, and would sample from every token.
+        if not 0 < sampling.top_p <= 1:
+            raise errors.InvalidArgument(f"top_p is {top_p}, must be in (0, 1]")
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         if temperature is not None:

@@ -52,6 +52,11 @@ async def test_public_client_abort_and_stats_are_bounded() -> None:
     ({"seed": -1}, "seed is -1"),
     ({"top_k": -3}, "top_k is -3"),
     ({"stop_token_ids": [1 << 32]}, r"stop_token_ids\[0\] is 4294967296"),
+    # Sent, 0 (or what rounds to 0 as a float32) is unset: top_p 1, every token.
+    ({"top_p": 0.0}, r"top_p is 0.0, must be in \(0, 1\]"),
+    ({"top_p": 1e-50}, r"top_p is 1e-50, must be in \(0, 1\]"),
+    ({"top_p": -0.5}, r"top_p is -0.5, must be in \(0, 1\]"),
+    ({"top_p": float("nan")}, r"top_p is nan, must be in \(0, 1\]"),
 ])
 async def test_generate_argument_errors_are_invalid_argument(kwargs, message) -> None:
     """Not a bare ValueError, nor protobuf's, which names no argument."""
