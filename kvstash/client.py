@@ -15,6 +15,7 @@ import grpc
 
 from kvstash import errors
 from kvstash.common import rpc_connections, rpc_errors
+from kvstash.common.binding import check_target
 from kvstash.common.rpc_connections import DEFAULT_TIMEOUT_S
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.wire import check_uint, check_uints
@@ -65,6 +66,10 @@ class Client:
         the bearer token the scheduler may ask for. `timeout_s`: deadline of
         an abort or stats call given none (None = no deadline)."""
         self.timeout_s = timeout_s
+        try:
+            check_target(address)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
         self._channel = rpc_connections.channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 

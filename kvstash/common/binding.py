@@ -51,6 +51,14 @@ def port_past_range(address: str) -> bool:
     return port.isdigit() and int(port) > MAX_PORT
 
 
+def check_target(address: str) -> None:
+    """ValueError unless `address` is one a client may call: not empty, and
+    any port number it ends in 0-65535 (gRPC's client would call "host:99999"
+    on 34463, another service perhaps, and "host:" on 443)."""
+    if not address or address.endswith(":") or port_past_range(address):
+        raise ValueError(f"address {address!r} is not host:port (port 0-{MAX_PORT})")
+
+
 def join_address(host: str, port: int) -> str:
     """"host:port", an IPv6 host in brackets ("[::1]:50051"): split_address's inverse."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -10,6 +10,7 @@ anything starts.
     positive_int    a whole number > 0
     non_negative_int  a whole number >= 0
     host_port       "host:port", the port 0-65535
+    target          an address to call: any gRPC target, any port 0-65535
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvstash.common import units
-from kvstash.common.binding import MAX_PORT, split_address
+from kvstash.common.binding import MAX_PORT, check_target, split_address
 
 T = TypeVar("T")
 
@@ -82,4 +83,9 @@ def host_port(text: str) -> str:
     host, _ = _refusing(split_address, text)
     if not host:
         raise argparse.ArgumentTypeError(f"address {text!r} is not host:port")
+    return text
+
+
+def target(text: str) -> str:
+    _refusing(check_target, text)
     return text

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="stream a completion", formatter_class=_ShowDefaults)
     gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--address", default=DEFAULT_ADDRESS,
+    gen.add_argument("--address", type=flag_types.target, default=DEFAULT_ADDRESS,
                      help="a scheduler (kvstash up's --listen)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stats = sub.add_parser("stats", help="print the scheduler's stats",
                            formatter_class=_ShowDefaults)
-    stats.add_argument("--address", default=DEFAULT_ADDRESS,
+    stats.add_argument("--address", type=flag_types.target, default=DEFAULT_ADDRESS,
                        help="a scheduler (kvstash up's --listen)")
     security.add_flags(stats, server=False, sends_token=True)
 

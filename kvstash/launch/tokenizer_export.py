@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from kvstash import errors
-from kvstash.common import rpc_connections, rpc_errors, security
+from kvstash.common import flag_types, rpc_connections, rpc_errors, security
 from kvstash.common.security import Security
 from kvstash.common.tokenizer import BYTE_EOS_ID, tokenizer_files
 
@@ -130,7 +130,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "export", help="write tokenizer.json, tokenizer_config.json and config.json to a "
                        "directory, as load tools (guidellm, aiperf) and transformers load them")
     export.add_argument("directory", type=Path, help="where to write (made if missing)")
-    export.add_argument("--address", default=None,
+    export.add_argument("--address", type=flag_types.target, default=None,
                         help="a running instance's scheduler (host:port) whose model's "
                              "tokenizer to fetch; default: the built-in tiny model's")
     export.add_argument("--force", action="store_true", help="overwrite files already there")

@@ -12,7 +12,7 @@ import pytest
 from kvstash import errors
 from kvstash.client import Client
 from kvstash.common import rpc_server
-from kvstash.v1 import scheduler_pb2_grpc
+from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
 class StalledScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -42,6 +42,29 @@ async def test_public_client_abort_and_stats_are_bounded() -> None:
             for call in (client.abort("r", timeout_s=0.3), client.stats(timeout_s=0.3)):
                 with pytest.raises(errors.Unavailable, match="DEADLINE_EXCEEDED"):
                     await asyncio.wait_for(call, 5)
+    finally:
+        await server.stop(None)
+
+
+class AnsweringScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return scheduler_pb2.SchedulerStats(num_total_blocks=7)
+
+
+async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
+    """gRPC's client takes "host:PORT+65536" as host:PORT: the client called
+    whatever served there (another stack) as if it were the one named."""
+    server, port, _ = await rpc_server.create_server(
+        "127.0.0.1:0",
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(AnsweringScheduler(), s)],
+        [])
+    try:
+        async with Client(f"127.0.0.1:{port}") as client:  # the one it serves on
+            assert (await client.stats()).num_total_blocks == 7
+        for address in (f"127.0.0.1:{port + 65536}", "127.0.0.1:", ""):
+            with pytest.raises(errors.InvalidArgument, match="is not host:port"):
+                async with Client(address) as client:
+                    await client.stats(timeout_s=10)
     finally:
         await server.stop(None)
 

@@ -101,6 +101,24 @@ def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
     assert f"kvstash {argv[0]}: error: {message}" in err, err
 
 
+@pytest.mark.parametrize(("command", "argv"), [
+    ("generate", ["generate", "hello"]), ("stats", ["stats"]),
+    ("tokenizer export", ["tokenizer", "export", "out"]),
+])
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:", ""])
+def test_an_address_grpc_would_call_elsewhere_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], command: str, argv: list[str], address: str,
+) -> None:
+    """Not a call to port 34463 (gRPC takes 99999 modulo 65536, and reached
+    whatever listened there), nor to 443 for an empty port."""
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--address", address])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"kvstash {command}: error: argument --address: address {address!r} is not "
+            "host:port (port 0-65535)") in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "stats"])
 def test_a_token_is_not_sent_in_plaintext_beyond_loopback(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str,
