@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     except errors.KvstashError as exc:  # a call failed
         # The client names the call ("generate: ..."): once is enough.
         text = str(exc).removeprefix(f"{args.command}: ")
-        print(f"kvstash {args.command}: {text}{_hint(exc, getattr(args, 'address', ''))}",
+        print(f"kvstash {args.command}: {text}{_hint(exc, args)}",
               file=sys.stderr)
         return 2
     except (ValueError, OSError, RuntimeError) as exc:
@@ -303,14 +303,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _hint(exc: errors.KvstashError, address: str) -> str:
-    """What to do when nothing answered at `address` (gRPC's own words for a
-    connection that failed; a scheduler's UNAVAILABLE says something else)."""
+def _hint(exc: errors.KvstashError, args: argparse.Namespace) -> str:
+    """What to do when no call got through to `--address` (gRPC's own words
+    for a connection that failed; a scheduler's UNAVAILABLE says something
+    else): TLS that failed is not a missing stack."""
     text = str(exc)
-    if exc.code == "UNAVAILABLE" and ("failed to connect" in text
-                                      or "DNS resolution failed" in text):
-        return f" (no kvstash stack at {address}? start one with `kvstash up`)"
-    return ""
+    if exc.code != "UNAVAILABLE" or not ("failed to connect" in text
+                                         or "DNS resolution failed" in text):
+        return ""
+    if "handshake" in text.lower():  # "Tls handshake failed", "... security handshaker"
+        return (" (TLS failed: does the scheduler serve TLS, and is --tls-ca the CA that "
+                "signed its certificate?)")
+    if "Socket closed" in text and getattr(args, "tls_ca", None) is None:
+        return " (the scheduler closed the connection: does it serve TLS? give --tls-ca)"
+    return f" (no kvstash stack at {getattr(args, 'address', '')}? start one with `kvstash up`)"
 
 
 if __name__ == "__main__":

@@ -8,14 +8,19 @@ import asyncio
 import re
 import signal
 import socket
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+import trustme
 
 from kvstash.launch import cli
 from kvstash.launch.cli import main
 from kvstash.launch.processes import Service
 from kvstash.launch.stack import StackConfig, metrics_args
+from kvstash.v1 import scheduler_pb2_grpc
 
 
 def help_of(capsys: pytest.CaptureFixture[str], command: str) -> str:
@@ -70,6 +75,55 @@ def test_nothing_at_the_address_is_one_line_with_a_hint(
     assert len(err) == 1, err
     assert err[0].startswith(f"kvstash {command}: failed to connect")
     assert err[0].endswith(f"(no kvstash stack at {address}? start one with `kvstash up`)")
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def scheduler_port(request: pytest.FixtureRequest, ca: trustme.CA) -> Iterator[int]:
+    """A real gRPC server of the Scheduler service on a free port: TLS with
+    a certificate of `ca`, or plaintext (request.param)."""
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler_pb2_grpc.SchedulerServicer(),
+                                                        server)
+    if request.param == "tls":
+        cert = ca.issue_cert("127.0.0.1")
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+            [(cert.private_key_pem.bytes(), cert.cert_chain_pems[0].bytes())]))
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port
+    server.stop(None)
+
+
+@pytest.mark.parametrize(("scheduler_port", "ca_file", "hint"), [
+    ("tls", "another CA's", "(TLS failed: does the scheduler serve TLS, and is --tls-ca the CA "
+                            "that signed its certificate?)"),
+    ("tls", None, "(the scheduler closed the connection: does it serve TLS? give --tls-ca)"),
+    ("plaintext", "its CA's", "(TLS failed: does the scheduler serve TLS, and is --tls-ca the "
+                              "CA that signed its certificate?)"),
+], indirect=["scheduler_port"])
+def test_tls_that_fails_is_not_called_a_missing_stack(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ca: trustme.CA, scheduler_port: int,
+    ca_file: str | None, hint: str,
+) -> None:
+    """A scheduler that serves, reached with the wrong CA or without TLS:
+    "no kvstash stack at ...? start one with `kvstash up`" sent its user off
+    to start a second stack."""
+    flags = []
+    if ca_file is not None:
+        pem = (ca if ca_file == "its CA's" else trustme.CA()).cert_pem.bytes()
+        (tmp_path / "ca.pem").write_bytes(pem)
+        flags = ["--tls-ca", str(tmp_path / "ca.pem")]
+    assert main(["stats", "--address", f"127.0.0.1:{scheduler_port}", *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("kvstash stats: failed to connect"), err
+    assert err[0].endswith(hint), err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
