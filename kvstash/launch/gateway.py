@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvstash.common.binding import free_port
+from kvstash.common.binding import free_port, join_address
 from kvstash.launch.openai_http import open_direct
 from kvstash.launch.processes import stop_process, stop_signals_held
 
@@ -88,10 +88,11 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
                   startup_timeout_s: float = 60.0) -> Gateway:
     """Starts smg in front of the schedulers at `addresses` (host:port, or a
     grpc:// URL) and returns it once GET /readiness answers 200. `host` is an
-    IPv4 address, where smg serves HTTP and its Prometheus /metrics (each on a
-    free port; `port` picks the HTTP one); smg checks each instance's
-    health every `health_check_interval_s`. Raises RuntimeError with the tail of its log
-    (log_dir/smg.log) if it exits or is not ready in `startup_timeout_s`."""
+    IP address (IPv6 without brackets; its URLs put them in), where smg serves
+    HTTP and its Prometheus /metrics (each on a free port; `port` picks the
+    HTTP one); smg checks each instance's health every `health_check_interval_s`.
+    Raises RuntimeError with the tail of its log (log_dir/smg.log) if it exits
+    or is not ready in `startup_timeout_s`."""
     if not addresses:
         raise ValueError("no scheduler addresses: smg needs at least one")
     check_gateway(policy)
@@ -120,8 +121,8 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
             copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path),
                                       daemon=True)
             copier.start()
-            gateway = Gateway(f"http://{host}:{port}", process, log_path,
-                              f"http://{host}:{prometheus_port}/metrics", copier)
+            gateway = Gateway(f"http://{join_address(host, port)}", process, log_path,
+                              f"http://{join_address(host, prometheus_port)}/metrics", copier)
             release()  # a stop signal that came meanwhile acts here, smg known
             _wait_ready(gateway, startup_timeout_s)
         except BaseException:  # not ready, or a stop signal

@@ -4,14 +4,18 @@ handles a gateway that is missing, dies, never gets ready or ignores SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from kvstash.launch import gateway
+from kvstash.launch.openai_http import request_json, stream_completion
 from kvstash.launch.stack import StackConfig, start_stack
 
 
@@ -89,3 +93,55 @@ def test_smgs_log_is_plain_text_and_its_metrics_stay_on_its_host(
     assert "\x1b" not in log and "\x1b" not in str(err.value)
     assert log.startswith("2026-11-25  INFO args: launch --host 127.0.0.1 --port ")
     assert "--prometheus-host 127.0.0.1 --prometheus-port " in log
+
+
+# A stand-in smg that serves HTTP where it is told (--host, --port): 200 to
+# any GET, and one streamed completion to a POST.
+HTTP_SMG = """
+import http.server, json, socket, sys
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"path": self.path}).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        event = {"choices": [{"text": "hi", "finish_reason": "length"}],
+                 "usage": {"completion_tokens": 1}}
+        self.wfile.write(f"data: {json.dumps(event)}\\n\\ndata: [DONE]\\n\\n".encode())
+
+class Server(http.server.HTTPServer):
+    address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+Server((host, port), Handler).serve_forever()
+"""
+
+
+def test_a_gateway_on_ipv6_has_urls_that_clients_can_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvstash up --listen [::1]:PORT --gateway`: its URLs were
+    http://::1:PORT, which an HTTP client cannot parse (the streams of the
+    demo and the benchmarks failed on it, ValueError)."""
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+    (tmp_path / "smg.py").write_text(HTTP_SMG)
+    fake_smg(tmp_path, monkeypatch, f'exec {sys.executable} {tmp_path / "smg.py"} "$@"')
+    running = gateway.start_gateway(["[::1]:1"], tmp_path, host="::1", startup_timeout_s=60)
+    try:
+        assert running.url == f"http://[::1]:{running.url.rpartition(':')[2]}"
+        assert running.metrics_url.startswith("http://[::1]:")
+        assert request_json(f"{running.url}/v1/models") == {"path": "/v1/models"}
+        done = asyncio.run(stream_completion(running.url, {"prompt": "x"}))
+        assert (done.text, done.completion_tokens) == ("hi", 1)
+    finally:
+        running.stop()
