@@ -17,6 +17,7 @@ tokenizer comes from each scheduler's GetTokenizer.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import re
 import shutil
@@ -149,8 +150,9 @@ def running_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127
 def _wait_ready(gateway: Gateway, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        # Refused, or an HTTP error status (urllib raises it as an OSError).
-        with contextlib.suppress(OSError), open_direct(
+        # Refused, an HTTP error status (urllib raises it as an OSError), or
+        # no HTTP at all (HTTPException): another server on the port, not smg.
+        with contextlib.suppress(OSError, http.client.HTTPException), open_direct(
                 f"{gateway.url}/readiness", timeout=2) as reply:
             if reply.status == 200:
                 return

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,32 @@ def test_a_gateway_never_ready_is_stopped_at_the_timeout(
         gateway.start_gateway(["127.0.0.1:1"], tmp_path, startup_timeout_s=1)
     assert "waiting for http://127.0.0.1:9" in str(err.value)
     assert time.monotonic() - start < 10
+
+
+def test_a_port_that_answers_no_http_is_not_smg_being_ready(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smg cannot have its port (`kvstash up --listen 127.0.0.1:P --gateway
+    --gateway-port P`: the scheduler holds it, and answers HTTP/2): the
+    launcher's readiness check got no HTTP status line and `kvstash up`
+    ended in a traceback (http.client.BadStatusLine), not smg's exit."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+
+        def answer() -> None:
+            while True:
+                try:
+                    connection, _ = other.accept()
+                except OSError:  # closed: the test is over
+                    return
+                with connection:
+                    connection.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        fake_smg(tmp_path, monkeypatch, 'echo "address in use" >&2; sleep 1; exit 1')
+        with pytest.raises(RuntimeError, match="smg exited with code 1") as err:
+            gateway.start_gateway(["127.0.0.1:1"], tmp_path, port=other.getsockname()[1])
+    assert "address in use" in str(err.value)
 
 
 def test_stop_kills_what_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
