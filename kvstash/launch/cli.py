@@ -270,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         up.error(f"argument --listen: {args.listen} is not a loopback address and kvstash up "
                  "serves plaintext gRPC: add --plaintext to let anyone who reaches it call "
                  "every service")
+    if (args.command == "up" and args.gateway and args.gateway_port
+            and args.gateway_port == split_address(args.listen)[1]):
+        # Both free until the scheduler takes it: smg would fail only then.
+        up.error(f"argument --gateway-port: {args.gateway_port} is --listen's port too (the "
+                 "scheduler's); smg needs a port of its own")
     try:
         if args.command == "up":
             return cmd_up(args)

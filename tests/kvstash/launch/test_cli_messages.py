@@ -155,6 +155,27 @@ def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
     assert f"kvstash {argv[0]}: error: {message}" in err, err
 
 
+def test_a_gateway_port_that_is_the_schedulers_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both ports were free when checked: the stack started, the scheduler
+    took the port, and only then did smg fail on it."""
+    started: list[StackConfig] = []
+
+    def recorded(config: StackConfig, log_dir: Path | None = None) -> None:
+        started.append(config)
+        raise RuntimeError("started")
+
+    monkeypatch.setattr(cli, "_stop_on_signals", lambda: None)
+    monkeypatch.setattr(cli, "start_stack", recorded)
+    with pytest.raises(SystemExit) as done:
+        main(["up", "--listen", "127.0.0.1:50151", "--gateway", "--gateway-port", "50151"])
+    assert done.value.code == 2
+    assert ("kvstash up: error: argument --gateway-port: 50151 is --listen's port too (the "
+            "scheduler's); smg needs a port of its own") in capsys.readouterr().err
+    assert not started
+
+
 @pytest.mark.parametrize(("command", "argv"), [
     ("generate", ["generate", "hello"]), ("stats", ["stats"]),
     ("tokenizer export", ["tokenizer", "export", "out"]),
