@@ -16,6 +16,7 @@ import grpc
 from kvstash import errors
 from kvstash.common import rpc_connections, rpc_errors
 from kvstash.common.binding import check_target
+from kvstash.common.ids import check_request_id
 from kvstash.common.rpc_connections import DEFAULT_TIMEOUT_S
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.wire import check_uint, check_uints
@@ -110,8 +111,17 @@ class Client:
             if value is not None:
                 check_uint(name, value, bits)
         check_uints("stop_token_ids", stop_token_ids)
+        if request_id:  # "": the scheduler makes one
+            check_request_id(request_id)
         if not isinstance(prompt, str):
             check_uints("prompt", prompt)
+        elif not prompt.isascii():
+            try:  # a lone surrogate: what Python makes of a non-UTF-8 argv, e.g. latin-1
+                prompt.encode()
+            except UnicodeEncodeError as exc:
+                raise errors.InvalidArgument(
+                    f"prompt is not UTF-8 text: {exc.reason} (character {exc.start}, "
+                    f"{prompt[exc.start]!r})") from None
         sampling = common_pb2.SamplingParams(
             top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         # Checked as sent (a float32): the server reads a top_p of 0, which is

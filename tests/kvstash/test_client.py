@@ -80,6 +80,12 @@ async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
     ({"top_p": 1e-50}, r"top_p is 1e-50, must be in \(0, 1\]"),
     ({"top_p": -0.5}, r"top_p is -0.5, must be in \(0, 1\]"),
     ({"top_p": float("nan")}, r"top_p is nan, must be in \(0, 1\]"),
+    # What Python makes of `kvstash generate` given latin-1 bytes: protobuf's
+    # UnicodeEncodeError named neither argument.
+    ({"prompt": "caf\udce9"}, r"prompt is not UTF-8 text: surrogates not allowed "
+                               r"\(character 3, '\\udce9'\)"),
+    ({"request_id": "r\udce9"}, r"request_id must be 1-256 visible ASCII characters"),
+    ({"request_id": "a b"}, r"request_id must be 1-256 visible ASCII characters"),
 ])
 async def test_generate_argument_errors_are_invalid_argument(kwargs, message) -> None:
     """Not a bare ValueError, nor protobuf's, which names no argument."""
