@@ -35,6 +35,7 @@ import grpc
 from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors
+from kvstash.cache_sdk import refusals
 from kvstash.cache_sdk.chunk_codec import check_received_header
 from kvstash.cache_sdk.shared_arena import (
     ARENA_ID_KEY,
@@ -118,13 +119,13 @@ class ArenaCalls:
         return self._arena
 
     async def _ask_arena(self, timeout_s: float | None) -> None:
+        request = cache_pb2.GetArenaRequest()
         try:
-            info = await self._stub.GetArena(cache_pb2.GetArenaRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise rpc_errors.error_from_rpc(exc, "cache") from None
+            info = await refusals.unary(
+                lambda left: self._stub.GetArena(request, timeout=left), timeout_s,
+                "cache: GetArena")
+        except errors.Unimplemented:
             info = cache_pb2.ArenaInfo()  # a cache that predates the arena
-        info = rpc_errors.decoded(info, "cache: GetArena")
         if self._arena is not None and self._arena.arena_id != info.arena_id:
             self._arena.close()
             self._arena = None
@@ -153,7 +154,8 @@ class ArenaCalls:
         call.add_done_callback(lambda _: lease.end())
         extent_out = False  # the cache handed out an extent (see _let_go)
         try:
-            await _write(call, cache_pb2.PutSharedRequest(header=header), header.snapshot_id)
+            await _write(call, cache_pb2.PutSharedRequest(header=header), header.snapshot_id,
+                         first=True)
             try:
                 reply = await _next(call, header.snapshot_id)
             except errors.FailedPrecondition:  # another arena, or none now: stream
@@ -173,6 +175,9 @@ class ArenaCalls:
             response = await _next(call, header.snapshot_id)
             await half_close(call)
             await _finish(call)
+        except refusals.Refused:  # nothing done: the arena has not changed
+            call.cancel()
+            raise
         except errors.Unavailable:
             self._ask_after = 0.0  # it may have changed: ask again next time
             await _let_go(call, extent_out, header.snapshot_id)
@@ -194,7 +199,7 @@ class ArenaCalls:
         what = f"snapshot {snapshot_id}"
         try:
             request = cache_pb2.GetSnapshotRequest(snapshot_id=snapshot_id, consume=consume)
-            await _write(call, cache_pb2.GetSharedRequest(open=request), snapshot_id)
+            await _write(call, cache_pb2.GetSharedRequest(open=request), snapshot_id, first=True)
             try:
                 response = await _next(call, snapshot_id)
             except errors.FailedPrecondition:  # on disk, another arena, or none now
@@ -213,6 +218,8 @@ class ArenaCalls:
                          snapshot_id)
             await half_close(call)
             await _finish(call)
+        except refusals.Refused:
+            raise
         except errors.Unavailable:
             self._ask_after = 0.0
             raise
@@ -241,7 +248,7 @@ async def _read(call: Any) -> Any:
     try:
         return await call.read()
     except grpc.aio.AioRpcError as exc:
-        raise rpc_errors.error_from_rpc(exc, "cache") from None
+        raise refusals.error_from_rpc(exc) from None
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -257,12 +264,15 @@ async def _next(call: Any, snapshot_id: str) -> Any:
     return rpc_errors.decoded(response, f"cache: a reply on {snapshot_id}")
 
 
-async def _write(call: Any, request: Any, snapshot_id: str) -> None:
-    """Sends `request`; where the cache has ended the call already (a lease
-    run out, a restart), how it ended, raised: Unavailable if it said nothing
-    (not grpc's InvalidStateError, which callers would take for a bug)."""
+async def _write(call: Any, request: Any, snapshot_id: str, first: bool = False) -> None:
+    """Sends `request` (the call's `first`?); where the cache has ended the
+    call already (a lease run out, a restart, a refusal), how it ended,
+    raised: Unavailable if it said nothing (not grpc's InvalidStateError,
+    which callers would take for a bug)."""
     try:
         await call.write(request)
+    except grpc.aio.AioRpcError as exc:
+        raise refusals.error_from_rpc(exc, unsent=first) from None
     except (asyncio.InvalidStateError, ExecuteBatchError):
         await _finish(call)
         raise errors.Unavailable(f"cache ended the call on {snapshot_id} early") from None

@@ -29,7 +29,9 @@ and `put_shared`/`get_shared` let a caller fill or read the extent itself (the
 worker gathers KV blocks straight into it). Otherwise, and for snapshots
 only on disk, they stream over gRPC (kvstash.cache_sdk.streamed_calls). This
 class is the façade over both paths: it picks one, holds the channel, and
-builds what both send (the header, each call's deadline).
+builds what both send (the header, each call's deadline), and makes again,
+within its deadline, a call the cache refused before processing any of it
+(kvstash.cache_sdk.refusals).
 """
 
 from __future__ import annotations
@@ -37,23 +39,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Self, TypeVar
-
-import grpc
+from typing import Self
 
 from kvstash import errors
+from kvstash.cache_sdk import refusals
 from kvstash.cache_sdk.arena_calls import ArenaCalls, Lease, Write
 from kvstash.cache_sdk.chunk_codec import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from kvstash.cache_sdk.shared_arena import SharedArena, copy_hashed, copy_verified
 from kvstash.cache_sdk.streamed_calls import StreamedCalls
-from kvstash.common import rpc_connections, rpc_errors
+from kvstash.common import rpc_connections
 from kvstash.common.layout import Layout
 from kvstash.common.rpc_connections import DEFAULT_TIMEOUT_S
 from kvstash.common.security import PLAINTEXT, Security
 from kvstash.common.wire import check_uint, layout_to_proto
 from kvstash.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-
-T = TypeVar("T")
 
 
 class CacheClient:
@@ -118,7 +117,8 @@ class CacheClient:
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
-        return await self._shared.put(arena, header, write, self._timeout(timeout_s))
+        return await refusals.retried(lambda left: self._shared.put(arena, header, write, left),
+                                      self._timeout(timeout_s))
 
     async def get_shared(
         self, snapshot_id: str,
@@ -136,8 +136,10 @@ class CacheClient:
         arena = await self.arena(timeout_s)
         if arena is None:
             return None
-        return await self._shared.get(arena, snapshot_id, read, consume,
-                                      self._timeout(timeout_s), verified_by_read)
+        return await refusals.retried(
+            lambda left: self._shared.get(arena, snapshot_id, read, consume, left,
+                                          verified_by_read),
+            self._timeout(timeout_s))
 
     def _header(
         self, snapshot_id: str, layout: Layout, num_blocks: int, num_tokens: int,
@@ -184,7 +186,8 @@ class CacheClient:
             return stored
         header = self._header(snapshot_id, layout, num_blocks, num_tokens, view.nbytes, pinned,
                               ttl_s)
-        return await self._streamed.put(header, view, self._timeout(timeout_s))
+        return await refusals.retried(lambda left: self._streamed.put(header, view, left),
+                                      self._timeout(timeout_s))
 
     async def get_into(
         self, snapshot_id: str, out: memoryview, start_chunk: int = 0, consume: bool = False,
@@ -219,8 +222,9 @@ class CacheClient:
                                            verified_by_read=True)
             if header is not None:
                 return header
-        return await self._streamed.read(snapshot_id, start_chunk, consume,
-                                         self._timeout(timeout_s), check_size)
+        return await refusals.retried(
+            lambda left: self._streamed.read(snapshot_id, start_chunk, consume, left, check_size),
+            self._timeout(timeout_s))
 
     async def get(
         self, snapshot_id: str, consume: bool = False, timeout_s: float | None = None
@@ -232,21 +236,22 @@ class CacheClient:
             buffers.append(bytearray(header.total_bytes))
             return memoryview(buffers[0])
 
-        header = await self._streamed.read(snapshot_id, 0, consume, self._timeout(timeout_s),
-                                           allocate)
+        header = await refusals.retried(
+            lambda left: self._streamed.read(snapshot_id, 0, consume, left, allocate),
+            self._timeout(timeout_s))
         return header, bytes(buffers[0])
 
     async def delete(self, snapshot_id: str, timeout_s: float | None = None) -> None:
         request = cache_pb2.DeleteSnapshotRequest(snapshot_id=snapshot_id)
-        timeout = self._timeout(timeout_s)
-        await self._call(lambda: self._stub.DeleteSnapshot(request, timeout=timeout))
+        await refusals.unary(lambda left: self._stub.DeleteSnapshot(request, timeout=left),
+                             self._timeout(timeout_s))
 
     async def stat(
         self, snapshot_id: str, timeout_s: float | None = None
     ) -> cache_pb2.SnapshotInfo:
         request = cache_pb2.StatSnapshotRequest(snapshot_id=snapshot_id)
-        timeout = self._timeout(timeout_s)
-        return await self._call(lambda: self._stub.StatSnapshot(request, timeout=timeout))
+        return await refusals.unary(lambda left: self._stub.StatSnapshot(request, timeout=left),
+                                    self._timeout(timeout_s))
 
     async def find(
         self, snapshot_ids: list[str], timeout_s: float | None = None
@@ -254,8 +259,8 @@ class CacheClient:
         """Where each snapshot is stored (cache_pb2.Tier values, TIER_UNSPECIFIED:
         not stored), in the order asked."""
         request = cache_pb2.FindSnapshotsRequest(snapshot_ids=snapshot_ids)
-        timeout = self._timeout(timeout_s)
-        response = await self._call(lambda: self._stub.FindSnapshots(request, timeout=timeout))
+        response = await refusals.unary(
+            lambda left: self._stub.FindSnapshots(request, timeout=left), self._timeout(timeout_s))
         if len(response.tiers) != len(snapshot_ids):
             raise errors.DataLoss(f"cache answered {len(response.tiers)} tiers for "
                                   f"{len(snapshot_ids)} snapshot ids")
@@ -263,16 +268,9 @@ class CacheClient:
 
     async def stats(self, timeout_s: float | None = None) -> cache_pb2.CacheStats:
         request = common_pb2.GetStatsRequest()
-        timeout = self._timeout(timeout_s)
-        return await self._call(lambda: self._stub.GetStats(request, timeout=timeout))
+        return await refusals.unary(lambda left: self._stub.GetStats(request, timeout=left),
+                                    self._timeout(timeout_s))
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         """The deadline of one call: the caller's, else the client's."""
         return self.timeout_s if timeout_s is None else timeout_s
-
-    async def _call(self, make_call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            response = await make_call()
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "cache") from None
-        return rpc_errors.decoded(response, "cache")

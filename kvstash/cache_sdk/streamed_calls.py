@@ -22,6 +22,7 @@ import grpc
 from grpc._cython.cygrpc import ExecuteBatchError
 
 from kvstash import errors
+from kvstash.cache_sdk import refusals
 from kvstash.cache_sdk.chunk_codec import (
     ADMITTED_KEY,
     RawChunk,
@@ -58,7 +59,10 @@ class StreamedCalls:
         header.chunk_bytes; returns the bytes stored."""
         call = self._put_snapshot(timeout=timeout_s)
         try:
-            await call.write(cache_pb2.PutSnapshotRequest(header=header))
+            try:
+                await call.write(cache_pb2.PutSnapshotRequest(header=header))
+            except grpc.aio.AioRpcError as exc:  # the cache has none of the put
+                raise refusals.error_from_rpc(await _status(call, exc), unsent=True) from None
             # The server answers with initial metadata once it has reserved
             # room (or ends the call refusing). Sending payload only after that
             # keeps puts that wait for room from filling the server's buffers.
@@ -79,10 +83,10 @@ class StreamedCalls:
             try:
                 await call
             except grpc.aio.AioRpcError as exc:
-                raise rpc_errors.error_from_rpc(exc, "cache") from None
+                raise refusals.error_from_rpc(exc) from None
             raise errors.Unavailable(f"cache ended put {header.snapshot_id} early") from None
         except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "cache") from None
+            raise refusals.error_from_rpc(await _status(call, exc)) from None
         except BaseException:
             call.cancel()
             raise
@@ -115,7 +119,7 @@ class StreamedCalls:
                     raise errors.DataLoss(f"snapshot {snapshot_id}: chunk before the header")
                 expected = _place_chunk(header, response, expected, target)
         except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "cache") from None
+            raise refusals.error_from_rpc(exc) from None
         finally:
             call.cancel()  # no-op when finished; stops the server when we raise
         if header is None:
@@ -152,6 +156,18 @@ def _place_chunk(
         )
     target[start:end] = data
     return expected + 1
+
+
+async def _status(call: Any, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """`exc`, or where grpc-python made it up for a failed write, the status
+    the call ended with, which says why. (grpc may have overwritten that
+    with its own, too: then `exc`.)"""
+    if refusals.is_local_failure(exc):
+        try:
+            await call
+        except grpc.aio.AioRpcError as ended:
+            return ended
+    return exc
 
 
 async def half_close(call: Any) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from cache_helpers import MIB, make_layout, make_payload, wait_until
 
+from cache_svc.config import MAX_STREAMS_PER_CONNECTION
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.v1 import cache_pb2
 
@@ -129,3 +130,31 @@ async def test_concurrent_puts_and_gets_in_process(start_cache) -> None:
     stats = await running.client.stats()
     assert stats.memory_bytes <= 24 * MIB and stats.reserved_bytes == 0
     running.cache.store.check_integrity()
+
+
+@pytest.mark.parametrize("path", ["streamed", "arena"])
+async def test_more_calls_than_a_connections_stream_limit_are_not_refused(
+    start_cache, tmp_path, path
+) -> None:
+    # Twice MAX_STREAMS_PER_CONNECTION calls at once on one channel, round
+    # after round: the client waits for streams beyond the limit, but counts
+    # an ended one as gone before the server does, and the server then
+    # refuses the next with REFUSED_STREAM (a few times a round, measured).
+    # A refused call never ran, so the client makes it again.
+    arena_dir = tmp_path / "arena" if path == "arena" else None
+    running = await start_cache(arena_dir=arena_dir, max_concurrent_rpcs=1024)
+    client = running.client
+    assert (await client.arena() is not None) == (path == "arena")
+    data = make_payload(LAYOUT, 4)  # 128 KiB
+    num_calls = 2 * MAX_STREAMS_PER_CONNECTION
+
+    async def put_get_delete(name: str) -> None:
+        await client.put(name, LAYOUT, 4, 0, data)
+        out = np.zeros_like(data)
+        await client.get_into(name, memoryview(out))
+        assert out.tobytes() == data.tobytes()
+        await client.delete(name)
+
+    for round_ in range(8):
+        await asyncio.gather(*(put_get_delete(f"r{round_}-{i}") for i in range(num_calls)))
+    await running.assert_nothing_left()
