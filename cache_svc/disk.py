@@ -60,7 +60,7 @@ class DiskSnapshot:
     meta: SnapshotMeta
     path: Path
     checksums: tuple[int, ...]  # one per chunk, from the trailer
-    idle_s: float  # since the file was last written or opened to be read (its mtime)
+    idle_s: float  # since the file was last written, opened to be read or found (its mtime)
 
 
 class DiskFiles:
@@ -123,6 +123,12 @@ class DiskFiles:
         with contextlib.suppress(OSError):  # a mark only: never fails a read
             os.utime(fd)
         return fd
+
+    def touch(self, paths: list[Path]) -> None:
+        """Sets the files' mtimes to now: they were used, if not read (see `open`)."""
+        for path in paths:
+            with contextlib.suppress(OSError):  # a mark only; the file may be gone
+                os.utime(path)
 
     def read(self, fd: int, start: int, end: int) -> bytes:
         """Payload bytes [start, end) of an open snapshot file; DataLoss if the

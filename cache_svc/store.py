@@ -208,6 +208,11 @@ class SnapshotStore:
         for entry in reversed(entries):
             if entry is not None:
                 tiers.touch(entry)
+        # Their files' too, in that order, off the event loop: a restart
+        # orders the disk tier by mtime (DiskFiles.scan).
+        paths = [entry.path for entry in reversed(entries) if entry is not None and entry.path]
+        if paths and tiers.disk is not None:
+            tiers.background.spawn(tiers.background.run_io(tiers.disk.touch, paths))
         return [None if entry is None else entry.tier for entry in entries]
 
     def sweep_expired(self) -> int:

@@ -67,7 +67,7 @@ class Tiers:
         found = await self.background.run_io(self.disk.scan)
         now = self.clock()
         for snap in found:  # oldest first, so LRU order survives a restart
-            # Idle since its file was last written or read: a TTL does not
+            # Idle since its file was last written, read or found: a TTL does not
             # start again at each restart (a crash loop kept orphans forever).
             entry = Entry(snap.meta, Residence.DISK, now - snap.idle_s, snap.checksums,
                           path=snap.path)

@@ -194,6 +194,29 @@ async def test_find_leaves_the_first_of_the_ids_it_finds_the_most_recent(start_c
     assert await tiers(running, "s0", "s1", "other") == [MEMORY, DISK, MEMORY]
 
 
+async def test_a_snapshot_found_on_disk_is_still_recent_after_a_restart(start_cache) -> None:
+    """A restart orders the disk tier by its files' mtimes (and starts TTLs
+    from them): a disk snapshot only ever found, never read, kept the mtime of
+    its spill, and was then the first to go."""
+    one_mib = 32  # blocks of LAYOUT
+    running = await start_cache(memory_budget_bytes=4 * MIB, unpinned_share=1.0)
+    for i in range(8):  # u0..u3 spill to disk, oldest first; u4..u7 stay in memory
+        await running.client.put(f"u{i}", LAYOUT, one_mib, 0,
+                                 make_payload(LAYOUT, one_mib, seed=i), pinned=False)
+    assert await running.client.find(["u0"]) == [DISK]
+    stats = await running.client.stats()
+    assert stats.disk_snapshots == 4
+    charge = stats.disk_bytes // 4
+    await running.cache.stop(0)
+
+    running = await start_cache(memory_budget_bytes=4 * MIB, disk_budget_bytes=2 * charge,
+                                unpinned_share=1.0)
+    assert await tiers(running, "u0", "u3") == [DISK, DISK]  # found, and the newest file
+    for name in ("u1", "u2"):  # the oldest went
+        with pytest.raises(errors.NotFound):
+            await running.client.stat(name)
+
+
 @pytest.mark.parametrize("ids", [[], ["ok", "../etc"], ["x"] * 4097])
 async def test_find_refuses_bad_ids_and_too_many(start_cache, ids: list[str]) -> None:
     running = await start_cache()
