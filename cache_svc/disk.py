@@ -140,8 +140,16 @@ class DiskFiles:
         return data
 
     def remove(self, path: Path) -> None:
+        """Unlinks the file; durably only after `sync_dir`."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    def sync_dir(self) -> None:
+        """Makes the unlinks done so far durable: a power loss brings none back."""
+        try:
+            self._fsync_dir()
+        except OSError as exc:  # they are done, if maybe not durably: deletes still are
+            log.warning("fsync of %s after unlinks failed: %s", self.directory, exc)
 
     def scan(self) -> list[DiskSnapshot]:
         """Creates the directory if needed, removes temporaries and unreadable

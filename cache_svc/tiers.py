@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -144,8 +145,8 @@ class Tiers:
         unlink = None
         if entry.path is not None and self.disk is not None:
             self.disk_used -= entry.disk_bytes
-            unlink = self.background.spawn(
-                self.background.run_unlink(self.disk.remove, entry.path))
+            unlink = self.background.spawn(self.background.run_unlink(
+                functools.partial(self.disk.remove, entry.path), self.disk.sync_dir))
             entry.path = None
         elif entry.residence is Residence.SPILLING:
             unlink = entry.unlinked = asyncio.get_running_loop().create_future()
@@ -321,7 +322,8 @@ class Tiers:
             self.disk_used += entry.disk_bytes
             self.num_spills += 1
         else:  # deleted or expired just before its file was put in place
-            unlink = background.spawn(background.run_unlink(self.disk.remove, path))
+            unlink = background.spawn(background.run_unlink(
+                functools.partial(self.disk.remove, path), self.disk.sync_dir))
             unlink.add_done_callback(lambda _: _done(entry.unlinked))
         self.settle(entry)
         background.notify()

@@ -347,6 +347,37 @@ async def test_a_deleted_snapshot_stays_deleted_through_a_crash(start_cache, tmp
         await restarted.client.stat("a0")
 
 
+async def test_a_delete_answers_once_its_unlink_is_durable(start_cache, monkeypatch) -> None:
+    """An unlink is durable only once its directory is fsynced: without that
+    a power loss after the delete answered could bring the file back, for
+    the restart to list again."""
+    one_mib = 32  # blocks of LAYOUT
+    running = await start_cache(memory_budget_bytes=4 * MIB)
+    for i in range(8):  # a0..a3 spill
+        await running.client.put(f"a{i}", LAYOUT, one_mib, 0, make_payload(LAYOUT, one_mib))
+    await wait_until(lambda: len(running.disk_files()) == 4, "a0..a3 spilled")
+    disk_dir = str(running.disk_dir.resolve())
+    events: list[str] = []
+    unlink, fsync = os.unlink, os.fsync
+
+    def watched_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("unlink")
+        unlink(path, *args, **kwargs)
+
+    def watched_fsync(fd: int) -> None:
+        fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == disk_dir:
+            events.append("fsync dir")
+
+    monkeypatch.setattr(os, "unlink", watched_unlink)
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    await running.client.delete("a0")
+    assert events == ["unlink", "fsync dir"]
+    await asyncio.gather(*(running.client.delete(f"a{i}") for i in range(1, 4)))
+    assert events.count("unlink") == 4 and events[-1] == "fsync dir"
+    assert running.disk_files() == []
+
+
 async def test_a_snapshot_deleted_while_spilling_stays_deleted_through_a_crash(
         start_cache, tmp_path, monkeypatch) -> None:
     """Deleted while its file is being written, it has no file yet: the delete
