@@ -4,8 +4,9 @@ Two ways to bring a preempted decode back, each predicted in seconds:
 
     offload + restore   copy n KV blocks out and back in:
                             (u_off + v_off * n) + (u_res + v_res * n)
-                        fitted on every successful offload and restore
-                        (blocks copied, seconds from command to answer)
+                        fitted on the latest successful offloads and
+                        restores (blocks copied, seconds from command to
+                        answer; copy_fit.py)
     recompute           prefill its L positions again:  a * L + b * L^2
                         (attention makes later positions dearer)
 
@@ -23,12 +24,12 @@ Its leading blocks that other requests hold too stay cached, so it prefills
 only the positions after them (`prefill_s`, preemption.py); its own cached
 blocks, freed, may be evicted before it is readmitted: nothing counts on them.
 
-Each fit is least squares over exponentially forgotten samples (`_FORGET_*`),
-kept as its normal equations and solved when asked: pure Python, a 5x5 system
-at most. A fit is trusted once `min_samples` of its samples were measured
-(for the steps: steps with prefill chunks); from then on a sample far off its
-prediction is clipped (`_MAX_RATIO`). A prediction of zero or less counts as
-none.
+The step fit is least squares over exponentially forgotten samples
+(`_FORGET_STEP`), kept as its normal equations and solved when asked: pure
+Python, a 5x5 system. A fit is trusted once `min_samples` of its samples
+were measured (for the steps: steps with prefill chunks); from then on a step
+far off its prediction is clipped (`_MAX_RATIO`). A prediction of zero or
+less counts as none.
 """
 
 from __future__ import annotations
@@ -39,23 +40,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement, islice
 
+from scheduler_svc.core.copy_fit import CopyFit
 from scheduler_svc.core.seq import ScheduledSeq
 
-# Weight left to a sample after each newer one: a copy's memory is about the
-# last 50 copies, a step's about the last 1000 steps (seconds of serving).
-_FORGET_COPY = 0.98
+# Weight left to a step after each newer one: the fit's memory is about the
+# last 1000 steps (seconds of serving).
 _FORGET_STEP = 0.999
 # Once a fit is trusted, a sample more than this many times off its prediction
 # counts as only this far off: a step that waited seconds for a busy CPU (seen
 # on the 2-core machine, against milliseconds usually) moves it no further
 # than a plain slow one. The prediction it is bounded by is re-solved every
-# 1/16 of a fit's memory: every 3 copies, every 62 steps.
+# 1/16 of a fit's memory: every 62 steps.
 _MAX_RATIO = 4.0
 # Added to the diagonal of the scaled normal equations: a direction no sample
 # has told apart (two features always in proportion) gets the least-norm answer.
 _RIDGE = 1e-9
 # LinearFit's sums come back to a sample weight of 1 past this one (every
-# 345,000 steps, 17,000 copies): far below overflow, squared features included.
+# 345,000 steps): far below overflow, squared features included.
 _RESCALE = 1e150
 _START_POS = operator.attrgetter("start_pos")
 
@@ -201,8 +202,8 @@ class CostModel:
     def __init__(self, block_size: int, min_samples: int) -> None:
         self.block_size = block_size
         self.min_samples = min_samples
-        self.offload = LinearFit(2, _FORGET_COPY)  # [1, blocks]
-        self.restore = LinearFit(2, _FORGET_COPY)
+        self.offload = CopyFit()
+        self.restore = CopyFit()
         self.step = LinearFit(5, _FORGET_STEP)  # the step model above
         self.num_prefill_steps = 0  # steps measured with a prefill chunk
 
@@ -215,10 +216,10 @@ class CostModel:
         return self.restore.num_samples
 
     def observe_offload(self, num_blocks: int, seconds: float) -> None:
-        self.offload.add((1.0, num_blocks), seconds, self.num_offloads >= self.min_samples)
+        self.offload.add(num_blocks, seconds)
 
     def observe_restore(self, num_blocks: int, seconds: float) -> None:
-        self.restore.add((1.0, num_blocks), seconds, self.num_restores >= self.min_samples)
+        self.restore.add(num_blocks, seconds)
 
     def observe_step(self, seqs: Sequence[ScheduledSeq], num_decodes: int, seconds: float) -> None:
         """A step ran `seqs` (its first `num_decodes` are decodes) in `seconds`."""
@@ -231,14 +232,13 @@ class CostModel:
         """Predicted seconds to offload `num_blocks` and restore them later."""
         if min(self.num_offloads, self.num_restores) < self.min_samples:
             return None
-        x = (1.0, num_blocks)
-        return _positive(self.offload.predict(x) + self.restore.predict(x))
+        return _positive(self.offload.predict(num_blocks) + self.restore.predict(num_blocks))
 
     def restore_s(self, num_blocks: int) -> float | None:
         """Predicted seconds to read `num_blocks` from the cache into blocks."""
         if self.num_restores < self.min_samples:
             return None
-        return _positive(self.restore.predict((1.0, num_blocks)))
+        return _positive(self.restore.predict(num_blocks))
 
     def prefill_s(self, start: int, end: int) -> float | None:
         """Predicted seconds to prefill positions [start, end) after [0, start)."""

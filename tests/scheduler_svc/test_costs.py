@@ -90,6 +90,43 @@ def test_a_wild_measurement_moves_a_trusted_fit_little() -> None:
     assert after == (pytest.approx(before[0], rel=0.2), pytest.approx(before[1], rel=0.2))
 
 
+@pytest.mark.parametrize("slow_blocks", [1, 50, 256])
+def test_one_far_off_copy_before_the_fit_is_trusted_is_forgotten_within_a_few_copies(
+        slow_blocks: int) -> None:
+    """One copy 100x slow, then fast ones: least squares over forgotten
+    copies gave large copies a negative (or 30x) per-block cost for 100-300
+    copies, so AUTO took large offloads for free; medians shrug it off."""
+    def seconds(num_blocks: int) -> float:
+        return 0.002 + 1e-4 * num_blocks
+
+    costs = CostModel(block_size=16, min_samples=4)
+    for num_blocks in [slow_blocks, 5, 9, 1, 30, 120, 2, 64]:
+        slow = 100 if costs.num_offloads == 0 else 1
+        costs.observe_offload(num_blocks, seconds(num_blocks) * slow)
+        costs.observe_restore(num_blocks, seconds(num_blocks) * slow)
+        if costs.num_offloads >= 4:  # trusted from here on
+            e = costs.estimates()
+            assert e.offload_s_per_block is not None and e.offload_s_per_block >= 0
+            assert e.offload_s_fixed is not None and e.offload_s_fixed >= 0
+    e = costs.estimates()
+    assert (e.offload_s_fixed, e.offload_s_per_block) == (
+        pytest.approx(0.002, rel=0.05), pytest.approx(1e-4, rel=0.05))
+    assert costs.offload_restore_s(256) == pytest.approx(2 * seconds(256), rel=0.05)
+
+
+def test_copy_fit_holds_the_line_through_occasional_slow_copies() -> None:
+    """One copy in eight 20x slow (a busy machine) barely moves the fit."""
+    costs = CostModel(block_size=16, min_samples=4)
+    rng = random.Random(4)
+    for i in range(100):
+        num_blocks = rng.randint(1, 256)
+        slow = 20 if i % 8 == 3 else 1
+        costs.observe_offload(num_blocks, (0.004 + 1e-4 * num_blocks) * slow)
+        costs.observe_restore(num_blocks, (0.002 + 3e-4 * num_blocks) * slow)
+        if costs.num_offloads > 16:
+            assert costs.offload_restore_s(100) == pytest.approx(0.006 + 4e-4 * 100, rel=0.1)
+
+
 def test_fit_is_weighted_least_squares_across_rescalings() -> None:
     """A sample k samples old weighs forget^k: the fit (its sums rescaled
     every ~460 samples at forget 0.47, some features 0) solves the same
