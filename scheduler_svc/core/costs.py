@@ -20,9 +20,10 @@ t(s + n) - t(s) under t(L) = a * L + b * L^2, so a chunked prefill of L
 positions costs t(L) in all, however it was chunked; the step's own cost
 (c) and its decodes (d, e) are what recomputing does not add: a victim is
 recomputed beside the decodes that kept running, in steps that run anyway.
-Its leading blocks that other requests hold too stay cached, so it prefills
-only the positions after them (`prefill_s`, preemption.py); its own cached
-blocks, freed, may be evicted before it is readmitted: nothing counts on them.
+Its leading blocks that requests which keep running hold too stay cached,
+so it prefills only the positions after them (`prefill_s`, preemption.py);
+its own cached blocks, freed, may be evicted before it is readmitted
+(so may those only other victims held): nothing counts on them.
 
 The step fit is least squares over exponentially forgotten samples
 (`_FORGET_STEP`), kept as its normal equations and solved when asked: pure

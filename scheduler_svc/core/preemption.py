@@ -11,9 +11,10 @@
               AUTO: recompute while the cache service is down; else offload
               unless recomputing is predicted cheaper than offload + restore
               (costs.py; offload until both are measured). Recomputing
-              skips the victim's leading cached blocks something else holds
-              too (another request, a prefix-tier save): they outlive its
-              preemption, and its readmission finds them. Every
+              skips the victim's leading cached blocks something that
+              outlives the round holds too (a request that keeps running, a
+              prefix-tier save; not another victim, a copy about to land, a
+              decode about to finish): its readmission finds them. Every
               REMEASURE_EVERY-th victim in a row it would recompute so is
               offloaded instead: copy estimates are updated only by copies,
               and the first of a process (which allocate pinned buffers) can
@@ -29,6 +30,7 @@ Policy only: every status change goes through `Lifecycle`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from itertools import chain
 
@@ -91,18 +93,27 @@ class Preemption:
             (r for r in decoding.values() if r not in finishing),
             key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens)
         )
+        # The victims first, then how each goes: a block it shares counts as
+        # kept only if something that outlives this round holds it too.
+        chosen: list[Request] = []
+        let_go: Counter[int] = Counter()  # block id: references the victims drop
         for victim in by_progress[:-1]:
             if num_needed <= pool.num_allocatable_blocks + num_soon_free:
                 break
             if victim.num_computed_tokens >= len(victim.block_ids) * block_size:
                 num_needed -= 1
+            chosen.append(victim)
+            let_go.update(victim.block_ids)
+            num_soon_free += sum(1 for b in victim.block_ids if let_go[b] == pool.ref_cnt(b))
+        for held in chain(self._freed_on_landing(), finishing):
+            let_go.update(held.block_ids)
+        kept = [self._num_kept_tokens(victim, let_go) for victim in chosen]
+        for victim, num_kept_tokens in zip(chosen, kept, strict=True):
             victim.num_preemptions += 1
-            choice = self.choose(victim.request_id, victim.num_computed_tokens,
-                                 self._num_kept_tokens(victim))
+            choice = self.choose(victim.request_id, victim.num_computed_tokens, num_kept_tokens)
             victims.append(choice)
             if choice.mode is PreemptionMode.OFFLOAD:
                 offloads.append(life.start_offload(victim))
-                num_soon_free += kv.num_exclusive_blocks(victim)
             else:
                 life.recompute(victim)
         if victims:
@@ -118,13 +129,15 @@ class Preemption:
             if req.status is RequestStatus.FINISHED_ABORTED:
                 yield req
 
-    def _num_kept_tokens(self, req: Request) -> int:
+    def _num_kept_tokens(self, req: Request, let_go: Counter[int]) -> int:
         """Positions of req's KV its preemption leaves in the prefix cache for
-        sure: its leading cached blocks that something else holds too."""
+        sure: its leading cached blocks that something else holds too, beyond
+        the `let_go` references (this round's victims', copies' landing,
+        finishing decodes'): freed, those blocks may be evicted."""
         pool = self.life.kv.pool
         num_kept = 0
         for block_id in req.block_ids:
-            if pool.ref_cnt(block_id) < 2 or pool.block_hash(block_id) is None:
+            if pool.ref_cnt(block_id) <= let_go[block_id] or pool.block_hash(block_id) is None:
                 break
             num_kept += 1
         # Less one: a prediction of 0 s would read as none (costs._positive).

@@ -454,6 +454,40 @@ def test_auto_counts_the_prefix_other_requests_keep_as_not_recomputed() -> None:
     assert v.num_recomputed_tokens == 4  # as predicted: the 40 shared positions were hits
 
 
+def test_auto_counts_no_prefix_only_another_victim_of_the_round_holds() -> None:
+    """"v1" and "v2" share a 10-block prefix that the survivor "s" does not
+    hold, and both are preempted in one round. "v2" (the shorter output)
+    went first and counted the prefix as kept because "v1" still held it:
+    recomputing 2 positions looked far cheaper than the copies, so AUTO
+    recomputed it, though the prefix went too (offloaded with "v1", then
+    evictable) and recomputing it all costs more than the copies."""
+    scheduler = make_scheduler(
+        num_blocks=14, preemption_mode=PreemptionMode.AUTO,
+        reservation_policy=ReservationPolicy.FIXED_BLOCKS, fixed_blocks_per_decode=0)
+    scheduler.set_cache_available(True)
+    teach_costs(scheduler.preemption.costs, OFFLOAD_RATES, RESTORE_RATES, PREFILL_RATES)
+    shared = list(range(50, 90))  # 10 blocks
+    scheduler.add_request("s", [5, 6, 7, 8], SamplingParams(30, ignore_eos=True))
+    step(scheduler)
+    step(scheduler)
+    scheduler.add_request("v1", [*shared, 1, 2], SamplingParams(8, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request("v2", [*shared, 3], SamplingParams(8, ignore_eos=True))
+    output, _ = step(scheduler)
+    v2 = scheduler.get_request("v2")
+    assert v2 is not None and v2.num_cached_tokens == 40
+    while not output.preempted:
+        output, _ = step(scheduler)
+    assert ids(output.preempted) == ["v2", "v1"]  # one round
+    a, b = PREFILL_RATES
+    for choice in output.preempted:
+        num_tokens = choice.num_tokens
+        assert choice.recompute_s == pytest.approx(a * num_tokens + b * num_tokens**2, rel=1e-6)
+        assert choice.recompute_s > choice.offload_restore_s  # type: ignore[operator]
+        assert (choice.mode, choice.reason) == (PreemptionMode.OFFLOAD, PreemptReason.CHEAPER)
+    assert [c.num_tokens for c in output.preempted] == [42, 44]
+
+
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.OFFLOAD])
 def test_a_decode_sampling_its_last_token_is_no_victim(mode: PreemptionMode) -> None:
     """"b" samples its last token (max_tokens) this step in the blocks it
