@@ -5,6 +5,7 @@
     1. preempt   if the running decodes need more blocks than are free
                  (preemption.py: victims, offload or recompute by costs.py)
     2. decode    every RUNNING_DECODE request: one token, a block if it needs one
+                 (first to those that got none last step)
     3. resume    OFFLOADED requests back into fresh blocks (preemption.py)
     4. prefill   running chunks, then admissions from WAITING (admission.py);
                  nothing new is admitted while a preempted request waits
@@ -96,6 +97,7 @@ class Scheduler:
         # The requests behind the latest output's seqs: its decodes, then its prefills.
         self._scheduled_decodes: list[Request] = []
         self._scheduled_prefills: list[Request] = []
+        self._stalled: list[Request] = []  # decodes the latest schedule() found no block for
 
     @property
     def pd(self) -> PdManager:
@@ -195,7 +197,14 @@ class Scheduler:
         append_block = self.kv.append_block
         add_seq = seqs.append
         decoding = self.life.decoding.values()
-        stalled: list[Request] = []
+        # Those left without a block last step get one first: else the blocks
+        # freed for them (a finished decode's) go to decodes ahead in the
+        # queue that filled theirs since, and they wait step after step.
+        for req in self._stalled:
+            if req.status is RUNNING_DECODE and req.num_computed_tokens >= len(
+                    req.block_ids) * block_size:
+                append_block(req)
+        self._stalled = stalled = []
         for req in decoding:
             num_computed = req.num_computed_tokens
             block_ids = req.block_ids
