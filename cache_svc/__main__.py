@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # the arena
             print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C before it served (then it stops gracefully)
+            print("cache_svc: interrupted while starting", file=sys.stderr)
+            return rpc_server.INTERRUPTED_EXIT
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from gpu_worker.config import DTYPES, MAX_CUDA_GRAPH_ROWS, TINY_MODEL, WorkerConfig
@@ -17,7 +18,12 @@ from kvstash.common import security, settings, telemetry
 from kvstash.common.binding import BindError
 from kvstash.common.malloc_tuning import tune_malloc
 from kvstash.common.rpc_connections import add_connection_flags, connections_from_args
-from kvstash.common.rpc_server import announce_ready, run_until_signalled, setup_logging
+from kvstash.common.rpc_server import (
+    INTERRUPTED_EXIT,
+    announce_ready,
+    run_until_signalled,
+    setup_logging,
+)
 from kvstash.common.units import parse_bytes
 
 log = logging.getLogger("gpu_worker")
@@ -133,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         except BindError as exc:  # its port (or its metrics port) is taken
             print(f"gpu_worker: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C before it served (then it stops gracefully)
+            print("gpu_worker: interrupted while starting", file=sys.stderr, flush=True)
+            # Not a plain exit: that would wait for a model still loading on the
+            # compute thread (minutes, for a large checkpoint).
+            os._exit(INTERRUPTED_EXIT)
     return 0
 
 

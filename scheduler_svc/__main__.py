@@ -5,7 +5,9 @@ layout (GetInfo, waiting while the worker starts or loads), sizes the block
 pool from the answer, and serves kvstash.v1.Scheduler and VllmEngine on that
 one port (serving.py); it prints `KVSTASH_READY scheduler host:port` once it
 does. A bug that breaks its step loop ends every request and the process
-(exit status 1), for its supervisor to restart it."""
+(exit status 1), for its supervisor to restart it. SIGINT or SIGTERM stops
+it gracefully once it serves; a SIGINT before (waiting for the worker) ends
+it with one line and exit status 130."""
 
 from __future__ import annotations
 
@@ -173,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
             failure = asyncio.run(serve(args, secured, tracing=tracing is not None))
         except BindError as exc:  # its port (or its metrics port) is taken
             failure = str(exc)
+        except KeyboardInterrupt:  # Ctrl-C before it served (then it stops gracefully)
+            print("scheduler_svc: interrupted while starting", file=sys.stderr)
+            sys.exit(rpc_server.INTERRUPTED_EXIT)
         if failure is not None:
             sys.exit(f"scheduler_svc: {failure}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 
@@ -35,3 +37,23 @@ def cmdline_of(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+def interrupt_once(argv: list[str], cwd: Path, when: str) -> tuple[int, str]:
+    """Runs `argv`, sends it SIGINT (Ctrl-C) as soon as a line of its stderr
+    holds `when`, and returns its exit status and whole stderr."""
+    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if when in line:
+            process.send_signal(signal.SIGINT)
+            break
+    try:
+        rest = process.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        rest = process.communicate()[1] + "\n(still running 60 s after SIGINT: killed)"
+    return process.returncode, "".join(seen) + rest

@@ -107,8 +107,12 @@ async def create_server(
         await server.stop(None)  # else it complains, unstarted, when collected
         raise BindError(f"cannot listen on {address} (in use, or not an address of this "
                         "host)")
-    await server.start()
-    await set_serving(health_servicer, names, serving)
+    try:
+        await server.start()
+        await set_serving(health_servicer, names, serving)
+    except BaseException:  # cancelled (Ctrl-C) as it started: stopped, for the same reason
+        await server.stop(None)
+        raise
     return server, port, health_servicer
 
 
@@ -120,6 +124,11 @@ async def set_serving(
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", *service_names):
         await health_servicer.set(name, status)
+
+
+# A service's exit status when SIGINT (Ctrl-C) cut its start short: 128 + 2,
+# as a shell reports a process SIGINT ended. Once serving, it stops gracefully.
+INTERRUPTED_EXIT = 130
 
 
 async def run_until_signalled(

@@ -18,6 +18,7 @@ from kvstash.common.rpc_connections import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
 from tests.gpu_worker.worker_factories import REPO, worker_process
+from tests.process_helpers import interrupt_once
 
 
 @pytest.mark.parametrize(
@@ -156,3 +157,14 @@ async def test_serves_announces_and_stops_on_sigterm() -> None:
         assert info.num_blocks == 16
         worker.process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(worker.process.wait(), 30) == 0
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130() -> None:
+    """SIGINT as the worker starts loading ends it at once, with one line and
+    130 (a plain exit would wait for the load on the compute thread)."""
+    status, stderr = interrupt_once(
+        [sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--device", "cpu",
+         "--num-blocks", "16"], REPO, when="(NOT_SERVING), loading")
+    assert "Traceback" not in stderr, stderr
+    assert stderr.rstrip().splitlines()[-1] == "gpu_worker: interrupted while starting", stderr
+    assert status == 130

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import re
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from kvstash.common import security
 from kvstash.common.layout import Layout
 from kvstash.common.rpc_connections import MAX_STEP_PLAN_BYTES
+from kvstash.common.rpc_server import INTERRUPTED_EXIT
 from kvstash.common.units import MIB
 from kvstash.common.wire import layout_to_proto
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
@@ -21,6 +23,7 @@ from scheduler_svc.__main__ import serve
 from scheduler_svc.core.config import PreemptionMode, ReservationPolicy, Role, SchedulerConfig
 from scheduler_svc.flags import build_config, check_flags, check_role, parse_args
 from scheduler_svc.worker_link import largest_plan_bytes
+from tests.process_helpers import interrupt_once
 from tests.scheduler_svc.factories import make_config
 
 
@@ -264,3 +267,19 @@ async def test_no_worker_in_time_is_one_line_naming_its_address() -> None:
     failure = await serve(args, security.from_args(args))
     assert failure is not None
     assert failure.startswith(f"no worker answered at {address} within --worker-wait 1 s ")
+
+
+def test_ctrl_c_while_waiting_for_the_worker_is_one_line_and_status_130() -> None:
+    """SIGINT before the scheduler serves (here: waiting for a worker nobody
+    runs) ends it with one line, no traceback, and 130, as Ctrl-C ends the
+    other services' starts and the kvstash commands."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    status, stderr = interrupt_once(
+        [sys.executable, "-m", "scheduler_svc", "--listen", "127.0.0.1:0", "--worker-address",
+         address, "--worker-wait", "600"], Path(__file__).resolve().parents[2],
+        when="waiting for the worker")
+    assert "Traceback" not in stderr, stderr
+    assert stderr.rstrip().splitlines()[-1] == "scheduler_svc: interrupted while starting"
+    assert status == INTERRUPTED_EXIT == 130
