@@ -2,10 +2,12 @@
 of a client channel (`token_interceptors`), and the server's check of every
 call but health checks (`TokenAuth`). Tokens are read from files of one per
 line (`read_tokens`: blank lines and # comments skipped), compared in
-constant time and never logged."""
+constant time and never logged. At both ends a file is read again once it
+changes (`TokenFile`), as the kubelet re-projects a rotated Secret."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTHORIZATION = "authorization"
-# How often a call may look whether --auth-token-file changed.
+# How often a call may look whether a token file changed.
 TOKEN_FILE_CHECK_S = 1.0
 
 
@@ -37,45 +39,90 @@ def read_tokens(path: Path, flag: str) -> list[str]:
     return tokens
 
 
-def token_interceptors(token: str) -> list[Any]:
-    """A client channel's interceptors that send `token` on every call."""
-    header = (AUTHORIZATION, f"Bearer {token}")
+class TokenFile:
+    """The tokens of a file, read again once it changes (its inode, size or
+    mtime; looked at most once every TOKEN_FILE_CHECK_S, in a thread, not on
+    the event loop). A read that fails or finds no token keeps the tokens in
+    force and logs an error."""
+
+    def __init__(self, path: Path, flag: str, tokens: Iterable[str]) -> None:
+        self.path = path
+        self.tokens = tuple(tokens)  # replaced whole: a reader sees the old or the new
+        self._flag = flag
+        self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
+        self._look_after = 0.0
+
+    async def current(self) -> tuple[str, ...]:
+        now = time.monotonic()
+        if now >= self._look_after:
+            self._look_after = now + TOKEN_FILE_CHECK_S  # calls meanwhile use the tokens held
+            await asyncio.to_thread(self._reread_if_changed)
+        return self.tokens
+
+    def _reread_if_changed(self) -> None:
+        try:
+            status = os.stat(self.path)
+            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
+                                     status.st_mtime_ns)
+        except OSError:
+            seen = ()
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            tokens = tuple(read_tokens(self.path, self._flag))
+        except ValueError as exc:
+            log.error("%s; keeping the %d tokens read before", exc, len(self.tokens))
+            return
+        if tokens != self.tokens:
+            self.tokens = tokens
+            log.info("%s %s changed: %d tokens in it now", self._flag, self.path, len(tokens))
+
+
+def token_interceptors(token: str, token_file: Path | None = None) -> list[Any]:
+    """A client channel's interceptors that send `token` on every call, or
+    with `token_file` (where `token` came from) its first token as it is
+    now."""
+    source = TokenFile(token_file, "--token-file", [token]) if token_file else token
     # grpc.aio files an interceptor under the first call kind it serves: one
     # instance per kind.
-    return [kind(header) for kind in _TOKEN_INTERCEPTORS]
+    return [kind(source) for kind in _TOKEN_INTERCEPTORS]
 
 
 class _SendsToken:
-    def __init__(self, header: tuple[str, str]) -> None:
-        self._header = header
+    def __init__(self, source: str | TokenFile) -> None:
+        self._source = source
 
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    async def _with_token(self, details: grpc.aio.ClientCallDetails
+                          ) -> grpc.aio.ClientCallDetails:
+        token = (self._source if isinstance(self._source, str)
+                 else (await self._source.current())[0])
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout,
-            grpc.aio.Metadata(*(details.metadata or ()), self._header),
+            grpc.aio.Metadata(*(details.metadata or ()), (AUTHORIZATION, f"Bearer {token}")),
             details.credentials, details.wait_for_ready)
 
 
 class _UnaryUnaryToken(_SendsToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+        return await continuation(await self._with_token(details), request)
 
 
 class _UnaryStreamToken(_SendsToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+        return await continuation(await self._with_token(details), request)
 
 
 class _StreamUnaryToken(_SendsToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any,
                                      requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
+        return await continuation(await self._with_token(details), requests)
 
 
 class _StreamStreamToken(_SendsToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any,
                                       requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
+        return await continuation(await self._with_token(details), requests)
 
 
 _TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
@@ -85,26 +132,27 @@ _TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken,
 class TokenAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for any call but health checks without an accepted
     bearer token. With `token_file` the tokens are read from it again once
-    it changes (its inode, size or mtime; a call looks at most once every
-    TOKEN_FILE_CHECK_S), as the kubelet re-projects a Secret: a token removed
-    from it is refused from then on. A read that fails or finds no token
-    keeps the tokens in force and logs an error."""
+    it changes (TokenFile): a token removed from it is refused from then on."""
 
     def __init__(self, tokens: frozenset[str], token_file: Path | None = None) -> None:
+        self._file = (None if token_file is None
+                      else TokenFile(token_file, "--auth-token-file", sorted(tokens)))
+        self._read: tuple[str, ...] | None = None  # the file's tokens that _tokens encodes
         self._tokens = _encoded(tokens)
-        self._token_file = token_file
-        self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
-        self._look_after = 0.0
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any
     ) -> Any:
-        if details.method.startswith(_HEALTH_PREFIX) or self._accepts(details.invocation_metadata):
+        if (details.method.startswith(_HEALTH_PREFIX)
+                or await self._accepts(details.invocation_metadata)):
             return await continuation(details)
         return _refusal(await continuation(details))
 
-    def _accepts(self, metadata: Any) -> bool:
-        self._reread_if_changed()
+    async def _accepts(self, metadata: Any) -> bool:
+        if self._file is not None:
+            read = await self._file.current()
+            if read is not self._read:
+                self._read, self._tokens = read, _encoded(read)
         values = [v for k, v in metadata or () if k == AUTHORIZATION]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
@@ -113,31 +161,6 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         # Every token is compared, so the time taken says nothing about which.
         matches = [hmac.compare_digest(given, t) for t in self._tokens]
         return scheme.lower() == "bearer" and any(matches)
-
-    def _reread_if_changed(self) -> None:
-        now = time.monotonic()
-        if self._token_file is None or now < self._look_after:
-            return
-        self._look_after = now + TOKEN_FILE_CHECK_S
-        try:
-            status = os.stat(self._token_file)
-            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
-                                     status.st_mtime_ns)
-        except OSError:
-            seen = ()
-        if seen == self._seen:
-            return
-        self._seen = seen
-        try:
-            tokens = read_tokens(self._token_file, "--auth-token-file")
-        except ValueError as exc:
-            log.error("%s; keeping the %d tokens read before", exc, len(self._tokens))
-            return
-        encoded = _encoded(tokens)
-        if encoded != self._tokens:
-            self._tokens = encoded  # one assignment: a call sees the old set or the new
-            log.info("--auth-token-file %s changed: %d tokens accepted now", self._token_file,
-                     len(encoded))
 
 
 def _encoded(tokens: Iterable[str]) -> tuple[bytes, ...]:

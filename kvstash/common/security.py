@@ -12,8 +12,9 @@ only peers whose certificate that CA signed; as a client it verifies the
 server against the CA and presents its own certificate. The scheduler's
 public port takes clients without certificates; `--auth-token-file` makes it
 demand a bearer token on every call but the health service (Kubernetes
-probes carry none), and is read again when it changes, so a token removed
-from it is refused without a restart (kvstash.common.bearer: both ends of
+probes carry none). Token files are read again when they change, at both
+ends: a token removed from `--auth-token-file` is refused, and a rotated
+`--token-file` sent, without a restart (kvstash.common.bearer: both ends of
 the token, compared in constant time and never logged).
 
 Without TLS a service serves plaintext only on loopback, or where told so
@@ -66,6 +67,9 @@ class Security:
     tokens: frozenset[str] = field(default=frozenset(), repr=False)
     token_file: Path | None = None
     token: str | None = field(default=None, repr=False)  # as a client: the bearer token sent
+    # ...and the file it came from (--token-file), whose first token is sent
+    # as the file is now: read again when it changes.
+    sent_token_file: Path | None = None
 
 
 PLAINTEXT = Security()
@@ -119,7 +123,8 @@ def from_args(args: argparse.Namespace, require_client_cert: bool = True) -> Sec
     token = None
     if getattr(args, "token_file", None) is not None:
         token = read_tokens(args.token_file, "--token-file")[0]
-    return Security(tls, getattr(args, "plaintext", False), tokens, token_file, token)
+    return Security(tls, getattr(args, "plaintext", False), tokens, token_file, token,
+                    getattr(args, "token_file", None))
 
 
 def _read(path: Path, flag: str) -> bytes:
@@ -170,6 +175,6 @@ def channel_args(security: Security) -> dict[str, Any]:
     interceptors that send the token."""
     interceptors: list[Any] = []
     if security.token is not None:
-        interceptors = token_interceptors(security.token)
+        interceptors = token_interceptors(security.token, security.sent_token_file)
     return {"credentials": None if security.tls is None else security.tls.channel_credentials(),
             "interceptors": interceptors}

@@ -98,6 +98,7 @@ def test_flags_are_checked_and_files_read(tmp_path: Path, ca: trustme.CA) -> Non
                                    "--token-file", str(tokens)))
     assert got.tls is not None and got.tls.ca == ca.cert_pem.bytes() and got.tls.cert is None
     assert got.tokens == {"first", "second"} and got.token == "first"
+    assert got.sent_token_file == tokens
     with pytest.raises(ValueError, match="need --tls-ca"):
         security.from_args(parse("--tls-cert", str(ca_file), "--tls-key", str(ca_file)))
     with pytest.raises(ValueError, match="go together"):
@@ -226,6 +227,47 @@ async def test_a_token_removed_from_the_file_is_refused_without_a_restart(
         assert "No such file or directory; keeping the 2 tokens" in caplog.text
     finally:
         await scheduler.server.stop(None)
+
+
+async def test_a_rotated_token_file_is_sent_without_a_restart(tmp_path: Path) -> None:
+    """--token-file (what a prefill instance sends its decode instances) is
+    read again once it changes: after a rotation that revokes the old token,
+    calls on a channel opened before it, and on a new one built from the
+    same start-up settings, carry the new token and are let in."""
+    accepted, sent = tmp_path / "accepted", tmp_path / "sent"
+    accepted.write_text("old\n")
+    sent.write_text("old\n")
+    scheduler = await create_scheduler_server(
+        "127.0.0.1:0", security.from_args(parse("--auth-token-file", str(accepted))))
+    address = f"127.0.0.1:{scheduler.port}"
+    sender = security.from_args(parse("--token-file", str(sent)))
+    let_in = grpc.StatusCode.UNAVAILABLE
+    try:
+        async with rpc_connections.channel(address, sender) as channel:
+            assert await _stats_call(channel) == let_in
+            accepted.write_text("new\n")  # the old token revoked...
+            sent.write_text("# rotated\nnew\n")  # ...and replaced where it is sent from
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while await _call_with(address, "old") != grpc.StatusCode.UNAUTHENTICATED:
+                assert loop.time() < deadline, "the revoked token was never refused"
+                await asyncio.sleep(0.2)
+            while await _stats_call(channel) != let_in:
+                assert loop.time() < deadline, "the rotated token was never sent"
+                await asyncio.sleep(0.2)
+        async with rpc_connections.channel(address, sender) as channel:
+            assert await _stats_call(channel) == let_in
+    finally:
+        await scheduler.server.stop(None)
+
+
+async def _stats_call(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    from kvstash.v1 import common_pb2, scheduler_pb2_grpc
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+            common_pb2.GetStatsRequest(), timeout=5)
+    return info.value.code()
 
 
 async def _call_with(address: str, token: str) -> grpc.StatusCode:
