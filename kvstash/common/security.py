@@ -9,7 +9,9 @@ Each service gets one certificate (usable for server and client auth, as
 cert-manager issues them) and one CA bundle: as a server it presents the
 certificate and, with `require_client_cert` (the worker and the cache), accepts
 only peers whose certificate that CA signed; as a client it verifies the
-server against the CA and presents its own certificate. The scheduler's
+server against the CA and presents its own certificate. The files are read
+again when they change (PemFiles): a server uses them from its next
+handshake, a client in the channels it makes from then on. The scheduler's
 public port takes clients without certificates; `--auth-token-file` makes it
 demand a bearer token on every call but the health service (Kubernetes
 probes carry none). Token files are read again when they change, at both
@@ -27,6 +29,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,26 +41,115 @@ import grpc
 
 from kvstash.common.bearer import read_tokens, token_interceptors
 
+log = logging.getLogger(__name__)
+
+
+# How often a handshake or a new channel may look whether the TLS files changed.
+TLS_FILE_CHECK_S = 1.0
+
+Pems = tuple[bytes, bytes | None, bytes | None]  # CA bundle, certificate chain, key
+
+
+class PemFiles:
+    """--tls-ca, --tls-cert and --tls-key as they are now: read again once
+    one of them changes (inode, size or mtime, as cert-manager's Secret is
+    re-projected; looked at most once every TLS_FILE_CHECK_S). A read that
+    fails keeps the PEMs read before and logs an error. Thread-safe: gRPC
+    fetches a server's certificates from its own threads."""
+
+    def __init__(self, paths: tuple[Path, Path | None, Path | None], pems: Pems) -> None:
+        self.pems = pems  # replaced whole
+        self._paths = paths
+        self._seen: tuple[tuple[int, ...], ...] | None = None
+        self._look_after = 0.0
+        self._lock = threading.Lock()
+
+    def current(self) -> Pems:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._look_after:
+                return self.pems
+            self._look_after = now + TLS_FILE_CHECK_S
+            seen = tuple(_identity(path) for path in self._paths)
+            if seen == self._seen:
+                return self.pems
+            self._seen = seen
+            try:
+                ca, cert, key = (None if path is None else _read(path, flag)
+                                 for path, flag in zip(self._paths, _TLS_FLAGS, strict=True))
+            except ValueError as exc:
+                log.error("%s; keeping the TLS files read before", exc)
+                return self.pems
+            assert ca is not None  # --tls-ca is always set
+            if (ca, cert, key) != self.pems:
+                self.pems = (ca, cert, key)
+                log.info("TLS files changed (%s): new connections use them now",
+                         ", ".join(str(path) for path in self._paths if path is not None))
+            return self.pems
+
+
+_TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
+
+
+def _identity(path: Path | None) -> tuple[int, ...]:
+    if path is None:
+        return ()
+    try:
+        status = os.stat(path)
+    except OSError:
+        return ()
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
 
 @dataclass(frozen=True, slots=True)
 class Tls:
-    """PEM bytes, read once at start-up (a file that changes needs a restart)."""
+    """PEM bytes as read at start-up; with `files`, read again when they
+    change: a server presents, and checks peers against, the new ones from
+    its next handshake on, and a channel made after the change uses them
+    (one made before keeps what it was made with)."""
 
     ca: bytes  # trusted CA bundle
     cert: bytes | None = None  # this process's chain; servers need one
     key: bytes | None = field(default=None, repr=False)
     require_client_cert: bool = True  # as a server: mutual TLS
+    files: PemFiles | None = field(default=None, repr=False, compare=False)
+
+    def pems(self) -> Pems:
+        return (self.ca, self.cert, self.key) if self.files is None else self.files.current()
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        if self.cert is None or self.key is None:
+        served = self.pems()
+        if served[1] is None or served[2] is None:
             raise ValueError("serving TLS needs a certificate and its key (--tls-cert, --tls-key)")
-        return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca,
-            require_client_auth=self.require_client_cert)
+        if self.files is None:
+            return grpc.ssl_server_credentials(
+                [(served[2], served[1])], root_certificates=served[0],
+                require_client_auth=self.require_client_cert)
+        files = self.files
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            """Called by gRPC on each handshake: None keeps what it has."""
+            nonlocal served
+            pems = files.current()
+            if pems is served:
+                return None
+            served = pems
+            return _server_certificates(pems)
+
+        return grpc.dynamic_ssl_server_credentials(
+            _server_certificates(served), fetch,
+            require_client_authentication=self.require_client_cert)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        ca, cert, key = self.pems()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+
+def _server_certificates(pems: Pems) -> grpc.ServerCertificateConfiguration:
+    ca, cert, key = pems
+    assert cert is not None and key is not None  # a server's files name both
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +205,11 @@ def from_args(args: argparse.Namespace, require_client_cert: bool = True) -> Sec
     if args.tls_ca is not None:
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
-        tls = Tls(_read(args.tls_ca, "--tls-ca"),
-                  _read(args.tls_cert, "--tls-cert") if args.tls_cert else None,
-                  _read(args.tls_key, "--tls-key") if args.tls_key else None,
-                  require_client_cert)
+        paths = (args.tls_ca, args.tls_cert, args.tls_key)
+        pems = (_read(args.tls_ca, "--tls-ca"),
+                _read(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+                _read(args.tls_key, "--tls-key") if args.tls_key else None)
+        tls = Tls(*pems, require_client_cert, PemFiles(paths, pems))
     elif args.tls_cert is not None or args.tls_key is not None:
         raise ValueError("--tls-cert/--tls-key need --tls-ca (the CA that peers chain to)")
     tokens: frozenset[str] = frozenset()

@@ -152,6 +152,46 @@ async def test_the_cache_refuses_everyone_else(tls_cache: str, ca: trustme.CA, w
             await client.stats()
 
 
+async def test_rotated_certificates_are_used_without_a_restart(tmp_path: Path) -> None:
+    """cert-manager rotates a service's Secret (here to a new CA, as at a CA
+    rotation): the cache presents, and checks clients against, the new files
+    from its next handshake on, and a channel made after the rotation from
+    a client's start-up settings presents the client's new certificate."""
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+
+    def write_files(who: str, ca: trustme.CA) -> list[str]:
+        cert, key = _cert_of(ca, who)
+        for name, pem in (("ca", ca.cert_pem.bytes()), ("cert", cert), ("key", key)):
+            (tmp_path / f"{who}.{name}").write_bytes(pem)
+        return [arg for name in ("ca", "cert", "key")
+                for arg in (f"--tls-{name}", str(tmp_path / f"{who}.{name}"))]
+
+    served = security.from_args(parse(*write_files("cache", old_ca)))
+    client = security.from_args(parse(*write_files("worker", old_ca)))
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0", security=served)
+    address = f"127.0.0.1:{port}"
+    try:
+        async with CacheClient(address, security=client, timeout_s=5) as before:
+            await before.stats()
+        write_files("cache", new_ca)
+        write_files("worker", new_ca)
+        stranger = Security(Tls(new_ca.cert_pem.bytes(), *_cert_of(new_ca, "worker")))
+        for who in (stranger, client):  # a new process; one started before the rotation
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                async with CacheClient(address, security=who, timeout_s=5) as after:
+                    try:
+                        await after.stats()
+                        break
+                    except errors.Unavailable:
+                        assert asyncio.get_running_loop().time() < deadline, (
+                            "the rotated certificates were never used")
+                await asyncio.sleep(0.2)
+    finally:
+        await cache.stop(None)
+
+
 def _cert_of(ca: trustme.CA, name: str) -> tuple[bytes, bytes]:
     cert = ca.issue_cert(name, "127.0.0.1")
     return cert.cert_chain_pems[0].bytes(), cert.private_key_pem.bytes()
