@@ -17,6 +17,9 @@
     release()  Abort there, best effort, for a reservation that will not be
                used (it would expire anyway)
 
+The request id each takes is the one the decode instance knows the request
+by: a prefill instance sends its hand-off's snapshot id (handoff.py).
+
 An instance that is down, or answers an error, is skipped for that round;
 one that refuses the request itself (another KV layout, a request it cannot
 serve: FAILED_PRECONDITION, INVALID_ARGUMENT) or our token (UNAUTHENTICATED)

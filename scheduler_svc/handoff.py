@@ -16,6 +16,11 @@ each built by the engine for its role only (a mixed instance has neither).
                  there: the relay is cancelled (which aborts it there, or
                  stops asking).
 
+                 A decode instance knows the request by its hand-off's
+                 snapshot id, not by its request id: two prefill instances
+                 may each have a request of one id, but their snapshots
+                 share one cache, so no two have one id.
+
                  Reserving only once the KV is in the cache (not when the
                  request arrives) keeps decode blocks for KV about to arrive:
                  a request never waits for decode room before its prefill,
@@ -108,6 +113,7 @@ class PrefillSide:
         req = self._core.get_request(request_id)
         assert req is not None
         first_token_id = req.output_token_ids[-1]
+        handoff_id = cmd.snapshot_id  # its name on the decode instance
         handoff = record.handoff
         handoff.relay = asyncio.current_task()
         # The Decode call joins the request's trace.
@@ -115,7 +121,7 @@ class PrefillSide:
         token = None if trace_context is None else otel_context.attach(trace_context)
         try:
             for attempt in range(1, HANDOFF_ATTEMPTS + 1):
-                decoder = await self._peers.reserve(request_id, req.prompt_token_ids,
+                decoder = await self._peers.reserve(handoff_id, req.prompt_token_ids,
                                                     req.sampling)
                 if decoder is None:
                     log.warning("request %s: no decode instance reserved blocks in time",
@@ -131,7 +137,7 @@ class PrefillSide:
                             "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
                 # Its blocks go back before the next reservation, which this
                 # release (an Abort by request id) would end if it came later.
-                await self._peers.release(decoder, request_id)
+                await self._peers.release(decoder, handoff_id)
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
         except errors.IntegrityError:
@@ -158,7 +164,7 @@ class PrefillSide:
         first = True
         try:
             async with contextlib.aclosing(self._peers.decode(
-                    decoder, request_id, cmd.snapshot_id, cmd.num_tokens,
+                    decoder, cmd.snapshot_id, cmd.snapshot_id, cmd.num_tokens,
                     first_token_id)) as events:
                 async for event in events:
                     if isinstance(event, RemoteAborted):

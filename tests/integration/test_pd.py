@@ -282,6 +282,32 @@ async def test_decode_instance_refusing_all_means_decoding_on_the_prefill_instan
     assert decode.num_reservations_refused >= len(prompts)
 
 
+async def test_prefill_instances_sending_one_request_id_do_not_collide(tmp_path: Path) -> None:
+    """Two prefill instances number their requests each their own way: one
+    (the raw stub here) holds a reservation for "same" on the decode
+    instance, then releases it by that id, while the prefill instance's own
+    "same" is handed off and decodes there. Neither gets in the other's way."""
+    prompt = small_prompts(1)[0]
+    config = pd_config(prefill_wait=0.5, decode=("--reservation-timeout", "600"))
+    with running_stack(config, tmp_path) as stack:
+        layout = await kv_layout(stack)
+        channel, stub = decode_stub(stack)
+        async with channel, Client(stack.address) as client:
+            assert (await stub.ReserveBlocks(reserve_request("same", [1, 2, 3], layout))).accepted
+            work = asyncio.create_task(client.complete(
+                prompt, max_tokens=200, ignore_eos=True, request_id="same"))
+            await until_decoding(stack, 1)
+            await stub.Abort(scheduler_pb2.AbortRequest(request_id="same"))  # its release
+            result = await work
+        prefill = await drained(stack.scheduler)
+        decode = await drained(stack.decode_scheduler)
+        assert_alive(stack)
+    assert result.token_ids == reference([prompt], 200)[0]
+    assert prefill.num_handoffs == 1 and prefill.num_handoff_failures == 0
+    assert prefill.num_recomputed_tokens == 0
+    assert decode.num_finished == 1 and decode.num_reservations_accepted == 2
+
+
 async def test_decode_instance_killed_during_and_before_handoff(tmp_path: Path) -> None:
     prompts = small_prompts(6)
     with running_stack(pd_config(prefill_wait=0.5), tmp_path) as stack:

@@ -49,6 +49,14 @@ def sampling(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
+def request_of(handoff_id: str) -> str:
+    """The request a decode instance is asked about: it knows it by its
+    hand-off's snapshot id ("<prefix>.<request id>.<serial>")."""
+    _, request_id, serial = handoff_id.split(".")
+    assert serial.isdigit(), handoff_id
+    return request_id
+
+
 @dataclass
 class FakePeers:
     """Decode instances that reserve while `reservations` lasts and decode
@@ -66,8 +74,9 @@ class FakePeers:
     def __post_init__(self) -> None:
         self.answer.set()
 
-    async def reserve(self, request_id: str, prompt: Sequence[int],
+    async def reserve(self, handoff_id: str, prompt: Sequence[int],
                       sampling: SamplingParams) -> DecodePeer | None:
+        request_id = request_of(handoff_id)
         self.asked.append(request_id)
         await self.answer.wait()
         if len(self.reserved) == self.reservations:
@@ -75,11 +84,13 @@ class FakePeers:
         self.reserved.append(request_id)
         return DecodePeer(f"decode-{len(self.reserved)}", None)  # type: ignore[arg-type]
 
-    async def release(self, peer: DecodePeer, request_id: str) -> None:
-        self.released.append(request_id)
+    async def release(self, peer: DecodePeer, handoff_id: str) -> None:
+        self.released.append(request_of(handoff_id))
 
-    async def decode(self, peer: DecodePeer, request_id: str, snapshot_id: str,
+    async def decode(self, peer: DecodePeer, handoff_id: str, snapshot_id: str,
                      num_tokens: int, first_token_id: int) -> AsyncGenerator[RemoteEvent, None]:
+        assert handoff_id == snapshot_id
+        request_id = request_of(handoff_id)
         try:
             for item in self.scripts.pop(0):
                 if isinstance(item, Exception):
