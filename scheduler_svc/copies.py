@@ -7,7 +7,7 @@ the snapshot deletes the core queued are sent and the step loop is woken.
 
     put(cmd, kind, finish)  worker.offload -> report -> delete a snapshot that
                             may exist but will never be read -> finish(...)
-    restore(cmd)            worker.restore -> report -> core.finish_restore
+    restore(cmd, fallback)  worker.restore -> report -> core.finish_restore
     save_prefix(cmd)        worker.offload (shared_prefix) -> core.finish_prefix_save
     load_prefix(load)       worker.restore (keep) of every segment at once; the
                             request takes those up to the first that failed
@@ -89,7 +89,10 @@ class Copies:
                 self._landed()
         return answer
 
-    async def restore(self, cmd: RestoreCommand) -> None:
+    async def restore(self, cmd: RestoreCommand, fallback: str = "recompute") -> None:
+        """`fallback`: what a failed restore leads to (the core decides), for
+        the log and the span: recompute, or given_back (a decode instance's
+        hand-in)."""
         outcome = CopyOutcome(None, "cancelled")
         started = time.monotonic()
         with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
@@ -98,7 +101,7 @@ class Copies:
                 outcome = await self._worker.restore(cmd, self._timeout_s)
             finally:
                 seconds = time.monotonic() - started
-                self._report("restore", cmd, outcome, span, seconds)
+                self._report("restore", cmd, outcome, span, seconds, fallback)
                 self._core.finish_restore(cmd, outcome.num_bytes, seconds)
                 self._landed()
 
@@ -156,13 +159,14 @@ class Copies:
 
     def _report(
         self, kind: str, cmd: OffloadCommand | RestoreCommand, outcome: CopyOutcome,
-        span: trace.Span, seconds: float,
+        span: trace.Span, seconds: float, fallback: str = "recompute",
     ) -> None:
-        """A copy's outcome to the log, its span and the duration metric."""
+        """A copy's outcome to the log, its span and the duration metric;
+        `fallback`, what a failure leads to."""
         if outcome.num_bytes is None:
             log.warning("%s of %s failed (%s); %s instead", kind, cmd.request_id, outcome.error,
-                        "decoding here" if kind == "handoff" else "recomputing")
-            tracing.set_failed(span, outcome.error)
+                        "decoding here" if kind == "handoff" else fallback.replace("_", " "))
+            tracing.set_failed(span, outcome.error, fallback)
             return
         if self._metrics is not None and kind != "handoff":
             histogram = self._metrics.offload_s if kind == "offload" else self._metrics.restore_s

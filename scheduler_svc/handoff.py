@@ -27,7 +27,9 @@ each built by the engine for its role only (a mixed instance has neither).
                  and no reservation expires while its prefill queues.
     DecodeSide   reserve and decode (a restore into the reserved blocks, then
                  decoding as usual); a timer wakes the step loop when a
-                 reservation may have expired.
+                 reservation may have expired. A restore that fails gives
+                 the request back: its Decode call fails, and the snapshot,
+                 its prefill instance's, stays for it to decode from.
 
 Every call to the core's P/D API is in this module.
 """
@@ -45,7 +47,7 @@ from opentelemetry import context as otel_context
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
 from scheduler_svc.copies import Copies
-from scheduler_svc.core.outputs import OffloadCommand
+from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
 from scheduler_svc.core.pd import HANDOFF_ATTEMPTS
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
@@ -231,6 +233,16 @@ class DecodeSide:
         cmd = self._core.pd.start_remote_decode(request_id, snapshot_id, num_tokens,
                                                 first_token_id)
         stream = self._requests.open(request_id, prefilled=True)
-        self._tasks.spawn(self._copies.restore(cmd))
+        self._tasks.spawn(self._restore(cmd))
         self._wake()
         return stream
+
+    async def _restore(self, cmd: RestoreCommand) -> None:
+        await self._copies.restore(cmd, fallback="given_back")
+        # Given back by the core (Lifecycle.finish_restore) if its record
+        # outlived it: an abort or a lost worker closes the record first.
+        if self._core.get_request(cmd.request_id) is None and (
+                record := self._requests.close(cmd.request_id)) is not None:
+            record.stream.fail(errors.Unavailable(
+                f"request {cmd.request_id}: its snapshot {cmd.snapshot_id} could not be "
+                "restored here; given back to its prefill instance"), None)

@@ -15,7 +15,8 @@ decode_peers.py), around the same core P/D calls.
                 run as any. All refusing: asked again after a back-off (their
                 retry hint, doubling up to 1 s) until `handoff_wait_s` is
                 spent, then the prefill instance takes it back (take_back) and
-                resumes it from the snapshot.
+                resumes it from the snapshot; so it does at once when the
+                restore there fails (the decode instance gives it back).
     finished    on the decode instance: finish_remote on the prefill one.
 """
 
@@ -40,7 +41,7 @@ from kvstash.sim.cluster import (
 from kvstash.sim.profile import CostProfile
 from kvstash.workload.trace import TraceRequest
 from scheduler_svc.core.config import Role, SchedulerConfig
-from scheduler_svc.core.outputs import OffloadCommand, RequestUpdate
+from scheduler_svc.core.outputs import OffloadCommand, RequestUpdate, RestoreCommand
 from scheduler_svc.core.pd import (
     HANDOFF_WAIT_S,
     RESERVATION_MAX_BACKOFF_S,
@@ -132,6 +133,23 @@ class PdCluster(Cluster):
         self._prefill_of[request_id] = inst
         self._restore(decoder, restore)
         return decoder
+
+    def _restored(self, inst: Instance, cmd: RestoreCommand, num_bytes: int | None,
+                  seconds: float) -> Instance:
+        """A decode instance whose restore of a hand-off failed gave it back
+        (Lifecycle.finish_restore), the snapshot left: its prefill instance
+        takes it back and resumes it from there, as the edge does once no
+        decode instance is left to try."""
+        super()._restored(inst, cmd, num_bytes, seconds)
+        request_id = cmd.request_id
+        prefill = self._prefill_of.get(request_id)
+        if prefill is None or inst.core.get_request(request_id) is not None:
+            return inst
+        del self._prefill_of[request_id]
+        inst.held.discard(request_id)
+        prefill.core.pd.take_back(request_id)
+        self.at(self.now, functools.partial(_wake_up, inst))  # its blocks are free
+        return prefill
 
     def _finished(self, inst: Instance, update: RequestUpdate) -> None:
         prefill = self._prefill_of.pop(update.request_id, None)

@@ -386,7 +386,7 @@ class SchedulerStats(_message.Message):
     num_offload_failures: _builtins.int
     """offloads that fell back to recompute"""
     num_restore_failures: _builtins.int
-    """restores that fell back to recompute"""
+    """restores that fell back to recompute (a decode instance's hand-off: given back)"""
     cache_available: _builtins.bool
     """The cache service answered the latest capacity poll. False: none is
     configured, or it is unreachable and preemptions recompute (degraded,

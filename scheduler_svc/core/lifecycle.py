@@ -258,11 +258,14 @@ class Lifecycle:
     def finish_restore(self, cmd: RestoreCommand, num_bytes: int | None) -> Request:
         """The snapshot's num_bytes are back in req's blocks, the snapshot
         consumed: RUNNING_DECODE; or the copy failed (None): WAITING to
-        recompute, the snapshot deleted."""
+        recompute, the snapshot deleted. A decode instance's hand-in that
+        failed is given back instead (FINISHED_ABORTED, not counted): its
+        snapshot is its prefill instance's, which decodes from it (or
+        hands it off again) and deletes it."""
         req = self._take_copy(cmd.snapshot_id, RESUMING)
         snapshot = req.snapshot
         assert snapshot is not None
-        if num_bytes is None:
+        if num_bytes is None and not snapshot.handed_in:
             self._drop_snapshot(req)
         req.snapshot = None
         if req.status is FINISHED_ABORTED:
@@ -276,7 +279,11 @@ class Lifecycle:
             self.kv.cache_full_blocks(req)
         else:
             self.counters.num_restore_failures += 1
-            self.recompute(req)
+            if snapshot.handed_in:
+                self.kv.free(req)
+                self.move(req, FINISHED_ABORTED, counted=False)
+            else:
+                self.recompute(req)
         return req
 
     # ------------------------------------------------------ prefix tier

@@ -163,8 +163,9 @@ class Counters:
                                              "Preemptions that dropped KV")
     num_offload_failures: int = counter("offload_failures",
                                         "Offloads that failed (fell back to recompute)")
-    num_restore_failures: int = counter("restore_failures",
-                                        "Restores that failed (fell back to recompute)")
+    num_restore_failures: int = counter(
+        "restore_failures", "Restores that failed (fell back to recompute; a decode "
+        "instance's hand-off: given back to its prefill instance)")
     num_recomputed_tokens: int = counter("recomputed_tokens",
                                          "Tokens prefilled again after preemption")
     # Aborted ones included. Each counter counts what this instance did: a

@@ -28,6 +28,8 @@ The paths the P/D statuses add (Lifecycle.move checks them against its table):
                                                             WAITING (recompute) otherwise
     decode instance:   RESERVED ──its snapshot arrives──▶ RESUMING ──▶ RUNNING_DECODE ...
                        RESERVED ──unused until reserved_until──▶ FINISHED_ABORTED
+                       RESUMING ──restore failed: given back, its snapshot
+                                  left to the prefill instance──▶ FINISHED_ABORTED
 
 Which requests go to a decode instance is kept here, not on the request:
 `awaiting_prefill` (WAITING or RUNNING_PREFILL), then `to_hand_off`

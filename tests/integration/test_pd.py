@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -329,6 +330,32 @@ async def test_decode_instance_killed_during_and_before_handoff(tmp_path: Path) 
     assert after.num_handoffs == prefill.num_handoffs + len(prompts)
     assert after.num_handoff_failures == prefill.num_handoff_failures + len(prompts)
     assert after.num_recomputed_tokens > 0  # the lost decodes were recomputed here
+    assert cache.memory_snapshots + cache.disk_snapshots == 0
+
+
+async def test_a_failed_restore_there_leaves_the_snapshot_to_the_prefill_instance(
+        tmp_path: Path) -> None:
+    """The decode worker's cache is unreachable (a wrong address), so every
+    restore there fails: the decode instance gives each request back,
+    leaving the prefill instance's snapshot, which the prefill instance
+    decodes from after its hand-offs are spent, recomputing nothing."""
+    prompts = small_prompts(3)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{unused.getsockname()[1]}"
+    config = dataclasses.replace(pd_config(), cache_arena=False, decode_worker_args=(
+        "--cache-address", dead))
+    with running_stack(config, tmp_path) as stack:
+        outputs = await complete_all(stack.address, prompts)
+        prefill = await drained(stack.scheduler)
+        decode = await drained(stack.decode_scheduler)
+        cache = await cache_stats(stack.cache.address)
+        assert_alive(stack)
+    assert outputs == reference(prompts)
+    assert decode.num_restore_failures >= len(prompts)
+    assert decode.num_recomputed_tokens == decode.num_finished == 0
+    assert prefill.num_handoffs == prefill.num_handoff_failures == len(prompts)
+    assert prefill.num_recomputed_tokens == 0 and prefill.bytes_restored > 0
     assert cache.memory_snapshots + cache.disk_snapshots == 0
 
 

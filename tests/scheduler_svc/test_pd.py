@@ -510,10 +510,11 @@ def test_eos_may_come_first_when_the_request_ignores_it() -> None:
 
 
 @pytest.mark.parametrize("committed", [True, False])
-def test_a_remote_decode_whose_restore_fails_is_recomputed_here(committed: bool) -> None:
-    """committed: the restore lands; else it fails and the request, its
-    first token kept, is prefilled again on the decode instance: recomputed,
-    its prompt counted by the prefill instance only."""
+def test_a_remote_decode_whose_restore_fails_is_given_back(committed: bool) -> None:
+    """committed: the restore lands and the request decodes here; else it
+    is given back (aborted here, counted by its prefill instance), and
+    its snapshot, its prefill instance's, is left to it: not deleted here,
+    nothing recomputed here."""
     side = Side(pd_config())
     core = side.core
     prompt = prompt_of(6, 4)
@@ -523,20 +524,19 @@ def test_a_remote_decode_whose_restore_fails_is_recomputed_here(committed: bool)
         side.worker.write(cmd.block_ids, 0, prompt)
     core.finish_restore(cmd, 128 if committed else None)
     core.check_integrity()
-    assert status(core, "a") is (S.RUNNING_DECODE if committed else S.WAITING)
-    assert core.take_snapshots_to_delete() == ([] if committed else ["pre.a.0"])
+    assert status(core, "a") is (S.RUNNING_DECODE if committed else None)
+    assert core.take_snapshots_to_delete() == []
     outputs = list(side.truth["a"][-1:])
     while core.has_unfinished_requests:
         _, updates = side.step()
         for update in updates:
             outputs.extend(update.new_token_ids)
-            if update.finish_status is not None:
-                assert update.usage is not None
-                assert update.usage.num_recomputed_tokens == (0 if committed else 6)
-    assert outputs == expected(prompt, greedy(5))
+    if committed:
+        assert outputs == expected(prompt, greedy(5))
     stats = core.stats()
     assert (stats.num_restore_failures, stats.num_recomputed_tokens) == (
-        (0, 0) if committed else (1, 6))
+        (0, 0) if committed else (1, 0))
+    assert stats.num_finished == (1 if committed else 0)
     assert stats.num_prompt_tokens == 0
     assert pool_is_clean(core) and core.is_idle
 
@@ -565,7 +565,7 @@ def test_abort_while_reserved_or_resuming_leaks_nothing(committed: bool) -> None
     assert not set(new_cmd.block_ids) & set(cmd.block_ids)
     core.finish_restore(cmd, 128 if committed else None)
     core.check_integrity()
-    assert core.take_snapshots_to_delete() == ([] if committed else ["pre.b.0"])
+    assert core.take_snapshots_to_delete() == []  # its prefill instance's to delete
     assert core.stats().num_free_blocks == 15 and status(core, "b") is S.RESUMING
     core.finish_restore(new_cmd, 128)
     assert status(core, "b") is S.RUNNING_DECODE
@@ -977,7 +977,9 @@ class PD:
     refused), then enters the prefill core with handoff=True; a job with
     max_tokens 1 enters it at once, with no reservation. `mixed`: one core
     serves everything (the reference). Copies land 0..max_delay ticks
-    after they start. Failures: `fail_handoffs` (request ids), `lose`
+    after they start. Failures: `fail_handoffs` (request ids),
+    `fail_restores` (request ids whose restore on the decode core fails,
+    their snapshot left in the cache), `lose`
     (request id -> "before_restore", "after_restore" or a number of remote
     tokens: the decode instance is lost then), `aborts` (tick -> ids)."""
 
@@ -1006,6 +1008,7 @@ class PD:
         self.num_refusals = 0
         self.num_handoffs = 0
         self.fail_handoffs: set[str] = set()
+        self.fail_restores: set[str] = set()
         self.lose: dict[str, str | int] = {}
         self.aborts: dict[int, list[str]] = {}
         self.lost: set[str] = set()
@@ -1153,13 +1156,16 @@ class PD:
         rid = cmd.request_id
         if isinstance(cmd, RestoreCommand):
             side.writing.difference_update(cmd.block_ids)
-            kv = self.cache.pop(cmd.snapshot_id, None)  # a restore consumes the snapshot
+            # A restore consumes the snapshot; one that fails there leaves it.
+            kv = None if side is self.decode and rid in self.fail_restores else (
+                self.cache.pop(cmd.snapshot_id, None))
             if kv is not None:
                 assert None not in kv
                 side.worker.write(cmd.block_ids, 0, [t for t in kv if t is not None])
             core.finish_restore(cmd, None if kv is None else len(cmd.block_ids) * BYTES_PER_BLOCK)
             core.check_integrity()
-            if side is self.decode and self.lose.get(rid) == "after_restore":
+            if side is self.decode and (self.lose.get(rid) == "after_restore"
+                                        or core.get_request(rid) is None):  # or given back
                 self._lose(rid)
             return
         side.reading.subtract(cmd.block_ids)
@@ -1338,6 +1344,22 @@ def test_a_lost_decode_instance_is_finished_on_the_prefill_side(loss: str, max_d
     assert stats.num_recomputed_tokens == (4 if recomputes else 0)
     assert pd.usages["j0"].num_recomputed_tokens == (1 if recomputes else 0)
     assert stats.num_restore_failures == (2 if loss == "after_restore" else 0)
+
+
+@pytest.mark.parametrize("max_delay", [0, 2])
+def test_a_failed_restore_there_is_decoded_here_from_the_snapshot(max_delay: int) -> None:
+    """The decode core's restores of j0 and j2 fail: it gives them back,
+    their snapshots left in the cache, and the prefill core takes them back
+    and resumes them from those snapshots: nothing recomputed anywhere."""
+    jobs = [Job(f"j{i}", tuple(prompt_of(5 + i, i)), greedy(12)) for i in range(4)]
+    pd = PD(make_config(num_blocks=32), pd_config(num_blocks=32), seed=1, max_delay=max_delay)
+    pd.fail_restores = {"j0", "j2"}
+    assert pd.run(jobs) == mixed_outputs(jobs)
+    assert pd.lost == {"j0", "j2"}
+    prefill, decode = pd.prefill.core.stats(), pd.decode.core.stats()
+    assert (prefill.num_handoff_failures, prefill.num_restore_failures) == (2, 0)
+    assert prefill.num_recomputed_tokens == decode.num_recomputed_tokens == 0
+    assert (decode.num_restore_failures, decode.num_finished) == (2, 2)
 
 
 def test_reservations_expired_before_their_handoff_finish_on_the_prefill_side() -> None:

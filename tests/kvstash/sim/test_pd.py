@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 
 from kvstash.sim.cache import SimCache
-from kvstash.sim.cluster import SimResult
+from kvstash.sim.cluster import Instance, SimResult
 from kvstash.sim.pd import PdCluster, pd_configs
 from kvstash.sim.profile import parse_profile
 from kvstash.workload.trace import Trace, TraceRequest, synthetic
+from scheduler_svc.core.outputs import RestoreCommand
 from tests.kvstash.sim.test_profile import GOOD
 
 PROFILE = parse_profile(GOOD)
@@ -92,6 +93,30 @@ def test_a_refused_request_is_asked_once_more_at_the_deadline() -> None:
     assert len(asks) == result.counters["num_handoff_failures"] > 0
     for times in asks.values():
         assert [t - times[0] for t in times] == pytest.approx([0, 0.05, wait])
+
+
+def test_a_hand_off_whose_restore_fails_there_resumes_on_its_prefill_instance() -> None:
+    """As the edge: a decode instance whose restore of a hand-off fails
+    gives the request back, the snapshot left in the cache, and the prefill
+    instance takes it back and resumes it from there: nothing recomputed."""
+    base = dict(num_blocks=256, block_size=16, max_model_len=1024, max_num_seqs=16,
+                max_num_batched_tokens=256, bytes_per_block=PROFILE.bytes_per_block)
+    cluster = PdCluster(*pd_configs("offload", 2, 2, **base), PROFILE, SimCache(1 << 30, 0))
+    restore = cluster._restore
+
+    def failing_there(inst: Instance, cmd: RestoreCommand) -> None:
+        if inst in cluster.decoders and cmd.snapshot_id.startswith("p"):  # a hand-in
+            cluster.at(cluster.now, lambda: cluster._restored(inst, cmd, None, 0.0))
+        else:
+            restore(inst, cmd)
+
+    cluster._restore = failing_there  # type: ignore[method-assign]
+    result = cluster.run(TRACE)
+    assert_all_served(result, cluster)
+    c = result.counters
+    assert c["num_handoffs"] == c["num_handoff_failures"] == len(TRACE.requests)
+    assert c["num_restore_failures"] == len(TRACE.requests)  # there, not here
+    assert c["num_recomputed_tokens"] == 0
 
 
 def test_a_refusing_decode_pool_delays_the_second_token_not_the_first() -> None:
