@@ -5,8 +5,8 @@ Each copy runs as its own task; whatever happens (success, failure, the task
 cancelled), the core hears back: the blocks stay pinned until it does. Then
 the snapshot deletes the core queued are sent and the step loop is woken.
 
-    put(cmd, kind, finish)  worker.offload -> report -> delete a snapshot that
-                            may exist but will never be read -> finish(...)
+    put(cmd, kind, finish)  worker.offload -> delete a snapshot that may exist
+                            but will never be read -> finish(...) -> report
     restore(cmd, fallback)  worker.restore -> report -> core.finish_restore
     save_prefix(cmd)        worker.offload (shared_prefix) -> core.finish_prefix_save
     load_prefix(load)       worker.restore (keep) of every segment at once; the
@@ -35,6 +35,7 @@ from opentelemetry import trace
 from scheduler_svc import tracing
 from scheduler_svc.cache_link import CacheLink
 from scheduler_svc.core.outputs import OffloadCommand, PrefixLoad, RestoreCommand
+from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.inflight import InFlightRequests, Tasks
 from scheduler_svc.metrics import SchedulerMetrics
@@ -82,12 +83,21 @@ class Copies:
                 outcome = await self._worker.offload(cmd, self._timeout_s)
             finally:
                 seconds = time.monotonic() - started
-                self._report(kind, cmd, outcome, span, seconds)
                 if outcome.maybe_stored:
                     self.delete_snapshots([cmd.snapshot_id])
                 answer = finish(cmd, outcome.num_bytes, seconds)
+                self._report(kind, cmd, outcome, span, seconds, self._put_fallback(kind, cmd))
                 self._landed()
         return answer
+
+    def _put_fallback(self, kind: str, cmd: OffloadCommand) -> str:
+        """What a failed put led to, once the core heard of it: a hand-off
+        decodes here from the blocks it kept, unless its seat was taken
+        meanwhile (Lifecycle.finish_handoff)."""
+        req = self._core.get_request(cmd.request_id)
+        if kind == "handoff" and req is not None and req.status is RequestStatus.RUNNING_DECODE:
+            return "decode_here"
+        return "recompute"
 
     async def restore(self, cmd: RestoreCommand, fallback: str = "recompute") -> None:
         """`fallback`: what a failed restore leads to (the core decides), for
@@ -165,7 +175,7 @@ class Copies:
         `fallback`, what a failure leads to."""
         if outcome.num_bytes is None:
             log.warning("%s of %s failed (%s); %s instead", kind, cmd.request_id, outcome.error,
-                        "decoding here" if kind == "handoff" else fallback.replace("_", " "))
+                        fallback.replace("_", " "))
             tracing.set_failed(span, outcome.error, fallback)
             return
         if self._metrics is not None and kind != "handoff":

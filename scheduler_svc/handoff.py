@@ -46,6 +46,7 @@ from opentelemetry import context as otel_context
 
 from kvstash import errors
 from kvstash.common.sampling import SamplingParams
+from scheduler_svc import tracing
 from scheduler_svc.copies import Copies
 from scheduler_svc.core.outputs import OffloadCommand, RestoreCommand
 from scheduler_svc.core.pd import HANDOFF_ATTEMPTS
@@ -138,7 +139,7 @@ class PrefillSide:
                             request_id, decoder.address, reason,
                             "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
                 # Its blocks go back before the next reservation, which this
-                # release (an Abort by request id) would end if it came later.
+                # release (an Abort by its id there) would end if it came later.
                 await self._peers.release(decoder, handoff_id)
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
@@ -200,7 +201,13 @@ class PrefillSide:
         return None
 
     def _take_back(self, request_id: str) -> None:
-        self._core.pd.take_back(request_id)
+        req = self._core.get_request(request_id)
+        if req is not None and req.status is RequestStatus.HANDED_OFF:
+            self._core.pd.take_back(request_id)
+            # Nothing came back yet: it resumes from its snapshot (OFFLOADED).
+            tracing.request_event(self._requests.trace_context(request_id), "taken_back", {
+                "kvstash.outcome": "resume_from_snapshot"
+                if req.status is RequestStatus.OFFLOADED else "recompute"})
         self._wake()
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
@@ -21,7 +22,7 @@ from kvstash import errors
 from kvstash.common import telemetry
 from kvstash.common.sampling import SamplingParams
 from kvstash.errors import IntegrityError
-from scheduler_svc import handoff
+from scheduler_svc import handoff, tracing
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import OffloadCommand, SchedulerOutput
 from scheduler_svc.core.request import RequestStatus, RequestUsage
@@ -487,16 +488,71 @@ async def test_an_abort_while_the_prefix_tier_is_asked_ends_the_request_unrun() 
         await engine.close()
 
 
-async def test_a_decode_instances_part_of_a_request_is_one_decode_phase(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its prompt was prefilled on the prefill instance: its trace shows
-    the restore and one kvstash.decode span here, no second kvstash.queued
-    and kvstash.prefill (the first step here decodes)."""
+Spans = Callable[[], Sequence[ReadableSpan]]
+
+
+@pytest.fixture
+def finished_spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spans]:
+    """The scheduler's tracing set up as in the service, into memory: the
+    spans finished so far."""
     monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", Once())
     monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
     exporter = InMemorySpanExporter()
     handle = telemetry.setup_tracing(telemetry.SCHEDULER_SERVICE, env={}, exporter=exporter)
     assert handle is not None
+    # The module's proxy tracer holds the first provider it met: a fresh one.
+    monkeypatch.setattr(tracing, "_tracer", trace.get_tracer("kvstash.scheduler"))
+
+    def spans() -> Sequence[ReadableSpan]:
+        handle.provider.force_flush()
+        return exporter.get_finished_spans()
+
+    yield spans
+    handle.shutdown()
+
+
+class FailingPuts(FakeWorkerLink):
+    async def offload(self, cmd: OffloadCommand, timeout_s: float) -> CopyOutcome:
+        return CopyOutcome(None, "the cache is down")
+
+
+@pytest.mark.parametrize(("script", "link", "outcome"), [
+    ([], FailingPuts(), None),
+    ([[RemoteAborted()]], FakeWorkerLink(), "resume_from_snapshot"),
+    ([[RemoteTokens([8]), errors.Unavailable("decode instance: gone")]], FakeWorkerLink(),
+     "recompute"),
+], ids=["put-failed", "taken-back-before-tokens", "taken-back-after-tokens"])
+async def test_a_failed_hand_off_says_how_the_request_goes_on(
+        finished_spans: Spans, script: list[list[RemoteEvent | Exception | str]],
+        link: FakeWorkerLink, outcome: str | None) -> None:
+    """Its put failed: the request decodes here from its blocks
+    (decode_here on the kvstash.handoff span). Taken back from its decode
+    instance: the Generate span's "taken_back" event says whether it
+    resumes from its snapshot (nothing came back yet) or is recomputed."""
+    engine = Engine(make_scheduler(role=Role.PREFILL), link, None,  # type: ignore[arg-type]
+                    EngineConfig(tracing=True), decode_peers=FakePeers(script))  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        with trace.get_tracer(__name__).start_as_current_span("Generate"):  # the whole call
+            stream = await engine.admit("a", PROMPT, sampling(5))
+            _, end = await events_of(stream)
+        assert end is RequestStatus.FINISHED_LENGTH
+    finally:
+        await engine.close()
+    spans = {s.name: s for s in finished_spans()}
+    put = spans["kvstash.handoff"]
+    assert put.attributes is not None
+    assert put.attributes["kvstash.outcome"] == ("decode_here" if outcome is None else "copied")
+    taken_back = [e for e in spans["Generate"].events if e.name == "taken_back"]
+    assert [e.attributes and e.attributes["kvstash.outcome"] for e in taken_back] == (
+        [] if outcome is None else [outcome])
+
+
+async def test_a_decode_instances_part_of_a_request_is_one_decode_phase(
+        finished_spans: Spans) -> None:
+    """Its prompt was prefilled on the prefill instance: its trace shows
+    the restore and one kvstash.decode span here, no second kvstash.queued
+    and kvstash.prefill (the first step here decodes)."""
     engine = Engine(make_scheduler(role=Role.DECODE), FakeWorkerLink(),  # type: ignore[arg-type]
                     None, EngineConfig(tracing=True))
     await engine.start()
@@ -508,6 +564,5 @@ async def test_a_decode_instances_part_of_a_request_is_one_decode_phase(
         assert await events_of(stream) == ([7, 7], RequestStatus.FINISHED_LENGTH)
     finally:
         await engine.close()
-        handle.shutdown()
-    names = sorted(s.name for s in exporter.get_finished_spans())
+    names = sorted(s.name for s in finished_spans())
     assert names == ["Decode", "kvstash.decode", "kvstash.restore"]
