@@ -94,10 +94,6 @@ def replay_all(args: argparse.Namespace, base: StackConfig,
     runs = []
     for trace, dropped in fitted:
         prompts = build_prompts(trace, args.seed)
-        if args.write_trace is not None:
-            write_trace(trace, args.write_trace)
-            print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "
-                  f"{trace.block_tokens})", flush=True)
         inputs = sum(r.input_length for r in trace.requests)
         print(f"{len(trace.requests)} requests ({dropped} longer than {args.max_context} "
               f"dropped), {trace.duration_s:.1f} s of arrivals, {trace.rate:.3g}/s, {inputs} "
@@ -126,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         pool = None if args.address else args.num_blocks * StackConfig().block_size
         args.max_context = flags.max_context(args, MAX_MODEL_LEN.get(args.model), pool)
         fitted = flags.fit_slices(args, raw, args.max_context)
+        # Where the results go, made before any run: a bad path found after
+        # the runs would lose them.
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.write_trace is not None:
+            write_trace(fitted[0][0], args.write_trace)
+            print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "
+                  f"{fitted[0][0].block_tokens})", flush=True)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -144,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
                            scheduler_args=tuple(shlex.split(args.scheduler_args)))
         runs = replay_all(args, base, fitted)
     print(report.table(runs, slo))
-    args.out.mkdir(parents=True, exist_ok=True)
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     setup |= {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "commit": commit(), "cpus": os.cpu_count()}

@@ -100,3 +100,20 @@ def test_plot_titles_count_the_requests_kept(tmp_path: Path,
                         lambda runs, slo, path, title: titles.append(title))
     assert replay(tmp_path, trace, "--num-blocks", "4") == 0
     assert titles == ["tiny, 2 requests, lengths x1, 1 req/s"]
+
+
+@pytest.mark.parametrize("where", ["--out", "--write-trace"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_stack_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """Not a traceback once the runs are done (--out: their results lost) or
+    once the first stack is up (--write-trace)."""
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4), (60, 4))
+    (tmp_path / "a-file").write_text("")
+    started: list[int] = []
+    monkeypatch.setattr(replay_main, "replay_all", lambda args, base, fitted: started.append(1))
+    bad = str(tmp_path / "a-file" / "under-it")
+    flags = ["--out", bad] if where == "--out" else ["--write-trace", f"{bad}.jsonl"]
+    assert replay_main.main(["--trace", str(trace), "--block-tokens", "16", *flags]) == 2
+    assert "a-file/under-it" in capsys.readouterr().err
+    assert started == []
