@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import shlex
 import subprocess
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay import report
 from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
+from gpu_worker.hf_config import parse_model_config
 from kvstash.launch.stack import StackConfig
 from kvstash.workload import flags, plots
 from kvstash.workload.metrics import Slo
@@ -82,6 +84,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def model_max_len(model: str) -> int | None:
+    """The longest sequence (prompt + output) `model` serves: a built-in
+    model's, or a checkpoint directory's (its config.json's
+    max_position_embeddings, as its worker reads it); None where unknown."""
+    if model in MAX_MODEL_LEN:
+        return MAX_MODEL_LEN[model]
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config} holds a JSON {type(raw).__name__}, not an object")
+    return parse_model_config(raw).max_model_len
+
+
 def commit() -> str:
     """This tree's commit (with -dirty when changed), or "" outside git."""
     done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = flags.load_slice(args)
         # A running stack's pool is not --num-blocks'.
         pool = None if args.address else args.num_blocks * StackConfig().block_size
-        args.max_context = flags.max_context(args, MAX_MODEL_LEN.get(args.model), pool)
+        args.max_context = flags.max_context(args, model_max_len(args.model), pool)
         fitted = flags.fit_slices(args, raw, args.max_context)
         # Where the results go, made before any run: a bad path found after
         # the runs would lose them.

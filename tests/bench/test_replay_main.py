@@ -117,3 +117,26 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_stack_start
     assert replay_main.main(["--trace", str(trace), "--block-tokens", "16", *flags]) == 2
     assert "a-file/under-it" in capsys.readouterr().err
     assert started == []
+
+
+def test_default_max_context_drops_what_a_checkpoint_cannot_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint directory's worker serves its max_position_embeddings
+    (64 here), fewer than the pool holds (8 blocks of 16): a longer request
+    would be refused at admission, so the slice drops it."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}))
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4), (90, 10), (60, 4))
+    seen: list[tuple[int | None, int]] = []
+
+    def replay_all(args: argparse.Namespace, base: StackConfig,
+                   fitted: list[tuple[Trace, int]]) -> list[RunResult]:
+        seen.append((args.max_context, fitted[0][1]))
+        return [make_run(policy, {0: [1], 1: [2]}) for policy in ("recompute", "offload")]
+
+    monkeypatch.setattr(replay_main, "replay_all", replay_all)
+    assert replay(tmp_path, trace, "--num-blocks", "8", "--model", str(checkpoint)) == 0
+    assert seen == [(64, 1)]
