@@ -33,8 +33,17 @@ from tqdm import tqdm
 
 from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay import report
-from bench.replay.runs import DEFAULT_POLICIES, POLICIES, Endpoint, RunResult, run_once, run_policy
+from bench.replay.runs import (
+    DEFAULT_POLICIES,
+    POLICIES,
+    Endpoint,
+    RunResult,
+    pool_tokens,
+    run_once,
+    run_policy,
+)
 from gpu_worker.hf_config import parse_model_config
+from kvstash.errors import KvstashError
 from kvstash.launch.stack import StackConfig
 from kvstash.workload import flags, plots
 from kvstash.workload.metrics import Slo
@@ -135,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         raw = flags.load_slice(args)
-        # A running stack's pool is not --num-blocks'.
-        pool = None if args.address else args.num_blocks * StackConfig().block_size
+        # A running stack's pool is its own, not --num-blocks'.
+        pool = (asyncio.run(pool_tokens(args.address)) if args.address
+                else args.num_blocks * StackConfig().block_size)
         args.max_context = flags.max_context(args, model_max_len(args.model), pool)
         fitted = flags.fit_slices(args, raw, args.max_context)
         # Where the results go, made before any run: a bad path found after
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             write_trace(fitted[0][0], args.write_trace)
             print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "
                   f"{fitted[0][0].block_tokens})", flush=True)
-    except (ValueError, OSError) as exc:  # TraceError is a ValueError
+    except (ValueError, OSError, KvstashError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="kvstash-replay-") as workdir:

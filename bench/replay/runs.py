@@ -99,6 +99,13 @@ async def run_once(endpoint: Endpoint, policy: str, trace: Trace,
     return RunResult(policy, trace.rate, records, delta, sampler.samples)
 
 
+async def pool_tokens(address: str) -> int:
+    """The tokens the KV pool of the scheduler at `address` holds."""
+    async with Client(address) as client:
+        stats = await client.stats()
+    return stats.num_total_blocks * stats.block_size
+
+
 def run_policy(base: StackConfig, policy: str, trace: Trace, prompts: Sequence[list[int]],
                via_http: bool = False, on_done: OnDone = None) -> RunResult:
     with policy_stack(base, policy, via_http) as endpoint:

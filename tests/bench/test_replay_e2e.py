@@ -3,12 +3,19 @@ stacks (processes, sockets), under KV pressure, per policy and through smg."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+import bench.replay.__main__ as replay_main
 from bench.replay.__main__ import main
+from bench.replay.runs import COUNTERS, RunResult
+from kvstash.common.binding import free_port
+from kvstash.launch.stack import StackConfig, running_stack
+from kvstash.workload.metrics import RequestRecord
+from kvstash.workload.trace import Trace
 
 # Lengths as drawn x 1/16: 8 requests at once, prompts ~80 tokens (a
 # 32-token system prompt shared), ~96 output tokens each: ~12 blocks apiece
@@ -84,3 +91,30 @@ def test_a_scale_that_is_not_finite_and_positive_is_refused_by_name(
         main(["--synthetic", "4", *bad, "--out", str(tmp_path)])
     assert done.value.code == 2
     assert f"{bad[0]} must be" in capsys.readouterr().err
+
+
+def test_against_a_running_stack_the_default_max_context_is_its_pool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--address: the running stack's pool (4 blocks of 16 here), not
+    --num-blocks', decides what is too long to serve; a request kept longer
+    would only be refused. A stack not there is refused before any replay."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": n, "output_length": 4,
+                                         "hash_ids": list(range(n // 16 + 1))}) + "\n"
+                             for n in (30, 90, 60)), encoding="utf-8")
+    seen: list[tuple[int | None, int]] = []
+
+    def replay_all(args: argparse.Namespace, base: StackConfig,
+                   fitted: list[tuple[Trace, int]]) -> list[RunResult]:
+        seen.append((args.max_context, fitted[0][1]))
+        return [RunResult("external", 1.0, [RequestRecord(0, 0.0, [0.1], 1, [1], 0.1)],
+                          dict.fromkeys(COUNTERS, 0), [])]
+
+    monkeypatch.setattr(replay_main, "replay_all", replay_all)
+    flags = ["--trace", str(trace), "--block-tokens", "16", "--out", str(tmp_path / "o")]
+    with running_stack(StackConfig(num_blocks=4), tmp_path) as stack:
+        assert main([*flags, "--address", stack.address]) == 0
+    assert seen == [(64, 1)]
+    assert main([*flags, "--address", f"127.0.0.1:{free_port('127.0.0.1')}"]) == 2
+    assert "error: " in capsys.readouterr().err and seen == [(64, 1)]
