@@ -89,7 +89,8 @@ async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
     latencies count from that arrival, not from when it went out: a replay
     behind schedule (a busy event loop) must not hide the wait as queueing.
     With EOS ignored a request must return exactly the tokens it asked for:
-    one that finished with any other number failed (WRONG_LENGTH)."""
+    one that finished with any other number failed (WRONG_LENGTH). A failed
+    request ended when its stream did (its error, or UNFINISHED)."""
     if len(prompts) != len(trace.requests):
         raise ValueError(f"{len(prompts)} prompts for {len(trace.requests)} requests")
     start = time.perf_counter()
@@ -100,6 +101,9 @@ async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         record = RequestRecord(index, due, output=[])
         await send(record, prompts[index], request.output_length)
+        if record.ended_s is None:  # failed, or its stream ended without a finish
+            record.error = record.error or "UNFINISHED"
+            record.ended_s = time.perf_counter()  # so the run's wall time holds it
         if record.ok and record.num_tokens != request.output_length:
             record.error = "WRONG_LENGTH"
         on_done(record)

@@ -11,7 +11,7 @@ import pytest
 
 from bench.replay import drive
 from bench.replay.drive import replay
-from kvstash.workload.metrics import RequestRecord, Slo
+from kvstash.workload.metrics import RequestRecord, Slo, summarize
 from kvstash.workload.trace import Trace, TraceRequest
 
 
@@ -69,3 +69,29 @@ def test_http_counts_only_a_request_that_ran_its_length(
     asyncio.run(send())
     assert (record.error, record.ok, record.output, record.num_tokens) == \
         (error, error is None, "ab", 2)
+
+
+def test_a_request_that_failed_last_ends_the_runs_wall_time() -> None:
+    """Goodput and requests/s are over the run's wall time, to the last
+    request ended: one that failed ended too (when its error came back), or
+    a run whose last requests failed would count a shorter run, and its
+    rates would be too high."""
+    trace = Trace((TraceRequest(0.0, 4, 1, (0,)), TraceRequest(0.0, 4, 1, (1,)),
+                   TraceRequest(0.0, 4, 1, (2,))), 4)
+
+    async def send(record: RequestRecord, prompt: list[int], max_tokens: int) -> None:
+        if record.index == 0:
+            record.chunk_times.append(time.perf_counter())
+            record.num_tokens, record.ended_s = 1, time.perf_counter()
+            return
+        await asyncio.sleep(0.5)
+        if record.index == 1:
+            record.error = "Unavailable"  # as grpc_sender records a failed call
+        else:
+            record.chunk_times.append(time.perf_counter())  # no finish came
+
+    records = asyncio.run(replay(trace, [[1] * 4] * 3, send))
+    s = summarize(records, Slo(1e9, 1e9))
+    assert s.wall_s >= 0.5 and s.num_completed == 1
+    assert s.requests_per_s <= 1 / 0.5
+    assert s.errors == {"Unavailable": 1, "UNFINISHED": 1}
