@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.replay.report import failures
 from bench.replay.runs import Endpoint, run_once
 from kvstash.common.tokenizer import BYTE_EOS_ID, tokenizer_files
 from kvstash.launch.stack import StackConfig, running_stack
@@ -54,6 +55,8 @@ def ours(config: StackConfig, trace: Trace) -> dict[str, float]:
         assert stack.gateway is not None
         endpoint = Endpoint(stack.address, None, stack.gateway.url, config.model)
         run = asyncio.run(run_once(endpoint, "replay", trace, build_prompts(trace)))
+    if failed := failures([run]):  # its figures would be of the rest only
+        raise RuntimeError(f"the replayer's round: {failed[0]}")
     s = summarize(run.records, Slo(1e9, 1e9))
     return {"ttft_ms": 1000 * s.ttft_s["p50"], "tpot_ms": 1000 * s.tpot_s["p50"],
             "itl_ms": 1000 * s.itl_s["p50"], "e2e_ms": 1000 * s.e2e_s["p50"],
@@ -110,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         offer_tokenizer(workdir / "hf")
         write_trace(trace, workdir / "slice.jsonl")
-        for _ in range(args.rounds):  # alternating, so drift hits both
-            rows["replayer"].append(ours(config, trace))
-            rows["aiperf"].append(theirs(config, args.aiperf, workdir, workdir / "slice.jsonl",
-                                         trace.block_tokens))
+        try:
+            for _ in range(args.rounds):  # alternating, so drift hits both
+                rows["replayer"].append(ours(config, trace))
+                rows["aiperf"].append(theirs(config, args.aiperf, workdir,
+                                             workdir / "slice.jsonl", trace.block_tokens))
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     print(f"{len(trace.requests)} requests, {trace.rate:.3g}/s, tiny model through smg; "
           f"medians of {args.rounds} rounds (p50s per round)")
     names = list(rows["replayer"][0])

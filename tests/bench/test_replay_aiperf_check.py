@@ -13,6 +13,7 @@ import pytest
 
 from bench.replay import aiperf_check
 from kvstash.launch.stack import StackConfig
+from kvstash.workload.trace import Trace, TraceRequest
 
 
 @contextlib.contextmanager
@@ -44,3 +45,12 @@ def test_aiperf_check_refuses_zero_rounds(capsys: pytest.CaptureFixture[str],
         aiperf_check.main(["--aiperf", "/nonexistent", "--rounds", rounds])
     assert done.value.code == 2
     assert f"--rounds must be >= 1, got {rounds}" in capsys.readouterr().err
+
+
+def test_a_replayer_round_with_failed_requests_is_not_compared() -> None:
+    """Its p50s would be of the requests that completed only: here the one
+    longer than the tiny model serves is refused, through smg."""
+    trace = Trace((TraceRequest(0.0, 16, 4, (0,)), TraceRequest(0.1, 1100, 4, tuple(range(1, 70))),
+                   TraceRequest(0.2, 16, 4, (0,))), 16)
+    with pytest.raises(RuntimeError, match=r"1 of 3 requests failed \(request 1 HTTP_400"):
+        aiperf_check.ours(StackConfig(gateway=True), trace)
