@@ -27,10 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.offload_vs_recompute import MAX_MODEL_LEN
 from bench.replay.report import failures
 from bench.replay.runs import Endpoint, run_once
 from kvstash.common.tokenizer import BYTE_EOS_ID, tokenizer_files
 from kvstash.launch.stack import StackConfig, running_stack
+from kvstash.workload.flags import max_context
 from kvstash.workload.metrics import Slo, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit, read_trace, write_trace
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     config = StackConfig(gateway=True)
     try:
         raw = read_trace(args.trace, args.start, args.count)
-        trace, _ = fit(raw, args.length_scale, rate=args.rate, max_context=args.max_context)
+        longest = max_context(args, MAX_MODEL_LEN["tiny"], config.num_blocks * config.block_size)
+        trace, _ = fit(raw, args.length_scale, rate=args.rate, max_context=longest)
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows["replayer"].append(ours(config, trace))
                 rows["aiperf"].append(theirs(config, args.aiperf, workdir,
                                              workdir / "slice.jsonl", trace.block_tokens))
-        except (RuntimeError, subprocess.CalledProcessError) as exc:
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     print(f"{len(trace.requests)} requests, {trace.rate:.3g}/s, tiny model through smg; "

@@ -54,3 +54,15 @@ def test_a_replayer_round_with_failed_requests_is_not_compared() -> None:
                    TraceRequest(0.2, 16, 4, (0,))), 16)
     with pytest.raises(RuntimeError, match=r"1 of 3 requests failed \(request 1 HTTP_400"):
         aiperf_check.ours(StackConfig(gateway=True), trace)
+
+
+def test_a_max_context_past_the_tiny_model_is_refused_before_any_stack_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 1500,
+                                         "output_length": 4, "hash_ids": [0, 1, 2]}) + "\n"
+                             for t in (0, 500)), encoding="utf-8")
+    assert aiperf_check.main(["--aiperf", "/nonexistent", "--trace", str(trace),
+                              "--length-scale", "1", "--max-context", "2048"]) == 2
+    assert "--max-context 2048 is more than an instance serves: 1024" in \
+        capsys.readouterr().err
