@@ -78,11 +78,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-threads", type=int)
     p.add_argument("--scheduler-args", default="",
                    help="more scheduler flags for every run, e.g. '--init-new-token-ratio 0.3'")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds after its arrival a request may take before it is cancelled "
+                        "and counted failed (0: no limit)")
     p.add_argument("--out", type=Path, default=Path("bench-results/replay"))
     args = p.parse_args(argv)
     flags.check_flags(p, args)
     if args.num_blocks <= 0:
         p.error("--num-blocks must be > 0")
+    if not args.request_timeout >= 0:  # NaN too
+        p.error("--request-timeout must be >= 0 seconds")
+    args.request_timeout = args.request_timeout or None
     if args.write_trace is not None and len(args.rates) > 1:
         p.error("--write-trace writes one fitted slice: give one rate")
     if args.address and args.via == "http" and not args.http_url:
@@ -131,10 +137,10 @@ def replay_all(args: argparse.Namespace, base: StackConfig,
                     url = args.http_url if args.via == "http" else None
                     endpoint = Endpoint(args.address, args.cache_address, url, args.model)
                     run = asyncio.run(run_once(endpoint, policy, trace, prompts,
-                                               lambda _: bar.update()))
+                                               lambda _: bar.update(), args.request_timeout))
                 else:
                     run = run_policy(base, policy, trace, prompts, args.via == "http",
-                                     lambda _: bar.update())
+                                     lambda _: bar.update(), args.request_timeout)
             runs.append(run)
     return runs
 

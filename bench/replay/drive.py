@@ -83,8 +83,8 @@ def http_sender(url: str, model: str) -> Sender:
 
 
 async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
-                 on_done: Callable[[RequestRecord], None] = lambda _: None
-                 ) -> list[RequestRecord]:
+                 on_done: Callable[[RequestRecord], None] = lambda _: None,
+                 timeout_s: float | None = None) -> list[RequestRecord]:
     """Every request sent at its arrival time (from now), all awaited. Its
     latencies count from that arrival, not from when it went out: a replay
     behind schedule (a busy event loop) must not hide the wait as queueing.
@@ -100,7 +100,11 @@ async def replay(trace: Trace, prompts: Sequence[list[int]], send: Sender,
         due = start + request.arrival_s
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         record = RequestRecord(index, due, output=[])
-        await send(record, prompts[index], request.output_length)
+        left = None if timeout_s is None else due + timeout_s - time.perf_counter()
+        try:
+            await asyncio.wait_for(send(record, prompts[index], request.output_length), left)
+        except TimeoutError:
+            record.error, record.ended_s = "TIMEOUT", None
         if record.ended_s is None:  # failed, or its stream ended without a finish
             record.error = record.error or "UNFINISHED"
             record.ended_s = time.perf_counter()  # so the run's wall time holds it

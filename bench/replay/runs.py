@@ -82,7 +82,8 @@ def counters(stats: scheduler_pb2.SchedulerStats) -> dict[str, int]:
 
 
 async def run_once(endpoint: Endpoint, policy: str, trace: Trace,
-                   prompts: Sequence[list[int]], on_done: OnDone = None) -> RunResult:
+                   prompts: Sequence[list[int]], on_done: OnDone = None,
+                   timeout_s: float | None = None) -> RunResult:
     """Warms the stack up with one short request, then replays the trace."""
     async with Client(endpoint.scheduler) as client, contextlib.AsyncExitStack() as stack:
         cache = None
@@ -93,7 +94,7 @@ async def run_once(endpoint: Endpoint, policy: str, trace: Trace,
         await client.complete(list(prompts[0][:8]) or [1], max_tokens=2, ignore_eos=True)
         before = counters(await client.stats())
         async with Sampler(client, cache) as sampler:
-            records = await replay(trace, prompts, send, on_done or (lambda _: None))
+            records = await replay(trace, prompts, send, on_done or (lambda _: None), timeout_s)
         after = counters(await client.stats())
     delta = {name: after[name] - before[name] for name in COUNTERS}
     return RunResult(policy, trace.rate, records, delta, sampler.samples)
@@ -107,6 +108,7 @@ async def pool_tokens(address: str) -> int:
 
 
 def run_policy(base: StackConfig, policy: str, trace: Trace, prompts: Sequence[list[int]],
-               via_http: bool = False, on_done: OnDone = None) -> RunResult:
+               via_http: bool = False, on_done: OnDone = None,
+               timeout_s: float | None = None) -> RunResult:
     with policy_stack(base, policy, via_http) as endpoint:
-        return asyncio.run(run_once(endpoint, policy, trace, prompts, on_done))
+        return asyncio.run(run_once(endpoint, policy, trace, prompts, on_done, timeout_s))

@@ -21,7 +21,8 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
                         "--write-trace wrote says its own)")
     source.add_argument("--synthetic", type=int, metavar="N",
                         help="N synthetic requests: Poisson arrivals at --rates' first rate")
-    p.add_argument("--synthetic-input", type=int, default=256, help="mean prompt tokens after the shared blocks")
+    p.add_argument("--synthetic-input", type=int, default=256,
+                   help="mean prompt tokens after the shared blocks")
     p.add_argument("--synthetic-output", type=int, default=32, help="mean output tokens")
     p.add_argument("--synthetic-shared-blocks", type=int, default=1,
                    help="blocks (of 512 tokens x --length-scale) every prompt opens with")

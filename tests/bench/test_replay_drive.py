@@ -50,6 +50,31 @@ def test_a_request_that_finished_short_of_its_length_failed() -> None:
     assert not Slo(1e9, 1e9).met(records[0])
 
 
+def test_a_request_never_finished_is_cancelled_and_failed_at_its_timeout() -> None:
+    """A server that never finishes a request (a stall) fails that request
+    once it is `timeout_s` past its arrival, its stream cancelled, instead
+    of hanging the replay; the others are untouched."""
+    trace = Trace((TraceRequest(0.0, 4, 1, (0,)), TraceRequest(0.0, 4, 1, (1,))), 4)
+    cancelled = []
+
+    async def send(record: RequestRecord, prompt: list[int], max_tokens: int) -> None:
+        record.chunk_times.append(time.perf_counter())
+        record.num_tokens = 1
+        if record.index == 0:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(record.index)
+                raise
+        record.ended_s = time.perf_counter()
+
+    records = asyncio.run(asyncio.wait_for(replay(trace, [[1] * 4] * 2, send, timeout_s=0.3),
+                                           60))
+    assert [(r.ok, r.error) for r in records] == [(False, "TIMEOUT"), (True, None)]
+    assert cancelled == [0]
+    assert records[0].ended_s is not None and records[0].ended_s - records[0].sent_s >= 0.3
+
+
 @pytest.mark.parametrize(("finish", "error"), [("length", None), ("abort", "FINISH_ABORT"),
                                                ("stop", "FINISH_STOP")])
 def test_http_counts_only_a_request_that_ran_its_length(

@@ -140,3 +140,18 @@ def test_default_max_context_drops_what_a_checkpoint_cannot_hold(
     monkeypatch.setattr(replay_main, "replay_all", replay_all)
     assert replay(tmp_path, trace, "--num-blocks", "8", "--model", str(checkpoint)) == 0
     assert seen == [(64, 1)]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("-1", None), ("nan", None), ("0", "none"),
+                                                 ("2.5", 2.5)])
+def test_request_timeout_is_checked_and_zero_means_none(
+        tmp_path: Path, value: str, expected: float | str | None) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4))
+    argv = ["--trace", str(trace), "--request-timeout", value]
+    if expected is None:
+        with pytest.raises(SystemExit) as exit_info:
+            replay_main.parse_args(argv)
+        assert exit_info.value.code == 2
+    else:
+        args = replay_main.parse_args(argv)
+        assert args.request_timeout == (None if expected == "none" else expected)
