@@ -32,7 +32,7 @@ from typing import IO
 
 from kvstash.common.binding import free_port, join_address
 from kvstash.launch.openai_http import open_direct
-from kvstash.launch.processes import stop_process, stop_signals_held
+from kvstash.launch.processes import die_with_launcher, stop_process, stop_signals_held
 
 # smg 1.13.0's --policy choices.
 POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",
@@ -116,7 +116,8 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
              "--health-check-interval-secs", str(health_check_interval_s),
              "--health-failure-threshold", "2"],
             env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT)
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_launcher())  # noqa: PLW1509 (thread-safe: see it)
         try:
             assert process.stdout is not None
             copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path),

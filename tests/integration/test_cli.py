@@ -134,6 +134,36 @@ def test_up_stops_everything_when_nobody_reads_what_it_says() -> None:
     shutil.rmtree(up.log_dir)
 
 
+def test_up_killed_outright_leaves_no_service_running() -> None:
+    """SIGKILL (the OOM killer, `kill -9`, a CI runner's timeout) runs no
+    handler of `kvstash up`'s: each service (smg too) is sent SIGTERM as it
+    dies, and stops cleanly; the cache unlinks its arena."""
+    up = start_up("--gateway", "--gateway-port", "0")
+    cache = up.services["cache"][1]
+    arenas = [Path(os.readlink(fd)) for fd in Path(f"/proc/{cache}/fd").iterdir()
+              if os.readlink(fd).startswith("/dev/shm/")]
+    assert arenas
+    cache_args = Path(f"/proc/{cache}/cmdline").read_text().split("\0")
+    data_dir = Path(cache_args[cache_args.index("--disk-dir") + 1]).parent
+
+    up.process.kill()
+    up.process.wait(30)
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in up.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [name for name, (_, pid) in up.services.items() if _alive(pid)]
+    for name in left:  # not to hold ports and memory after a failure
+        os.kill(up.services[name][1], signal.SIGKILL)
+    kept = [arena for arena in arenas if arena.exists()]
+    for arena in kept:
+        arena.unlink()
+    assert not left
+    assert not kept
+    # What only the launcher removes (it cannot, killed): the data directory.
+    shutil.rmtree(data_dir)
+    shutil.rmtree(up.log_dir)
+
+
 def test_up_writes_its_logs_to_log_dir_and_keeps_them(tmp_path: Path) -> None:
     up = start_up("--log-dir", str(tmp_path / "logs"))
     assert up.log_dir == tmp_path / "logs"

@@ -277,6 +277,31 @@ def test_calibrate_stopped_by_a_signal_stops_the_services_it_started(
         calibrate.wait()
 
 
+def test_calibrate_killed_outright_leaves_no_service_running(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a CI runner's timeout) runs no handler of
+    calibrate's: its cache and worker are sent SIGTERM as it dies, and stop."""
+    calibrate = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.sim", "calibrate", str(tmp_path / "p.json"),
+         "--repeat", "1"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children := child_pids(calibrate.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 2, children  # the cache, and the worker starting or up
+        calibrate.kill()
+        calibrate.wait(30)
+        deadline = time.monotonic() + 60
+        while any(map(is_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if is_running(pid)]
+    finally:
+        for pid in children:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        calibrate.wait()
+
+
 def test_a_sighup_ignored_as_under_nohup_stays_ignored() -> None:
     """`nohup kvstash calibrate ... &`, then logging out: it runs on."""
     probe = ("import signal; from kvstash.sim.__main__ import _stop_as_ctrl_c; "
