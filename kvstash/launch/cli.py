@@ -23,7 +23,7 @@ from kvstash.common.binding import split_address
 from kvstash.launch import tokenizer_export
 from kvstash.launch.gateway import POLICIES
 from kvstash.launch.stack import Stack, StackConfig, start_stack, worker_threads
-from kvstash.launch.terminal import print_delta
+from kvstash.launch.terminal import print_delta, reader_gone
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SIM_COMMANDS = {"sim": "simulate instances serving a trace, in virtual time (kvstash.sim)",
@@ -276,23 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         up.error(f"argument --gateway-port: {args.gateway_port} is --listen's port too (the "
                  "scheduler's); smg needs a port of its own")
     try:
-        if args.command == "up":
-            return cmd_up(args)
-        if args.command == "generate":
-            return asyncio.run(_generate(args))
-        if args.command == "stats":
-            return asyncio.run(_stats(args))
-        if args.command == "tokenizer":
-            return tokenizer_export.run(args)
-        from kvstash.launch.demo import run_demo
-
-        _stop_on_signals()
-        try:
-            return run_demo(_stack_config(args), args.requests, args.max_tokens,
-                            stop=_stop_undisturbed)
-        except _Stop as exc:  # run_demo stopped the stack (start_stack, what had started)
-            _say(f"stopped ({exc})")
-            return 1
+        code = _run(args)
+        sys.stdout.flush()  # a reader gone fails here, not at exit
+        return code
+    except BrokenPipeError:  # `kvstash generate ... | head -c 5`
+        return reader_gone()
     except errors.KvstashError as exc:  # a call failed
         # The client names the call ("generate: ..."): once is enough.
         text = str(exc).removeprefix(f"{args.command}: ")
@@ -306,6 +294,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C in generate or stats: no traceback
         return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "generate":
+        return asyncio.run(_generate(args))
+    if args.command == "stats":
+        return asyncio.run(_stats(args))
+    if args.command == "tokenizer":
+        return tokenizer_export.run(args)
+    from kvstash.launch.demo import run_demo
+
+    _stop_on_signals()
+    try:
+        return run_demo(_stack_config(args), args.requests, args.max_tokens,
+                        stop=_stop_undisturbed)
+    except _Stop as exc:  # run_demo stopped the stack (start_stack, what had started)
+        _say(f"stopped ({exc})")
+        return 1
 
 
 def _hint(exc: errors.KvstashError, args: argparse.Namespace) -> str:

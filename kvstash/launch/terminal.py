@@ -1,8 +1,9 @@
 """What `kvstash generate` prints: a stream's text, safe for a terminal, and
-its usage line."""
+its usage line; and how every command ends when its reader goes away."""
 
 from __future__ import annotations
 
+import os
 import sys
 import unicodedata
 
@@ -28,3 +29,12 @@ def print_delta(delta: TokenDelta) -> None:
         print(f"\n[{delta.finish_reason}] {u.prompt_tokens} prompt + "
               f"{u.completion_tokens} completion tokens, ttft {u.ttft_s * 1000:.1f} ms, "
               f"{u.num_preemptions} preemptions", file=sys.stderr)
+
+
+def reader_gone() -> int:
+    """What a command whose stdout's reader went away (`| head`) does, as
+    Python's docs recommend (signal module, "Note on SIGPIPE"): stdout onto
+    /dev/null, so that the flush at exit fails no more, and exit status 1;
+    nothing said."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1

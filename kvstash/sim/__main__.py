@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvstash sim: --core compiled: cannot build into {compiled.cache_dir()} "
                   f"({exc.strerror or exc}; KVSTASH_CACHE_DIR names another)", file=sys.stderr)
             return 2
+    from kvstash.launch.terminal import reader_gone
     from kvstash.sim import calibrate, cli
 
     parser = argparse.ArgumentParser(prog="kvstash")
@@ -38,9 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstash {args.command}: {wrong}", file=sys.stderr)
         return 2
     try:
-        if args.command == "sim":
-            return cli.run(args, sim)
-        return calibrate.run(args)
+        code = cli.run(args, sim) if args.command == "sim" else calibrate.run(args)
+        sys.stdout.flush()  # a reader gone fails here, not at exit
+        return code
+    except BrokenPipeError:  # `kvstash sim ... | head -3`
+        return reader_gone()
     except (ValueError, RuntimeError, OSError, KvstashError) as exc:  # a bad setting, a
         # service that failed or refused a call, or an output that could not be written
         print(f"kvstash {args.command}: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ import pytest
 
 from kvstash.client import Client
 from kvstash.launch.openai_http import request_json
-from kvstash.launch.stack import StackConfig, running_stack
+from kvstash.launch.stack import Stack, StackConfig, running_stack
 from tests.process_helpers import child_pids
 
 
@@ -162,6 +162,22 @@ def test_up_killed_outright_leaves_no_service_running() -> None:
     # What only the launcher removes (it cannot, killed): the data directory.
     shutil.rmtree(data_dir)
     shutil.rmtree(up.log_dir)
+
+
+@pytest.mark.parametrize("command", [("generate", "Once upon a time", "--max-tokens", "32"),
+                                     ("stats",)])
+def test_a_reader_gone_ends_a_command_quietly(stack: Stack, command: tuple[str, ...]) -> None:
+    """`kvstash generate ... | head -c 5`, `kvstash stats | true`: the
+    reader's end of the pipe closes before (or while) the command writes;
+    it ends with status 1 and says nothing (it said `[Errno 32] Broken
+    pipe` and exited 2)."""
+    done = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.launch.cli", *command, "--address", stack.address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.stdout is not None
+    done.stdout.close()  # the reader goes away
+    _, err = done.communicate(timeout=120)
+    assert (done.returncode, err) == (1, "")
 
 
 def test_up_writes_its_logs_to_log_dir_and_keeps_them(tmp_path: Path) -> None:

@@ -102,6 +102,19 @@ def test_sim_refuses_an_unknown_policy() -> None:
     assert exit_info.value.code == 2
 
 
+def test_sim_whose_reader_goes_away_ends_quietly() -> None:
+    """`kvstash sim ... | head -3`: the reader's end of the pipe closes
+    before the table is written; sim ends with status 1 and says nothing (it
+    said `[Errno 32] Broken pipe` and exited 2)."""
+    done = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.launch.cli", "sim", *SMALL, "--policies", "recompute"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.stdout is not None
+    done.stdout.close()  # the reader goes away
+    _, err = done.communicate(timeout=120)
+    assert (done.returncode, err) == (1, "")
+
+
 def test_calibrate_measures_a_profile_the_sim_reads(tmp_path: Path) -> None:
     """A real cache and worker (the tiny model), driven and fitted, at the
     prefill chunk sizes asked for."""
