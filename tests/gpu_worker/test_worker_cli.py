@@ -159,12 +159,32 @@ async def test_serves_announces_and_stops_on_sigterm() -> None:
         assert await asyncio.wait_for(worker.process.wait(), 30) == 0
 
 
+# `python -m gpu_worker` whose model load takes ten minutes, as a large
+# checkpoint's can: the tiny model loads in about 2 s, which a SIGINT sent on
+# the "loading" line could miss on a loaded machine, and a plain exit's wait
+# for it would go unseen.
+_SLOW_LOAD = """
+import sys, time
+import gpu_worker.runner
+
+def load_for_minutes(config):
+    print("test: load started", file=sys.stderr, flush=True)
+    time.sleep(600)
+    raise SystemExit("test: the load was never interrupted")
+
+gpu_worker.runner.load_model = load_for_minutes
+from gpu_worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130() -> None:
-    """SIGINT as the worker starts loading ends it at once, with one line and
-    130 (a plain exit would wait for the load on the compute thread)."""
+    """SIGINT while the worker loads its model ends it at once, with one line
+    and 130: a plain exit would wait for the load on the compute thread
+    (here ten minutes; interrupt_once kills it after one)."""
     status, stderr = interrupt_once(
-        [sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--device", "cpu",
-         "--num-blocks", "16"], REPO, when="(NOT_SERVING), loading")
+        [sys.executable, "-c", _SLOW_LOAD, "--listen", "127.0.0.1:0", "--device", "cpu",
+         "--num-blocks", "16"], REPO, when="test: load started")
     assert "Traceback" not in stderr, stderr
     assert stderr.rstrip().splitlines()[-1] == "gpu_worker: interrupted while starting", stderr
     assert status == 130
