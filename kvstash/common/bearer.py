@@ -51,12 +51,18 @@ class TokenFile:
         self._flag = flag
         self._seen: tuple[int, ...] | None = None  # the file as last read (() = unreadable)
         self._look_after = 0.0
+        self._reading: asyncio.Future[None] | None = None  # the latest look
 
     async def current(self) -> tuple[str, ...]:
         now = time.monotonic()
         if now >= self._look_after:
-            self._look_after = now + TOKEN_FILE_CHECK_S  # calls meanwhile use the tokens held
-            await asyncio.to_thread(self._reread_if_changed)
+            self._look_after = now + TOKEN_FILE_CHECK_S
+            self._reading = asyncio.ensure_future(asyncio.to_thread(self._reread_if_changed))
+        if self._reading is not None and not self._reading.done():
+            # Calls meanwhile wait for it too, or a channel made after a
+            # rotation would send its start-up token on all its first calls
+            # but one.
+            await asyncio.shield(self._reading)
         return self.tokens
 
     def _reread_if_changed(self) -> None:

@@ -301,6 +301,29 @@ async def test_a_rotated_token_file_is_sent_without_a_restart(tmp_path: Path) ->
         await scheduler.server.stop(None)
 
 
+async def test_calls_at_once_on_a_channel_made_after_a_rotation_carry_the_new_token(
+        tmp_path: Path) -> None:
+    """A channel made after --token-file changed (to a decode instance's pod
+    that came back at a new address, days after a rotation that revoked the
+    start-up token): its first calls at once all carry the new token. Only
+    the first waited for the file's re-read; the others sent the start-up
+    token and were refused (a prefill instance asks no more, for those
+    requests, a decode instance that refused its token)."""
+    accepted, sent = tmp_path / "accepted", tmp_path / "sent"
+    accepted.write_text("new\n")
+    sent.write_text("old\n")
+    sender = security.from_args(parse("--token-file", str(sent)))  # at its start
+    sent.write_text("new\n")
+    scheduler = await create_scheduler_server(
+        "127.0.0.1:0", security.from_args(parse("--auth-token-file", str(accepted))))
+    try:
+        async with rpc_connections.channel(f"127.0.0.1:{scheduler.port}", sender) as channel:
+            codes = await asyncio.gather(*(_stats_call(channel) for _ in range(8)))
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 8  # let in, no worker behind
+    finally:
+        await scheduler.server.stop(None)
+
+
 async def _stats_call(channel: grpc.aio.Channel) -> grpc.StatusCode:
     from kvstash.v1 import common_pb2, scheduler_pb2_grpc
 
