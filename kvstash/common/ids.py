@@ -3,8 +3,9 @@
 Request ids are any visible ASCII (0x21-0x7E), so that a gateway's ids
 (smg's "<x-request-id>-<uuid7>", a client's own) pass as they are; no space,
 control or non-ASCII character, so a log line that names one stays one line.
-Every service and both APIs apply the same rule: a prefill instance's ids
-reach its decode instances and its worker unchanged. Snapshot ids also name
+Every service and both APIs apply the same rule: a request's id reaches its
+worker unchanged (a decode instance knows a hand-off by its snapshot id,
+itself a valid request id, unique in the shared cache). Snapshot ids also name
 files, so they keep a stricter alphabet; `snapshot_id_for` makes one from any
 request id. Errors echo at most a short prefix of what was sent.
 """
