@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 import zlib
 
 import pytest
@@ -203,6 +205,13 @@ async def test_a_snapshot_found_on_disk_is_still_recent_after_a_restart(start_ca
     for i in range(8):  # u0..u3 spill to disk, oldest first; u4..u7 stay in memory
         await running.client.put(f"u{i}", LAYOUT, one_mib, 0,
                                  make_payload(LAYOUT, one_mib, seed=i), pinned=False)
+    # Spilled a minute apart, as in service: here they and the find's touch
+    # may fall within one tick of a file system's coarse timestamps (4 ms on
+    # many kernels), and an mtime tie lets the restart keep any two of them.
+    spilled = time.time() - 600
+    for i in range(4):
+        [path] = running.disk_dir.glob(f"u{i}~*")
+        os.utime(path, (spilled + 60 * i, spilled + 60 * i))
     assert await running.client.find(["u0"]) == [DISK]
     stats = await running.client.stats()
     assert stats.disk_snapshots == 4
