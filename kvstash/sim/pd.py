@@ -138,8 +138,9 @@ class PdCluster(Cluster):
                   seconds: float) -> Instance:
         """A decode instance whose restore of a hand-off failed gave it back
         (Lifecycle.finish_restore), the snapshot left: its prefill instance
-        takes it back and resumes it from there, as the edge does once no
-        decode instance is left to try."""
+        takes it back and resumes it from there at once. The edge first hands
+        it off again, up to 3 times in all, and takes it back only then (the
+        simulator models no restore that fails once and then succeeds)."""
         super()._restored(inst, cmd, num_bytes, seconds)
         request_id = cmd.request_id
         prefill = self._prefill_of.get(request_id)
