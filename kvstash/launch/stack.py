@@ -42,6 +42,7 @@ from typing import NamedTuple
 from kvstash.common.binding import check_free, free_port, join_address
 from kvstash.common.cpu import threads_per_worker, usable_cpus
 from kvstash.common.units import parse_bytes
+from kvstash.launch.data_dir import DataDir
 from kvstash.launch.gateway import Gateway, check_gateway, start_gateway
 from kvstash.launch.processes import Service, start_service, stop_signals_held
 
@@ -234,7 +235,7 @@ def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     if config.gateway:  # smg installed, the policy known, its port free
         check_gateway(config.gateway_policy)
         check_free(config.host, config.gateway_port)
-    tmp = tempfile.TemporaryDirectory(prefix="kvstash-")
+    tmp = DataDir()  # removes those killed launchers left
     # Logs live apart from the data (the cache's disk tier), so they can
     # outlive a failed stack without keeping gigabytes of snapshots.
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvstash-logs-"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.client import Client
+from kvstash.launch.data_dir import remove_stale
 from kvstash.launch.openai_http import request_json
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 from tests.process_helpers import child_pids
@@ -137,7 +138,8 @@ def test_up_stops_everything_when_nobody_reads_what_it_says() -> None:
 def test_up_killed_outright_leaves_no_service_running() -> None:
     """SIGKILL (the OOM killer, `kill -9`, a CI runner's timeout) runs no
     handler of `kvstash up`'s: each service (smg too) is sent SIGTERM as it
-    dies, and stops cleanly; the cache unlinks its arena."""
+    dies, and stops cleanly; the cache unlinks its arena, and the next
+    launcher removes the data directory."""
     up = start_up("--gateway", "--gateway-port", "0")
     cache = up.services["cache"][1]
     arenas = [Path(os.readlink(fd)) for fd in Path(f"/proc/{cache}/fd").iterdir()
@@ -159,8 +161,10 @@ def test_up_killed_outright_leaves_no_service_running() -> None:
         arena.unlink()
     assert not left
     assert not kept
-    # What only the launcher removes (it cannot, killed): the data directory.
-    shutil.rmtree(data_dir)
+    # The data directory, which only a launcher removes: the next one does.
+    assert data_dir.is_dir()
+    remove_stale(data_dir.parent)
+    assert not data_dir.exists()
     shutil.rmtree(up.log_dir)
 
 
