@@ -22,8 +22,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.core.costs import LinearFit, step_features
+from scheduler_svc.core.costs import step_features
 from scheduler_svc.core.seq import ScheduledSeq
+from scheduler_svc.core.step_fit import nnls, normal_equations
 
 COPY_PATHS = ("arena", "grpc", "disk")
 PROFILES = Path(__file__).parent / "profiles"  # the shipped ones
@@ -147,20 +148,10 @@ def read_profile(path: Path) -> CostProfile:
 
 def lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> tuple[list[float], float]:
     """Least squares of the relative error (a 10 ms step matters as much as a
-    300 ms one), by the scheduler's own fit (scheduler_svc.core.costs), every
-    coefficient >= 0 (a negative one is dropped and the rest refitted); and
-    the fit's RMS relative error."""
-    keep = list(range(len(rows[0])))
-    while True:
-        fit = LinearFit(len(keep), forget=1.0)
-        for row, y in zip(rows, targets, strict=True):
-            fit.add([row[i] / y for i in keep], 1.0, clip=False)
-        if min(fit.theta) >= 0:
-            break
-        keep.pop(fit.theta.index(min(fit.theta)))
-    full = [0.0] * len(rows[0])
-    for i, c in zip(keep, fit.theta, strict=True):
-        full[i] = c
+    300 ms one), every coefficient >= 0, by the scheduler's own solver
+    (scheduler_svc.core.step_fit.nnls); and the fit's RMS relative error."""
+    scaled = [[x / y for x in row] for row, y in zip(rows, targets, strict=True)]
+    full = nnls(*normal_equations(scaled, [1.0] * len(scaled)))
     errors = [sum(c * x for c, x in zip(full, row, strict=True)) / y - 1
               for row, y in zip(rows, targets, strict=True)]
     return full, math.sqrt(sum(e * e for e in errors) / len(errors))

@@ -10,6 +10,7 @@ engine drives it, and the gRPC edges convert to and from its dataclasses.
     preemption.py  victims, offload or recompute, resume order (policy)
     costs.py       offload + restore vs recompute seconds, fitted to measurements
     copy_fit.py    a copy's seconds by its blocks, robust to outliers (costs.py)
+    step_fit.py    a step's seconds by its features, robust, none below 0 (costs.py)
     admission.py   chunked prefill and admission under budget and reservation
     prefix_tier.py prompt segments kept in the cache service for every instance
     reservation.py blocks kept back for running decodes (new_token_ratio)

@@ -25,12 +25,12 @@ so it prefills only the positions after them (`prefill_s`, preemption.py);
 its own cached blocks, freed, may be evicted before it is readmitted
 (so may those only other victims held): nothing counts on them.
 
-The step fit is least squares over exponentially forgotten samples
-(`_FORGET_STEP`), kept as its normal equations and solved when asked: pure
-Python, a 5x5 system. A fit is trusted once `min_samples` of its samples
-were measured (for the steps: steps with prefill chunks); from then on a step
-far off its prediction is clipped (`_MAX_RATIO`). A prediction of zero or
-less counts as none.
+The step fit is least squares of the relative error over the last 64 steps
+with prefill chunks and the last 64 without, no coefficient below 0, each
+step's seconds bounded by the fit, re-solved every 16 steps (step_fit.py).
+A fit is trusted once `min_samples` of its samples were measured (for the
+steps: steps with prefill chunks). A prediction of zero or less counts as
+none.
 """
 
 from __future__ import annotations
@@ -39,127 +39,13 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations_with_replacement, islice
+from itertools import islice
 
 from scheduler_svc.core.copy_fit import CopyFit
 from scheduler_svc.core.seq import ScheduledSeq
+from scheduler_svc.core.step_fit import StepFit
 
-# Weight left to a step after each newer one: the fit's memory is about the
-# last 1000 steps (seconds of serving).
-_FORGET_STEP = 0.999
-# Once a fit is trusted, a sample more than this many times off its prediction
-# counts as only this far off: a step that waited seconds for a busy CPU (seen
-# on the 2-core machine, against milliseconds usually) moves it no further
-# than a plain slow one. The prediction it is bounded by is re-solved every
-# 1/16 of a fit's memory: every 62 steps.
-_MAX_RATIO = 4.0
-# Added to the diagonal of the scaled normal equations: a direction no sample
-# has told apart (two features always in proportion) gets the least-norm answer.
-_RIDGE = 1e-9
-# LinearFit's sums come back to a sample weight of 1 past this one (every
-# 345,000 steps): far below overflow, squared features included.
-_RESCALE = 1e150
 _START_POS = operator.attrgetter("start_pos")
-
-
-class LinearFit:
-    """y ~ theta . x by exponentially weighted least squares.
-
-    A sample's weight shrinks by `forget` with each newer one. Rather than
-    scale every sum down at each sample, the sums take the n-th sample
-    weighted up by 1 / forget^n, and come back down to a weight of 1 when
-    it passes _RESCALE; `_solve` scales its equations to a unit diagonal,
-    so the common factor drops out. A sample's features that are 0 add
-    nothing: a step without prefill chunks (two of the five features 0)
-    adds 9 products to the sums, where every sample used to add 20 and
-    scale all 20 sums down (kvstash sim: 2.3-2.7 against 4.8-6.8 us a step
-    with the core compiled)."""
-
-    __slots__ = ("_clip_every", "_forget", "_gram", "_moment", "_reference", "_theta",
-                 "_weight", "num_samples")
-
-    def __init__(self, num_features: int, forget: float) -> None:
-        self._forget = forget
-        self._clip_every = max(1, round(1 / (1 - forget) / 16)) if forget < 1 else 64
-        # sum w x x^T (symmetric): its upper triangle, row after row, in one list
-        self._gram = [0.0] * (num_features * (num_features + 1) // 2)
-        self._moment = [0.0] * num_features  # sum w x y
-        self._weight = 1.0  # w of the newest sample; the next one's is w / forget
-        self._theta: list[float] | None = None  # solved lazily; None: stale
-        self._reference: list[float] | None = None  # the theta samples are clipped by
-        self.num_samples = 0
-
-    def add(self, x: Sequence[float], y: float, clip: bool) -> None:
-        """One measurement; `clip`: bound it by the prediction (see _MAX_RATIO)."""
-        if clip:
-            if self._reference is None or not self.num_samples % self._clip_every:
-                self._reference = self.theta
-            expected = _dot(self._reference, x)
-            if expected > 0:
-                y = min(max(y, expected / _MAX_RATIO), expected * _MAX_RATIO)
-        weight = self._weight = self._weight / self._forget
-        gram, moment = self._gram, self._moment
-        n = len(moment)
-        row = 0  # where feature i's row of the upper triangle starts
-        for i in range(n):
-            xi = x[i]
-            if xi:
-                wxi = weight * xi
-                moment[i] += wxi * y
-                for j in range(i, n):
-                    xj = x[j]
-                    if xj:
-                        gram[row + j - i] += wxi * xj
-            row += n - i
-        if weight > _RESCALE:
-            self._gram = [g / weight for g in gram]
-            self._moment = [m / weight for m in moment]
-            self._weight = 1.0
-        self._theta = None
-        self.num_samples += 1
-
-    @property
-    def theta(self) -> list[float]:
-        if self._theta is None:
-            self._theta = _solve(self._gram, self._moment)
-        return self._theta
-
-    def predict(self, x: Sequence[float]) -> float:
-        return _dot(self.theta, x)
-
-
-def _dot(theta: Sequence[float], x: Sequence[float]) -> float:
-    total = 0.0
-    for t, xi in zip(theta, x, strict=True):
-        total += t * xi
-    return total
-
-
-def _solve(upper: list[float], moment: list[float]) -> list[float]:
-    """theta with gram @ theta = moment (`upper`: gram's upper triangle, row
-    after row), scaled to a unit diagonal first (the features differ by many
-    orders of magnitude); features never seen get 0."""
-    n = len(moment)
-    gram = [[0.0] * n for _ in range(n)]
-    for value, (i, j) in zip(upper, combinations_with_replacement(range(n), 2), strict=True):
-        gram[i][j] = gram[j][i] = value
-    seen = [i for i in range(n) if gram[i][i] > 0]
-    scale = {i: 1 / math.sqrt(gram[i][i]) for i in seen}
-    # One row per seen feature: [scaled gram + ridge | scaled moment].
-    rows = [[gram[i][j] * scale[i] * scale[j] + (_RIDGE if i == j else 0.0) for j in seen]
-            + [moment[i] * scale[i]] for i in seen]
-    size = len(rows)
-    for col in range(size):  # Gauss-Jordan with partial pivoting
-        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        head = rows[col]
-        for r in range(size):
-            if r != col and (factor := rows[r][col] / head[col]):
-                rows[r] = [v - factor * h for v, h in zip(rows[r], head, strict=True)]
-    theta = [0.0] * len(moment)
-    for k, i in enumerate(seen):
-        theta[i] = rows[k][size] / rows[k][k] * scale[i]
-    return theta
 
 
 def step_features(seqs: Sequence[ScheduledSeq], num_decodes: int
@@ -205,7 +91,7 @@ class CostModel:
         self.min_samples = min_samples
         self.offload = CopyFit()
         self.restore = CopyFit()
-        self.step = LinearFit(5, _FORGET_STEP)  # the step model above
+        self.step = StepFit()  # the step model above
         self.num_prefill_steps = 0  # steps measured with a prefill chunk
 
     @property
@@ -225,8 +111,9 @@ class CostModel:
     def observe_step(self, seqs: Sequence[ScheduledSeq], num_decodes: int, seconds: float) -> None:
         """A step ran `seqs` (its first `num_decodes` are decodes) in `seconds`."""
         features = step_features(seqs, num_decodes)
-        self.step.add(features, seconds, self.num_prefill_steps >= self.min_samples)
-        if features[3]:  # prefill tokens
+        prefill = features[3] > 0  # prefill tokens
+        self.step.add(features, seconds, prefill)
+        if prefill:
             self.num_prefill_steps += 1
 
     def offload_restore_s(self, num_blocks: int) -> float | None:
