@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 
 from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, ModelConfig, WorkerConfig, tiny_model_config
 from gpu_worker.hf_config import checkpoint_dtype, parse_model_config
@@ -181,6 +182,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
 
 
+def _read_tokenizer(path: Path) -> str:
+    """tokenizer.json's text, parsed here: the scheduler loads it only once
+    this worker is serving, and would fail there with a traceback."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: "
+                         f"{exc}") from None
+    return text
+
+
 def _stored_dtype(index: dict[str, _Stored]) -> torch.dtype:
     """The dtype of the first floating-point tensor as stored on disk."""
     for _, stored in sorted(index.items()):
@@ -206,7 +219,7 @@ def load_checkpoint(directory: Path, dtype: torch.dtype | None,
     if dtype is None:
         declared = checkpoint_dtype(raw)
         dtype = torch_dtype(declared) if declared is not None else _stored_dtype(index)
-    tokenizer = tokenizer_path.read_text(encoding="utf-8")
+    tokenizer = _read_tokenizer(tokenizer_path)
     config = tokenizer_config(directory)  # a bad one fails before the weights load
     check_checkpoint(cfg, index)
     model = CausalLM(cfg, dtype, device)

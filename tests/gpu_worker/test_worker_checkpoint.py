@@ -197,6 +197,17 @@ def test_directory_problems_are_explained(tmp_path: Path) -> None:
         parse_model_config({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})
 
 
+@pytest.mark.parametrize("content", [b"{not json", b'{"model": {"type": "BPE"}}', b"\xff\xfe"],
+                         ids=["not-json", "no-vocab", "not-utf8"])
+def test_an_unreadable_tokenizer_is_refused_at_load(tmp_path: Path, content: bytes) -> None:
+    """Not served: the scheduler, which parses it only once this worker is up,
+    failed there with a traceback."""
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a tokenizer"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
