@@ -104,11 +104,12 @@ class _Stored(NamedTuple):
 
 @contextmanager
 def _opened(path: Path) -> Iterator[Any]:
-    """safe_open, a truncated or corrupt file (an interrupted download) a ValueError naming it."""
+    """safe_open, a truncated, corrupt or unreadable file (an interrupted download,
+    a broken symlink) a ValueError naming it."""
     try:
         with safe_open(str(path), framework="pt") as f:
             yield f
-    except SafetensorError as exc:
+    except (SafetensorError, OSError) as exc:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
@@ -175,8 +176,11 @@ def load_weights(model: CausalLM, index: dict[str, _Stored]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:  # the JSON or UTF-8 error alone would not name the file
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if isinstance(data, dict):
         return data
     raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
@@ -206,11 +210,22 @@ def _stored_dtype(index: dict[str, _Stored]) -> torch.dtype:
 def load_checkpoint(directory: Path, dtype: torch.dtype | None,
                     device: torch.device) -> LoadedModel:
     """dtype None = the checkpoint's own: config.json's `dtype` / `torch_dtype`,
-    else that of its stored tensors."""
+    else that of its stored tensors. Any problem is a ValueError (the CLI's
+    message and exit 2), an unreadable file's too."""
+    try:
+        return _load_checkpoint(directory, dtype, device)
+    except OSError as exc:  # its message names the file
+        raise ValueError(f"cannot read checkpoint {directory}: {exc}") from None
+
+
+def _load_checkpoint(directory: Path, dtype: torch.dtype | None,
+                     device: torch.device) -> LoadedModel:
     config_path, tokenizer_path = directory / "config.json", directory / "tokenizer.json"
     for required in (config_path, tokenizer_path):
         if not required.is_file():
-            raise ValueError(f"checkpoint directory {directory} has no {required.name}")
+            # A Hub snapshot copied without -L: its files link to ../../blobs.
+            broken = " (a broken symlink)" if required.is_symlink() else ""
+            raise ValueError(f"checkpoint directory {directory} has no {required.name}{broken}")
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
     raw = _read_json(config_path)

@@ -197,6 +197,24 @@ def test_directory_problems_are_explained(tmp_path: Path) -> None:
         parse_model_config({**LLAMA, "rope_scaling": {"type": "yarn", "factor": 2.0}})
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json",
+                                  "tokenizer_config.json"])
+def test_unparsable_json_names_its_file(tmp_path: Path, name: str) -> None:
+    """Not only "Expecting value: line 1 column 1": which of the files is it?"""
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    (tmp_path / name).write_bytes(b"\xff{")
+    with pytest.raises(ValueError, match=rf"{name} is not valid JSON"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_a_broken_symlink_is_named_as_one(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").symlink_to(Path("../../blobs/0123abcd"))
+    with pytest.raises(ValueError, match=r"has no config\.json \(a broken symlink\)"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("content", [b"{not json", b'{"model": {"type": "BPE"}}', b"\xff\xfe"],
                          ids=["not-json", "no-vocab", "not-utf8"])
 def test_an_unreadable_tokenizer_is_refused_at_load(tmp_path: Path, content: bytes) -> None:

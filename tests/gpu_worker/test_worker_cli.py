@@ -150,6 +150,21 @@ def test_cli_reports_a_corrupt_checkpoint_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in out.stderr
 
 
+def test_cli_reports_an_unreadable_shard_without_a_traceback(tmp_path: Path) -> None:
+    """A Hub snapshot copied without -L: each file a symlink into a blobs/ that is not there."""
+    write_checkpoint(tmp_path, LLAMA, shards=1)
+    shard = next(tmp_path.glob("*.safetensors"))
+    shard.unlink()
+    shard.symlink_to(Path("../../blobs/0123abcd"))
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_worker", "--listen", "127.0.0.1:0", "--model", str(tmp_path),
+         "--device", "cpu", "--num-blocks", "8"],
+        cwd=REPO, capture_output=True, text=True, timeout=90, check=False)
+    assert out.returncode == 2, out.stderr[-800:]
+    assert f"{shard.name} is not a readable safetensors file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 async def test_serves_announces_and_stops_on_sigterm() -> None:
     async with worker_process("--num-blocks", "16") as worker:
         async with insecure_channel(worker.address) as channel:
