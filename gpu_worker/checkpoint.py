@@ -239,7 +239,7 @@ def _load_checkpoint(directory: Path, dtype: torch.dtype | None,
     check_checkpoint(cfg, index)
     model = CausalLM(cfg, dtype, device)
     load_weights(model, index)
-    name = os.path.basename(os.path.normpath(directory))
+    name = os.path.basename(os.path.abspath(directory))  # `--model .` is named too
     return LoadedModel(name, model.eval(), weights_id(directory), tokenizer, config)
 
 

@@ -98,6 +98,17 @@ def test_worker_config_directory_gives_runner_and_tokenizer(tmp_path: Path) -> N
     assert token is not None and 0 <= token < 40
 
 
+@pytest.mark.parametrize("relative", [".", "./", "sub/.."])
+def test_a_relative_directory_is_named_after_the_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relative: str) -> None:
+    """`kvstash up --model .` served a model named "." (what clients had to send)."""
+    write_checkpoint(tmp_path, QWEN2, shards=1)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_checkpoint(Path(relative), torch.float32, torch.device("cpu")).name == (
+        tmp_path.name)
+
+
 def test_bfloat16_load_casts(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, LLAMA)
     loaded = load_checkpoint(tmp_path, torch.bfloat16, torch.device("cpu"))
