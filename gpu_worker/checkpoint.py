@@ -1,7 +1,8 @@
 """Loading a model: the built-in tiny one, or a local Llama / Qwen2 directory.
 
 A checkpoint directory holds `config.json`, one or more `*.safetensors` files
-with Hugging Face tensor names, and `tokenizer.json`. Nothing is downloaded.
+with Hugging Face tensor names (those `model.safetensors.index.json` lists,
+where there is one), and `tokenizer.json`. Nothing is downloaded.
 Tensor names, shapes and dtypes, as the files' headers give them, are checked
 against config.json before the model is allocated, so a wrong checkpoint fails
 with every problem named instead of half-loading (or, where config.json is far
@@ -113,13 +114,32 @@ def _opened(path: Path) -> Iterator[Any]:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
+def _weight_files(directory: Path) -> list[Path]:
+    """The shards `model.safetensors.index.json` names, as vLLM reads them (a
+    stale single-file export beside them is no part of the model); without an
+    index, every *.safetensors file."""
+    index_path = directory / "model.safetensors.index.json"
+    if not index_path.is_file():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {directory}")
+        return files
+    weight_map = _read_json(index_path).get("weight_map")
+    if (not isinstance(weight_map, dict) or not weight_map
+            or any(type(f) is not str for f in weight_map.values())):
+        raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
+    names = sorted(set(weight_map.values()))
+    missing = [n for n in names if not (directory / n).is_file()]
+    if missing:  # an interrupted download: named, not as every tensor it holds
+        raise ValueError(f"{index_path.name} lists shards that {directory} lacks: "
+                         f"{', '.join(missing)}")
+    return [directory / n for n in names]
+
+
 def _tensor_index(directory: Path) -> dict[str, _Stored]:
-    """Every tensor name in the directory's safetensors files -> where and how stored."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {directory}")
+    """Every tensor name in the checkpoint's safetensors files -> where and how stored."""
     index: dict[str, _Stored] = {}
-    for path in files:
+    for path in _weight_files(directory):
         with _opened(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name in index:
@@ -244,13 +264,13 @@ def _load_checkpoint(directory: Path, dtype: torch.dtype | None,
 
 
 def weights_id(directory: Path) -> str:
-    """A digest of config.json and of every safetensors file's header (each
+    """A digest of config.json and of each weight file's header (each
     tensor's name, dtype, shape and place) and each tensor's first and last
     bytes: a fine-tune changes every element of what it tunes, and reading
     only these keeps it to milliseconds where hashing all of an 8B model's
     16 GB would take tens of seconds a start."""
     digest = hashlib.sha256((directory / "config.json").read_bytes())
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in _weight_files(directory):
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = f.read(header_len)

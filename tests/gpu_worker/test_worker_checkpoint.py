@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -137,6 +138,43 @@ def test_mismatched_tensors_are_named(tmp_path: Path, edit: dict[str, torch.Tens
                                       message: str) -> None:
     write_checkpoint(tmp_path, LLAMA, edit=edit)
     with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def write_index(directory: Path) -> None:
+    """model.safetensors.index.json for the shards in `directory`, as transformers writes it."""
+    weight_map = {}
+    for shard in sorted(directory.glob("model-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            weight_map |= dict.fromkeys(f.keys(), shard.name)
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+
+
+def test_the_index_names_the_shards_that_are_read(tmp_path: Path) -> None:
+    """A stale single-file export beside the shards (vLLM and transformers
+    load the directory) was refused: each tensor "is in both"."""
+    source = write_checkpoint(tmp_path, LLAMA, shards=3)
+    write_index(tmp_path)
+    stale = CausalLM(parse_model_config(LLAMA), torch.float32)
+    fill_random(stale, seed=9)
+    save_file({n: p.detach().contiguous() for n, p in stale.named_parameters()},
+              str(tmp_path / "model.safetensors"))
+    loaded = load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    tokens = torch.tensor([2, 3, 4, 5, 6, 7, 8])
+    assert torch.equal(reference_forward(loaded.model, tokens), reference_forward(source, tokens))
+
+
+def test_a_shard_the_index_lists_but_the_directory_lacks_is_named(tmp_path: Path) -> None:
+    """An interrupted download: the shard is named, not each tensor it held."""
+    write_checkpoint(tmp_path, LLAMA, shards=3)
+    write_index(tmp_path)
+    (tmp_path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json lists shards that .* "
+                                         r"lacks: model-00002-of-00003.safetensors$"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
+    with pytest.raises(ValueError, match="has no weight_map of tensor names to file names"):
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
 
 

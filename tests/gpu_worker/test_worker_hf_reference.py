@@ -53,7 +53,8 @@ def to_legacy_layout(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_reference(directory: Path, model: Any, legacy: bool) -> torch.Tensor:
+def save_reference(directory: Path, model: Any, legacy: bool,
+                   max_shard_size: str = "50GB") -> torch.Tensor:
     """Random weights (biases too, which transformers zeroes), saved as
     transformers does; returns its float64 logits for TOKENS."""
     gen = torch.Generator().manual_seed(7)
@@ -61,7 +62,7 @@ def save_reference(directory: Path, model: Any, legacy: bool) -> torch.Tensor:
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
     (directory / "tokenizer.json").write_text(tokenizer_json())
     raw = json.loads((directory / "config.json").read_text())
     assert "rope_parameters" in raw and "rope_theta" not in raw  # the transformers-5 layout
@@ -95,3 +96,12 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = load_checkpoint(tmp_path, None, torch.device("cpu"))
     assert loaded.model.dtype == torch.bfloat16
+
+
+def test_sharded_checkpoint_with_its_index_matches_transformers(tmp_path: Path) -> None:
+    expected = save_reference(tmp_path, qwen2(), legacy=False, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    loaded = load_checkpoint(tmp_path, torch.float64, torch.device("cpu"))
+    got = reference_forward(loaded.model, torch.tensor(TOKENS))
+    assert (got - expected).abs().max().item() < TOLERANCE
