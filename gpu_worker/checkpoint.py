@@ -106,12 +106,14 @@ class _Stored(NamedTuple):
 @contextmanager
 def _opened(path: Path) -> Iterator[Any]:
     """safe_open, a truncated, corrupt or unreadable file (an interrupted download,
-    a broken symlink) a ValueError naming it."""
+    a broken symlink) a ValueError naming it; so is one torch cannot map (a
+    RuntimeError: larger than RAM + swap), and only at the open."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            yield f
-    except (SafetensorError, OSError) as exc:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, RuntimeError) as exc:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+    with handle as f:
+        yield f
 
 
 def _weight_files(directory: Path) -> list[Path]:

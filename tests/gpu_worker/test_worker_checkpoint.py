@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,24 @@ def test_truncated_safetensors_is_a_value_error_naming_the_file(tmp_path: Path) 
     shard = next(tmp_path.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-100])  # an interrupted download
     with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_a_shard_larger_than_memory_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    """torch maps a shard privately, which the kernel refuses past RAM + swap
+    (a transformers 5 shard holds up to 50 GB): was a RuntimeError traceback.
+    Sparse: nothing is written but the header."""
+    write_checkpoint(tmp_path, LLAMA, shards=1)
+    size = max(2**41, 4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    header = json.dumps({"x": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    with open(shard, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(8 + len(header) + size)
+    # Where the kernel always overcommits (vm.overcommit_memory 1) it maps,
+    # and is refused for what it holds.
+    refused = f"{shard.name} is not a readable safetensors file|the checkpoint has 0 layers"
+    with pytest.raises(ValueError, match=refused):
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
 
 
