@@ -2,7 +2,7 @@
 locked while its launcher lives, and removed by the next launcher when a
 killed one (SIGKILL, the OOM killer) left it behind.
 
-The services die with their launcher (processes.die_with_launcher), and a
+The services die with their launcher (launch/with_launcher.py), and a
 cache's arena is removed by the next cache (cache_svc/arena.py); the data
 directory has no process of its own to do that, so each launcher, before
 it makes its own, removes every directory of this user's marked as a

@@ -32,7 +32,7 @@ from typing import IO
 
 from kvstash.common.binding import free_port, join_address
 from kvstash.launch.openai_http import open_direct
-from kvstash.launch.processes import die_with_launcher, stop_process, stop_signals_held
+from kvstash.launch.processes import stop_process, stop_signals_held, with_launcher
 
 # smg 1.13.0's --policy choices.
 POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two",
@@ -105,7 +105,7 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
     # inside Popen, or before the try below, would leave smg running.
     with stop_signals_held() as release:
         process = subprocess.Popen(
-            [smg_executable(), "launch", "--host", host, "--port", str(port),
+            with_launcher([smg_executable(), "launch", "--host", host, "--port", str(port),
              # smg's default is every interface: keep it where the HTTP API is.
              "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
              "--policy", policy,
@@ -114,10 +114,9 @@ def start_gateway(addresses: Sequence[str], log_dir: Path, *, host: str = "127.0
              # An instance that stops answering leaves the rotation after two
              # failed checks (until it answers twice again), not smg's 3 x 60 s.
              "--health-check-interval-secs", str(health_check_interval_s),
-             "--health-failure-threshold", "2"],
+             "--health-failure-threshold", "2"]),
             env={**os.environ, "HF_ENDPOINT": _NO_HUB}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_launcher())  # noqa: PLW1509 (thread-safe: see it)
+            stderr=subprocess.STDOUT)
         try:
             assert process.stdout is not None
             copier = threading.Thread(target=_copy_plain, args=(process.stdout, log_path),

@@ -8,7 +8,7 @@ address (`kvstash.common.rpc_server.announce_ready`), then keeps copying that
 stdout into the service's log file so a chatty child never blocks on a full
 pipe.
 
-Each child dies with the launcher (Linux): `die_with_launcher` has it sent
+Each child dies with the launcher (Linux): `with_launcher` has it sent
 SIGTERM when the launcher dies, even of a SIGKILL (the OOM killer, `kill -9`,
 a CI runner's timeout), which no handler of the launcher's can catch; a
 service stops cleanly on that SIGTERM (the cache unlinks its arena), freeing
@@ -18,7 +18,6 @@ its port for the next `kvstash up`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -105,12 +104,11 @@ def start_service(
     log_file = log_path.open("a")
     with stop_signals_held() as release:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            with_launcher([sys.executable, "-m", module, *args]),
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=die_with_launcher(),  # noqa: PLW1509 (thread-safe: see it)
         )
         log_file.close()
         assert process.stdout is not None
@@ -128,29 +126,16 @@ def start_service(
     return Service(name, process, address, log_path, module, tuple(args))
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def die_with_launcher() -> Callable[[], None] | None:
-    """For Popen's preexec_fn: the child is sent SIGTERM when this process
-    dies. Linux only, and only from the main thread: the kernel signals the
-    child when the *thread* that forked it ends, and a helper thread may end
-    long before the launcher does. Elsewhere, None (nothing done)."""
+def with_launcher(argv: list[str]) -> list[str]:
+    """`argv` run so that it is sent SIGTERM when this process dies
+    (kvstash/launch/with_launcher.py). Linux only, and only from the main
+    thread: the kernel signals the child when the *thread* that forked it
+    ends, and a helper thread may end long before the launcher does.
+    Elsewhere, `argv` as it is."""
     if not sys.platform.startswith("linux") or (
             threading.current_thread() is not threading.main_thread()):
-        return None
-    # Looked up here: the child, between fork and exec, imports, resolves and
-    # writes nothing (a lock another thread held at the fork stays held there).
-    prctl = ctypes.CDLL(None).prctl
-    option, sig = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM)
-    launcher = os.getpid()
-
-    def in_child() -> None:
-        prctl(option, sig)
-        if os.getppid() != launcher:  # it died before prctl: no signal will come
-            os._exit(1)
-
-    return in_child
+        return argv
+    return [sys.executable, "-m", "kvstash.launch.with_launcher", str(os.getpid()), *argv]
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -178,3 +178,30 @@ def test_a_disk_budget_of_0_starts_the_cache_without_a_disk_tier() -> None:
         "--disk-dir", "/tmp/run/cache", "--disk-budget", "4GiB"]
     assert disk_args(StackConfig(cache_disk_budget="0", cache_disk_dir="/data"), "/tmp/run") == [
         "--disk-dir", "/data", "--disk-budget", "0"]
+
+
+def test_no_at_fork_handler_runs_in_a_services_child() -> None:
+    """A launcher's children are made without running Python's at-fork
+    handlers: gRPC's, run in a child of a launcher with channels open,
+    crashed it now and then (SIGSEGV, SIGABRT: 2-4 children of 300 in a
+    loop), as Popen's preexec_fn (the parent-death signal was once set
+    there) makes them run. The child still dies with the launcher."""
+    script = """
+import os, sys, tempfile
+from pathlib import Path
+from kvstash.launch import processes
+marker = Path(tempfile.mkdtemp()) / "forked"
+os.register_at_fork(after_in_child=lambda: marker.touch())
+service = processes.start_service("cache", "cache_svc", [
+    "--listen", "127.0.0.1:0", "--memory-budget", "16MiB", "--disk-budget", "0"],
+    marker.parent)
+try:
+    cmdline = Path(f"/proc/{service.process.pid}/cmdline").read_text().split("\\0")
+    print(marker.exists(), "cache_svc" in cmdline, flush=True)
+finally:
+    service.stop()
+"""
+    done = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"], done.stderr
