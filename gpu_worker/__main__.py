@@ -23,6 +23,7 @@ from kvstash.common.rpc_server import (
     announce_ready,
     run_until_signalled,
     setup_logging,
+    signals_wake_the_loop,
 )
 from kvstash.common.units import parse_bytes
 
@@ -109,19 +110,20 @@ async def serve(listen: str, config: WorkerConfig) -> None:
     # Deferred: torch is slow to import, and --help should not pay for it.
     from gpu_worker.server import create_worker_server
 
-    worker = await create_worker_server(config, listen)
-    host = listen.rsplit(":", 1)[0]
-    log.info("worker listening on %s:%d (NOT_SERVING), loading %s", host, worker.port,
-             config.model)
-    if worker.metrics_server is not None:
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host,
-                 worker.metrics_server.port)
-    try:
-        await worker.loaded
-    except BaseException:
-        await worker.server.stop(None)
-        await worker.close()
-        raise
+    with signals_wake_the_loop():  # a Ctrl-C while the model loads ends it at once
+        worker = await create_worker_server(config, listen)
+        host = listen.rsplit(":", 1)[0]
+        log.info("worker listening on %s:%d (NOT_SERVING), loading %s", host, worker.port,
+                 config.model)
+        if worker.metrics_server is not None:
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host,
+                     worker.metrics_server.port)
+        try:
+            await worker.loaded
+        except BaseException:
+            await worker.server.stop(None)
+            await worker.close()
+            raise
     announce_ready("worker", host, worker.port)
     await run_until_signalled(worker.server, on_stop=worker.close)
 

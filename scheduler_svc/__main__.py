@@ -75,6 +75,7 @@ async def serve(args: argparse.Namespace, secured: security.Security,
     # Whatever fails on the way up (no worker in time, a bad setting, a metrics
     # port in use) still stops and closes what was started before it.
     async with contextlib.AsyncExitStack() as cleanup:
+        cleanup.enter_context(rpc_server.signals_wake_the_loop())  # Ctrl-C while it waits
         scheduler = await create_scheduler_server(args.listen, secured,
                                                   rpc_connections.connections_from_args(args))
         server, port = scheduler.server, scheduler.port

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -129,6 +130,32 @@ async def set_serving(
 # A service's exit status when SIGINT (Ctrl-C) cut its start short: 128 + 2,
 # as a shell reports a process SIGINT ended. Once serving, it stops gracefully.
 INTERRUPTED_EXIT = 130
+
+
+@contextlib.contextmanager
+def signals_wake_the_loop() -> Iterator[None]:
+    """While a service starts (asyncio.run's own SIGINT handler raising
+    KeyboardInterrupt), any signal wakes the event loop. Python runs a
+    handler in the main thread, and wakes that thread only through a wakeup
+    fd, which asyncio sets only for add_signal_handler: a Ctrl-C the kernel
+    delivered to another thread (the one loading a model) waited for the
+    loop's next event: for a worker loading its model, until the load ended.
+    Once serving, run_until_signalled's handlers set the loop's own."""
+    loop = asyncio.get_running_loop()
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    loop.add_reader(reader.fileno(), reader.recv, 4096)
+    old = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        current = signal.set_wakeup_fd(old)
+        if current != writer.fileno():  # set since (add_signal_handler): kept
+            signal.set_wakeup_fd(current)
+        loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
 
 
 async def run_until_signalled(

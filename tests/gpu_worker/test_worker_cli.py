@@ -179,27 +179,40 @@ async def test_serves_announces_and_stops_on_sigterm() -> None:
 # the "loading" line could miss on a loaded machine, and a plain exit's wait
 # for it would go unseen.
 _SLOW_LOAD = """
-import sys, time
+import signal, sys, threading, time
 import gpu_worker.runner
 
 def load_for_minutes(config):
     print("test: load started", file=sys.stderr, flush=True)
+    if "--self-interrupt" in sys.argv:  # a Ctrl-C the kernel delivers to this thread
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
     time.sleep(600)
     raise SystemExit("test: the load was never interrupted")
 
 gpu_worker.runner.load_model = load_for_minutes
 from gpu_worker.__main__ import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main([a for a in sys.argv[1:] if a != "--self-interrupt"]))
 """
+_WORKER_ARGS = ["--listen", "127.0.0.1:0", "--device", "cpu", "--num-blocks", "16"]
 
 
 def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130() -> None:
     """SIGINT while the worker loads its model ends it at once, with one line
     and 130: a plain exit would wait for the load on the compute thread
     (here ten minutes; interrupt_once kills it after one)."""
-    status, stderr = interrupt_once(
-        [sys.executable, "-c", _SLOW_LOAD, "--listen", "127.0.0.1:0", "--device", "cpu",
-         "--num-blocks", "16"], REPO, when="test: load started")
+    status, stderr = interrupt_once([sys.executable, "-c", _SLOW_LOAD, *_WORKER_ARGS], REPO,
+                                    when="test: load started")
     assert "Traceback" not in stderr, stderr
     assert stderr.rstrip().splitlines()[-1] == "gpu_worker: interrupted while starting", stderr
     assert status == 130
+
+
+def test_ctrl_c_delivered_to_the_loading_thread_ends_the_worker_at_once() -> None:
+    """The kernel delivers a process's SIGINT to any of its threads; Python
+    runs the handler in the main thread, which waits in the event loop and
+    was not woken: the worker went on loading (in make test, past 60 s)."""
+    done = subprocess.run([sys.executable, "-c", _SLOW_LOAD, *_WORKER_ARGS, "--self-interrupt"],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.rstrip().splitlines()[-1] == "gpu_worker: interrupted while starting"
+    assert done.returncode == 130
