@@ -11,13 +11,17 @@ tiny model's tokenizer (exported here, offered to it as a local Hugging Face
 cache under a temporary HF_HOME: aiperf resolves a tokenizer directory only
 through that cache). Its "inter token latency" is per request (last token -
 first) / (tokens - 1), the replayer's TPOT; its "inter chunk latency" the
-replayer's ITL.
+replayer's ITL. Requests the slice sends at once are sent 10 ms apart in its
+order (`spaced`): at once, each tool sent them in its own order, and a
+burst's order sets its TTFTs (its short prompts' 14 ms or 110 ms, queued
+behind the long ones or not), the p50 among them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -37,8 +41,20 @@ from kvstash.workload.metrics import Slo, summarize
 from kvstash.workload.prompts import build_prompts
 from kvstash.workload.trace import Trace, fit, read_trace, write_trace
 
+BURST_SPACING_S = 0.01
 TOKENIZER_REPO = "kvstash/tiny"
 SNAPSHOT = "0" * 40
+
+
+def spaced(trace: Trace) -> Trace:
+    """`trace` with the k-th of the requests that arrive at one time
+    BURST_SPACING_S * k later: one order, the trace's, for both tools."""
+    requests, last, k = [], None, 0
+    for r in trace.requests:
+        k = k + 1 if r.arrival_s == last else 0
+        last = r.arrival_s
+        requests.append(dataclasses.replace(r, arrival_s=r.arrival_s + k * BURST_SPACING_S))
+    return Trace(tuple(sorted(requests, key=lambda r: r.arrival_s)), trace.block_tokens)
 
 
 def offer_tokenizer(hf_home: Path) -> None:
@@ -107,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raw = read_trace(args.trace, args.start, args.count)
         longest = max_context(args, MAX_MODEL_LEN["tiny"], config.num_blocks * config.block_size)
-        trace, _ = fit(raw, args.length_scale, rate=args.rate, max_context=longest)
+        trace = spaced(fit(raw, args.length_scale, rate=args.rate, max_context=longest)[0])
     except (ValueError, OSError) as exc:  # TraceError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -66,3 +66,13 @@ def test_a_max_context_past_the_tiny_model_is_refused_before_any_stack_starts(
                               "--length-scale", "1", "--max-context", "2048"]) == 2
     assert "--max-context 2048 is more than an instance serves: 1024" in \
         capsys.readouterr().err
+
+
+def test_requests_sent_at_once_are_spaced_in_the_traces_order() -> None:
+    """Each tool sent a burst in its own order, and the order sets the
+    burst's TTFTs: both now send it in the trace's, 10 ms apart."""
+    trace = Trace(tuple(TraceRequest(t, 16 * (i + 1), 1, (i,))
+                        for i, t in enumerate((0.0, 0.0, 0.0, 1.0, 2.0, 2.0))), 16)
+    out = aiperf_check.spaced(trace)
+    assert [r.arrival_s for r in out.requests] == pytest.approx([0.0, 0.01, 0.02, 1.0, 2.0, 2.01])
+    assert [r.input_length for r in out.requests] == [r.input_length for r in trace.requests]
