@@ -37,6 +37,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Bulk KV transfers want a large flow-control window from the start.
     ("grpc.http2.lookahead_bytes", 4 * MIB),
+    # A peer back after an outage (a decode instance, the cache) is seen within
+    # ~2 s: gRPC's default backoff grows by 1.6x to 120 s, and until it ends
+    # every call fails UNAVAILABLE at once though the peer answers.
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 # The deadline of a client's unary call whose caller names none (a stats

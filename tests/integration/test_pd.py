@@ -333,6 +333,34 @@ async def test_decode_instance_killed_during_and_before_handoff(tmp_path: Path) 
     assert cache.memory_snapshots + cache.disk_snapshots == 0
 
 
+async def test_a_decode_instance_back_after_a_long_outage_is_used_at_once(
+        tmp_path: Path) -> None:
+    """The decode instance is down for 45 s while requests come (each taken
+    back after the 5 s --handoff-wait), then back on its address: the next
+    request is handed off to it. gRPC's reconnect backoff had grown to ~27 s
+    by then (it doubles by 1.6 up to 120 s), so every request for up to two
+    minutes after the decode instance came back waited out --handoff-wait
+    for its second token and decoded on the prefill instance."""
+    prompt = small_prompts(1)[0]
+    with running_stack(pd_config(prefill_wait=5), tmp_path) as stack:
+        assert stack.decode_scheduler is not None
+        stack.decode_scheduler.kill()
+        down_until = time.monotonic() + 45
+        async with Client(stack.address) as client:
+            while time.monotonic() < down_until:
+                result = await client.complete(prompt, max_tokens=8, ignore_eos=True)
+                assert result.token_ids == reference([prompt], 8)[0]
+            taken_back = (await stats(stack.scheduler)).num_handoff_failures
+            stack.decode_scheduler = stack.decode_scheduler.restart()
+            result = await client.complete(prompt, max_tokens=8, ignore_eos=True)
+        prefill = await drained(stack.scheduler)
+        decode = await drained(stack.decode_scheduler)
+        assert_alive(stack)
+    assert result.token_ids == reference([prompt], 8)[0]
+    assert prefill.num_handoff_failures == taken_back
+    assert decode.num_finished == 1
+
+
 async def test_a_failed_restore_there_leaves_the_snapshot_to_the_prefill_instance(
         tmp_path: Path) -> None:
     """The decode worker's cache is unreachable (a wrong address), so every
