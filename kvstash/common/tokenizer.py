@@ -8,7 +8,9 @@ files of its own.
 The tiny model's ids:
 
     0 ........... 255 | 256 | 257
-    UTF-8 bytes         <s>   </s>    (BOS, EOS; encode adds neither)
+    UTF-8 bytes         <s>   </s>    (BOS, EOS; encode adds neither, and reads
+                                       them written in the text, as Hugging
+                                       Face tokenizers read added tokens)
 
 Prompts may hold any text, but the model writes only `TINY_TEXT_IDS`
 (printable ASCII but "<" and ">") and EOS: each of its tokens is one
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -48,6 +51,8 @@ BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 258
 BYTE_BOS_TOKEN = "<s>"
 BYTE_EOS_TOKEN = "</s>"
+_SPECIAL_IDS = {BYTE_BOS_TOKEN: BYTE_BOS_ID, BYTE_EOS_TOKEN: BYTE_EOS_ID}
+_SPECIAL_TEXT = re.compile("(<s>|</s>)")
 # The tokens the tiny model writes besides EOS (see the module docstring).
 TINY_TEXT_IDS: tuple[int, ...] = tuple(b for b in range(0x20, 0x7F) if chr(b) not in "<>")
 
@@ -123,7 +128,17 @@ class ByteTokenizer:
     eos_token_ids: tuple[int, ...] = (BYTE_EOS_ID,)
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        # "<s>" and "</s>" written in the text are BOS and EOS, as its
+        # tokenizer.json reads them (added tokens), so a text is the same ids
+        # through kvstash.v1 and through a gateway tokenizing it.
+        ids: list[int] = []
+        for part in _SPECIAL_TEXT.split(text):
+            special = _SPECIAL_IDS.get(part)
+            if special is None:
+                ids.extend(part.encode("utf-8"))
+            else:
+                ids.append(special)
+        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
