@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
 from kvstash.common.units import MIB, parse_counts
 from kvstash.common.wire import layout_from_proto
+from kvstash.launch.data_dir import DataDir
 from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import SHARED_MEMORY_DIR, StackConfig, worker_threads
 from kvstash.sim.profile import (
@@ -211,7 +211,7 @@ def run_stack(model: str, device: str, threads: int, repeat: int, logs: Path,
 
 def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
               chunks: tuple[int, ...] = PREFILL_CHUNKS) -> CostProfile:
-    with tempfile.TemporaryDirectory(prefix="kvstash-calibrate-") as workdir:
+    with DataDir() as workdir:  # a killed calibrate's is removed by the next launcher
         logs = Path(workdir)
         layout, steps, arena = run_stack(model, device, threads, repeat, logs, chunks)
         grpc = run_stack(model, device, threads, repeat, logs, None)[2]
