@@ -24,7 +24,8 @@ class ByteLimiter:
     async def acquire(self, num_bytes: int) -> None:
         if num_bytes > self.capacity:
             raise ValueError(f"asked for {num_bytes} bytes, limiter holds {self.capacity}")
-        if self.try_acquire(num_bytes):
+        if not self._waiters and self.in_use + num_bytes <= self.capacity:
+            self.in_use += num_bytes
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (num_bytes, fut)
@@ -39,13 +40,6 @@ class ByteLimiter:
                     self._waiters.remove(entry)
                 self._wake()
             raise
-
-    def try_acquire(self, num_bytes: int) -> bool:
-        """Takes `num_bytes` where they are free now and nobody waits; never waits."""
-        if self._waiters or self.in_use + num_bytes > self.capacity:
-            return False
-        self.in_use += num_bytes
-        return True
 
     def release(self, num_bytes: int) -> None:
         self.in_use -= num_bytes

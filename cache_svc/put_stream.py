@@ -17,8 +17,7 @@ So a put that is being read may have three chunks out of its client at once:
 and holds PUT_SHARE_CHUNKS chunks of max_inflight_bytes from admission to its
 end; a put not admitted yet (only its header was read) holds none. A put read
 out after a refusal or failure (the servicer's drain) holds at least
-DRAIN_SHARE_BYTES: one message of any size gRPC accepts, and one ahead (a put
-refused before admission is read out only where that much is free at once).
+DRAIN_SHARE_BYTES: one message of any size gRPC accepts, and one ahead.
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ class PutStream:
         self._share = 0  # bytes of the in-flight budget held until `close`
         self._ahead: asyncio.Task[Any] | None = None  # the message asked for
         self._metadata_sent = False
-        self.admitted = False  # the client was told its room is reserved
         self.ended = False  # the client half-closed
 
     async def next(self) -> Any:
@@ -88,14 +86,6 @@ class PutStream:
             await self._limiter.acquire(num_bytes - self._share)
             self._share = num_bytes
 
-    def try_hold(self, num_bytes: int) -> bool:
-        """`hold` where that much of the budget is free now; never waits."""
-        if num_bytes > self._share:
-            if not self._limiter.try_acquire(num_bytes - self._share):
-                return False
-            self._share = num_bytes
-        return True
-
     @property
     def reading(self) -> bool:
         return self._ahead is not None
@@ -120,7 +110,6 @@ class PutStream:
     async def send_metadata(self, admitted: bool) -> None:
         if not self._metadata_sent:
             self._metadata_sent = True
-            self.admitted = admitted
             await self._context.send_initial_metadata(((ADMITTED_KEY, "1"),) if admitted else ())
 
     async def close(self) -> None:

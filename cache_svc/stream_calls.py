@@ -4,8 +4,7 @@ Each call is paced by the server-wide limits: the in-flight budget
 (`ByteLimiter`, what gRPC may hold for a call) and the bandwidth limit. A put
 is admitted only once the store reserved its room, and its payload is asked
 for one chunk ahead (`PutStream`); a refused or failed put reads out what its
-client still sends, briefly, so the client learns why (a refused one only
-where the in-flight budget has room now: a refusal waits for no other call). A get sends one chunk
+client still sends, briefly, so the client learns why. A get sends one chunk
 at a time, each within get_idle_s or the call ends. Mixed into
 `cache_svc.server.CacheServicer`, which sets the fields declared below.
 """
@@ -129,16 +128,11 @@ class StreamedCalls(cache_pb2_grpc.KVCacheServicer):
         # Unadmitted CacheClients half-close on seeing metadata without the
         # admission key, so a refusal costs them no payload and no wait.
         await stream.send_metadata(admitted=False)
-        # A put admitted with a small share may now send chunks of any size
-        # gRPC accepts. A refused one is answered now, not once other streams
-        # let go of the budget: it reads out its client only where the budget
-        # has room (a client that sends without waiting for admission may
-        # otherwise see a bare INTERNAL).
-        if not (stream.admitted or stream.try_hold(DRAIN_SHARE_BYTES)):
-            return
         # A client that went silent is done with too (PutStream's idle limit).
         with contextlib.suppress(TimeoutError, errors.DeadlineExceeded):
             async with asyncio.timeout(DRAIN_LIMIT_S):
+                # A put admitted with a small share may now send chunks of
+                # any size gRPC accepts.
                 await stream.hold(DRAIN_SHARE_BYTES)
                 while not stream.ended:
                     if not stream.reading:
