@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -39,10 +40,20 @@ def cmdline_of(pid: int) -> str:
         return ""
 
 
+def as_at_a_terminal(argv: list[str]) -> list[str]:
+    """`argv` (a program and its arguments) run with SIGINT's default
+    disposition: a test run started in the background by a shell (`make test
+    &`, a CI runner's script) has SIGINT ignored, its children too, and a
+    program that starts with it ignored never sees a Ctrl-C."""
+    return [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+            "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
 def interrupt_once(argv: list[str], cwd: Path, when: str) -> tuple[int, str]:
-    """Runs `argv`, sends it SIGINT (Ctrl-C) as soon as a line of its stderr
-    holds `when`, and returns its exit status and whole stderr."""
-    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL,
+    """Runs `argv` (as at a terminal), sends it SIGINT (Ctrl-C) as soon as a
+    line of its stderr holds `when`, and returns its exit status and whole
+    stderr."""
+    process = subprocess.Popen(as_at_a_terminal(argv), cwd=cwd, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     seen = []

@@ -19,7 +19,7 @@ from kvstash.common.rpc_connections import insecure_channel
 from kvstash.v1 import worker_pb2, worker_pb2_grpc
 from tests.gpu_worker.test_worker_checkpoint import LLAMA, write_checkpoint
 from tests.gpu_worker.worker_factories import REPO, worker_process
-from tests.process_helpers import interrupt_once
+from tests.process_helpers import as_at_a_terminal, interrupt_once
 
 
 @pytest.mark.parametrize(
@@ -209,8 +209,9 @@ def test_ctrl_c_delivered_to_the_loading_thread_ends_the_worker_at_once() -> Non
     """The kernel delivers a process's SIGINT to any of its threads; Python
     runs the handler in the main thread, which waits in the event loop and
     was not woken: the worker went on loading (in make test, past 60 s)."""
-    done = subprocess.run([sys.executable, "-c", _SLOW_LOAD, *_WORKER_ARGS, "--self-interrupt"],
-                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        as_at_a_terminal([sys.executable, "-c", _SLOW_LOAD, *_WORKER_ARGS, "--self-interrupt"]),
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.rstrip().splitlines()[-1] == "gpu_worker: interrupted while starting"
     assert done.returncode == 130
