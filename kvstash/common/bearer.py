@@ -39,6 +39,18 @@ def read_tokens(path: Path, flag: str) -> list[str]:
     return tokens
 
 
+def file_identity(path: Path | None) -> tuple[int, ...]:
+    """What tells a file changed: its device, inode, size and mtime (() when
+    there is none to read), as a re-projected Secret swaps a symlink."""
+    if path is None:
+        return ()
+    try:
+        status = os.stat(path)
+    except OSError:
+        return ()
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
 class TokenFile:
     """The tokens of a file, read again once it changes (its inode, size or
     mtime; looked at most once every TOKEN_FILE_CHECK_S, in a thread, not on
@@ -66,12 +78,7 @@ class TokenFile:
         return self.tokens
 
     def _reread_if_changed(self) -> None:
-        try:
-            status = os.stat(self.path)
-            seen: tuple[int, ...] = (status.st_dev, status.st_ino, status.st_size,
-                                     status.st_mtime_ns)
-        except OSError:
-            seen = ()
+        seen = file_identity(self.path)
         if seen == self._seen:
             return
         self._seen = seen

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from kvstash.common.bearer import read_tokens, token_interceptors
+from kvstash.common.bearer import file_identity, read_tokens, token_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class PemFiles:
             if now < self._look_after:
                 return self.pems
             self._look_after = now + TLS_FILE_CHECK_S
-            seen = tuple(_identity(path) for path in self._paths)
+            seen = tuple(file_identity(path) for path in self._paths)
             if seen == self._seen:
                 return self.pems
             self._seen = seen
@@ -89,16 +88,6 @@ class PemFiles:
 
 
 _TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
-
-
-def _identity(path: Path | None) -> tuple[int, ...]:
-    if path is None:
-        return ()
-    try:
-        status = os.stat(path)
-    except OSError:
-        return ()
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 @dataclass(frozen=True, slots=True)
