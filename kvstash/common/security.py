@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -198,6 +199,7 @@ def from_args(args: argparse.Namespace, require_client_cert: bool = True) -> Sec
         pems = (_read(args.tls_ca, "--tls-ca"),
                 _read(args.tls_cert, "--tls-cert") if args.tls_cert else None,
                 _read(args.tls_key, "--tls-key") if args.tls_key else None)
+        _check_pems(*paths)
         tls = Tls(*pems, require_client_cert, PemFiles(paths, pems))
     elif args.tls_cert is not None or args.tls_key is not None:
         raise ValueError("--tls-cert/--tls-key need --tls-ca (the CA that peers chain to)")
@@ -219,8 +221,29 @@ def _read(path: Path, flag: str) -> bytes:
         raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
+def _check_pems(ca: Path, cert: Path | None, key: Path | None) -> None:
+    """ValueError naming the flags where the files hold no PEM CA certificate,
+    or no certificate chain with its key: gRPC takes them, and then a server
+    fails to listen (said as "address in use") and a client every handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=ca)
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-ca {ca}: no PEM CA certificate in it ({exc})") from None
+    if cert is not None and key is not None:
+        try:  # the password: an encrypted key fails here, as gRPC takes none
+            context.load_cert_chain(cert, key, password=b"")
+        except ssl.SSLError as exc:
+            raise ValueError(f"--tls-cert {cert} and --tls-key {key}: not a PEM certificate "
+                             f"chain and its private key ({exc})") from None
+
+
 def check_listen(address: str, security: Security) -> None:
-    """Refuses plaintext beyond loopback unless `--plaintext` said so."""
+    """Refuses plaintext beyond loopback unless `--plaintext` said so, and
+    TLS without this server's certificate."""
+    if security.tls is not None and (security.tls.cert is None or security.tls.key is None):
+        raise ValueError("serving TLS needs this service's certificate and key: give --tls-cert "
+                         "and --tls-key with --tls-ca")
     if security.tls is not None or security.plaintext or is_loopback(address):
         return
     raise ValueError(

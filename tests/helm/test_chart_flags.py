@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from chart_helpers import VALUE_SETS, env, one, rendered
 
 from kvstash.common import security, settings, telemetry
@@ -49,7 +50,12 @@ CHECKS: dict[str, Callable[[], None]] = {
 def as_local(variables: dict[str, str], container: dict[str, Any], root: Path) -> dict[str, str]:
     """The variables with every path under one of the container's mounts
     moved under `root`, where it then exists (a file for *_FILE and TLS
-    variables, else a directory)."""
+    variables, else a directory; a TLS variable's file a real PEM, which the
+    services check at start)."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    pems = {"CA": ca.cert_pem.bytes(), "CERT": issued.cert_chain_pems[0].bytes(),
+            "KEY": issued.private_key_pem.bytes()}
     mount_paths = [m["mountPath"] for m in container.get("volumeMounts", [])]
     local = dict(variables)
     for name, value in variables.items():
@@ -57,7 +63,11 @@ def as_local(variables: dict[str, str], container: dict[str, Any], root: Path) -
             path = root / value.lstrip("/")
             if name.endswith("_FILE") or "_TLS_" in name:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text("not-a-real-secret\n")
+                tls_file = name.rsplit("_TLS_", 1)[1] if "_TLS_" in name else None
+                if tls_file is not None:
+                    path.write_bytes(pems[tls_file])
+                else:
+                    path.write_text("not-a-real-secret\n")
             else:
                 path.mkdir(parents=True, exist_ok=True)
             local[name] = str(path)

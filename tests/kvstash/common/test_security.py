@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -108,6 +110,42 @@ def test_flags_are_checked_and_files_read(tmp_path: Path, ca: trustme.CA) -> Non
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ValueError, match="no token in it"):
         security.from_args(parse("--auth-token-file", str(tmp_path / "empty")))
+
+
+@pytest.mark.parametrize("module", ["cache_svc", "scheduler_svc", "gpu_worker"])
+def test_a_service_refuses_tls_files_it_cannot_serve_naming_them(
+    tmp_path: Path, ca: trustme.CA, module: str,
+) -> None:
+    """A real service given --tls-ca alone, a key of another certificate, the
+    certificate and key swapped or no CA in --tls-ca exits at once naming the
+    flags. It used to die with a traceback (--tls-ca alone) or say "cannot
+    listen on ... (in use, or not an address of this host)"."""
+    files = {}
+    for name in ("a", "b"):
+        issued = ca.issue_cert(name, "127.0.0.1")
+        files[f"{name}.pem"] = issued.cert_chain_pems[0].bytes()
+        files[f"{name}.key"] = issued.private_key_pem.bytes()
+    files["ca.pem"] = ca.cert_pem.bytes()
+    files["junk"] = b"not a certificate\n"
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+
+    def flags(ca_file: str, cert: str | None = None, key: str | None = None) -> list[str]:
+        given = ["--tls-ca", str(tmp_path / ca_file)]
+        if cert is not None and key is not None:
+            given += ["--tls-cert", str(tmp_path / cert), "--tls-key", str(tmp_path / key)]
+        return given
+
+    for given, said in (
+        (flags("ca.pem"), "needs this service's certificate and key"),
+        (flags("ca.pem", "a.pem", "b.key"), "not a PEM certificate chain and its private key"),
+        (flags("ca.pem", "a.key", "a.pem"), "not a PEM certificate chain and its private key"),
+        (flags("junk", "a.pem", "a.key"), "no PEM CA certificate"),
+    ):
+        done = subprocess.run([sys.executable, "-m", module, "--listen", "127.0.0.1:0", *given],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode in (1, 2), done.stderr
+        assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_settings_show_no_token_or_private_key(ca: trustme.CA) -> None:
