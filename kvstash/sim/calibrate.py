@@ -77,8 +77,7 @@ class Driver:
 
     def __init__(self, link: WorkerLink, stream: StepStream, layout: Layout) -> None:
         self.link, self.stream, self.block_size = link, stream, layout.block_size
-        self.step_id = 0
-        self.copies = 0
+        self.step_id = self.copies = 0
 
     def seqs(self, decodes: int, context: int, prefill: int, start: int) -> list[ScheduledSeq]:
         per_decode = context // self.block_size + 1
@@ -210,7 +209,7 @@ def run_stack(model: str, device: str, threads: int, repeat: int, logs: Path,
 
 
 def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
-              chunks: tuple[int, ...] = PREFILL_CHUNKS) -> CostProfile:
+              chunks: tuple[int, ...] = PREFILL_CHUNKS) -> tuple[CostProfile, str]:
     with DataDir() as workdir:  # a killed calibrate's is removed by the next launcher
         logs = Path(workdir)
         layout, steps, arena = run_stack(model, device, threads, repeat, logs, chunks)
@@ -218,12 +217,12 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
         (logs / "disk").mkdir()
         disk = disk_copies(layout, repeat, logs / "disk")
     coef, step_error = lstsq([r for r, _ in steps], [s for _, s in steps])
-    print(f"{'decodes':>8} {'positions':>10} {'prefill':>8} {'squares':>14} {'measured ms':>12} "
-          f"{'fitted ms':>10}")
+    lines = [f"{'decodes':>8} {'positions':>10} {'prefill':>8} {'squares':>14} "
+             f"{'measured ms':>12} {'fitted ms':>10}"]
     for row, seconds in steps:
         fitted = sum(c * x for c, x in zip(coef, row, strict=True))
-        print(f"{row[1]:>8.0f} {row[2]:>10.0f} {row[3]:>8.0f} {row[4]:>14.0f} "
-              f"{seconds * 1e3:>12.2f} {fitted * 1e3:>10.2f}")
+        lines.append(f"{row[1]:>8.0f} {row[2]:>10.0f} {row[3]:>8.0f} {row[4]:>14.0f} "
+                     f"{seconds * 1e3:>12.2f} {fitted * 1e3:>10.2f}")
     copies = {"arena": fit_copy(arena), "grpc": fit_copy(grpc), "disk": fit_copy(disk)}
     how = (f"kvstash calibrate --model {model} --device {device} --worker-threads {threads} "
            f"--repeat {repeat} --prefill-chunks {','.join(map(str, chunks))}; "
@@ -232,10 +231,10 @@ def calibrate(model: str, device: str, threads: int, repeat: int, name: str,
     source = {"step": f"{how} {step_error:.1%}"} | {
         f"copy.{path}": f"{how} {error:.1%}" for path, (_, error) in copies.items()}
     return CostProfile(name, layout.bytes_per_block, layout.block_size, StepCost(*coef),
-                       {path: cost for path, (cost, _) in copies.items()}, source)
+                       {path: cost for path, (cost, _) in copies.items()}, source), "\n".join(lines)
 
 
-def from_record(path: Path, base: CostProfile, name: str | None) -> CostProfile:
+def from_record(path: Path, base: CostProfile, name: str | None) -> tuple[CostProfile, str]:
     """`base` with its step line fitted to the steps a served run recorded:
     each step's turn of the engine's loop (the worker's step, then the
     scheduler's update, streams and next schedule), with the cache and
@@ -253,10 +252,9 @@ def from_record(path: Path, base: CostProfile, name: str | None) -> CostProfile:
     how = (f"kvstash calibrate --from-record {path.name}: {len(steps)} served steps (each "
            f"from its schedule() to the next), {datetime.date.today().isoformat()}; "
            f"relative RMS error of the fit {error:.1%}")
-    print(f"fitted {len(steps)} recorded steps: relative RMS error {error:.1%}")
     return CostProfile(name or f"{base.name}, steps as served", base.bytes_per_block,
-                       base.block_size, StepCost(*coef), base.copy,
-                       {**base.source, "step": how})
+                       base.block_size, StepCost(*coef), base.copy, {**base.source, "step": how}
+                       ), f"fitted {len(steps)} recorded steps: relative RMS error {error:.1%}"
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -288,12 +286,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeat and --worker-threads must be >= 1, got {args.repeat}, "
                          f"{args.worker_threads}")
     if args.from_record is not None:
-        profile = from_record(args.from_record, read_profile(args.copies), args.name)
+        profile, said = from_record(args.from_record, read_profile(args.copies), args.name)
     else:
-        profile = calibrate(args.model, args.device, args.worker_threads, args.repeat,
-                            args.name or f"{Path(args.model).name} on {args.device}",
-                            args.prefill_chunks)
-    print(json.dumps(profile.to_json(), indent=1))  # first: kept if it cannot be written
-    args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+        profile, said = calibrate(args.model, args.device, args.worker_threads, args.repeat,
+                                  args.name or f"{Path(args.model).name} on {args.device}",
+                                  args.prefill_chunks)
+    try:  # written first: a reader gone (`| head`) fails the printing, not the measuring
+        args.out.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    finally:  # printed even where it could not be written
+        print(f"{said}\n{json.dumps(profile.to_json(), indent=1)}")
     print(f"wrote {args.out}")
     return 0

@@ -133,6 +133,22 @@ def test_calibrate_measures_a_profile_the_sim_reads(tmp_path: Path) -> None:
     assert "--prefill-chunks 48,96" in profile.source["step"]
 
 
+def test_calibrate_whose_reader_goes_away_still_writes_its_profile(tmp_path: Path) -> None:
+    """`kvstash calibrate p.json | head`: the reader's end of the pipe closes
+    before the table is printed; the measured profile is written regardless
+    (printed first, it was lost), and calibrate ends quietly with status 1."""
+    out = tmp_path / "tiny.json"
+    done = subprocess.Popen(
+        [sys.executable, "-m", "kvstash.launch.cli", "calibrate", str(out), "--model", "tiny",
+         "--repeat", "1", "--prefill-chunks", "48"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.stdout is not None
+    done.stdout.close()  # the reader goes away
+    _, err = done.communicate(timeout=300)
+    assert (done.returncode, err) == (1, "")
+    assert read_profile(out).step.fixed_s + read_profile(out).step.decode_row_s > 0
+
+
 def test_find_prints_the_curve_and_the_least_instances(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Real simulations: at 6 requests/s one instance misses the SLOs, enough meet them."""
