@@ -227,9 +227,15 @@ def metrics_args(config: StackConfig) -> list[str]:
 
 def start_stack(config: StackConfig, log_dir: Path | None = None) -> Stack:
     """Starts cache, workers, schedulers and the gateway (as configured),
-    each logging to `log_dir` (default: a temporary directory removed at
-    stop); on any failure stops what started. Before anything starts:
-    BindError if the scheduler's or the gateway's fixed port is taken."""
+    each logging to `log_dir` (made if missing, kept at stop; default: a
+    temporary directory removed at stop); on any failure stops what started.
+    Before anything starts: OSError if `log_dir` cannot be made, BindError if
+    the scheduler's or the gateway's fixed port is taken."""
+    if log_dir is not None:
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, no permission
+            raise OSError(f"log directory {log_dir}: {exc.strerror or exc}") from None
     # Fail now, not after every worker has loaded its model.
     check_free(config.host, config.scheduler_port)
     if config.gateway:  # smg installed, the policy known, its port free

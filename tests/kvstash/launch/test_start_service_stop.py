@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstash.launch import cli, processes, stack
-from kvstash.launch.stack import StackConfig, disk_args, start_stack
+from kvstash.launch.stack import StackConfig, disk_args, running_stack, start_stack
 from tests.gpu_worker.worker_factories import REPO
 
 PRELUDE = """
@@ -166,6 +166,20 @@ def test_start_timeout_reaches_every_service_the_stack_starts(
     monkeypatch.setattr(stack, "start_service", service)
     start_stack(StackConfig(start_timeout_s=600, pd=True), tmp_path).stop()
     assert timeouts == [600] * 5  # the cache, and each instance's worker and scheduler
+
+
+def test_a_log_dir_not_there_is_made_and_one_that_cannot_be_is_refused(tmp_path: Path) -> None:
+    """start_stack given a log directory that does not exist yet makes it, as
+    `kvstash up --log-dir` does (it raised a bare FileNotFoundError, from the
+    cache's log); one that cannot be a directory is refused by name before
+    anything starts."""
+    logs = tmp_path / "runs" / "1"
+    with running_stack(StackConfig(num_blocks=16, cache_arena=False), logs) as started:
+        assert started.log_dir == logs
+    assert sorted(p.name for p in logs.iterdir()) == ["cache.log", "scheduler.log", "worker.log"]
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OSError, match=f"^log directory {tmp_path}/a-file: File exists$"):
+        start_stack(StackConfig(), tmp_path / "a-file")
 
 
 def test_a_disk_budget_of_0_starts_the_cache_without_a_disk_tier() -> None:
