@@ -208,15 +208,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
 
 
-def _read_tokenizer(path: Path) -> str:
-    """tokenizer.json's text, parsed here: the scheduler loads it only once
-    this worker is serving, and would fail there with a traceback."""
+def _read_tokenizer(path: Path, vocab_size: int) -> str:
+    """tokenizer.json's text, checked here: the scheduler loads it only once this
+    worker serves (a traceback there), and a prompt with an id past vocab_size fails."""
     try:
         text = path.read_text(encoding="utf-8")
-        Tokenizer.from_str(text)
+        top = max(Tokenizer.from_str(text).get_vocab(with_added_tokens=True).values(), default=0)
     except Exception as exc:  # tokenizers raises a bare Exception
-        raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: "
-                         f"{exc}") from None
+        raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: {exc}") from None
+    if top >= vocab_size:  # an added token's id too
+        raise ValueError(f"{path}: token ids up to {top}, config.json's vocab_size {vocab_size}")
     return text
 
 
@@ -256,7 +257,7 @@ def _load_checkpoint(directory: Path, dtype: torch.dtype | None,
     if dtype is None:
         declared = checkpoint_dtype(raw)
         dtype = torch_dtype(declared) if declared is not None else _stored_dtype(index)
-    tokenizer = _read_tokenizer(tokenizer_path)
+    tokenizer = _read_tokenizer(tokenizer_path, cfg.vocab_size)
     config = tokenizer_config(directory)  # a bad one fails before the weights load
     check_checkpoint(cfg, index)
     model = CausalLM(cfg, dtype, device)

@@ -295,6 +295,21 @@ def test_an_unreadable_tokenizer_is_refused_at_load(tmp_path: Path, content: byt
         load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("num_words", "added"), [(41, []), (40, ["<pad>"])],
+                         ids=["vocabulary", "added token"])
+def test_a_tokenizer_with_ids_past_the_vocab_size_is_refused_at_load(
+        tmp_path: Path, num_words: int, added: list[str]) -> None:
+    """Served, a prompt holding such a token (id 40 of a vocab_size of 40)
+    was refused mid-serving: outside the model's vocabulary."""
+    write_checkpoint(tmp_path, QWEN2, shards=1)  # vocab_size 40
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(num_words)}, unk_token="w0"))
+    tok.add_special_tokens(added)
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    with pytest.raises(ValueError, match=r"tokenizer\.json: token ids up to 40, config\.json's "
+                                         r"vocab_size 40$"):
+        load_checkpoint(tmp_path, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
