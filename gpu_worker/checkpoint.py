@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from gpu_worker.config import AUTO_DTYPE, TINY_MODEL, ModelConfig, WorkerConfig, tiny_model_config
-from gpu_worker.hf_config import checkpoint_dtype, parse_model_config
+from gpu_worker.hf_config import checkpoint_dtype, parse_model_config, served_name
 from gpu_worker.model import CausalLM, build_tiny_model, parameter_shapes
 
 # Older Llama exports store the rotary table; it is recomputed, never loaded.
@@ -262,8 +261,8 @@ def _load_checkpoint(directory: Path, dtype: torch.dtype | None,
     check_checkpoint(cfg, index)
     model = CausalLM(cfg, dtype, device)
     load_weights(model, index)
-    name = os.path.basename(os.path.abspath(directory))  # `--model .` is named too
-    return LoadedModel(name, model.eval(), weights_id(directory), tokenizer, config)
+    return LoadedModel(served_name(directory), model.eval(), weights_id(directory), tokenizer,
+                       config)
 
 
 def weights_id(directory: Path) -> str:

@@ -14,6 +14,8 @@ No torch here: it parses JSON only.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from gpu_worker.config import Llama3RopeScaling, ModelConfig
@@ -196,3 +198,15 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         rope_scaling=_rope_scaling(rope, max_len),
         model_type=raw["model_type"],
     )
+
+
+def served_name(directory: Path) -> str:
+    """The model's name as clients send it: its directory's (`--model .` is
+    named too), but ORG/NAME for a Hugging Face Hub cache snapshot,
+    .../models--ORG--NAME/snapshots/<revision hash>, not the hash (the Hub
+    writes a repo id's "/" as "--", which no repo name may hold)."""
+    path = Path(os.path.abspath(directory))
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name

@@ -112,6 +112,27 @@ def test_a_relative_directory_is_named_after_the_directory(
         tmp_path.name)
 
 
+@pytest.mark.parametrize(("repo", "name"), [("models--acme--Tiny-Llama-1B", "acme/Tiny-Llama-1B"),
+                                             ("models--gpt2", "gpt2")], ids=["org", "no org"])
+def test_a_hub_cache_snapshot_is_named_by_its_repo_not_its_revision(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, repo: str, name: str) -> None:
+    """`--model ~/.cache/huggingface/hub/models--ORG--NAME/snapshots/<hash>`
+    served a model named by the hash (what /v1/models listed and clients had
+    to send); it is ORG/NAME, as the Hub names it. Its files link to
+    ../../blobs, as the Hub writes them."""
+    blobs, snapshot = tmp_path / repo / "blobs", tmp_path / repo / "snapshots" / ("9f" * 20)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    write_checkpoint(blobs, QWEN2, shards=1)
+    for blob in blobs.iterdir():
+        (snapshot / blob.name).symlink_to(Path("../../blobs") / blob.name)
+    runner = build_runner(WorkerConfig(model=str(snapshot), block_size=4, num_blocks=8))
+    assert info_proto(runner).model_name == name
+    monkeypatch.chdir(snapshot)
+    assert load_checkpoint(Path("."), torch.float32, torch.device("cpu")).name == name
+    assert load_checkpoint(blobs, torch.float32, torch.device("cpu")).name == "blobs"
+
+
 def test_bfloat16_load_casts(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, LLAMA)
     loaded = load_checkpoint(tmp_path, torch.bfloat16, torch.device("cpu"))
