@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -211,4 +212,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ctrl-C stops the run, its stack stopped on the way out (running_stack);
+    # SIGINT explicitly, as a background job (`python -m bench.replay ... &`)
+    # inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # was a traceback from inside asyncio
+        print("python -m bench.replay: stopped (its stacks with it)", file=sys.stderr)
+        sys.exit(130)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,8 @@ from kvstash.common.binding import free_port
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.workload.metrics import RequestRecord
 from kvstash.workload.trace import Trace
+from tests.gpu_worker.worker_factories import REPO
+from tests.process_helpers import as_at_a_terminal, cmdline_of, descendant_pids, is_running
 
 # Lengths as drawn x 1/16: 8 requests at once, prompts ~80 tokens (a
 # 32-token system prompt shared), ~96 output tokens each: ~12 blocks apiece
@@ -118,3 +125,50 @@ def test_against_a_running_stack_the_default_max_context_is_its_pool(
     assert seen == [(64, 1)]
     assert main([*flags, "--address", f"127.0.0.1:{free_port('127.0.0.1')}"]) == 2
     assert "error: " in capsys.readouterr().err and seen == [(64, 1)]
+
+
+def test_ctrl_c_stops_the_replay_and_its_stack_in_one_line(tmp_path: Path) -> None:
+    """SIGINT while a stack serves the replay: its services stop, its
+    arena and data directories go, and it says so in one line with 130
+    (it was a traceback out of asyncio)."""
+    tmp = tmp_path / "tmp"  # where it makes its data, logs and checkpoint directories
+    tmp.mkdir()
+    replay = subprocess.Popen(as_at_a_terminal([
+        sys.executable, "-m", "bench.replay", "--synthetic", "40", "--rates", "2",
+        "--synthetic-input", "40", "--synthetic-output", "6", "--length-scale", "0.0625",
+        "--policies", "recompute,offload", "--out", str(tmp_path / "out")]),
+        cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    assert replay.stderr is not None
+    started: list[int] = []
+    arenas: set[str] = set()
+    try:
+        seen = []
+        for line in replay.stderr:  # tqdm's \r ends a line here too
+            seen.append(line)
+            if "| 1/40" in line:  # a request served: the stack is up
+                break
+        assert "| 1/40" in "".join(seen), "".join(seen)
+        started = descendant_pids(replay.pid)
+        assert any("scheduler_svc" in cmdline_of(pid) for pid in started), started
+        for pid in started:
+            maps = Path(f"/proc/{pid}/maps")
+            arenas |= {line.split()[-1] for line in maps.read_text().splitlines()
+                       if "/kvstash-arena-" in line} if maps.exists() else set()
+        replay.send_signal(signal.SIGINT)
+        rest = replay.communicate(timeout=120)[1]
+        assert "Traceback" not in rest, rest
+        assert rest.strip().splitlines()[-1] == "python -m bench.replay: stopped (its stacks " \
+            "with it)", rest
+        assert replay.returncode == 130
+        deadline = time.monotonic() + 30
+        while any(map(is_running, started)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [cmdline_of(pid) for pid in started if is_running(pid)]
+        assert arenas and not [a for a in arenas if Path(a).exists()], arenas
+        assert [p.name for p in tmp.iterdir()] == []
+    finally:
+        for pid in [replay.pid, *started]:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        replay.wait()
