@@ -96,7 +96,8 @@ class _Replay:
         self.stepped_at: float | None = None  # the latest step's schedule() time
 
     def output(self) -> SchedulerOutput:
-        assert self.last is not None, "a step before any schedule()"
+        if self.last is None:
+            raise ValueError("a step before any schedule()")
         return self.last
 
     def call(self, line: dict[str, Any]) -> str | None:
@@ -162,7 +163,8 @@ class _Replay:
             self.copies[cmd.snapshot_id] = cmd
         elif op == "handed_off":
             handoff = self.copies.pop(line["snapshot"])
-            assert isinstance(handoff, OffloadCommand)
+            if not isinstance(handoff, OffloadCommand):
+                raise ValueError(f"snapshot {line['snapshot']} is no hand-off")
             self.result.copies += 1
             handed_off = pd.finish_handoff(handoff, line["bytes"], line["seconds"])
             if handed_off != line["handed_off"]:
@@ -193,7 +195,8 @@ def replay(lines: list[dict[str, Any]], profile: CostProfile | None = None) -> R
         run.result.calls += 1
         try:
             mismatch = run.call(line)
-        except (KvstashError, KeyError) as exc:  # a call the replayed core cannot take
+        except (KvstashError, KeyError, TypeError, ValueError) as exc:  # a call the replayed
+            # core cannot take: a field missing, of another type, out of order (was a traceback)
             mismatch = f"{line['op']}: the replayed core refused it ({exc!r})"
         if mismatch is not None:
             run.result.mismatch = f"line {n}: {mismatch}"

@@ -16,10 +16,13 @@ import pytest
 
 from bench.replay.__main__ import main as replay_main
 from kvstash.client import Client
+from kvstash.common.sampling import SamplingParams
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.sim.__main__ import main
 from kvstash.sim.profile import DEFAULT_PROFILE, read_profile
 from kvstash.sim.replay import read_record, replay
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.recording import RecordingScheduler
 from tests.bench.test_replay_e2e import PRESSURE
 from tests.gpu_worker.worker_factories import REPO
 
@@ -138,3 +141,41 @@ def test_a_record_that_is_none_is_refused_naming_its_line(
     record.write_text(text)
     assert main(["sim", "--replay", str(record)]) == 2
     assert error in capsys.readouterr().err
+
+
+def _recorded(path: Path) -> list[dict[str, object]]:
+    """A real core's record of one request served to its end, three steps."""
+    core = RecordingScheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
+                                              vocab_size=100), path)
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    for token in (8, 9, 10):
+        out = core.schedule()
+        core.observe_step(out, 0.01)
+        core.update(out, {"a": token})
+    core.close()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("op, field, value", [
+    ("step", "seconds", "x"),  # TypeError: a str over the profile's float
+    ("add", "sampling", [1]),  # TypeError: not a mapping
+    ("update", "sampled", None),  # TypeError: None is not iterable
+    ("add", "op", [1]),  # TypeError: unhashable
+    ("schedule", "op", "step"),  # a step before any schedule(): an AssertionError
+])
+def test_a_record_with_a_call_of_the_wrong_shape_differs_naming_its_line(
+        tmp_path: Path, op: str, field: str, value: object,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A tampered field in a well-formed record: each was a traceback; now
+    the line it is on, and what the core made of it."""
+    record = tmp_path / "decisions.jsonl"
+    lines = _recorded(record)
+    assert main(["sim", "--replay", str(record)]) == 0
+    n = next(i for i, line in enumerate(lines) if line["op"] == op)
+    lines[n][field] = value
+    record.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    capsys.readouterr()
+    assert main(["sim", "--replay", str(record)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"DECISIONS DIFFER at line {n + 1}: ") and \
+        "the replayed core refused it" in err, err
