@@ -40,9 +40,11 @@ class Found:
 
 
 def search(start: int, largest: int, target: float, run: Callable[[int], Summary],
-           close_enough: Callable[[int, int], bool]) -> Found:
+           close_enough: Callable[[int, int], bool], binds_below: int = 0) -> Found:
     """The least value in [1, largest] whose run meets `target`, assuming a
-    miss below and a hit above it; `close_enough(miss, hit)` ends bisection."""
+    miss below and a hit above it; `close_enough(miss, hit)` ends bisection.
+    Below `binds_below` the resource is known to bind (a pool that cannot
+    hold the longest request): runs alike there do not end the search."""
     tried: dict[int, Summary] = {}
 
     def meets(value: int) -> bool:
@@ -59,7 +61,8 @@ def search(start: int, largest: int, target: float, run: Callable[[int], Summary
         while not meets(hit):
             miss, hit = hit, hit * 2
             last = [repr(tried[v]) for v in (miss // 4, miss // 2, miss) if v in tried]
-            if hit > largest or (len(last) == 3 and len(set(last)) == 1):
+            if hit > largest or (miss >= binds_below and len(last) == 3
+                                 and len(set(last)) == 1):
                 return Found(None, tried)  # beyond the largest, or the runs are all alike
     while miss and not close_enough(miss, hit):
         middle = (miss + hit) // 2
@@ -113,7 +116,12 @@ def least(args: argparse.Namespace, policy: str, trace: Trace,
     runs = f" (the median of {args.runs} runs)" if args.runs > 1 else ""
     print(f"finding the least {args.find} for SLO attainment >= {args.target:.0%}{runs}: "
           f"{policy}, {len(trace.requests)} requests at {trace.rate:.3g}/s")
-    found = search(getattr(args, attr), largest, args.target, run_at, close_enough(args.find))
+    # Pools too small for every request fail them all alike (1, 2, 4 blocks):
+    # the pool binds there, however alike the runs.
+    longest = max(r.input_length + r.output_length for r in trace.requests)
+    binds_below = -(-longest // args.block_size) if args.find == "num-blocks" else 0
+    found = search(getattr(args, attr), largest, args.target, run_at, close_enough(args.find),
+                   binds_below)
     if args.plots is not None:
         args.plots.mkdir(parents=True, exist_ok=True)
         plot(found, args.find, args.target, str(args.plots / "find.png"),

@@ -238,6 +238,19 @@ def test_sim_refuses_bad_runs_or_jitter(bad: list[str]) -> None:
     assert exit_info.value.code == 2
 
 
+def test_find_num_blocks_from_a_pool_too_small_for_any_request_searches_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Pools of 1, 2 and 4 blocks serve none of these prompts (33+ blocks):
+    three runs alike, and --find gave up at 4 blocks, "more stopped
+    helping", where 141 meet the target."""
+    assert main(["sim", *SMALL, "--policies", "auto", "--find", "num-blocks",
+                 "--num-blocks", "1", "--target", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "  num-blocks              4: SLO attainment   0.0%" in out
+    least = int(out.splitlines()[-1].split()[-1].replace(",", ""))
+    assert out.splitlines()[-1].startswith("least num-blocks") and least > 64
+
+
 def test_find_with_runs_uses_the_median_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", *SMALL, "--policies", "auto", "--find", "instances", "--runs", "3",
                  "--target", "0.9"]) == 0
