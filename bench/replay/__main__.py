@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         # Where the results go, made before any run: a bad path found after
         # the runs would lose them.
         args.out.mkdir(parents=True, exist_ok=True)
+        flags.probe_writable(args.out)  # /proc, a read-only or another user's directory
         if args.write_trace is not None:
             write_trace(fitted[0][0], args.write_trace)
             print(f"wrote the fitted slice to {args.write_trace} (--block-tokens "

@@ -10,6 +10,7 @@ import sys
 
 from kvstash.errors import KvstashError
 from kvstash.sim import compiled
+from kvstash.workload.flags import probe_writable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,15 +56,25 @@ def _unwritable(args: argparse.Namespace) -> str | None:
     found after, a simulation's or a calibration's minutes ended in a
     traceback, and nothing written."""
     for flag, path in (("--json ", getattr(args, "json", None)), ("", getattr(args, "out", None))):
-        if path is not None and path.is_dir():
+        if path is None:
+            continue
+        if path.is_dir():
             return f"{flag}{path} is a directory: a file is written there"
-        if path is not None and not path.parent.is_dir():
+        if not path.parent.is_dir():
             return f"{flag}{path}: no directory {path.parent} to write it in"
+        try:
+            probe_writable(path.parent)
+        except OSError as exc:
+            return f"{flag}{path}: cannot write in {path.parent} ({exc.strerror or exc})"
     if (plots := getattr(args, "plots", None)) is not None:
         try:
             plots.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file there, or in its way
             return f"--plots {plots}: not a directory ({exc.strerror or exc})"
+        try:
+            probe_writable(plots)
+        except OSError as exc:
+            return f"--plots {plots}: cannot write in it ({exc.strerror or exc})"
     return None
 
 

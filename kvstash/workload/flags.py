@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from pathlib import Path
 
 from kvstash.workload.trace import TRACE_BLOCK_TOKENS, Trace, fit, read_trace, synthetic
@@ -96,3 +97,10 @@ def fit_slices(args: argparse.Namespace, raw: Trace, max_context: int | None
     cannot be fitted)."""
     return [fit(raw, args.length_scale, args.time_scale, rate, max_context, args.output_scale)
             for rate in args.rates]
+
+
+def probe_writable(directory: Path) -> None:
+    """OSError where no file can be made in `directory` (read-only, not ours,
+    /proc): found before a run, not when its results are written after it."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvstash-probe-"):
+        pass

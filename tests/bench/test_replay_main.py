@@ -119,6 +119,20 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_stack_start
     assert started == []
 
 
+def test_an_out_directory_no_file_can_be_made_in_is_refused_before_any_stack_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--out /proc (or a read-only directory): it exists, so it was taken,
+    and the runs' results went nowhere after them, in a traceback."""
+    trace = write_trace(tmp_path / "t.jsonl", (30, 4), (60, 4))
+    started: list[int] = []
+    monkeypatch.setattr(replay_main, "replay_all", lambda args, base, fitted: started.append(1))
+    assert replay_main.main(["--trace", str(trace), "--block-tokens", "16", "--out",
+                             "/proc"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert started == []
+
+
 def test_default_max_context_drops_what_a_checkpoint_cannot_hold(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint directory's worker serves its max_position_embeddings

@@ -263,6 +263,9 @@ def test_find_with_runs_uses_the_median_run(capsys: pytest.CaptureFixture[str]) 
     ("--json", ".", "is a directory"),
     ("--plots", "a-file", "not a directory"),
     ("--plots", "a-file/plots", "not a directory"),
+    # A directory no file can be made in: found once the runs were done.
+    ("--json", "/proc/sim.json", "cannot write in /proc"),
+    ("--plots", "/proc", "cannot write in it"),
 ])
 def test_an_output_that_cannot_be_written_is_refused_before_any_run(
         tmp_path: Path, flag: str, path: str, says: str,
