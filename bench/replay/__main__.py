@@ -180,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                            cache_memory_budget=args.cache_memory_budget,
                            worker_threads=args.worker_threads,
                            scheduler_args=tuple(shlex.split(args.scheduler_args)))
-        runs = replay_all(args, base, fitted)
+        try:
+            runs = replay_all(args, base, fitted)
+        except (ValueError, OSError, RuntimeError, KvstashError) as exc:  # a stack that
+            # would not start (a bad --model, --scheduler-args, budget): was a traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(report.table(runs, slo))
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     setup |= {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -100,6 +100,22 @@ def test_a_scale_that_is_not_finite_and_positive_is_refused_by_name(
     assert f"{bad[0]} must be" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("bad", "says"), [
+    (["--scheduler-args=--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--cache-memory-budget", "lots"], "not a byte size: 'lots'"),
+    (["--model", "no-such-model"], "is not"),
+])
+def test_a_stack_that_will_not_start_is_one_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: list[str], says: str) -> None:
+    """The flags that reach the services are theirs to refuse: that refusal
+    (a service's exit, its log's last lines) ended the replay in a traceback."""
+    assert main(["--synthetic", "2", "--rates", "2", "--synthetic-input", "40",
+                 "--synthetic-output", "4", "--length-scale", "0.0625", "--policies", "offload",
+                 *bad, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err  # after the run's progress bar
+    assert any(line.startswith("error: ") for line in err.splitlines()) and says in err, err
+
+
 def test_against_a_running_stack_the_default_max_context_is_its_pool(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
