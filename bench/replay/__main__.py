@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -218,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Ctrl-C stops the run, its stack stopped on the way out (running_stack);
-    # SIGINT explicitly, as a background job (`python -m bench.replay ... &`)
-    # inherits it ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Ctrl-C stops the run, its stack stopped on the way out (running_stack).
+    # A background job of a shell inherits SIGINT ignored, and keeps it so.
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # was a traceback from inside asyncio
