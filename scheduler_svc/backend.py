@@ -108,9 +108,9 @@ class Backend:
         """A submitted request's updates, the finishing one last, or the
         KvstashError that ended it. Closed before the end (the client went
         away), it aborts the request. `observed`: a client's request, whose
-        end the per-request metrics count; not a decode instance's part of a
-        P/D request (Decode), which its prefill instance counts, from its
-        client's arrival."""
+        end the per-request metrics count (if the core took it, as the core
+        counts it); not a decode instance's part of a P/D request (Decode),
+        which its prefill instance counts, from its client's arrival."""
         try:
             while True:
                 event = await stream.events.get()
@@ -125,7 +125,7 @@ class Backend:
             if not stream.finished:  # the client went away: free everything now
                 with contextlib.suppress(errors.NotFound):
                     self.abort(request_id)
-            if observed:
+            if observed and stream.admitted:
                 self.metrics.observe_finished(
                     stream.finish_status, stream.usage, timing.arrival, timing.ttft_s)
 

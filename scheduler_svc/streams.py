@@ -35,12 +35,15 @@ class RequestStream:
     phases: tracing.RequestPhases | None = None
     # Set at its first tokens (its prompt's KV is then computed) or its end.
     begun: asyncio.Event = field(default_factory=asyncio.Event)
+    # False for a request aborted before the core took it: the core's
+    # finished_requests never counts it, so the per-request metrics do not.
+    admitted: bool = True
 
     @classmethod
     def aborted_unadmitted(cls, request_id: str, num_prompt_tokens: int) -> RequestStream:
         """The stream of a request aborted before the core took it: its end
         only (nothing ran)."""
-        stream = cls()
+        stream = cls(admitted=False)
         stream.end(RequestUpdate(request_id, [], RequestStatus.FINISHED_ABORTED, RequestUsage(
             num_prompt_tokens, num_output_tokens=0, num_preemptions=0, num_recomputed_tokens=0,
             bytes_offloaded=0, queue_time_s=None)))

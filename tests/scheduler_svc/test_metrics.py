@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,7 +21,7 @@ from kvstash.client import Client
 from kvstash.common import rpc_connections, settings
 from kvstash.common.binding import free_port
 from kvstash.common.stats import declared
-from kvstash.common.tokenizer import ByteTokenizer
+from kvstash.common.tokenizer import INLINE_ENCODE_CHARS, ByteTokenizer
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
@@ -41,6 +42,7 @@ from tests.integration.workload import (
 from tests.metrics_helpers import scrape
 from tests.scheduler_svc.factories import make_scheduler, teach_costs
 from tests.scheduler_svc.test_engine_reports import FakeWorkerLink
+from tests.scheduler_svc.test_server import HeldTokenizer, attach
 from tests.stats_helpers import count_distinct
 
 P = "kvstash_scheduler_"
@@ -228,3 +230,52 @@ async def test_a_scrape_while_the_event_loop_is_blocked_still_answers() -> None:
         assert P + "num_free_blocks" in await asyncio.to_thread(scrape, server.port)
     finally:
         server.stop()
+
+
+async def test_a_request_aborted_while_its_prompt_is_tokenized_counts_alike_everywhere(
+) -> None:
+    """The core never took a request an Abort ended while its long prompt
+    was tokenized (on a thread): it counted in finished_requests_by_reason
+    {abort} (and the e2e histogram) but not in finished_requests, so the
+    two disagreed on /metrics. Counted in neither now, as the VllmEngine
+    API never counted one; a request the core took counts in both. Over a
+    real channel; the engine never runs (no worker needed)."""
+    tokenizer = HeldTokenizer()
+    core = make_scheduler(vocab_size=258, max_model_len=20_000, num_blocks=5_000)
+    server = await create_scheduler_server("127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as nowhere, \
+                rpc_connections.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            attach(server, nowhere, core, tokenizer=tokenizer)
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            call = stub.Generate(scheduler_pb2.GenerateRequest(
+                request_id="long", text="a" * (INLINE_ENCODE_CHARS + 1),
+                sampling=common_pb2.SamplingParams(max_tokens=4)))
+            try:
+                assert await asyncio.to_thread(tokenizer.started.wait, 10)
+                await stub.Abort(scheduler_pb2.AbortRequest(request_id="long"))
+            finally:
+                tokenizer.release.set()
+            async with asyncio.timeout(10):
+                responses = [r async for r in call]
+            assert responses[-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+            # One the core took, aborted while queued (the engine never steps).
+            taken = stub.Generate(scheduler_pb2.GenerateRequest(
+                request_id="taken", token_ids=scheduler_pb2.TokenIds(ids=[1, 2, 3]),
+                sampling=common_pb2.SamplingParams(max_tokens=4)))
+            async with asyncio.timeout(10):
+                while core.get_request("taken") is None:
+                    await asyncio.sleep(0.01)
+            await stub.Abort(scheduler_pb2.AbortRequest(request_id="taken"))
+            async with asyncio.timeout(10):
+                assert [r async for r in taken][-1].finish_reason == (
+                    scheduler_pb2.FINISH_REASON_ABORT)
+        metrics = server.attached().metrics
+        samples = {name: await asyncio.to_thread(metrics.registry.get_sample_value, P + name,
+                                                 {"reason": "abort"} if "reason" in name else {})
+                   for name in ("finished_requests_by_reason_total",
+                                "e2e_request_latency_seconds_count")}
+        assert samples == dict.fromkeys(samples, core.stats().num_finished)
+        assert core.stats().num_finished == 1
+    finally:
+        await server.server.stop(None)
