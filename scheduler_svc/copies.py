@@ -99,10 +99,10 @@ class Copies:
             return "decode_here"
         return "recompute"
 
-    async def restore(self, cmd: RestoreCommand, fallback: str = "recompute") -> None:
+    async def restore(self, cmd: RestoreCommand, fallback: str = "recompute") -> CopyOutcome:
         """`fallback`: what a failed restore leads to (the core decides), for
         the log and the span: recompute, or given_back (a decode instance's
-        hand-in)."""
+        hand-in). Returns how the copy ended."""
         outcome = CopyOutcome(None, "cancelled")
         started = time.monotonic()
         with tracing.transfer_span(self._requests.trace_context(cmd.request_id),
@@ -114,6 +114,7 @@ class Copies:
                 self._report("restore", cmd, outcome, span, seconds, fallback)
                 self._core.finish_restore(cmd, outcome.num_bytes, seconds)
                 self._landed()
+        return outcome
 
     async def save_prefix(self, cmd: OffloadCommand) -> None:
         """A prefix-tier segment: nothing to delete whatever happens (it is

@@ -10,8 +10,10 @@ each built by the engine for its role only (a mixed instance has neither).
                  was taken meanwhile); a decode instance lost before its
                  first token (reservation expired, gone, aborted there) is
                  released, then replaced by another reservation; one lost
-                 later, or no reservation in time, gives the request back to
-                 the core (take_back: resumed from the snapshot): never lost.
+                 later, one whose restore found the snapshot missing or
+                 damaged (DATA_LOSS), or no reservation in time, gives the
+                 request back to the core (take_back: resumed from the
+                 snapshot, else recomputed): never lost.
                  `let_go` when the request will not (or no longer) decode
                  there: the relay is cancelled (which aborts it there, or
                  stops asking).
@@ -28,8 +30,10 @@ each built by the engine for its role only (a mixed instance has neither).
     DecodeSide   reserve and decode (a restore into the reserved blocks, then
                  decoding as usual); a timer wakes the step loop when a
                  reservation may have expired. A restore that fails gives
-                 the request back: its Decode call fails, and the snapshot,
-                 its prefill instance's, stays for it to decode from.
+                 the request back: its Decode call fails (DATA_LOSS where the
+                 cache lacks the snapshot or holds it damaged, no use to
+                 another decode instance; else UNAVAILABLE), and the
+                 snapshot, its prefill instance's, stays for it to decode from.
 
 Every call to the core's P/D API is in this module.
 """
@@ -143,6 +147,9 @@ class PrefillSide:
                 await self._peers.release(decoder, handoff_id)
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
+        except errors.DataLoss as exc:
+            log.warning("request %s: %s; finishing it here", request_id, exc)
+            self._take_back(request_id)
         except errors.IntegrityError:
             raise
         except Exception:  # a bug, or a peer's surprise: its client is still served here
@@ -192,6 +199,8 @@ class PrefillSide:
                 else:
                     reason = "its stream ended early"
         except errors.KvstashError as exc:  # the call failed, or impossible tokens
+            if first and isinstance(exc, errors.DataLoss):
+                raise  # its snapshot is gone or damaged: no decode instance can restore it
             reason = str(exc)
         if first:
             return reason
@@ -245,11 +254,15 @@ class DecodeSide:
         return stream
 
     async def _restore(self, cmd: RestoreCommand) -> None:
-        await self._copies.restore(cmd, fallback="given_back")
+        outcome = await self._copies.restore(cmd, fallback="given_back")
         # Given back by the core (Lifecycle.finish_restore) if its record
         # outlived it: an abort or a lost worker closes the record first.
         if self._core.get_request(cmd.request_id) is None and (
                 record := self._requests.close(cmd.request_id)) is not None:
-            record.stream.fail(errors.Unavailable(
-                f"request {cmd.request_id}: its snapshot {cmd.snapshot_id} could not be "
-                "restored here; given back to its prefill instance"), None)
+            why = (f"request {cmd.request_id}: its snapshot {cmd.snapshot_id} could not be "
+                   f"restored here ({outcome.error}); given back to its prefill instance")
+            # DATA_LOSS (not NOT_FOUND, which says the reservation is gone): a
+            # snapshot the cache lacks or holds damaged is so for every decode
+            # instance, so its prefill instance offers it to no other.
+            record.stream.fail(errors.DataLoss(why) if outcome.missing or outcome.damaged
+                               else errors.Unavailable(why), None)

@@ -148,15 +148,15 @@ class Tasks:
         failure they expect (a copy that failed is reported to the core), so
         one that raises is a bug: a copy the core never heard of keeps its
         blocks pinned for good."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.on_failure = on_failure
 
-    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str | None = None) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[object]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("task %s failed", task.get_name(), exc_info=exc)

@@ -69,6 +69,8 @@ class CopyOutcome:
     # A failed restore whose snapshot failed its checksums (DATA_LOSS): it is
     # damaged where it is stored.
     damaged: bool = False
+    # A failed restore whose snapshot the cache does not hold (NOT_FOUND).
+    missing: bool = False
 
 
 def plan_to_proto(output: SchedulerOutput) -> worker_pb2.StepPlan:
@@ -219,7 +221,8 @@ class WorkerLink:
             response = await self._stub.Restore(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return CopyOutcome(None, _describe(exc),
-                               damaged=exc.code() is grpc.StatusCode.DATA_LOSS)
+                               damaged=exc.code() is grpc.StatusCode.DATA_LOSS,
+                               missing=exc.code() is grpc.StatusCode.NOT_FOUND)
         except Exception as exc:  # a closed channel, ...
             return CopyOutcome(None, repr(exc))
         return CopyOutcome(response.num_bytes)

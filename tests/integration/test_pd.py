@@ -22,7 +22,7 @@ from kvstash.client import Client
 from kvstash.common import wire
 from kvstash.common.layout import Layout
 from kvstash.common.wire import layout_from_proto
-from kvstash.launch.processes import Service
+from kvstash.launch.processes import Service, start_service
 from kvstash.launch.stack import Stack, StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.reference import reference_greedy
@@ -385,6 +385,34 @@ async def test_a_failed_restore_there_leaves_the_snapshot_to_the_prefill_instanc
     assert prefill.num_handoffs == prefill.num_handoff_failures == len(prompts)
     assert prefill.num_recomputed_tokens == 0 and prefill.bytes_restored > 0
     assert cache.memory_snapshots + cache.disk_snapshots == 0
+
+
+async def test_a_snapshot_missing_there_is_taken_back_at_the_first_try(tmp_path: Path) -> None:
+    """The decode worker reads another, empty cache: every hand-off's
+    snapshot is missing there (NOT_FOUND), as one evicted or expired is.
+    Another reservation finds it no more, yet each request was offered to
+    decode instances three times (three restores failed there) before the
+    prefill instance took it back. Now the first NOT_FOUND gives it back:
+    one reservation and one failed restore per request, then decoded on the
+    prefill instance from its snapshot."""
+    prompts = small_prompts(3)
+    empty = start_service("empty-cache", "cache_svc", [
+        "--listen", "127.0.0.1:0", "--memory-budget", "64MiB"], tmp_path)
+    try:
+        config = dataclasses.replace(pd_config(), cache_arena=False, decode_worker_args=(
+            "--cache-address", empty.address))
+        with running_stack(config, tmp_path) as stack:
+            outputs = await complete_all(stack.address, prompts)
+            prefill = await drained(stack.scheduler)
+            decode = await drained(stack.decode_scheduler)
+            assert_alive(stack)
+    finally:
+        empty.stop()
+    assert outputs == reference(prompts)
+    assert decode.num_reservations_accepted == decode.num_restore_failures == len(prompts)
+    assert decode.num_finished == 0
+    assert prefill.num_handoffs == prefill.num_handoff_failures == len(prompts)
+    assert prefill.num_recomputed_tokens == 0 and prefill.bytes_restored > 0
 
 
 async def test_cache_down_means_decoding_on_the_prefill_instance(tmp_path: Path) -> None:
