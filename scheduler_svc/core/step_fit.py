@@ -17,7 +17,7 @@ _STEP_WINDOW = 64
 # only this far off, also before the fit is trusted.
 _CLIP = 3.0
 # Clip-and-refit rounds at most: each starts from the fit the last one left,
-# and the last is the one that moved no step's fit by _SETTLED of its seconds.
+# and the last is the one that moved no step's fit by _SETTLED of its scale.
 _ROUNDS = 8
 _SETTLED = 1e-6
 # A fit asked for is re-solved once this many steps were added since its last
@@ -33,17 +33,19 @@ _RIDGE = 1e-9
 
 class StepFit:
     """seconds ~ theta . features over the last _STEP_WINDOW steps of each
-    kind, by least squares of the relative error (a 10 ms step weighs as much
-    as a 300 ms one, and one 100x slow weighs 1/10,000 of its neighbours) with
-    no coefficient below 0 (`nnls`), each step's seconds bounded by the fit
-    (`_CLIP`) and refitted until none moves; re-solved every _RESOLVE_EVERY
-    steps. A step far slower than the rest (a process's first, which allocate
-    and fault pages in; one that waited for a busy CPU) moves the fit little,
-    trusted or not, and is gone a window later; a step can wait, not run
-    ahead, so none comes far faster (one 10x fast would weigh 100x). Least
-    squares over exponentially forgotten steps, clipped only once trusted,
-    let one step 100x slow among the first four give the prefill tokens a
-    negative cost (recompute_s 200x too high) for about 1,000 steps."""
+    kind, by least squares of the error relative to the larger of a step's
+    seconds and the fit's (a 10 ms step weighs as much as a 300 ms one, one
+    100x slow 1/10,000 of its neighbours, one 10x fast as its neighbours)
+    with no coefficient below 0 (`nnls`), each step's seconds bounded by the
+    fit (`_CLIP`) and refitted until none moves; re-solved every
+    _RESOLVE_EVERY steps, from the last fit. A step far slower than the rest
+    (a process's first, which allocate and fault pages in; one that waited
+    for a busy CPU) or faster (a clock misread) moves the fit little, trusted
+    or not, and is gone a window later. Least squares over exponentially
+    forgotten steps, clipped only once trusted, let one step 100x slow among
+    the first four give the prefill tokens a negative cost (recompute_s 200x
+    too high) for about 1,000 steps; weighed by its own seconds alone, one
+    step 10x fast put recompute_s 70% off for a window."""
 
     __slots__ = ("_num_stale", "_others", "_prefills", "_theta", "num_samples")
 
@@ -65,36 +67,48 @@ class StepFit:
         """Seconds per unit of each feature; zeros before any step."""
         if self._theta is None or self._num_stale >= _RESOLVE_EVERY:
             self._num_stale = 0
-            # Each step's row divided by its seconds, its target 1: q = theta . row
-            # is then the fit's seconds over the measured ones.
-            rows = [[xi / y for xi in x] for x, y in (*self._others, *self._prefills) if y > 0]
-            if not rows:
-                return [0.0] * _NUM_FEATURES
-            upper, moment = normal_equations(rows, [1.0] * len(rows))
-            theta = nnls(upper, moment)
-            fits = [_dot(theta, row) for row in rows]
-            for _ in range(_ROUNDS):
-                errors = [abs(1 / q - 1) for q in fits if q > 0]
-                bound = _CLIP * 1.4826 * median(errors) if errors else 0.0
-                # Measured seconds y clipped into p * [1 - bound, 1 + bound]
-                # around the fit's p, over y: moves only the moment.
-                targets = [min(max(1.0, q * (1 - bound)), q * (1 + bound)) if q > 0 else 1.0
-                           for q in fits]
-                theta = nnls(upper, normal_equations(rows, targets, moment_only=True)[1])
-                refits = [_dot(theta, row) for row in rows]
-                moved = max(abs(a - b) for a, b in zip(refits, fits, strict=True))
-                fits = refits
-                if moved < _SETTLED:
-                    break
-            self._theta = theta
+            self._theta = self._solve()
         return self._theta
+
+    def _solve(self) -> list[float]:
+        steps = [(x, y) for x, y in (*self._others, *self._prefills) if y > 0]
+        if not steps:
+            return [0.0] * _NUM_FEATURES
+        seconds = [y for _, y in steps]
+        # Each step's error is relative to its scale: its seconds, or the last
+        # fit's where that is more, so a step far faster than the fit says
+        # (one 10x fast weighed 100x its neighbours) weighs as it should have.
+        previous = self._theta
+        scales = seconds if previous is None else [
+            max(y, _dot(previous, x)) for x, y in steps]
+        targets = seconds
+        fits: list[float] | None = None
+        theta = [0.0] * _NUM_FEATURES
+        for _ in range(_ROUNDS):
+            # Each step's row divided by its scale: theta . row is the fit's
+            # seconds over the scale, to match its (clipped) seconds over it.
+            rows = [[xi / s for xi in x] for (x, _), s in zip(steps, scales, strict=True)]
+            theta = nnls(*normal_equations(
+                rows, [t / s for t, s in zip(targets, scales, strict=True)]))
+            refits = [_dot(theta, x) for x, _ in steps]
+            if fits is not None and max(abs(a - b) / s for a, b, s in zip(
+                    refits, fits, scales, strict=True)) < _SETTLED:
+                break
+            fits = refits
+            errors = [abs(y / p - 1) for y, p in zip(seconds, fits, strict=True) if p > 0]
+            bound = _CLIP * 1.4826 * median(errors) if errors else 0.0
+            # Measured seconds clipped into p * [1 - bound, 1 + bound] around the fit's p.
+            targets = [min(max(y, p * (1 - bound)), p * (1 + bound)) if p > 0 else y
+                       for y, p in zip(seconds, fits, strict=True)]
+            scales = [max(y, p) for y, p in zip(seconds, fits, strict=True)]
+        return theta
 
     def predict(self, features: Sequence[float]) -> float:
         return _dot(self.theta, features)
 
 
-def normal_equations(rows: Sequence[Sequence[float]], targets: Sequence[float],
-                     moment_only: bool = False) -> tuple[list[float], list[float]]:
+def normal_equations(rows: Sequence[Sequence[float]], targets: Sequence[float]
+                     ) -> tuple[list[float], list[float]]:
     """X^T X (its upper triangle, row after row) and X^T y for the rows of X
     and the targets y; features that are 0 add nothing."""
     n = len(rows[0])
@@ -106,11 +120,10 @@ def normal_equations(rows: Sequence[Sequence[float]], targets: Sequence[float],
             xi = x[i]
             if xi:
                 moment[i] += xi * y
-                if not moment_only:
-                    for j in range(i, n):
-                        xj = x[j]
-                        if xj:
-                            upper[row + j - i] += xi * xj
+                for j in range(i, n):
+                    xj = x[j]
+                    if xj:
+                        upper[row + j - i] += xi * xj
             row += n - i
     return upper, moment
 

@@ -182,6 +182,28 @@ def test_one_far_off_step_before_the_fit_is_trusted_is_shrugged_off() -> None:
                 assert predicted == pytest.approx(true, rel=0.1)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_one_step_measured_10x_fast_moves_the_fit_little(seed: int) -> None:
+    """Errors relative to each step's own seconds gave one step measured 10x
+    faster than it ran 100x its neighbours' weight: recompute_s(4000) went
+    50-80% off for a window, in prefill-only and mixed runs alike."""
+    rng = random.Random(seed)
+    true = A * 4000 + B * 4000**2
+    prefills = CostModel(block_size=16, min_samples=4)
+    for k in range(60):
+        start, length = rng.randint(0, 3000), rng.randint(1, 512)
+        seconds = true_prefill_s(start, length) * (0.1 if k == 10 else 1)
+        prefills.observe_step(prefill_step(start, length), 0, seconds * (1 + rng.gauss(0, 0.02)))
+        if k >= 8:
+            assert prefills.recompute_s(4000) == pytest.approx(true, rel=0.2), k
+    mixed = CostModel(block_size=16, min_samples=4)
+    for k in range(100):
+        seqs, num_decodes, seconds = random_step(rng)
+        mixed.observe_step(seqs, num_decodes, seconds * (0.1 if k == 30 else 1))
+        if k >= 20:
+            assert mixed.recompute_s(4000) == pytest.approx(true, rel=0.2), k
+
+
 def test_a_few_slow_first_steps_among_decodes_do_not_outlast_a_few_dozen() -> None:
     """Several of a process's first steps (prefill and decode alike) 20-100x
     slow, then mixed true ones: within a few dozen the rates are right and no
