@@ -11,15 +11,16 @@ close idle connections and cap the calls one connection keeps open
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from kvstash.common import flag_types
-from kvstash.common.security import PLAINTEXT, Security, channel_args, check_send
+from kvstash.common.security import PLAINTEXT, PemFiles, Security, channel_args, check_send
 from kvstash.common.units import MIB
 
 # Snapshot chunks are at most 4 MiB of payload; leave room for framing.
@@ -126,16 +127,121 @@ def channel(address: str, security: Security = PLAINTEXT,
             options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A client channel: TLS (with this process's certificate, for mutual
     TLS) and the bearer token as `security` says (ValueError where it would
-    go in plaintext beyond loopback unasked: security.check_send)."""
+    go in plaintext beyond loopback unasked: security.check_send). With TLS
+    files that may change, its calls use them as they are now (RenewingChannel)."""
     check_send(address, security)
     merged = list((dict(CHANNEL_OPTIONS) | dict(KEEPALIVE_OPTIONS) | dict(DIRECT_OPTIONS)
                    | dict(options)).items())
-    extra = channel_args(security)
-    if extra["credentials"] is None:
-        return grpc.aio.insecure_channel(address, options=merged,
-                                         interceptors=extra["interceptors"])
-    return grpc.aio.secure_channel(address, extra["credentials"], options=merged,
-                                   interceptors=extra["interceptors"])
+
+    def make() -> grpc.aio.Channel:
+        extra = channel_args(security)
+        if extra["credentials"] is None:
+            return grpc.aio.insecure_channel(address, options=merged,
+                                             interceptors=extra["interceptors"])
+        return grpc.aio.secure_channel(address, extra["credentials"], options=merged,
+                                       interceptors=extra["interceptors"])
+
+    if security.tls is None or security.tls.files is None:
+        return make()
+    return RenewingChannel(make, security.tls.files)
+
+
+class RenewingChannel(grpc.aio.Channel):
+    """A channel for TLS files that may change (PemFiles): each call goes out
+    on a channel made with the files as they are now. A gRPC channel keeps the
+    credentials it was made with for every reconnect, so one made at start
+    would present an expired certificate, or trust a retired CA, at its
+    first reconnect after a rotation, until the process restarted. A channel
+    made with files since changed serves the calls it started to their end
+    (a worker's Execute stream lasts as long as it does), then is closed."""
+
+    def __init__(self, make: Callable[[], grpc.aio.Channel], files: PemFiles) -> None:
+        self._make = make
+        self._files = files
+        self._pems = files.current()
+        self._channel = make()
+        self._num_calls: dict[grpc.aio.Channel, int] = {}  # channel -> its calls in flight
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def current(self) -> grpc.aio.Channel:
+        """The channel made with the TLS files as they are now."""
+        pems = self._files.current()
+        if pems is not self._pems:
+            self._pems, old, self._channel = pems, self._channel, self._make()
+            if not self._num_calls.get(old):
+                self._close_later(old)
+        return self._channel
+
+    def started(self, channel: grpc.aio.Channel, call: Any) -> None:
+        self._num_calls[channel] = self._num_calls.get(channel, 0) + 1
+        call.add_done_callback(lambda _: self._ended(channel))
+
+    def _ended(self, channel: grpc.aio.Channel) -> None:
+        self._num_calls[channel] -= 1
+        if not self._num_calls[channel]:
+            del self._num_calls[channel]
+            if channel is not self._channel:
+                self._close_later(channel)
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self, grace: float | None = None) -> None:
+        for channel in {self._channel, *self._num_calls}:
+            await channel.close(grace)
+        for task in list(self._closing):
+            await task
+
+    async def __aenter__(self) -> RenewingChannel:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Method(self, "unary_unary", args, kwargs)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Method(self, "unary_stream", args, kwargs)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Method(self, "stream_unary", args, kwargs)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Method(self, "stream_stream", args, kwargs)
+
+
+class _Method:
+    """A stub's method on a RenewingChannel: each call on its current channel."""
+
+    def __init__(self, owner: RenewingChannel, kind: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self._owner = owner
+        self._kind = kind
+        self._args = args
+        self._kwargs = kwargs
+        self._channel: grpc.aio.Channel | None = None
+        self._method: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current()
+        if channel is not self._channel:
+            self._channel = channel
+            self._method = getattr(channel, self._kind)(*self._args, **self._kwargs)
+        call = self._method(*args, **kwargs)
+        self._owner.started(channel, call)
+        return call
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

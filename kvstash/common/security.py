@@ -11,7 +11,8 @@ certificate and, with `require_client_cert` (the worker and the cache), accepts
 only peers whose certificate that CA signed; as a client it verifies the
 server against the CA and presents its own certificate. The files are read
 again when they change (PemFiles): a server uses them from its next
-handshake, a client in the channels it makes from then on. The scheduler's
+handshake, a client's channel for its calls from then on (its reconnects
+included: kvstash.common.rpc_connections.RenewingChannel). The scheduler's
 public port takes clients without certificates; `--auth-token-file` makes it
 demand a bearer token on every call but the health service (Kubernetes
 probes carry none). Token files are read again when they change, at both
@@ -95,8 +96,8 @@ _TLS_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
 class Tls:
     """PEM bytes as read at start-up; with `files`, read again when they
     change: a server presents, and checks peers against, the new ones from
-    its next handshake on, and a channel made after the change uses them
-    (one made before keeps what it was made with)."""
+    its next handshake on, and a client channel (rpc_connections.channel)
+    for its calls made after the change."""
 
     ca: bytes  # trusted CA bundle
     cert: bytes | None = None  # this process's chain; servers need one

@@ -198,11 +198,7 @@ async def test_rotated_certificates_are_used_without_a_restart(tmp_path: Path) -
     old_ca, new_ca = trustme.CA(), trustme.CA()
 
     def write_files(who: str, ca: trustme.CA) -> list[str]:
-        cert, key = _cert_of(ca, who)
-        for name, pem in (("ca", ca.cert_pem.bytes()), ("cert", cert), ("key", key)):
-            (tmp_path / f"{who}.{name}").write_bytes(pem)
-        return [arg for name in ("ca", "cert", "key")
-                for arg in (f"--tls-{name}", str(tmp_path / f"{who}.{name}"))]
+        return _write_tls_files(tmp_path, who, ca)
 
     served = security.from_args(parse(*write_files("cache", old_ca)))
     client = security.from_args(parse(*write_files("worker", old_ca)))
@@ -228,6 +224,86 @@ async def test_rotated_certificates_are_used_without_a_restart(tmp_path: Path) -
                 await asyncio.sleep(0.2)
     finally:
         await cache.stop(None)
+
+
+async def test_a_channel_made_before_a_rotation_reconnects_with_the_new_certificate(
+        tmp_path: Path) -> None:
+    """A long-lived channel (the scheduler's to its cache and worker, the
+    worker's to the cache) kept the certificate and CA it was made with for
+    every reconnect: after a rotation to a new CA, the cache restarted and
+    the client's next calls failed UNAVAILABLE until the client restarted
+    too. Now its calls use the files as they are now, on the same client."""
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    served = security.from_args(parse(*_write_tls_files(tmp_path, "cache", old_ca)))
+    config = CacheConfig(memory_budget_bytes=16 * MIB)
+    _, port, cache = await create_cache_server(config, "127.0.0.1:0", security=served)
+    address = f"127.0.0.1:{port}"
+    client = security.from_args(parse(*_write_tls_files(tmp_path, "worker", old_ca)))
+    async with CacheClient(address, security=client, timeout_s=5) as long_lived:
+        try:
+            await long_lived.stats()
+            _write_tls_files(tmp_path, "cache", new_ca)
+            _write_tls_files(tmp_path, "worker", new_ca)
+            await cache.stop(None)  # its connections go: the client must reconnect
+            _, _, cache = await create_cache_server(config, address, security=served)
+            # First a client of the new CA only: the cache serves the new files.
+            stranger = Security(Tls(new_ca.cert_pem.bytes(), *_cert_of(new_ca, "worker")))
+            async with CacheClient(address, security=stranger, timeout_s=5) as new_client:
+                for client_now in (new_client, long_lived):
+                    deadline = asyncio.get_running_loop().time() + 30
+                    while True:
+                        try:
+                            await client_now.stats()
+                            break
+                        except errors.Unavailable:
+                            assert asyncio.get_running_loop().time() < deadline, (
+                                "the rotated certificates were never used")
+                        await asyncio.sleep(0.2)
+        finally:
+            await cache.stop(None)
+
+
+async def test_a_call_in_flight_at_a_rotation_goes_on_and_its_channel_closes_after(
+        tmp_path: Path) -> None:
+    """A stream open at the rotation (a scheduler's Execute stream to its
+    worker lasts as long as the process) stays on the channel it began on,
+    which closes once it ends; calls made after go on the new one."""
+    ca = trustme.CA()
+    served = security.from_args(parse(*_write_tls_files(tmp_path, "cache", ca)))
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0", security=served)
+    client = security.from_args(parse(*_write_tls_files(tmp_path, "worker", ca)))
+    channel = rpc_connections.channel(f"127.0.0.1:{port}", client)
+    assert isinstance(channel, rpc_connections.RenewingChannel)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        first = channel.current()
+        watch = health.Watch(health_pb2.HealthCheckRequest())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        _write_tls_files(tmp_path, "worker", ca)  # a renewed certificate
+        deadline = asyncio.get_running_loop().time() + 30
+        while channel.current() is first:
+            assert asyncio.get_running_loop().time() < deadline, "never renewed"
+            await asyncio.sleep(0.2)
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert not watch.done() and first.get_state() is not grpc.ChannelConnectivity.SHUTDOWN
+        watch.cancel()
+        while first.get_state() is not grpc.ChannelConnectivity.SHUTDOWN:
+            assert asyncio.get_running_loop().time() < deadline, "the old channel stayed open"
+            await asyncio.sleep(0.05)
+    finally:
+        await channel.close()
+        await cache.stop(None)
+
+
+def _write_tls_files(directory: Path, who: str, ca: trustme.CA) -> list[str]:
+    """`who`'s CA bundle, certificate and key from `ca`, as files in
+    `directory`; the flags that name them."""
+    cert, key = _cert_of(ca, who)
+    for name, pem in (("ca", ca.cert_pem.bytes()), ("cert", cert), ("key", key)):
+        (directory / f"{who}.{name}").write_bytes(pem)
+    return [arg for name in ("ca", "cert", "key")
+            for arg in (f"--tls-{name}", str(directory / f"{who}.{name}"))]
 
 
 def _cert_of(ca: trustme.CA, name: str) -> tuple[bytes, bytes]:
