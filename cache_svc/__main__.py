@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         except BindError as exc:  # its port (or its metrics port) is taken
             print(f"cache_svc: {exc}", file=sys.stderr)
             return 1
-        except OSError as exc:  # the arena
+        except OSError as exc:  # the arena, or a disk tier another cache holds
             print(f"cache_svc: cannot start: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # Ctrl-C before it served (then it stops gracefully)

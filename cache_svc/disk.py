@@ -26,6 +26,8 @@ neither kind of name can be produced by a client.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -70,6 +72,27 @@ class DiskFiles:
         self.directory = directory
         # Test hook: a slow disk, so tests can watch writers wait on spills.
         self._write_bytes_per_s = write_bytes_per_s
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Creates the directory if needed and takes it for this cache alone
+        (an exclusive flock on it, until `unlock` or the process ends). A
+        second cache there would list this one's files, remove its spills in
+        progress and evict or delete what it serves: OSError (EBUSY)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"disk tier {self.directory} is in use by another "
+                                       "cache: give each cache its own --disk-dir") from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def path_for(self, snapshot_id: str, token: str) -> Path:
         check_snapshot_id(snapshot_id)

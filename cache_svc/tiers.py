@@ -65,6 +65,7 @@ class Tiers:
         """Lists the disk tier's snapshots again after a restart."""
         if self.disk is None:
             return
+        await self.background.run_io(self.disk.lock)
         found = await self.background.run_io(self.disk.scan)
         now = self.clock()
         for snap in found:  # oldest first, so LRU order survives a restart
@@ -92,6 +93,8 @@ class Tiers:
         memory.pool.release(memory.pool.num_bytes)
         await self.background.close()
         memory.close()
+        if self.disk is not None:
+            self.disk.unlock()
 
     # -- listing --------------------------------------------------------------
 

@@ -4,12 +4,15 @@ under many concurrent streams, graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import urllib.request
 
 import numpy as np
 import pytest
 from cache_helpers import (
     MIB,
+    REPO,
     make_layout,
     make_payload,
     on_disk,
@@ -88,6 +91,41 @@ async def test_resident_memory_bounded_under_32_streams(tmp_path, processes) -> 
           f"limit {limit / MIB:.0f} MiB, spills {stats.num_spills}")
     assert stats.num_spills >= 20 and stats.memory_bytes <= budget
     assert peak <= limit, f"peak RSS {peak / MIB:.0f} MiB > {limit / MIB:.0f} MiB"
+
+
+async def test_a_second_cache_on_the_same_disk_dir_is_refused(tmp_path, processes) -> None:
+    """Two caches on one disk tier would each list the other's files: the
+    second one started, and a delete there made the first's get of that
+    snapshot DATA_LOSS (its start also removes the first's spills in progress
+    and evicts its files over its own budget). It is refused at start."""
+    disk = tmp_path / "disk"
+    args = ("--memory-budget", "4MiB", "--disk-dir", str(disk), "--disk-budget", "64MiB")
+    first = start_cache_process(*args)
+    processes.append(first)
+    payloads = {name: make_payload(LAYOUT, NUM_BLOCKS, seed=i) for i, name in enumerate("ab")}
+    async with CacheClient(first.address) as client:
+        for name, data in payloads.items():
+            await client.put(name, LAYOUT, NUM_BLOCKS, 100, data)  # b spills a
+        assert (await client.stat("a")).tier == cache_pb2.TIER_DISK
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0", *args, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            assert second.stdout is not None and second.stderr is not None
+            ready = await asyncio.wait_for(second.stdout.readline(), 60)
+            assert ready == b"", "a second cache started on the first one's disk tier"
+            assert await asyncio.wait_for(second.wait(), 60) == 1
+            error = (await second.stderr.read()).decode()
+            assert f"disk tier {disk} is in use by another cache" in error, error
+        finally:
+            if second.returncode is None:
+                second.kill()
+                await second.wait()
+        out = np.zeros_like(payloads["a"])
+        await client.get_into("a", memoryview(out))
+        assert out.tobytes() == payloads["a"].tobytes()
+        assert {p.name.split("~")[0] for p in disk.iterdir()} == {"a"}
 
 
 async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) -> None:
