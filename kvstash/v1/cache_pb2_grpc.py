@@ -136,8 +136,9 @@ class KVCacheServicer:
     def FindSnapshots(self, request, context):
         """Which of the given snapshots are stored, and in which tier, in one call:
         how a scheduler learns, before it sends or reads anything, which
-        segments of a prompt's prefix the cache holds (the prefix tier). Touches
-        nothing: a snapshot found is neither refreshed nor held for a read.
+        segments of a prompt's prefix the cache holds (the prefix tier). A
+        snapshot found counts as a use (its LRU place and TTL refreshed, as a
+        read's) but is not held for a read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

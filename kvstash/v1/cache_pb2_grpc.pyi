@@ -65,8 +65,9 @@ class KVCacheStub:
     FindSnapshots: _grpc.UnaryUnaryMultiCallable[_cache_pb2.FindSnapshotsRequest, _cache_pb2.FindSnapshotsResponse]
     """Which of the given snapshots are stored, and in which tier, in one call:
     how a scheduler learns, before it sends or reads anything, which
-    segments of a prompt's prefix the cache holds (the prefix tier). Touches
-    nothing: a snapshot found is neither refreshed nor held for a read.
+    segments of a prompt's prefix the cache holds (the prefix tier). A
+    snapshot found counts as a use (its LRU place and TTL refreshed, as a
+    read's) but is not held for a read.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]
     GetArena: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]
@@ -140,8 +141,9 @@ class KVCacheAsyncStub(KVCacheStub):
     FindSnapshots: _aio.UnaryUnaryMultiCallable[_cache_pb2.FindSnapshotsRequest, _cache_pb2.FindSnapshotsResponse]  # type: ignore[assignment]
     """Which of the given snapshots are stored, and in which tier, in one call:
     how a scheduler learns, before it sends or reads anything, which
-    segments of a prompt's prefix the cache holds (the prefix tier). Touches
-    nothing: a snapshot found is neither refreshed nor held for a read.
+    segments of a prompt's prefix the cache holds (the prefix tier). A
+    snapshot found counts as a use (its LRU place and TTL refreshed, as a
+    read's) but is not held for a read.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _cache_pb2.CacheStats]  # type: ignore[assignment]
     GetArena: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetArenaRequest, _cache_pb2.ArenaInfo]  # type: ignore[assignment]
@@ -242,8 +244,9 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cache_pb2.FindSnapshotsResponse, _abc.Awaitable[_cache_pb2.FindSnapshotsResponse]]:
         """Which of the given snapshots are stored, and in which tier, in one call:
         how a scheduler learns, before it sends or reads anything, which
-        segments of a prompt's prefix the cache holds (the prefix tier). Touches
-        nothing: a snapshot found is neither refreshed nor held for a read.
+        segments of a prompt's prefix the cache holds (the prefix tier). A
+        snapshot found counts as a use (its LRU place and TTL refreshed, as a
+        read's) but is not held for a read.
         """
 
     @_abc_1.abstractmethod
