@@ -185,9 +185,14 @@ class ModelRunner:
     def check_copy_blocks(self, block_ids: Sequence[int], what: str) -> None:
         """The blocks of a gather or scatter: at least one, each in range, none
         twice (so never more than the cache holds). Checked before any host
-        buffer is sized by them."""
+        buffer is sized by them. More ids than the pool holds are refused by
+        their count, before any is read: a message may carry millions, which
+        would hold the event loop (health, transfers) for seconds."""
         if not block_ids:
             raise InvalidArgument(f"{what}: no block ids given")
+        if len(block_ids) > self.num_blocks:
+            raise InvalidArgument(f"{what}: {len(block_ids)} block ids, more than the "
+                                  f"{self.num_blocks} blocks of this worker")
         self.check_block_ids(block_ids, what)
         if len(set(block_ids)) != len(block_ids):
             repeats = [b for b, n in Counter(block_ids).items() if n > 1]

@@ -184,7 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         transfer = self._loaded().transfer
         start = time.perf_counter()
         num_bytes = await transfer.offload(
-            request.snapshot_id, list(request.block_ids), request.num_tokens, deadline,
+            request.snapshot_id, request.block_ids, request.num_tokens, deadline,
             request.shared_prefix)
         self._metrics.observe_offload(num_bytes, time.perf_counter() - start)
         log.info("offloaded %s: %d blocks, %d bytes", request.request_id,
@@ -199,7 +199,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         deadline = self._deadline(context)
         transfer = self._loaded().transfer
         start = time.perf_counter()
-        num_bytes = await transfer.restore(request.snapshot_id, list(request.block_ids),
+        num_bytes = await transfer.restore(request.snapshot_id, request.block_ids,
                                            deadline, request.keep)
         self._metrics.observe_restore(num_bytes, time.perf_counter() - start)
         log.info("restored %s: %d blocks, %d bytes", request.request_id,

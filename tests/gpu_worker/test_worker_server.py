@@ -454,6 +454,27 @@ async def test_block_ids_are_checked_before_a_buffer_is_sized_or_a_snapshot_read
         await _stop(h, channel)
 
 
+async def test_more_block_ids_than_the_pool_are_refused_by_their_count(
+        harness: Harness) -> None:
+    """An Offload or Restore naming millions of block ids (one block over and
+    over) was walked id by id on the event loop before its repeats were
+    found: 30M ids held health checks and every transfer for ~2 s. More ids
+    than the pool's 64 blocks are refused by their count."""
+    many = [5] * 2_000_000
+    calls = [harness.stub.Offload(worker_pb2.OffloadRequest(
+                 request_id="r", snapshot_id="many", block_ids=many, num_tokens=4)),
+             harness.stub.Restore(worker_pb2.RestoreRequest(
+                 request_id="r", snapshot_id="many", block_ids=many))]
+    for call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "2000000 block ids, more than the 64 blocks of this worker" in (
+            info.value.details() or "")
+    assert harness.cache is not None and harness.cache.timeouts == []  # refused before it
+    assert await run_steps(harness.stub, [[SeqWork("z", [1, 2], 0, [0], True)]])
+
+
 @pytest.mark.parametrize("copy", ["offload", "restore"])
 async def test_a_copy_cancelled_while_its_buffer_is_taken_gives_it_back(copy: str) -> None:
     """The caller's deadline passes while the compute thread takes the copy's
