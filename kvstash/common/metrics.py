@@ -44,6 +44,13 @@ class StatsCollector(Collector):
         self._loop = loop
         self._exported = [(prefix + s.metric, s) for s in stats if s.metric is not None]
 
+    def describe(self) -> Iterator[Metric]:
+        """The families `collect` yields, without values: what the registry
+        matches a scrape's name filter (/metrics?name[]=...) against, which
+        without this found none of them."""
+        for name, stat in self._exported:
+            yield _family(stat)(name, stat.doc)
+
     def collect(self) -> Iterator[Metric]:
         async def read() -> Any:
             return self._read()
@@ -60,8 +67,11 @@ class StatsCollector(Collector):
                         _LOOP_WAIT_S, self._exported[0][0])
             return
         for name, stat in self._exported:
-            family = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
-            yield family(name, stat.doc, value=getattr(snapshot, stat.name))
+            yield _family(stat)(name, stat.doc, value=getattr(snapshot, stat.name))
+
+
+def _family(stat: Stat) -> type[CounterMetricFamily] | type[GaugeMetricFamily]:
+    return CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
 
 
 # Where /metrics listens unless told otherwise: this host only.

@@ -77,3 +77,16 @@ async def test_collector_exports_each_declared_metric_from_the_snapshot() -> Non
         "svc_used_bytes": ("gauge", "Bytes held", [("svc_used_bytes", 7)]),
         "svc_up": ("gauge", "1 while up", [("svc_up", 1)]),
     }
+
+
+async def test_a_scrape_filtered_by_name_gets_the_named_metrics() -> None:
+    """/metrics?name[]=... (prometheus_client's restricted registry) matches
+    names against what a collector describes: it found none of these."""
+    stats = Stats(num_puts=3, bytes_in=4096, num_spills=1, used_bytes=7, ratio=0.5, up=True)
+    registry = CollectorRegistry()
+    registry.register(StatsCollector("svc_", lambda: stats, asyncio.get_running_loop(),
+                                     declared(Stats)))
+    only = registry.restricted_registry(["svc_puts_total", "svc_used_bytes"])
+    text = (await asyncio.to_thread(generate_latest, only)).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples == {"svc_puts_total": 3, "svc_used_bytes": 7}
