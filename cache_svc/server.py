@@ -173,13 +173,17 @@ async def create_cache_server(
     transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)
-    server, port, _health = await rpc_server.create_server(
-        address,
-        [lambda s: add_servicer(servicer, s)],
-        [SERVICE_NAME],
-        options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        security=security, connections=connections,
-    )
+    try:
+        server, port, _health = await rpc_server.create_server(
+            address,
+            [lambda s: add_servicer(servicer, s)],
+            [SERVICE_NAME],
+            options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            security=security, connections=connections,
+        )
+    except BaseException:  # its port is taken: the store (and its disk tier's lock) goes too
+        await store.close()
+        raise
     metrics = None
     if config.metrics_port:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import urllib.request
 
@@ -21,8 +22,10 @@ from cache_helpers import (
 )
 
 from cache_svc.config import CacheConfig
+from cache_svc.server import create_cache_server
 from kvstash import errors
 from kvstash.cache_sdk.cache_client import CacheClient
+from kvstash.common.binding import BindError
 from kvstash.v1 import cache_pb2
 
 LAYOUT = make_layout("bfloat16")  # 32 KiB blocks
@@ -128,9 +131,22 @@ async def test_a_second_cache_on_the_same_disk_dir_is_refused(tmp_path, processe
         assert {p.name.split("~")[0] for p in disk.iterdir()} == {"a"}
 
 
-async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) -> None:
-    import socket
+async def test_a_cache_that_could_not_bind_leaves_its_disk_tier_free(tmp_path) -> None:
+    """A cache made in-process whose port was taken kept its disk tier's
+    lock (its store was never closed): the next one on that --disk-dir, in
+    the same process, was refused as "in use by another cache"."""
+    config = CacheConfig(memory_budget_bytes=4 * MIB, disk_dir=tmp_path / "disk",
+                         disk_budget_bytes=64 * MIB)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(BindError):
+            await create_cache_server(config, f"127.0.0.1:{taken.getsockname()[1]}")
+    _, _, cache = await create_cache_server(config, "127.0.0.1:0")
+    await cache.stop(0)
 
+
+async def test_sigterm_lets_puts_finish_and_serves_metrics(tmp_path, processes) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
