@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import ipaddress
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_svc.config import CacheConfig
@@ -146,6 +153,43 @@ def test_a_service_refuses_tls_files_it_cannot_serve_naming_them(
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode in (1, 2), done.stderr
         assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+async def test_tls_files_grpc_serves_with_but_python_ssl_refuses_still_start(
+        tmp_path: Path) -> None:
+    """The start-up check loads the files with Python's ssl, whose OpenSSL
+    security level refuses an RSA-1024 key ("ee key too small") that gRPC
+    serves and connects with: a setup that worked was refused at start."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = (rsa.generate_private_key(65537, 1024) for _ in range(2))
+    ca_name, name = (x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+                     for cn in ("old CA", "cache"))
+
+    def issue(subject: x509.Name, public_key: Any, ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
+                   .public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(days=1))
+                   .not_valid_after(now + datetime.timedelta(days=1)))
+        builder = builder.add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    pem = serialization.Encoding.PEM
+    (tmp_path / "ca").write_bytes(issue(ca_name, ca_key.public_key(), True).public_bytes(pem))
+    (tmp_path / "cert").write_bytes(issue(name, key.public_key(), False).public_bytes(pem))
+    (tmp_path / "key").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    files = security.from_args(parse(*(arg for f in ("ca", "cert", "key")
+                                       for arg in (f"--tls-{f}", str(tmp_path / f)))))
+    _, port, cache = await create_cache_server(
+        CacheConfig(memory_budget_bytes=16 * MIB), "127.0.0.1:0", security=files)
+    try:
+        async with CacheClient(f"127.0.0.1:{port}", security=files, timeout_s=10) as client:
+            await client.stats()
+    finally:
+        await cache.stop(None)
 
 
 def test_settings_show_no_token_or_private_key(ca: trustme.CA) -> None:
