@@ -169,7 +169,11 @@ async def create_cache_server(
     (TLS as `security` says, each connection as `connections` allows).
     `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
     store = SnapshotStore(config, clock)
-    await store.start()
+    try:
+        await store.start()
+    except BaseException:  # its disk tier is another cache's: its arena goes too
+        await store.close()
+        raise
     transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)

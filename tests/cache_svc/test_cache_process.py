@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 import urllib.request
 
@@ -129,6 +130,24 @@ async def test_a_second_cache_on_the_same_disk_dir_is_refused(tmp_path, processe
         await client.get_into("a", memoryview(out))
         assert out.tobytes() == payloads["a"].tobytes()
         assert {p.name.split("~")[0] for p in disk.iterdir()} == {"a"}
+
+
+def test_a_cache_refused_a_disk_tier_in_use_leaves_no_arena_behind(
+        tmp_path, processes) -> None:
+    """The second cache on a --disk-dir had already made its --arena-dir
+    arena (its whole memory budget, in /dev/shm as deployed) when the disk
+    tier was found in use: it exited 1 leaving that file, memory no one
+    uses, until some cache started again in that directory."""
+    disk, arena = tmp_path / "disk", tmp_path / "arena"
+    args = ("--memory-budget", "4MiB", "--disk-dir", str(disk), "--disk-budget", "64MiB")
+    processes.append(start_cache_process(*args))
+    second = subprocess.run(
+        [sys.executable, "-m", "cache_svc", "--listen", "127.0.0.1:0", *args,
+         "--arena-dir", str(arena)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=120, check=False)
+    assert second.returncode == 1 and "is in use by another cache" in second.stderr, (
+        second.stderr)
+    assert list(arena.iterdir()) == []
 
 
 async def test_a_cache_that_could_not_bind_leaves_its_disk_tier_free(tmp_path) -> None:
