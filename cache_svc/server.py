@@ -169,15 +169,11 @@ async def create_cache_server(
     (TLS as `security` says, each connection as `connections` allows).
     `clock` times snapshot TTLs (tests pass a fake one to expire on demand)."""
     store = SnapshotStore(config, clock)
-    try:
-        await store.start()
-    except BaseException:  # its disk tier is another cache's: its arena goes too
-        await store.close()
-        raise
     transfers = TransferMetrics()
     servicer = CacheServicer(store, ByteLimiter(config.max_inflight_bytes),
                              BandwidthLimiter(config.bandwidth_limit_bytes_per_s), transfers)
     try:
+        await store.start()
         server, port, _health = await rpc_server.create_server(
             address,
             [lambda s: add_servicer(servicer, s)],
@@ -185,8 +181,8 @@ async def create_cache_server(
             options=SERVER_OPTIONS, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             security=security, connections=connections,
         )
-    except BaseException:  # its port is taken: the store (and its disk tier's lock) goes too
-        await store.close()
+    except BaseException:  # its disk tier another cache's, its port taken: the
+        await store.close()  # store goes, its arena and its disk tier's lock with it
         raise
     metrics = None
     if config.metrics_port:
