@@ -9,7 +9,7 @@ import datetime
 import ipaddress
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,20 @@ async def test_the_cache_refuses_everyone_else(tls_cache: str, ca: trustme.CA, w
             await client.stats()
 
 
+async def _served_soon(call: Callable[[], Awaitable[object]]) -> None:
+    """`call` until it is served (UNAVAILABLE until the rotated files are in
+    use on both ends), within 30 s."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        try:
+            await call()
+            return
+        except errors.Unavailable:
+            assert asyncio.get_running_loop().time() < deadline, (
+                "the rotated certificates were never used")
+        await asyncio.sleep(0.2)
+
+
 async def test_rotated_certificates_are_used_without_a_restart(tmp_path: Path) -> None:
     """cert-manager rotates a service's Secret (here to a new CA, as at a CA
     rotation): the cache presents, and checks clients against, the new files
@@ -256,16 +270,11 @@ async def test_rotated_certificates_are_used_without_a_restart(tmp_path: Path) -
         write_files("worker", new_ca)
         stranger = Security(Tls(new_ca.cert_pem.bytes(), *_cert_of(new_ca, "worker")))
         for who in (stranger, client):  # a new process; one started before the rotation
-            deadline = asyncio.get_running_loop().time() + 30
-            while True:
+            async def stats_anew(who: Security = who) -> None:
                 async with CacheClient(address, security=who, timeout_s=5) as after:
-                    try:
-                        await after.stats()
-                        break
-                    except errors.Unavailable:
-                        assert asyncio.get_running_loop().time() < deadline, (
-                            "the rotated certificates were never used")
-                await asyncio.sleep(0.2)
+                    await after.stats()
+
+            await _served_soon(stats_anew)
     finally:
         await cache.stop(None)
 
@@ -294,15 +303,7 @@ async def test_a_channel_made_before_a_rotation_reconnects_with_the_new_certific
             stranger = Security(Tls(new_ca.cert_pem.bytes(), *_cert_of(new_ca, "worker")))
             async with CacheClient(address, security=stranger, timeout_s=5) as new_client:
                 for client_now in (new_client, long_lived):
-                    deadline = asyncio.get_running_loop().time() + 30
-                    while True:
-                        try:
-                            await client_now.stats()
-                            break
-                        except errors.Unavailable:
-                            assert asyncio.get_running_loop().time() < deadline, (
-                                "the rotated certificates were never used")
-                        await asyncio.sleep(0.2)
+                    await _served_soon(client_now.stats)
         finally:
             await cache.stop(None)
 
