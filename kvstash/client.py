@@ -7,7 +7,9 @@ InvalidArgument before anything is sent.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -73,6 +75,7 @@ class Client:
             raise errors.InvalidArgument(str(exc)) from None
         self._channel = rpc_connections.channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._closed = False
 
     async def __aenter__(self) -> Client:
         return self
@@ -84,7 +87,27 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        """Calls still in flight end with Unavailable; later ones, FailedPrecondition."""
+        self._closed = True
         await self._channel.close()
+
+    @contextlib.contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """A failed call as a kvstash.errors class: its status; grpc's
+        UsageError for a closed channel; and the CancelledError grpc raises in a
+        call whose channel close() closed, which would read as the caller's own
+        task cancelled (unless it is the task being cancelled)."""
+        if self._closed:
+            raise errors.FailedPrecondition(f"{what}: the client is closed")
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_errors.error_from_rpc(exc, what) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._closed or (task is not None and task.cancelling()):
+                raise
+            raise errors.Unavailable(f"{what}: the client was closed during the call") from None
 
     async def generate(
         self,
@@ -139,26 +162,25 @@ class Client:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        call = self._stub.Generate(request, timeout=timeout_s)
-        try:
-            async for message in call:
-                response = rpc_errors.decoded(message, "generate")
-                usage = None
-                if response.HasField("usage"):
-                    u = response.usage
-                    usage = Usage(u.prompt_tokens, u.completion_tokens, u.num_preemptions,
-                                  u.num_recomputed_tokens, u.bytes_offloaded, u.ttft_s)
-                yield TokenDelta(
-                    request_id=response.request_id,
-                    token_ids=list(response.token_ids),
-                    text=response.text,
-                    finish_reason=_FINISH_REASON.get(response.finish_reason),
-                    usage=usage,
-                )
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "generate") from None
-        finally:
-            call.cancel()  # a caller that stops iterating early aborts the request
+        with self._calling("generate"):
+            call = self._stub.Generate(request, timeout=timeout_s)
+            try:
+                async for message in call:
+                    response = rpc_errors.decoded(message, "generate")
+                    usage = None
+                    if response.HasField("usage"):
+                        u = response.usage
+                        usage = Usage(u.prompt_tokens, u.completion_tokens, u.num_preemptions,
+                                      u.num_recomputed_tokens, u.bytes_offloaded, u.ttft_s)
+                    yield TokenDelta(
+                        request_id=response.request_id,
+                        token_ids=list(response.token_ids),
+                        text=response.text,
+                        finish_reason=_FINISH_REASON.get(response.finish_reason),
+                        usage=usage,
+                    )
+            finally:
+                call.cancel()  # a caller that stops iterating early aborts the request
 
     async def complete(self, prompt: str | Sequence[int], **kwargs: object) -> GenerateResult:
         """Runs `generate` to the end and returns the whole result."""
@@ -173,19 +195,15 @@ class Client:
 
     async def abort(self, request_id: str, timeout_s: float | None = None) -> None:
         """`timeout_s`: the call's deadline, else the client's."""
-        try:
+        with self._calling("abort"):
             await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
                                    timeout=self._timeout(timeout_s))
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "abort") from None
 
     async def stats(self, timeout_s: float | None = None) -> scheduler_pb2.SchedulerStats:
         """`timeout_s`: the call's deadline, else the client's."""
-        try:
+        with self._calling("stats"):
             response = await self._stub.GetStats(common_pb2.GetStatsRequest(),
                                                  timeout=self._timeout(timeout_s))
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_errors.error_from_rpc(exc, "stats") from None
         return rpc_errors.decoded(response, "stats")
 
     def _timeout(self, timeout_s: float | None) -> float | None:

@@ -93,3 +93,51 @@ async def test_generate_argument_errors_are_invalid_argument(kwargs, message) ->
         with pytest.raises(errors.InvalidArgument, match=message):
             async for _ in client.generate(**{"prompt": "hi", **kwargs}):
                 pass
+
+
+class SlowScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Streams one token, then nothing; answers nothing else."""
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        yield scheduler_pb2.GenerateResponse(request_id="r", token_ids=[1], text="a")
+        await asyncio.sleep(3600)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.sleep(3600)
+
+
+async def test_closing_the_client_ends_its_calls_with_kvstash_errors() -> None:
+    """Calls in flight when the client was closed raised asyncio.CancelledError
+    in tasks nobody cancelled (a gather of them read as its own cancellation),
+    and a call made after close raised grpc's UsageError."""
+    server, port, _ = await rpc_server.create_server(
+        "127.0.0.1:0",
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SlowScheduler(), s)],
+        [])
+    try:
+        client = Client(f"127.0.0.1:{port}")
+        streamed = asyncio.Event()
+
+        async def stream() -> None:
+            async for _ in client.generate("hi"):
+                streamed.set()
+
+        calls = [asyncio.ensure_future(stream()), asyncio.ensure_future(client.stats())]
+        await asyncio.wait_for(streamed.wait(), 30)
+        await client.close()
+        for call in calls:
+            with pytest.raises(errors.Unavailable, match="the client was closed during the call"):
+                await asyncio.wait_for(call, 30)
+        for after in (client.stats(), client.abort("r"), client.complete("hi")):
+            with pytest.raises(errors.FailedPrecondition, match="the client is closed"):
+                await after
+        # A task that is itself cancelled still ends cancelled.
+        client = Client(f"127.0.0.1:{port}")
+        task = asyncio.ensure_future(client.complete("hi"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.close()
+    finally:
+        await server.stop(None)
