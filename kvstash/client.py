@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+import numbers
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -29,6 +30,37 @@ _FINISH_REASON = {
     scheduler_pb2.FINISH_REASON_LENGTH: "length",
     scheduler_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+
+def _check_kinds(**values: tuple[object, type]) -> None:
+    """InvalidArgument naming the first value that is not None nor its kind
+    (numbers.Integral, numbers.Real, str; a bool is no number): what grpc and
+    protobuf raise instead is a TypeError naming no argument."""
+    for name, (value, kind) in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise errors.InvalidArgument(
+                f"{name} is {value!r:.60}, must be {_KIND_NAMES[kind]}")
+
+
+_KIND_NAMES: dict[type, str] = {numbers.Integral: "an int", numbers.Real: "a number", str: "a str"}
+
+
+def _check_ids(name: str, values: object, kind: str = "token ids (ints)") -> None:
+    """InvalidArgument unless `values` are token ids (bytes are not: a
+    prompt of bytes would be sent as the ids of its bytes)."""
+    if isinstance(values, str | bytes | bytearray) or not isinstance(values, Collection):
+        raise errors.InvalidArgument(f"{name} is {values!r:.60}, must be {kind}")
+    if not all(type(v) is int for v in values):  # the common case, quickly
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise errors.InvalidArgument(f"{name}[{i}] is {v!r:.60}, must be an int")
+    check_uints(name, values)  # type: ignore[arg-type]
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    _check_kinds(timeout_s=(timeout_s, numbers.Real))
+    if timeout_s is not None and not timeout_s > 0:  # NaN too
+        raise errors.InvalidArgument(f"timeout_s is {timeout_s}, must be > 0 (None: no deadline)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +100,8 @@ class Client:
         """`security`: TLS (the CA that signed the scheduler's certificate) and
         the bearer token the scheduler may ask for. `timeout_s`: deadline of
         an abort or stats call given none (None = no deadline)."""
+        _check_kinds(address=(address, str))
+        _check_timeout(timeout_s)
         self.timeout_s = timeout_s
         try:
             check_target(address)
@@ -127,17 +161,25 @@ class Client:
         field unset, for the server's default (max_tokens: until the context
         ends; temperature: 1.0, as OpenAI's); the defaults here are a short
         greedy answer."""
+        _check_kinds(max_tokens=(max_tokens, numbers.Integral),
+                     temperature=(temperature, numbers.Real), top_p=(top_p, numbers.Real),
+                     top_k=(top_k, numbers.Integral), seed=(seed, numbers.Integral),
+                     request_id=(request_id, str))
+        if not isinstance(ignore_eos, bool | numbers.Integral):
+            raise errors.InvalidArgument(f"ignore_eos is {ignore_eos!r:.60}, "
+                                         "must be a bool")
+        _check_timeout(timeout_s)
         if max_tokens is not None and max_tokens <= 0:
             raise errors.InvalidArgument(f"max_tokens is {max_tokens}, must be > 0")
         for name, value, bits in (("max_tokens", max_tokens, 32), ("top_k", top_k, 32),
                                   ("seed", seed, 64)):
             if value is not None:
                 check_uint(name, value, bits)
-        check_uints("stop_token_ids", stop_token_ids)
+        _check_ids("stop_token_ids", stop_token_ids)
         if request_id:  # "": the scheduler makes one
             check_request_id(request_id)
         if not isinstance(prompt, str):
-            check_uints("prompt", prompt)
+            _check_ids("prompt", prompt, "text or token ids (ints)")
         elif not prompt.isascii():
             try:  # a lone surrogate: what Python makes of a non-UTF-8 argv, e.g. latin-1
                 prompt.encode()
@@ -195,6 +237,7 @@ class Client:
 
     async def abort(self, request_id: str, timeout_s: float | None = None) -> None:
         """`timeout_s`: the call's deadline, else the client's."""
+        _check_kinds(request_id=(request_id, str))
         with self._calling("abort"):
             await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
                                    timeout=self._timeout(timeout_s))
@@ -207,4 +250,5 @@ class Client:
         return rpc_errors.decoded(response, "stats")
 
     def _timeout(self, timeout_s: float | None) -> float | None:
+        _check_timeout(timeout_s)
         return self.timeout_s if timeout_s is None else timeout_s

@@ -86,6 +86,27 @@ async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
                                r"\(character 3, '\\udce9'\)"),
     ({"request_id": "r\udce9"}, r"request_id must be 1-256 visible ASCII characters"),
     ({"request_id": "a b"}, r"request_id must be 1-256 visible ASCII characters"),
+    # Wrong types were TypeErrors naming no argument ("'<=' not supported
+    # between instances of 'str' and 'int'"), from the client, grpc or protobuf,
+    # and bytes were sent as the token ids of their bytes.
+    ({"max_tokens": "5"}, "max_tokens is '5', must be an int"),
+    ({"max_tokens": True}, "max_tokens is True, must be an int"),
+    ({"top_k": 1.5}, "top_k is 1.5, must be an int"),
+    ({"seed": "1"}, "seed is '1', must be an int"),
+    ({"temperature": "x"}, "temperature is 'x', must be a number"),
+    ({"top_p": "0.5"}, "top_p is '0.5', must be a number"),
+    ({"ignore_eos": "no"}, "ignore_eos is 'no', must be a bool"),
+    ({"request_id": 5}, "request_id is 5, must be a str"),
+    ({"stop_token_ids": 5}, "stop_token_ids is 5, must be token ids"),
+    ({"stop_token_ids": ["a"]}, r"stop_token_ids\[0\] is 'a', must be an int"),
+    ({"prompt": None}, "prompt is None, must be text or token ids"),
+    ({"prompt": b"abc"}, "prompt is b'abc', must be text or token ids"),
+    ({"prompt": [1, 1.5]}, r"prompt\[1\] is 1.5, must be an int"),
+    ({"prompt": [None]}, r"prompt\[0\] is None, must be an int"),
+    # A deadline in the past was sent, to fail DEADLINE_EXCEEDED.
+    ({"timeout_s": -1}, r"timeout_s is -1, must be > 0"),
+    ({"timeout_s": float("nan")}, r"timeout_s is nan, must be > 0"),
+    ({"timeout_s": "x"}, "timeout_s is 'x', must be a number"),
 ])
 async def test_generate_argument_errors_are_invalid_argument(kwargs, message) -> None:
     """Not a bare ValueError, nor protobuf's, which names no argument."""
@@ -141,3 +162,23 @@ async def test_closing_the_client_ends_its_calls_with_kvstash_errors() -> None:
         await client.close()
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"address": 123}, "address is 123, must be a str"),
+    ({"timeout_s": 0}, "timeout_s is 0, must be > 0"),
+    ({"timeout_s": "60"}, "timeout_s is '60', must be a number"),
+])
+async def test_client_argument_errors_are_invalid_argument(kwargs, message) -> None:
+    """They were AttributeError ('int' object has no attribute 'endswith'), or
+    accepted to fail every call later."""
+    with pytest.raises(errors.InvalidArgument, match=message):
+        Client(**{"address": "127.0.0.1:1", **kwargs})
+
+
+async def test_unary_argument_errors_are_invalid_argument() -> None:
+    async with Client("127.0.0.1:1") as client:  # nothing listens: nothing is sent
+        with pytest.raises(errors.InvalidArgument, match="request_id is 5, must be a str"):
+            await client.abort(5)  # type: ignore[arg-type]
+        with pytest.raises(errors.InvalidArgument, match="timeout_s is -1, must be > 0"):
+            await client.stats(timeout_s=-1)
