@@ -52,10 +52,13 @@ def port_past_range(address: str) -> bool:
 
 
 def check_target(address: str) -> None:
-    """ValueError unless `address` is one a client may call: not empty, and
-    any port number it ends in 0-65535 (gRPC's client would call "host:99999"
-    on 34463, another service perhaps, and "host:" on 443)."""
-    if not address or address.endswith(":") or port_past_range(address):
+    """ValueError unless `address` is one a client may call: not empty, a
+    port after a bare host, and any port number it ends in 0-65535 (gRPC's
+    client would call "host:99999" on 34463, another service perhaps, and
+    "host:", "host" and "[::1]" on 443). gRPC's other forms ("unix:/path",
+    "dns:///host:port") pass."""
+    if (not address or address.endswith((":", "]")) or ":" not in address
+            or port_past_range(address)):
         raise ValueError(f"address {address!r} is not host:port (port 0-{MAX_PORT})")
 
 

@@ -61,7 +61,8 @@ async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
     try:
         async with Client(f"127.0.0.1:{port}") as client:  # the one it serves on
             assert (await client.stats()).num_total_blocks == 7
-        for address in (f"127.0.0.1:{port + 65536}", "127.0.0.1:", ""):
+        # A host without a port was called on 443.
+        for address in (f"127.0.0.1:{port + 65536}", "127.0.0.1:", "", "localhost", "[::1]"):
             with pytest.raises(errors.InvalidArgument, match="is not host:port"):
                 async with Client(address) as client:
                     await client.stats(timeout_s=10)

@@ -180,12 +180,12 @@ def test_a_gateway_port_that_is_the_schedulers_is_refused_before_anything_starts
     ("generate", ["generate", "hello"]), ("stats", ["stats"]),
     ("tokenizer export", ["tokenizer", "export", "out"]),
 ])
-@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:", ""])
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:", "", "localhost"])
 def test_an_address_grpc_would_call_elsewhere_is_refused_by_name(
     capsys: pytest.CaptureFixture[str], command: str, argv: list[str], address: str,
 ) -> None:
     """Not a call to port 34463 (gRPC takes 99999 modulo 65536, and reached
-    whatever listened there), nor to 443 for an empty port."""
+    whatever listened there), nor to 443 for an empty port or none."""
     with pytest.raises(SystemExit) as done:
         main([*argv, "--address", address])
     assert done.value.code == 2
