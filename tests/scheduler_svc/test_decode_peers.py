@@ -289,10 +289,12 @@ async def test_a_reservation_cancelled_in_flight_is_released(serve: Serve) -> No
 async def test_a_reservation_timed_out_in_flight_is_released(
         serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     """The instance may grant it after the call gave up: the grant is let go
-    at once, not left to expire."""
-    monkeypatch.setattr(decode_peers, "_RESERVE_TIMEOUT_S", 0.1)
-    slow = ScriptedDecode(accept, delay_s=0.3)
-    peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=0.05)
+    at once, not left to expire. (A timeout of 1 s, not less: the call must
+    reach the instance before it expires, its connection made on a loaded
+    machine; at 0.1 s CI once saw it expire unsent.)"""
+    monkeypatch.setattr(decode_peers, "_RESERVE_TIMEOUT_S", 1.0)
+    slow = ScriptedDecode(accept, delay_s=2.0)
+    peers = DecodePeers([f"127.0.0.1:{await serve(slow)}"], LAYOUT, wait_s=1.0)
     try:
         assert await peers.reserve("r", [1], SAMPLING) is None
         await released(slow)
