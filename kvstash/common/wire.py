@@ -49,8 +49,9 @@ def check_uint(name: str, value: int, bits: int = 32) -> None:
 
 
 def check_uints(name: str, values: Sequence[int], bits: int = 32) -> None:
-    """`check_uint` for each of `values`, naming the first bad one by index."""
-    if values and (min(values) < 0 or max(values) >= 1 << bits):
+    """`check_uint` for each of `values`, naming the first bad one by index
+    (`len`, not truth: a numpy array has none)."""
+    if len(values) and (min(values) < 0 or max(values) >= 1 << bits):
         index = next(i for i, v in enumerate(values) if not 0 <= v < 1 << bits)
         check_uint(f"{name}[{index}]", values[index], bits)
 

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstash import errors
@@ -115,6 +116,41 @@ async def test_generate_argument_errors_are_invalid_argument(kwargs, message) ->
         with pytest.raises(errors.InvalidArgument, match=message):
             async for _ in client.generate(**{"prompt": "hi", **kwargs}):
                 pass
+
+
+class EchoingScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Finishes each Generate at once, keeping what it was sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.requests.append(request)
+        yield scheduler_pb2.GenerateResponse(request_id="r", token_ids=[9],
+                                             finish_reason=scheduler_pb2.FINISH_REASON_STOP)
+
+
+async def test_numpy_token_ids_are_sent_as_ints() -> None:
+    """A numpy array of token ids failed with numpy's 'The truth value of an
+    array ... is ambiguous' (a ValueError), though numpy ints one by one passed."""
+    scheduler = EchoingScheduler()
+    server, port, _ = await rpc_server.create_server(
+        "127.0.0.1:0",
+        [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, s)], [])
+    try:
+        async with Client(f"127.0.0.1:{port}") as client:
+            result = await client.complete(np.array([1, 2]),
+                                           stop_token_ids=np.array([7], dtype=np.uint32))
+            assert result.token_ids == [9]
+            with pytest.raises(errors.InvalidArgument, match=r"prompt\[1\] is -2"):
+                await client.complete(np.array([1, -2]))
+            with pytest.raises(errors.InvalidArgument, match=r"prompt\[0\] is .*1.5"):
+                await client.complete(np.array([1.5]))
+        [sent] = scheduler.requests
+        assert list(sent.token_ids.ids) == [1, 2]
+        assert list(sent.sampling.stop_token_ids) == [7]
+    finally:
+        await server.stop(None)
 
 
 class SlowScheduler(scheduler_pb2_grpc.SchedulerServicer):
