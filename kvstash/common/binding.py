@@ -56,10 +56,20 @@ def check_target(address: str) -> None:
     port after a bare host, and any port number it ends in 0-65535 (gRPC's
     client would call "host:99999" on 34463, another service perhaps, and
     "host:", "host" and "[::1]" on 443). gRPC's other forms ("unix:/path",
-    "dns:///host:port") pass."""
+    "dns:///host:port") pass; a URL ("http://host:port") or spaces around
+    it, which gRPC takes as a host name to fail every call on, do not."""
+    scheme, slashes, _ = address.partition("://")
+    if slashes and scheme.lower() not in _GRPC_SCHEMES:
+        raise ValueError(f"address {address!r} is not host:port: give host:port, not a URL")
+    if address != address.strip():
+        raise ValueError(f"address {address!r} is not host:port: it has spaces around it")
     if (not address or address.endswith((":", "]")) or ":" not in address
             or port_past_range(address)):
         raise ValueError(f"address {address!r} is not host:port (port 0-{MAX_PORT})")
+
+
+# gRPC's own target schemes (name resolvers) written with "//".
+_GRPC_SCHEMES = frozenset({"dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds"})
 
 
 def join_address(host: str, port: int) -> str:

@@ -71,6 +71,27 @@ async def test_a_port_past_65535_is_refused_not_wrapped_around() -> None:
         await server.stop(None)
 
 
+@pytest.mark.parametrize(("address", "message"), [
+    ("http://127.0.0.1:50051", "give host:port, not a URL"),
+    ("grpc://localhost:50051", "give host:port, not a URL"),
+    (" 127.0.0.1:50051", "it has spaces around it"),
+    ("127.0.0.1:50051\n", "it has spaces around it"),
+])
+async def test_a_url_or_spaces_around_the_address_are_refused(address, message) -> None:
+    """They were taken, and every call then failed Unavailable 'Misformatted
+    domain name' (gRPC read the whole as a host name)."""
+    with pytest.raises(errors.InvalidArgument, match=f"is not host:port: {message}"):
+        Client(address)
+
+
+async def test_grpc_target_forms_are_taken() -> None:
+    for address in ("localhost:50051", "[::1]:50051", "unix:/tmp/kvstash.sock",
+                    "unix:///tmp/kvstash.sock", "dns:///localhost:50051",
+                    "ipv4:127.0.0.1:50051"):
+        async with Client(address):
+            pass
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_tokens": 0}, "max_tokens is 0, must be > 0"),
     ({"prompt": [5, -1]}, r"prompt\[1\] is -1"),

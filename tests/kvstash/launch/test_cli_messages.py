@@ -194,6 +194,26 @@ def test_an_address_grpc_would_call_elsewhere_is_refused_by_name(
             "host:port (port 0-65535)") in err, err
 
 
+@pytest.mark.parametrize(("command", "argv"), [
+    ("generate", ["generate", "hello"]), ("stats", ["stats"]),
+])
+@pytest.mark.parametrize(("address", "message"), [
+    ("http://127.0.0.1:50051", "give host:port, not a URL"),
+    (" 127.0.0.1:50051", "it has spaces around it"),
+])
+def test_a_url_or_spaces_around_the_address_are_a_usage_error(
+    capsys: pytest.CaptureFixture[str], command: str, argv: list[str], address: str,
+    message: str,
+) -> None:
+    """Not a call that fails UNAVAILABLE 'Misformatted domain name'."""
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--address", address])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"kvstash {command}: error: argument --address: address {address!r} is not "
+            f"host:port: {message}") in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "stats"])
 def test_a_token_is_not_sent_in_plaintext_beyond_loopback(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str,
