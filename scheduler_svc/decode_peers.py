@@ -10,12 +10,14 @@
                request is never dropped for want of a decode instance. A
                call given up on (timed out, cancelled) is released there, and
                that instance not asked again for the request until the
-               release is answered.
+               release is answered (`release_later`).
     decode()   Decode on the instance that reserved: its stream as domain
                events (RemoteTokens, then RemoteFinished or RemoteAborted);
-               a failed call raises its kvstash.errors class
+               a failed call raises its kvstash.errors class; one cancelled
+               before any answer is released there (`release_later`)
     release()  Abort there, best effort, for a reservation that will not be
-               used (it would expire anyway)
+               used (it would expire anyway); `release_later` in a task of
+               its own, which cancelling its caller does not cancel
 
 The request id each takes is the one the decode instance knows the request
 by: a prefill instance sends its hand-off's snapshot id (handoff.py).
@@ -191,21 +193,26 @@ class DecodePeers:
                     "decode instance %s: ReserveBlocks failed (%s: %s)", peer.address,
                     code.name, exc.details())
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._release_later(peer, request.request_id)
+                self.release_later(peer, request.request_id)
             return code
         except asyncio.CancelledError:
-            self._release_later(peer, request.request_id)
+            self.release_later(peer, request.request_id)
             raise
 
-    def _release_later(self, peer: DecodePeer, request_id: str) -> None:
+    def release_later(self, peer: DecodePeer, request_id: str) -> asyncio.Task[None]:
+        """`release` in a task of its own: cancelling whoever asked for it
+        leaves it to be sent."""
         key = (peer.address, request_id)
         task = asyncio.get_running_loop().create_task(self.release(peer, request_id))
         self._releases[key] = task
         task.add_done_callback(lambda _: self._releases.pop(key, None))
+        return task
 
     async def release(self, peer: DecodePeer, request_id: str) -> None:
-        """Lets go of request_id's reservation (or decode) on `peer`, if any."""
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        """Lets go of request_id's reservation (or decode) on `peer`, if any
+        (the decode instance answers NOT_FOUND where there is none)."""
+        # UsageError: the channel closed (shutting down); the reservation expires there.
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
             await peer.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
                                   timeout=_RESERVE_TIMEOUT_S)
 
@@ -220,11 +227,21 @@ class DecodePeers:
         call = peer.stub.Decode(scheduler_pb2.DecodeRequest(
             request_id=request_id, snapshot_id=snapshot_id, num_tokens=num_tokens,
             first_token_id=first_token_id))
+        answered = False
         try:
             async for response in call:
+                answered = True
                 yield remote_event(response)
         except grpc.aio.AioRpcError as exc:
             raise rpc_errors.error_from_rpc(exc, "decode instance") from None
+        except asyncio.CancelledError:
+            # Stub.Decode only schedules the request: cancelled before any
+            # answer, it may never have left, or never been served there,
+            # and cancelling the call tells the instance nothing. Its
+            # reservation would be held until it expires.
+            if not answered:
+                self.release_later(peer, request_id)
+            raise
         finally:
             call.cancel()
 

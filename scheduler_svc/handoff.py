@@ -143,8 +143,9 @@ class PrefillSide:
                             request_id, decoder.address, reason,
                             "; trying again" if attempt < HANDOFF_ATTEMPTS else "")
                 # Its blocks go back before the next reservation, which this
-                # release (an Abort by its id there) would end if it came later.
-                await self._peers.release(decoder, handoff_id)
+                # release (an Abort by its id there) would end if it came later;
+                # shielded, so an abort meanwhile leaves it to be sent.
+                await asyncio.shield(self._peers.release_later(decoder, handoff_id))
             log.warning("request %s: finishing it here", request_id)
             self._take_back(request_id)
         except errors.DataLoss as exc:

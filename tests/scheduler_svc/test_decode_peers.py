@@ -370,14 +370,23 @@ class DecodingInstance(ScriptedDecode):
 
     responses: list[scheduler_pb2.GenerateResponse] = field(default_factory=list)
     error: grpc.StatusCode | None = None
+    hang: bool = False  # then sends nothing more until cancelled
+    decoded: list[str] = field(default_factory=list)  # ids of calls served
+    ended: list[str] = field(default_factory=list)  # ids of calls served to their end
 
     async def Decode(self, request: scheduler_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext,
                      ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        for response in self.responses:
-            yield response
-        if self.error is not None:
-            await context.abort(self.error, "its worker went away")
+        self.decoded.append(request.request_id)
+        try:
+            for response in self.responses:
+                yield response
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.error is not None:
+                await context.abort(self.error, "its worker went away")
+        finally:
+            self.ended.append(request.request_id)
 
 
 async def decoded(serve: Serve, instance: DecodingInstance) -> list[RemoteEvent]:
@@ -447,3 +456,54 @@ def test_a_finish_reason_unknown_here_is_an_error_the_hand_off_handles() -> None
     assert remote_event(scheduler_pb2.GenerateResponse(token_ids=[3])) == RemoteTokens([3])
     with pytest.raises(errors.Unimplemented, match="finish reason 99, unknown here"):
         remote_event(scheduler_pb2.GenerateResponse(token_ids=[3], finish_reason=99))
+
+
+async def relay(peers: DecodePeers, peer: decode_peers.DecodePeer, read: asyncio.Event) -> None:
+    async for _ in peers.decode(peer, "r", "s", 3, 7):
+        read.set()
+
+
+async def test_a_decode_cancelled_before_any_answer_is_released(serve: Serve) -> None:
+    """Stub.Decode only schedules its request: the relay cancelled at once
+    (its client's abort) cancelled the call before it left, and the decode
+    instance, hearing neither Decode nor Abort, held the reservation until
+    it expired (30 s by default)."""
+    instance = DecodingInstance(accept, hang=True)
+    peers = DecodePeers([f"127.0.0.1:{await serve(instance)}"], LAYOUT, wait_s=5)
+    try:
+        peer = await peers.reserve("r", [1, 2, 3], SAMPLING)
+        assert peer is not None
+        task = asyncio.create_task(relay(peers, peer, asyncio.Event()))
+        await asyncio.sleep(0)  # its Decode is made, not sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await released(instance)
+    finally:
+        await peers.close()
+    assert instance.aborted == ["r"]
+
+
+async def test_a_decode_cancelled_after_an_answer_is_only_cancelled(serve: Serve) -> None:
+    """The instance answered, so it has the call: cancelling it aborts the
+    request there, and no Abort follows."""
+    instance = DecodingInstance(accept, hang=True,
+                                responses=[scheduler_pb2.GenerateResponse(token_ids=[8])])
+    peers = DecodePeers([f"127.0.0.1:{await serve(instance)}"], LAYOUT, wait_s=5)
+    try:
+        peer = await peers.reserve("r", [1, 2, 3], SAMPLING)
+        assert peer is not None
+        read = asyncio.Event()
+        task = asyncio.create_task(relay(peers, peer, read))
+        await asyncio.wait_for(read.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):  # its cancellation reaches the instance
+            if instance.ended:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # an Abort sent with it would have arrived
+    finally:
+        await peers.close()
+    assert (instance.ended, instance.aborted) == (["r"], [])

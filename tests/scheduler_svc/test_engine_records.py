@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
@@ -19,16 +21,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 
 from kvstash import errors
-from kvstash.common import telemetry
+from kvstash.common import rpc_server, telemetry
+from kvstash.common.layout import Layout
 from kvstash.common.sampling import SamplingParams
+from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.errors import IntegrityError
+from kvstash.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import handoff, tracing
+from scheduler_svc.backend import Backend, BackendSlot
 from scheduler_svc.core.config import Role
 from scheduler_svc.core.outputs import OffloadCommand, SchedulerOutput
 from scheduler_svc.core.request import RequestStatus, RequestUsage
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.decode_peers import (
     DecodePeer,
+    DecodePeers,
     RemoteAborted,
     RemoteEvent,
     RemoteFinished,
@@ -37,12 +44,15 @@ from scheduler_svc.decode_peers import (
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.inflight import InFlightRequests
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.server import SERVICE_NAME, SchedulerServicer
 from scheduler_svc.streams import RequestStream
 from scheduler_svc.worker_link import CopyOutcome
 from tests.scheduler_svc.factories import make_scheduler
 from tests.scheduler_svc.test_engine_reports import FakeStream, FakeWorkerLink, sample
 
 PROMPT = [1, 2, 3, 4]
+# What the in-process decode instance's worker has (the factories' blocks).
+DECODE_LAYOUT = Layout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 HANG = "hang"  # in a script: the decode instance sends nothing more until cancelled
 
 
@@ -87,6 +97,9 @@ class FakePeers:
 
     async def release(self, peer: DecodePeer, handoff_id: str) -> None:
         self.released.append(request_of(handoff_id))
+
+    def release_later(self, peer: DecodePeer, handoff_id: str) -> asyncio.Task[None]:
+        return asyncio.ensure_future(self.release(peer, handoff_id))
 
     async def decode(self, peer: DecodePeer, handoff_id: str, snapshot_id: str,
                      num_tokens: int, first_token_id: int) -> AsyncGenerator[RemoteEvent, None]:
@@ -339,6 +352,37 @@ async def test_a_decode_instance_that_failed_before_decoding_is_released() -> No
         await engine.close()
 
 
+@dataclass
+class SlowToRelease(FakePeers):
+    """Each release waits for `let_go`, once `releasing` says it began."""
+
+    releasing: asyncio.Event = field(default_factory=asyncio.Event)
+    let_go: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def release(self, peer: DecodePeer, handoff_id: str) -> None:
+        self.releasing.set()
+        await self.let_go.wait()
+        await super().release(peer, handoff_id)
+
+
+async def test_an_abort_while_a_lost_instance_is_released_still_releases_it() -> None:
+    """The abort cancelled the release (an Abort call there) the hand-off
+    was waiting for: the instance held the reservation until it expired."""
+    peers = SlowToRelease([[errors.Unavailable("decode instance: connection reset")]])
+    engine = prefill_engine(peers)
+    await engine.start()
+    try:
+        stream = await engine.admit("a", PROMPT, sampling(4))
+        await asyncio.wait_for(peers.releasing.wait(), 10)
+        engine.abort("a")
+        assert (await events_of(stream))[1] is RequestStatus.FINISHED_ABORTED
+        peers.let_go.set()
+        await until(lambda: peers.released == ["a"])
+        engine.check_integrity()
+    finally:
+        await engine.close()
+
+
 async def test_a_decode_instance_lost_after_some_tokens_is_recomputed_here() -> None:
     peers = FakePeers([[RemoteTokens([8]), errors.Unavailable("decode instance: gone")]])
     engine = prefill_engine(peers)
@@ -566,3 +610,87 @@ async def test_a_decode_instances_part_of_a_request_is_one_decode_phase(
         await engine.close()
     names = sorted(s.name for s in finished_spans())
     assert names == ["Decode", "kvstash.decode", "kvstash.restore"]
+
+
+class HeldDecode(grpc.aio.ServerInterceptor):
+    """Holds each Decode call until `go` is set, once `arrived` says so."""
+
+    def __init__(self) -> None:
+        self.arrived = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.endswith("/Decode"):
+            self.arrived.set()
+            await self.go.wait()
+        return await continuation(details)
+
+
+@contextlib.asynccontextmanager
+async def decode_instance(interceptor: HeldDecode) -> AsyncIterator[tuple[Engine, str]]:
+    """A decode instance's engine behind a real gRPC server; its address."""
+    engine = Engine(make_scheduler(role=Role.DECODE), FakeWorkerLink(),  # type: ignore[arg-type]
+                    None)
+    slot = BackendSlot()
+    servicer = SchedulerServicer(slot)
+    server, port, _ = await rpc_server.create_server(
+        "127.0.0.1:0", [lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
+        [SERVICE_NAME], interceptors=[interceptor])
+    await engine.start()
+    try:
+        await asyncio.wait_for(engine.wait_until_worker_up(), 10)
+        slot.attach(Backend(engine, ByteTokenizer(),
+                            SchedulerMetrics(engine.core, asyncio.get_running_loop()),
+                            kv_layout=DECODE_LAYOUT))
+        yield engine, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+        await engine.close()
+
+
+async def test_an_abort_before_the_decode_instance_took_the_decode_releases_it() -> None:
+    """Aborted once the decode instance had reserved but before it took the
+    Decode call (its request not yet out, or not yet served there): the
+    cancelled call told it nothing, and it held the reservation's blocks and
+    seat until --reservation-timeout (30 s)."""
+    held = HeldDecode()
+    async with decode_instance(held) as (decoder, address):
+        peers = DecodePeers([address], DECODE_LAYOUT, wait_s=10)
+        engine = Engine(make_scheduler(role=Role.PREFILL), FakeWorkerLink(),  # type: ignore[arg-type]
+                        None, decode_peers=peers)
+        await engine.start()
+        try:
+            stream = await engine.admit("a", PROMPT, sampling(5))
+            await asyncio.wait_for(held.arrived.wait(), 10)
+            assert decoder.core.stats().num_reserved == 1
+            engine.abort("a")
+            assert (await events_of(stream))[1] is RequestStatus.FINISHED_ABORTED
+            held.go.set()
+            await until(lambda: decoder.core.stats().num_reserved == 0)
+            decoder.check_integrity()
+            engine.check_integrity()
+        finally:
+            await engine.close()
+            await peers.close()
+
+
+async def test_a_release_of_a_reservation_already_gone_changes_nothing() -> None:
+    """What a prefill instance sends when unsure its Decode was served: where
+    the reservation was used and aborted, or released already, it is
+    NOT_FOUND there and nothing else."""
+    async with decode_instance(HeldDecode()) as (decoder, address):
+        peers = DecodePeers([address], DECODE_LAYOUT, wait_s=10)
+        try:
+            peer = await peers.reserve("h.a.1", PROMPT, sampling(5))
+            assert peer is not None and decoder.core.stats().num_reserved == 1
+            for _ in range(2):
+                await peers.release(peer, "h.a.1")
+                assert decoder.core.stats().num_reserved == 0
+                decoder.check_integrity()
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await peer.stub.Abort(scheduler_pb2.AbortRequest(request_id="h.a.1"), timeout=10)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+            assert await peers.reserve("h.b.2", PROMPT, sampling(5)) is not None
+            assert decoder.core.stats().num_reserved == 1
+        finally:
+            await peers.close()
