@@ -5,11 +5,12 @@ moving through the cache's arena mapped into this process
     put:  header --> extent <-- write(extent) fills it --> commit(checksums) --> info
     get:  open --> extent + checksums, verified --> read(...) uses it --> done
 
-The arena is asked for once (GetArena), and again after a call found it
-changed: every call names the arena it uses (metadata ARENA_ID_KEY), and
-FailedPrecondition (the cache restarted with another arena, has none now, or
-the snapshot is only on disk) makes a call answer None, for the caller to
-stream instead (kvstash.cache_sdk.streamed_calls), and the next call
+The arena is asked for once (GetArena), again after a call found it
+changed, and every _REMAP_AFTER_S while there is none to map: every call
+names the arena it uses (metadata ARENA_ID_KEY), and FailedPrecondition
+(the cache restarted with another arena, has none now, or the snapshot is
+only on disk) makes a call answer None, for the caller to stream instead
+(kvstash.cache_sdk.streamed_calls), and the next call
 re-attaches; Unavailable is raised. An extent is leased to its call, so the
 call is never ended, giving the extent back to the cache, while this process
 still touches it (`_to_the_end`); a put given up then says so (`abandon`),
@@ -49,8 +50,9 @@ from kvstash.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# How long an arena that could not be mapped here is not asked for again:
-# the failure may pass (a file descriptor limit, memory), or may not (another host).
+# How long an arena that could not be mapped here, or a cache that has none,
+# is not asked again: the failure may pass (a file descriptor limit, memory),
+# or may not (another host); the cache may restart with an arena.
 _REMAP_AFTER_S = 60.0
 # How long a put given up waits for the cache to take its `abandon`, which
 # frees its extent at once; cut short, the call is cancelled and the cache
@@ -91,7 +93,7 @@ class ArenaCalls:
         self._arena: SharedArena | None = None
         # Event-loop time from which GetArena is asked again: at once at first
         # and after a call found the arena changed, _REMAP_AFTER_S after a
-        # failed mapping, else never.
+        # failed mapping or an answer of none, else never.
         self._ask_after = 0.0
         self._unmapped_id: str | None = None  # the arena last failed to map (logged once)
         self._arena_lock = asyncio.Lock()
@@ -129,7 +131,8 @@ class ArenaCalls:
         if self._arena is not None and self._arena.arena_id != info.arena_id:
             self._arena.close()
             self._arena = None
-        ask_after = math.inf
+        now = asyncio.get_running_loop().time()
+        ask_after = math.inf if info.path else now + _REMAP_AFTER_S
         if info.path and self._arena is None:
             try:
                 self._arena = await asyncio.to_thread(SharedArena, info)
@@ -138,7 +141,7 @@ class ArenaCalls:
                 log.log(level, "cache %s: its arena %s cannot be mapped here (%s); streaming "
                         "over gRPC", self._address, info.path, exc)
                 self._unmapped_id = info.arena_id
-                ask_after = asyncio.get_running_loop().time() + _REMAP_AFTER_S
+                ask_after = now + _REMAP_AFTER_S
         self._ask_after = ask_after
 
     async def put(

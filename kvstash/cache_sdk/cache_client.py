@@ -94,8 +94,9 @@ class CacheClient:
 
     async def arena(self, timeout_s: float | None = None) -> SharedArena | None:
         """The cache's arena mapped here, or None where it has none or this
-        process cannot map it (then `put`/`get_into` stream). Asked once, and
-        again after a shared call found the arena changed."""
+        process cannot map it (then `put`/`get_into` stream). Asked once, again
+        after a shared call found the arena changed, and every minute while
+        there is none mapped (the cache may restart with one)."""
         if not self.use_arena:
             return None
         return await self._shared.arena(self._timeout(timeout_s))

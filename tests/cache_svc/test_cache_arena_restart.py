@@ -22,6 +22,7 @@ from cache_helpers import (
     wait_until,
 )
 
+from kvstash.cache_sdk import arena_calls
 from kvstash.cache_sdk.cache_client import CacheClient
 from kvstash.cache_sdk.shared_arena import ARENA_ID_KEY
 from kvstash.common.rpc_connections import insecure_channel
@@ -96,3 +97,33 @@ async def test_a_client_mapping_the_old_arena_is_refused_once_and_re_attaches(
     text = log.read_text()
     assert "Abort already called" not in text
     assert "Unexpected" not in text and "Traceback" not in text, text
+
+
+async def test_a_client_that_found_no_arena_maps_the_one_of_a_cache_restarted_with_one(
+        tmp_path: Path, processes: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a client that first found the cache without an arena never
+    asked again, so it streamed to the restarted cache's arena until its
+    process restarted."""
+    monkeypatch.setattr(arena_calls, "_REMAP_AFTER_S", 1.0)
+    first = start_cache_process("--memory-budget", "8MiB")
+    processes.append(first)
+    data = make_payload(LAYOUT, 16)
+    async with CacheClient(first.address) as worker:
+        await worker.put("a", LAYOUT, 16, 256, data)
+        assert await worker.arena() is None  # streamed
+        first.kill()
+        second = start_cache_process("--memory-budget", "8MiB", "--arena-dir",
+                                     str(tmp_path / "arena"), "--listen", first.address)
+        processes.append(second)
+
+        async def mapped() -> bool:
+            return await worker.arena() is not None
+
+        await wait_until(mapped, "the client mapped the new cache's arena")
+        await worker.put("b", LAYOUT, 16, 256, data)
+        stats = await worker.stats()
+        assert (stats.num_puts, stats.num_shared_puts) == (1, 1)
+        out = np.zeros_like(data)
+        await worker.get_into("b", memoryview(out))
+        assert out.tobytes() == data.tobytes()
+    assert second.terminate() == 0
