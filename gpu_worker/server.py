@@ -11,8 +11,9 @@ worker that is starting from one that is gone; GetInfo waits for the model
 other Worker calls fail UNAVAILABLE.
 
 Offload and Restore bound their cache calls by the caller's deadline
-(`context.time_remaining()`), so one transfer has one deadline end to end;
-`cache_timeout_s` applies only to calls sent without one.
+(`context.time_remaining()`, less a margin: see _deadline), so one transfer
+has one deadline end to end; `cache_timeout_s` applies only to calls sent
+without one.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from kvstash.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# A copy's deadline here is the caller's less this share of it, at least
+# _MIN_MARGIN_S: see WorkerServicer._deadline.
+_MARGIN = 0.05
+_MIN_MARGIN_S = 0.05
 
 
 def seq_from_proto(p: worker_pb2.SeqWork) -> SeqWork:
@@ -208,9 +213,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float:
         """When this call's cache transfer must be done, in event-loop time:
-        the caller's deadline, or cache_timeout_s from now if it sent none."""
+        a margin before the caller's deadline, or cache_timeout_s from now if
+        it sent none. The deadline as it arrives ends after the caller's (by
+        the call's transit, and gRPC rounds the timeout it sends up, 60 s to
+        60.1), and a copy that committed in between (consumed its snapshot,
+        stored a put) would be one the caller already saw fail."""
         remaining = context.time_remaining()
-        budget = self._cache_timeout_s if remaining is None else remaining
+        budget = (self._cache_timeout_s if remaining is None
+                  else remaining - max(_MARGIN * remaining, _MIN_MARGIN_S))
         return asyncio.get_running_loop().time() + budget
 
 

@@ -27,8 +27,10 @@ if _version_not_supported:
 
 class WorkerStub:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     def __init__(self, channel):
@@ -61,8 +63,10 @@ class WorkerStub:
 
 class WorkerServicer:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     def GetInfo(self, request, context):
@@ -140,8 +144,10 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     @staticmethod

@@ -28,8 +28,10 @@ GRPC_VERSION: str
 
 class WorkerStub:
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     @_typing.overload
@@ -64,8 +66,10 @@ class WorkerStub:
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -96,8 +100,10 @@ class WorkerAsyncStub(WorkerStub):
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     """Owns the model and the paged KV-cache tensor. Driven by one scheduler.
-    Offload and Restore bound their cache calls by the call's own deadline; a
-    call sent without one gets the worker's --cache-timeout-s instead.
+    Offload and Restore bound their cache calls by the call's own deadline,
+    less a margin (5%, at least 50 ms), so that a copy never commits after
+    its caller's deadline; a call sent without one gets the worker's
+    --cache-timeout-s instead.
     """
 
     @_abc_1.abstractmethod

@@ -1,8 +1,9 @@
 """The worker's arena copies when the cache ends their calls under them: a
 gather queued behind a long step past its lease does not write the extent
 (by then another put's), and a cache gone mid-copy fails the copy as
-UNAVAILABLE (the scheduler falls back), not INTERNAL. Real gRPC, an
-in-process cache with its shared-memory arena."""
+UNAVAILABLE (the scheduler falls back), not INTERNAL; a copy whose caller
+timed out while it waited does not commit. Real gRPC, an in-process cache
+with its shared-memory arena."""
 
 from __future__ import annotations
 
@@ -172,3 +173,95 @@ async def test_a_restore_keeps_its_buffer_until_the_cache_copy_into_it_ends() ->
         cache.go.set()
         await worker.server.stop(None)
         await worker.servicer.close()
+
+
+class SlowLink:
+    """A TCP proxy to 127.0.0.1:`port` that passes on each byte from its
+    clients `delay_s` late, as a slow network would: a call arrives late, and
+    so does the cancellation its caller sends at its deadline."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self._port, self._delay_s = port, delay_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        loop = asyncio.get_running_loop()
+        late: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def take() -> None:
+            while data := await reader.read(65536):
+                late.put_nowait((loop.time() + self._delay_s, data))
+
+        async def send_late() -> None:
+            while True:
+                due, data = await late.get()
+                await asyncio.sleep(due - loop.time())
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def answer() -> None:
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            await asyncio.gather(take(), send_late(), answer())
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            up_writer.close()
+
+
+@pytest.mark.parametrize("copy", ["offload", "restore"])
+async def test_a_copy_the_caller_saw_time_out_does_not_commit(tmp_path: Path, copy: str) -> None:
+    """The call reaches the worker 0.15 s late, so its deadline there ends
+    0.15 s after the caller's, and so does the cancellation the caller sends.
+    The copy waits for the compute thread (a long step) past the caller's
+    deadline, then runs. Before: in that gap it committed, a restore
+    consuming the snapshot (a hand-in given back found the prefill side's
+    snapshot gone), an offload storing one after its caller's delete.
+    Now the worker's deadline ends a margin (5%, 0.4 s here) before."""
+    s = await _start(tmp_path, True)
+    link = SlowLink(s.worker.port, delay_s=0.15)
+    try:
+        await s.stub.Offload(worker_pb2.OffloadRequest(
+            request_id="r", snapshot_id="s", block_ids=[0, 1], num_tokens=8))
+        async with insecure_channel(f"127.0.0.1:{await link.start()}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=30)  # connected
+            release = s.block_compute()
+            if copy == "restore":
+                call = stub.Restore(worker_pb2.RestoreRequest(
+                    request_id="r", snapshot_id="s", block_ids=[4, 5]), timeout=8)
+            else:
+                call = stub.Offload(worker_pb2.OffloadRequest(
+                    request_id="r", snapshot_id="t", block_ids=[2, 3], num_tokens=8), timeout=8)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            release.set()  # the caller has seen it fail: the copy may run now
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.get_running_loop().run_in_executor(s.worker.servicer._compute,
+                                                             lambda: None)
+            await asyncio.sleep(1.0)  # past the cancellation's arrival; a commit has landed
+        stats = await s.client.stats()
+        assert stats.num_consumed == 0
+        assert await s.client.find(["s", "t"]) == [cache_pb2.TIER_MEMORY,
+                                                   cache_pb2.TIER_UNSPECIFIED]
+    finally:
+        await link.close()
+        await s.stop()
