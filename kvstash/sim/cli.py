@@ -93,7 +93,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--find", choices=sorted(find.DIMENSIONS),
                    help="instead of a table: the least of this resource that keeps SLO "
                         "attainment >= --target, for the first policy at the first rate")
-    p.add_argument("--target", type=float, default=0.9, help="with --find: SLO attainment")
+    p.add_argument("--target", type=float, help="with --find: SLO attainment (default 0.9)")
     p.add_argument("--plots", type=Path, metavar="DIR",
                    help="write PNG plots here: latency CDFs and occupancy at the last rate, "
                         "goodput against the rate (needs pip install 'kvstash[bench]')")
@@ -225,8 +225,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      f"got {args.handoff_wait}")
     if args.runs < 1 or not (args.jitter >= 0 and math.isfinite(args.jitter)):
         parser.error(f"--runs must be >= 1 and --jitter >= 0, got {args.runs}, {args.jitter}")
-    if not 0 < args.target <= 1:
-        parser.error(f"--target is an SLO attainment in (0, 1], got {args.target}")
+    if args.target is not None and (args.find is None or not 0 < args.target <= 1):
+        parser.error(f"--target: the SLO attainment in (0, 1] --find sizes for, got {args.target}")
     try:
         slo = Slo(args.slo_ttft, args.slo_tpot)
         args.host_bytes = parse_bytes(args.cache_memory_budget)

@@ -104,6 +104,7 @@ def least(args: argparse.Namespace, policy: str, trace: Trace,
     setting `args` holds (the dimension's attribute set to each value tried).
     Exit code 0 where met, 1 where not."""
     attr, largest = DIMENSIONS[args.find]
+    target = 0.9 if args.target is None else args.target
 
     def run_at(value: int) -> Summary:
         setattr(args, attr, value)
@@ -114,17 +115,17 @@ def least(args: argparse.Namespace, policy: str, trace: Trace,
         return result
 
     runs = f" (the median of {args.runs} runs)" if args.runs > 1 else ""
-    print(f"finding the least {args.find} for SLO attainment >= {args.target:.0%}{runs}: "
+    print(f"finding the least {args.find} for SLO attainment >= {target:.0%}{runs}: "
           f"{policy}, {len(trace.requests)} requests at {trace.rate:.3g}/s")
     # Pools too small for every request fail them all alike (1, 2, 4 blocks):
     # the pool binds there, however alike the runs.
     longest = max(r.input_length + r.output_length for r in trace.requests)
     binds_below = -(-longest // args.block_size) if args.find == "num-blocks" else 0
-    found = search(getattr(args, attr), largest, args.target, run_at, close_enough(args.find),
+    found = search(getattr(args, attr), largest, target, run_at, close_enough(args.find),
                    binds_below)
     if args.plots is not None:
         args.plots.mkdir(parents=True, exist_ok=True)
-        plot(found, args.find, args.target, str(args.plots / "find.png"),
+        plot(found, args.find, target, str(args.plots / "find.png"),
              f"kvstash sim --find {args.find}: {policy} at {trace.rate:.3g} req/s")
     if found.value is None:
         print(f"not met: up to {max(found.tried):,} {args.find} (more stopped helping, or the "

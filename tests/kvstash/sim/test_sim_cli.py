@@ -196,6 +196,8 @@ def test_sim_runs_pd_pools_and_reports_their_hand_offs(
     (["--handoff-wait", "inf"], "--handoff-wait must be a finite number of seconds >= 0"),
     (["--count", "5"], "--start and --count cut a --trace"),
     (["--start", "3"], "--start and --count cut a --trace"),
+    (["--target", "0.5"], "--target: the SLO attainment in (0, 1] --find sizes for"),
+    (["--find", "instances", "--target", "1.5"], "--target: the SLO attainment in (0, 1]"),
 ])
 def test_sim_refuses_pd_flags_that_do_not_fit(
         flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
