@@ -21,7 +21,7 @@ from kvstash.client import Client
 from kvstash.common import rpc_connections, settings
 from kvstash.common.binding import free_port
 from kvstash.common.stats import declared
-from kvstash.common.tokenizer import INLINE_ENCODE_CHARS, ByteTokenizer
+from kvstash.common.tokenizer import ByteTokenizer
 from kvstash.launch.stack import StackConfig, running_stack
 from kvstash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.backend import Backend
@@ -42,7 +42,7 @@ from tests.integration.workload import (
 from tests.metrics_helpers import scrape
 from tests.scheduler_svc.factories import make_scheduler, teach_costs
 from tests.scheduler_svc.test_engine_reports import FakeWorkerLink
-from tests.scheduler_svc.test_server import HeldTokenizer, attach
+from tests.scheduler_svc.test_server import HeldTokenizer, abort_while_tokenized, attach
 from tests.stats_helpers import count_distinct
 
 P = "kvstash_scheduler_"
@@ -248,14 +248,7 @@ async def test_a_request_aborted_while_its_prompt_is_tokenized_counts_alike_ever
                 rpc_connections.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             attach(server, nowhere, core, tokenizer=tokenizer)
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            call = stub.Generate(scheduler_pb2.GenerateRequest(
-                request_id="long", text="a" * (INLINE_ENCODE_CHARS + 1),
-                sampling=common_pb2.SamplingParams(max_tokens=4)))
-            try:
-                assert await asyncio.to_thread(tokenizer.started.wait, 10)
-                await stub.Abort(scheduler_pb2.AbortRequest(request_id="long"))
-            finally:
-                tokenizer.release.set()
+            call = await abort_while_tokenized(stub, tokenizer, "long")
             async with asyncio.timeout(10):
                 responses = [r async for r in call]
             assert responses[-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT

@@ -277,6 +277,21 @@ class HeldTokenizer(ByteTokenizer):
         return super().encode(text)
 
 
+async def abort_while_tokenized(stub: scheduler_pb2_grpc.SchedulerStub, tokenizer: HeldTokenizer,
+                                request_id: str) -> Any:
+    """A Generate of a long text prompt on the kvstash API, aborted while
+    `tokenizer` holds its tokenization; the call, for its responses."""
+    call = stub.Generate(scheduler_pb2.GenerateRequest(
+        request_id=request_id, text="a" * (INLINE_ENCODE_CHARS + 1),
+        sampling=common_pb2.SamplingParams(max_tokens=4)))
+    try:
+        assert await asyncio.to_thread(tokenizer.started.wait, 10)
+        await stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))
+    finally:
+        tokenizer.release.set()
+    return call
+
+
 async def test_an_abort_while_a_long_prompt_is_tokenized_ends_the_call(
     server: SchedulerServer, nowhere: grpc.aio.Channel, channel: grpc.aio.Channel
 ) -> None:
@@ -337,14 +352,7 @@ async def test_an_abort_also_reaches_the_live_request_whose_id_a_second_call_tok
     async with asyncio.timeout(10):
         while core.get_request("dup") is None:
             await asyncio.sleep(0.01)
-    again = stub.Generate(scheduler_pb2.GenerateRequest(
-        request_id="dup", text="a" * (INLINE_ENCODE_CHARS + 1),
-        sampling=common_pb2.SamplingParams(max_tokens=4)))
-    try:
-        assert await asyncio.to_thread(tokenizer.started.wait, 10)
-        await stub.Abort(scheduler_pb2.AbortRequest(request_id="dup"))
-    finally:
-        tokenizer.release.set()
+    again = await abort_while_tokenized(stub, tokenizer, "dup")
     async with asyncio.timeout(10):
         assert [r async for r in live][-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
         assert [r async for r in again][-1].finish_reason == scheduler_pb2.FINISH_REASON_ABORT
